@@ -1,0 +1,23 @@
+"""Triton attention kernels: differentiable flash attention for training, and grouped, paged and MLA decode.
+
+Every op is a `torch.library` custom op (traceable by torch.compile with fullgraph=True), validates its inputs
+before launching (ValueError naming the argument, what it got and what is valid), and has a plain PyTorch
+reference in `kernels.reference`. On a machine without a GPU the same kernels run on CPU tensors under
+`TRITON_INTERPRET=1`.
+"""
+
+from kernels import reference
+from kernels.decode import grouped_decode, paged_grouped_decode
+from kernels.flash import flash_gqa_attention, flash_gqa_backward, flash_gqa_forward
+from kernels.mla import mla_decode, paged_mla_decode
+
+__all__ = [
+    "flash_gqa_attention",
+    "flash_gqa_forward",
+    "flash_gqa_backward",
+    "grouped_decode",
+    "paged_grouped_decode",
+    "mla_decode",
+    "paged_mla_decode",
+    "reference",
+]
