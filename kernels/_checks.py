@@ -59,3 +59,48 @@ def can_read_values(x: torch.Tensor) -> bool:
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         return False
     return True
+
+
+# ---- Decode-kernel checks (grouped, paged and MLA decode; kernels/decode.py and kernels/mla.py) ----------------
+
+
+def check_head_dim(name: str, dim: int, low: int, high: int):
+    if not low <= dim <= high:
+        fail(name, f"head dim {dim}", f"a head dim from {low} to {high}")
+
+
+def check_num_splits(num_splits, max_splits: int):
+    if num_splits is None:
+        return
+    if isinstance(num_splits, bool) or not isinstance(num_splits, int) or not 1 <= num_splits <= max_splits:
+        fail("num_splits", repr(num_splits), f"None (automatic) or an int from 1 to {max_splits}")
+
+
+def check_page_size(name: str, page_size: int):
+    if page_size < 8 or page_size > 256 or page_size & (page_size - 1):
+        fail(name, f"page_size (dim 1) {page_size}", "a power of two from 8 to 256")
+
+
+def check_seq_lens_values(seq_lens: torch.Tensor, capacity: int, what: str):
+    """Every sequence sees at least one token and no more than the cache holds (one device sync)."""
+    bad = (seq_lens < 1) | (seq_lens > capacity)
+    if bool(bad.any()):
+        b = int(bad.nonzero()[0, 0])
+        fail("seq_lens", f"seq_lens[{b}] = {int(seq_lens[b])}", f"lengths from 1 to {capacity} ({what})")
+
+
+def check_block_table_values(block_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int, num_pages: int):
+    """The table is long enough for every sequence, and every page a sequence uses lies inside the pool."""
+    max_pages = block_table.shape[1]
+    needed = (seq_lens.long() + page_size - 1) // page_size  # (B,) pages each sequence reads
+    short = needed > max_pages
+    if bool(short.any()):
+        b = int(short.nonzero()[0, 0])
+        fail("block_table", f"{max_pages} pages per row, but sequence {b} has seq_len {int(seq_lens[b])}",
+             f"at least {int(needed[b])} pages for it at page_size {page_size}")
+    used = torch.arange(max_pages, device=block_table.device)[None, :] < needed[:, None]
+    bad = used & ((block_table < 0) | (block_table >= num_pages))
+    if bool(bad.any()):
+        b, p = (int(i) for i in bad.nonzero()[0])
+        fail("block_table", f"block_table[{b}, {p}] = {int(block_table[b, p])}",
+             f"page ids from 0 to {num_pages - 1} (the pool's pages) for the pages a sequence uses")

@@ -1,8 +1,442 @@
-"""Placeholder until the kernel lands (being written in this session)."""
+"""Grouped decode: one query token per sequence against a KV cache, contiguous or paged, split-KV (flash-decoding).
+
+Math, per sequence b and query head h (KV head g = h // group):
+    s_n = scale * (q_h . k_{g,n} + q_rope_h . k_rope_{g,n})      for n < seq_lens[b]
+    out_h = sum_n softmax(s)_n v_{g,n},   lse_h = log sum_n exp(s_n)
+The keys are cut into NUM_SPLITS contiguous chunks; each program reduces one chunk with the online softmax
+(FlashAttention, Dao et al. 2022) and writes a partial output and its log-sum-exp; a second kernel merges the
+chunks, weighting each by exp(lse_split - lse) (Flash-Decoding, Dao et al. 2023). With one split the first kernel
+writes the final output itself.
+
+Levers (issue 7):
+- The query heads of one KV group are packed into the M dimension of the MMA (BLOCK_H rows, at least 16), so each
+  K/V tile is read from memory once for the whole group.
+- Each sequence's own length is cut evenly into the splits, so a short sequence in a ragged batch spreads its few
+  tiles over all its programs instead of leaving them to the first one.
+- The split count comes from the SM count and the shapes (the cache's capacity, never the lengths' values), so
+  the launch needs no device sync and can be captured in a CUDA graph.
+- Paged caches: when a page holds at least one tile, the tile's page id is one scalar load; smaller pages are
+  gathered per token from the block-table row (a few distinct addresses, served by L1).
+
+Layouts (as in kernels/reference.py):
+    q (B, H_q, D)  k (B, H_kv, S_max, D)  v (B, H_kv, S_max, D_v)  seq_lens (B,) int32
+    paged: k_pages (num_pages, page_size, H_kv, D)  v_pages (num_pages, page_size, H_kv, D_v)
+           block_table (B, max_pages) int32: token n of sequence b lives in page block_table[b, n // page_size],
+           slot n % page_size.
+One kernel serves both: a token's address is page * stride_page + slot * stride_slot, where a contiguous cache
+has page = b and slot = n.
+
+The Triton 3.6 interpreter (numpy 2) cannot run a loop whose trip count is a tensor or a plain int argument, so
+there (STATIC_ITERS > 0) each program runs a compile-time number of tiles, the most any split can need, and the
+masks switch off the tiles past its chunk; on the GPU the trip count is the chunk's own tile count. The masks and
+the arithmetic are the same in both places.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import _checks
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+MAX_SPLITS = 128
 
 
-def grouped_decode(*a, **k):
-    raise NotImplementedError
+@triton.jit
+def _grouped_decode_kernel(
+    Q, K, V, Q_ROPE, K_ROPE, BLOCK_TABLE, SEQ_LENS, OUT, LSE,
+    stride_qb, stride_qh, stride_qd,
+    stride_kp, stride_kn, stride_kh, stride_kd,
+    stride_vp, stride_vn, stride_vh, stride_vd,
+    stride_qrb, stride_qrh, stride_qrd,
+    stride_krp, stride_krn, stride_krh, stride_krd,
+    stride_tb, stride_tp,
+    stride_ob, stride_oh, stride_os, stride_od,
+    stride_lb, stride_lh, stride_ls,
+    scale_log2,
+    GROUP_SIZE: tl.constexpr, D_QK: tl.constexpr, D_ROPE: tl.constexpr, D_V: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_DQK: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, STATIC_ITERS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # grid (head tiles, splits, B): a head tile is BLOCK_H query heads of one KV group.
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+    TILES_PER_GROUP: tl.constexpr = (GROUP_SIZE + BLOCK_H - 1) // BLOCK_H
+    kv_head = tile // TILES_PER_GROUP
+    heads = kv_head * GROUP_SIZE + (tile % TILES_PER_GROUP) * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = heads < (kv_head + 1) * GROUP_SIZE
+
+    offs_d = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+                mask=mask_h[:, None] & (offs_d[None, :] < D_QK), other=0.0)  # (BLOCK_H, BLOCK_DQK)
+    if D_ROPE > 0:
+        offs_dr = tl.arange(0, BLOCK_DR)
+        q_rope = tl.load(Q_ROPE + b * stride_qrb + heads[:, None] * stride_qrh + offs_dr[None, :] * stride_qrd,
+                         mask=mask_h[:, None] & (offs_dr[None, :] < D_ROPE), other=0.0)
+
+    # This split's chunk of the sequence: whole tiles, the sequence's length cut evenly into NUM_SPLITS.
+    seq_len = tl.load(SEQ_LENS + b)
+    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+    if STATIC_ITERS > 0:
+        n_iters = STATIC_ITERS
+    else:
+        n_iters = tl.cdiv(end - start, BLOCK_N)  # <= 0 for a split past the end: no tiles
+
+    m_i = tl.full([BLOCK_H], -float("inf"), tl.float32)  # running max, log2 units
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
+    batch_page = b.to(tl.int64)
+    for i in range(0, n_iters):
+        tile_start = start + i * BLOCK_N
+        offs_n = tile_start + tl.arange(0, BLOCK_N)
+        mask_n = offs_n < end
+        if PAGED:
+            if PAGE_SIZE >= BLOCK_N:  # the tile lies inside one page: one table entry
+                page = tl.load(BLOCK_TABLE + b * stride_tb + (tile_start // PAGE_SIZE) * stride_tp,
+                               mask=tile_start < end, other=0).to(tl.int64)
+            else:
+                page = tl.load(BLOCK_TABLE + b * stride_tb + (offs_n // PAGE_SIZE) * stride_tp,
+                               mask=mask_n, other=0).to(tl.int64)
+            slot = offs_n % PAGE_SIZE
+        else:
+            page = batch_page
+            slot = offs_n
+        k_ptrs = K + page * stride_kp + kv_head * stride_kh + slot[:, None] * stride_kn + offs_d[None, :] * stride_kd
+        k = tl.load(k_ptrs, mask=mask_n[:, None] & (offs_d[None, :] < D_QK), other=0.0,
+                    eviction_policy="evict_first")  # (BLOCK_N, BLOCK_DQK); each tile is read by one program
+        v_ptrs = V + page * stride_vp + kv_head * stride_vh + slot[:, None] * stride_vn + offs_dv[None, :] * stride_vd
+        v = tl.load(v_ptrs, mask=mask_n[:, None] & (offs_dv[None, :] < D_V), other=0.0,
+                    eviction_policy="evict_first")
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if D_ROPE > 0:
+            kr_ptrs = (K_ROPE + page * stride_krp + kv_head * stride_krh + slot[:, None] * stride_krn
+                       + offs_dr[None, :] * stride_krd)
+            k_rope = tl.load(kr_ptrs, mask=mask_n[:, None] & (offs_dr[None, :] < D_ROPE), other=0.0,
+                             eviction_policy="evict_first")
+            s += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
+        s = tl.where(mask_n[None, :], s * scale_log2, -float("inf"))  # exp2 with log2(e) folded into the scale
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))
+        m_use = tl.where(m_new == -float("inf"), 0.0, m_new)  # a fully masked tile keeps exp2(-inf) = 0, not NaN
+        alpha = tl.math.exp2(m_i - m_use)
+        p = tl.math.exp2(s - m_use[:, None])
+        l_i = l_i * alpha + tl.sum(p, axis=1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    _store_split(OUT, LSE, acc, m_i, l_i, b, heads, mask_h, split, offs_dv, D_V,
+                 stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls, NUM_SPLITS)
 
 
-paged_grouped_decode = grouped_decode
+@triton.jit
+def _store_split(OUT, LSE, acc, m_i, l_i, b, heads, mask_h, split, offs_dv, D_V: tl.constexpr,
+                 stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls,
+                 NUM_SPLITS: tl.constexpr):
+    """One split's result: the final output (one split) or a partial output with its log2-sum-exp."""
+    has_tokens = l_i > 0.0  # a split past the end of its sequence saw no token
+    out = acc / tl.where(has_tokens, l_i, 1.0)[:, None]
+    lse2 = tl.where(has_tokens, m_i + tl.math.log2(l_i), -float("inf"))
+    if NUM_SPLITS == 1:
+        lse2 = lse2 * 0.6931471805599453  # the final lse is natural-log
+    o_ptrs = OUT + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_dv[None, :] * stride_od
+    tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=mask_h[:, None] & (offs_dv[None, :] < D_V))
+    tl.store(LSE + b * stride_lb + heads * stride_lh + split * stride_ls, lse2, mask=mask_h)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    PARTIAL_O, PARTIAL_LSE, OUT, LSE,
+    stride_pb, stride_ph, stride_ps, stride_pd,
+    stride_plb, stride_plh, stride_pls,
+    stride_ob, stride_oh, stride_od,
+    stride_lb, stride_lh,
+    NUM_SPLITS: tl.constexpr, D_V: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+):
+    """Merge the splits of one (sequence, head): all its partials in one 2-D load, weights exp2(lse_s - max)."""
+    h = tl.program_id(0)
+    b = tl.program_id(1)
+    offs_s = tl.arange(0, BLOCK_S)
+    offs_d = tl.arange(0, BLOCK_DV)
+    mask_s = offs_s < NUM_SPLITS
+    lse2 = tl.load(PARTIAL_LSE + b * stride_plb + h * stride_plh + offs_s * stride_pls, mask=mask_s,
+                   other=-float("inf"))
+    m = tl.max(lse2, axis=0)  # finite: the first split of every sequence holds at least one token
+    w = tl.math.exp2(lse2 - m)
+    o = tl.load(PARTIAL_O + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :] * stride_pd,
+                mask=mask_s[:, None] & (offs_d[None, :] < D_V), other=0.0)
+    denom = tl.sum(w, axis=0)
+    out = tl.sum(o * w[:, None], axis=0) / denom
+    tl.store(OUT + b * stride_ob + h * stride_oh + offs_d * stride_od, out.to(OUT.dtype.element_ty),
+             mask=offs_d < D_V)
+    tl.store(LSE + b * stride_lb + h * stride_lh, (m + tl.math.log2(denom)) * 0.6931471805599453)
+
+
+# ---- Launch heuristics ------------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of the device; the interpreter on the CPU plays a small 8-SM GPU."""
+    if device.type != "cuda":
+        return 8
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def auto_num_splits(programs: int, n_tiles: int, tile_bytes: int, partial_bytes: int, sms: int,
+                    programs_per_sm: int = 2) -> int:
+    """Split count from a small cost model of one launch (FlashAttention-3's wave-efficiency rule, with costs).
+
+    programs: (sequence, head tile) pairs; n_tiles: KV tiles per pair at full capacity; tile_bytes: bytes one
+    tile reads; partial_bytes: bytes one split adds to the partial outputs (written, then read by the combine).
+    A wave is sms * programs_per_sm resident programs streaming at the full bandwidth; the time is the number of
+    waves times the work of one program, plus a fixed latency per program and, with splits, the combine launch
+    and its traffic. Only shapes enter, never sequence lengths, so no device sync is needed.
+    """
+    slots = sms * programs_per_sm
+    tile_time = tile_bytes * slots  # time units: bytes at the per-slot bandwidth (bandwidth / slots)
+    program_latency = 2.0e-6 * 4.0e12  # ~2 us to start a program, load q and write its result, in bytes of 4 TB/s
+    combine_latency = 3.0e-6 * 4.0e12  # ~3 us for the second launch
+    best, best_time = 1, math.inf
+    for splits in range(1, min(MAX_SPLITS, n_tiles) + 1):
+        waves = math.ceil(programs * splits / slots)
+        per_program = math.ceil(n_tiles / splits) * tile_time / slots + program_latency
+        time = waves * per_program + (combine_latency + 2 * partial_bytes * splits if splits > 1 else 0.0)
+        if time < best_time * 0.99:  # ties go to fewer splits
+            best, best_time = splits, time
+    return best
+
+
+def _block_n(d_max: int) -> int:
+    return 64 if d_max <= 128 else 32
+
+
+def _launch_config(d_max: int, device: torch.device) -> dict:
+    # 64 x 128 bf16 K and V tiles are 32 KB a stage; three stages keep ~96 KB in flight per program, two programs
+    # per SM. Wider heads take half the tokens per tile to stay inside shared memory.
+    return dict(num_warps=4, num_stages=3 if d_max <= 128 else 2)
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    return "ieee" if dtype == torch.float32 else "tf32"  # fp32 inputs: exact fp32 dots, not tf32
+
+
+# ---- Launchers ------------------------------------------------------------------------------------------------
+
+
+def _launch_decode(q, k, v, q_rope, k_rope, block_table, seq_lens, scale: float, num_splits, *, paged: bool,
+                   page_size: int, capacity: int, block_n: int | None = None, config: dict | None = None):
+    """Shared by the contiguous and the paged op. k/v/k_rope strides are passed as (page, slot, head, dim)."""
+    batch, h_q, d_qk = q.shape
+    h_kv = k.shape[2] if paged else k.shape[1]
+    d_v = v.shape[-1]
+    d_rope = q_rope.shape[-1] if q_rope is not None else 0
+    group = h_q // h_kv
+    block_h = max(16, min(64, triton.next_power_of_2(group)))
+    head_tiles = h_kv * triton.cdiv(group, block_h)
+    d_max = max(d_qk + d_rope, d_v)
+    block_n = block_n or _block_n(d_max)
+    n_tiles = triton.cdiv(capacity, block_n)
+    if num_splits is None:
+        tile_bytes = block_n * (d_qk + d_rope + d_v) * k.element_size()
+        partial_bytes = batch * h_q * (d_v + 1) * 4
+        num_splits = auto_num_splits(batch * head_tiles, n_tiles, tile_bytes, partial_bytes, num_sms(q.device))
+    out = torch.empty((batch, h_q, d_v), device=q.device, dtype=q.dtype)
+    lse = torch.empty((batch, h_q), device=q.device, dtype=torch.float32)
+    if num_splits == 1:
+        part_o, part_lse = out[:, :, None], lse[:, :, None]
+    else:
+        part_o = torch.empty((batch, h_q, num_splits, d_v), device=q.device, dtype=torch.float32)
+        part_lse = torch.empty((batch, h_q, num_splits), device=q.device, dtype=torch.float32)
+    if paged:
+        k_strides, v_strides = k.stride(), v.stride()  # (page, slot, head, dim)
+        kr_strides = k_rope.stride() if k_rope is not None else (0, 0, 0, 0)
+        table, table_strides = block_table, block_table.stride()
+    else:
+        k_strides = (k.stride(0), k.stride(2), k.stride(1), k.stride(3))  # (B, H_kv, S, D) -> (page=b, slot=n, ...)
+        v_strides = (v.stride(0), v.stride(2), v.stride(1), v.stride(3))
+        kr_strides = (k_rope.stride(0), k_rope.stride(2), k_rope.stride(1), k_rope.stride(3)) if k_rope is not None \
+            else (0, 0, 0, 0)
+        table, table_strides = seq_lens, (0, 0)  # unused
+    qr_strides = q_rope.stride() if q_rope is not None else (0, 0, 0)
+    static_iters = triton.cdiv(n_tiles, num_splits) if _checks.interpreting() else 0
+    _grouped_decode_kernel[(head_tiles, num_splits, batch)](
+        q, k, v, q_rope if q_rope is not None else q, k_rope if k_rope is not None else k, table, seq_lens,
+        part_o, part_lse,
+        *q.stride(), *k_strides, *v_strides, *qr_strides, *kr_strides, *table_strides,
+        *part_o.stride(), *part_lse.stride(),
+        float(scale) * LOG2E,
+        GROUP_SIZE=group, D_QK=d_qk, D_ROPE=d_rope, D_V=d_v,
+        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DQK=_pow2(d_qk), BLOCK_DR=_pow2(d_rope), BLOCK_DV=_pow2(d_v),
+        PAGED=paged, PAGE_SIZE=page_size, NUM_SPLITS=num_splits, STATIC_ITERS=static_iters,
+        DOT_PRECISION=_dot_precision(q.dtype), **(config or _launch_config(d_max, q.device)),
+    )
+    if num_splits > 1:
+        combine_splits(part_o, part_lse, out, lse)
+    return out, lse
+
+
+def combine_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor):
+    """part_o (B, H, splits, D_v) fp32, part_lse (B, H, splits) log2 units -> out (B, H, D_v), lse (B, H)."""
+    batch, heads, splits, d_v = part_o.shape
+    _combine_splits_kernel[(heads, batch)](
+        part_o, part_lse, out, lse, *part_o.stride(), *part_lse.stride(), *out.stride(), *lse.stride(),
+        NUM_SPLITS=splits, D_V=d_v, BLOCK_S=_pow2(splits, 2), BLOCK_DV=_pow2(d_v), num_warps=4,
+    )
+
+
+def _pow2(n: int, minimum: int = 16) -> int:
+    return max(minimum, triton.next_power_of_2(n)) if n > 0 else minimum
+
+
+# ---- Custom ops (torch.compile traces through them) --------------------------------------------------------------
+
+
+@torch.library.custom_op("zoo::grouped_decode", mutates_args=())
+def _grouped_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                       num_splits: int | None, q_rope: torch.Tensor | None,
+                       k_rope: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return _launch_decode(q, k, v, q_rope, k_rope, None, seq_lens, scale, num_splits, paged=False, page_size=1,
+                          capacity=k.shape[2])
+
+
+@_grouped_decode_op.register_fake
+def _(q, k, v, seq_lens, scale, num_splits, q_rope, k_rope):
+    return q.new_empty((*q.shape[:2], v.shape[-1])), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+@torch.library.custom_op("zoo::paged_grouped_decode", mutates_args=())
+def _paged_grouped_decode_op(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
+                             block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                             num_splits: int | None, q_rope: torch.Tensor | None,
+                             k_rope_pages: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    page_size = k_pages.shape[1]
+    return _launch_decode(q, k_pages, v_pages, q_rope, k_rope_pages, block_table, seq_lens, scale, num_splits,
+                          paged=True, page_size=page_size, capacity=block_table.shape[1] * page_size)
+
+
+@_paged_grouped_decode_op.register_fake
+def _(q, k_pages, v_pages, block_table, seq_lens, scale, num_splits, q_rope, k_rope_pages):
+    return q.new_empty((*q.shape[:2], v_pages.shape[-1])), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+# ---- Input checks -------------------------------------------------------------------------------------------------
+
+
+def _check_common(q, k, v, seq_lens, num_splits, q_rope, k_rope, *, k_name, v_name, kr_name, head_axis, batch):
+    """Checks shared by both ops once k/v ranks are known; head_axis is the H_kv axis of k (1 or 2)."""
+    _checks.check_float("q", q)
+    _checks.check_float(k_name, k, q, "q")
+    _checks.check_float(v_name, v, q, "q")
+    h_q, d_qk, h_kv = q.shape[1], q.shape[2], k.shape[head_axis]
+    if h_q % h_kv:
+        _checks.fail("q", f"H_q = {h_q} query heads for H_kv = {h_kv} KV heads ({k_name} dim {head_axis})",
+                     "H_q a multiple of H_kv")
+    _checks.check_head_dim("q", d_qk, 16, 256)
+    _checks.check_head_dim(v_name, v.shape[-1], 16, 256)
+    _checks.check_int32("seq_lens", seq_lens, (batch,), "(B,)")
+    tensors = {"q": q, k_name: k, v_name: v, "seq_lens": seq_lens}
+    if (q_rope is None) != (k_rope is None):
+        _checks.fail("q_rope" if q_rope is None else kr_name, "only one of q_rope and " + kr_name,
+                     "both or neither")
+    if q_rope is not None:
+        _checks.check_rank("q_rope", q_rope, 3, "(B, H_q, D_r)")
+        _checks.check_float("q_rope", q_rope, q, "q")
+        _checks.check_float(kr_name, k_rope, q, "q")
+        _checks.check_head_dim("q_rope", q_rope.shape[-1], 1, 256)
+        if tuple(q_rope.shape[:2]) != tuple(q.shape[:2]):
+            _checks.fail("q_rope", f"shape {tuple(q_rope.shape)}", f"(B, H_q, D_r) with B, H_q = {tuple(q.shape[:2])}")
+        tensors.update(q_rope=q_rope, **{kr_name: k_rope})
+    _checks.check_same_device(tensors)
+    _checks.check_num_splits(num_splits, MAX_SPLITS)
+
+
+def _check_grouped(q, k, v, seq_lens, num_splits, q_rope, k_rope):
+    _checks.check_rank("q", q, 3, "(B, H_q, D)")
+    _checks.check_rank("k", k, 4, "(B, H_kv, S_max, D)")
+    _checks.check_rank("v", v, 4, "(B, H_kv, S_max, D_v)")
+    b, _, d = q.shape
+    if k.shape[0] != b or k.shape[3] != d:
+        _checks.fail("k", f"shape {tuple(k.shape)}", f"(B, H_kv, S_max, D) with B = {b}, D = {d} from q")
+    if tuple(v.shape[:3]) != tuple(k.shape[:3]):
+        _checks.fail("v", f"shape {tuple(v.shape)}", f"(B, H_kv, S_max, D_v) with (B, H_kv, S_max) = "
+                     f"{tuple(k.shape[:3])} from k")
+    if k_rope is not None:
+        _checks.check_rank("k_rope", k_rope, 4, "(B, H_kv, S_max, D_r)")
+        if q_rope is not None and tuple(k_rope.shape) != (*k.shape[:3], q_rope.shape[-1]):
+            _checks.fail("k_rope", f"shape {tuple(k_rope.shape)}", f"{(*k.shape[:3], q_rope.shape[-1])}")
+    _check_common(q, k, v, seq_lens, num_splits, q_rope, k_rope, k_name="k", v_name="v", kr_name="k_rope",
+                  head_axis=1, batch=b)
+
+
+def _check_paged(q, k_pages, v_pages, block_table, seq_lens, num_splits, q_rope, k_rope_pages):
+    _checks.check_rank("q", q, 3, "(B, H_q, D)")
+    _checks.check_rank("k_pages", k_pages, 4, "(num_pages, page_size, H_kv, D)")
+    _checks.check_rank("v_pages", v_pages, 4, "(num_pages, page_size, H_kv, D_v)")
+    b, _, d = q.shape
+    if k_pages.shape[3] != d:
+        _checks.fail("k_pages", f"shape {tuple(k_pages.shape)}", f"(num_pages, page_size, H_kv, D) with D = {d}")
+    if tuple(v_pages.shape[:3]) != tuple(k_pages.shape[:3]):
+        _checks.fail("v_pages", f"shape {tuple(v_pages.shape)}",
+                     f"(num_pages, page_size, H_kv, D_v) with {tuple(k_pages.shape[:3])} from k_pages")
+    _checks.check_page_size("k_pages", k_pages.shape[1])
+    if k_rope_pages is not None:
+        _checks.check_rank("k_rope_pages", k_rope_pages, 4, "(num_pages, page_size, H_kv, D_r)")
+        if q_rope is not None and tuple(k_rope_pages.shape) != (*k_pages.shape[:3], q_rope.shape[-1]):
+            _checks.fail("k_rope_pages", f"shape {tuple(k_rope_pages.shape)}",
+                         f"{(*k_pages.shape[:3], q_rope.shape[-1])}")
+    _checks.check_rank("block_table", block_table, 2, "(B, max_pages)")
+    _checks.check_int32("block_table", block_table, (b, block_table.shape[1]), "(B, max_pages)")
+    _check_common(q, k_pages, v_pages, seq_lens, num_splits, q_rope, k_rope_pages, k_name="k_pages",
+                  v_name="v_pages", kr_name="k_rope_pages", head_axis=2, batch=b)
+    _checks.check_same_device({"q": q, "block_table": block_table})
+
+
+# ---- Public functions ---------------------------------------------------------------------------------------------
+
+
+def grouped_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor, *, scale: float,
+                   num_splits: int | None = None, q_rope: torch.Tensor | None = None,
+                   k_rope: torch.Tensor | None = None, validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Decode one query token per sequence over a contiguous cache (MHA, GQA or MQA).
+
+    q (B, H_q, D), k (B, H_kv, S_max, D), v (B, H_kv, S_max, D_v), seq_lens (B,) int32: sequence b attends to
+    its first seq_lens[b] tokens. q_rope (B, H_q, D_r) and k_rope (B, H_kv, S_max, D_r) add a second score term.
+    Returns out (B, H_q, D_v) in q's dtype and lse (B, H_q) fp32 (natural log). num_splits=None picks the
+    split count from the device and the shapes. validate=False skips the checks that read seq_lens (a device
+    sync); they are skipped anyway under CUDA graph capture and torch.compile.
+    """
+    _check_grouped(q, k, v, seq_lens, num_splits, q_rope, k_rope)
+    if validate and _checks.can_read_values(seq_lens):
+        _checks.check_seq_lens_values(seq_lens, k.shape[2], f"S_max of k is {k.shape[2]}")
+    return torch.ops.zoo.grouped_decode(q, k, v, seq_lens, float(scale), num_splits, q_rope, k_rope)
+
+
+def paged_grouped_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
+                         seq_lens: torch.Tensor, *, scale: float, num_splits: int | None = None,
+                         q_rope: torch.Tensor | None = None, k_rope_pages: torch.Tensor | None = None,
+                         validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """grouped_decode over a paged cache: pools (num_pages, page_size, H_kv, D) shared by every sequence and a
+    block table (B, max_pages) int32 mapping each sequence's logical pages to pool pages. page_size is a power of
+    two from 8 to 256. validate=False skips the value checks of seq_lens and block_table (a device sync)."""
+    _check_paged(q, k_pages, v_pages, block_table, seq_lens, num_splits, q_rope, k_rope_pages)
+    if validate and _checks.can_read_values(seq_lens):
+        page_size = k_pages.shape[1]
+        _checks.check_seq_lens_values(seq_lens, 2**31 - 1, "a positive length")
+        _checks.check_block_table_values(block_table, seq_lens, page_size, k_pages.shape[0])
+    return torch.ops.zoo.paged_grouped_decode(q, k_pages, v_pages, block_table, seq_lens, float(scale), num_splits,
+                                              q_rope, k_rope_pages)

@@ -1,8 +1,677 @@
-"""Placeholder until the kernel lands (being written in this session)."""
+"""Differentiable flash attention for MHA, GQA and MQA (training and prefill), forward and backward in Triton.
+
+Math (one query head h reading KV head h // GROUP_SIZE, scores scaled by `scale`, default 1/sqrt(D_qk)):
+
+    S = scale * Q K^T          P = softmax(S)          Out = P V          lse = logsumexp(S)   (natural log)
+    dV = P^T dO                dP = dO V^T             dS = P * (dP - delta),  delta = rowsum(dO * Out)
+    dQ = scale * dS K          dK = scale * dS^T Q
+
+Causal masking is bottom-right aligned: with S_q <= S_kv, query row i sits at position S_kv - S_q + i and sees
+keys at positions <= its own (a cached prefix of S_kv - S_q tokens is visible to every query).
+
+Structure (FlashAttention-2, Dao 2023; Triton's fused-attention tutorial):
+- forward: one program per (query block, query head, batch) streams K/V blocks with an online softmax in the
+  log2 domain (exp2 with log2(e) folded into the scale). The KV loop is split in two: blocks every query of the
+  program sees entirely run without any mask; only the blocks on the causal diagonal or past the end of the
+  sequence run the masked variant, and blocks wholly above the diagonal are never visited.
+- backward: `delta` in a small pre-pass; dK/dV in one kernel where a program owns a KV block and loops over
+  every query head of its KV group and every query block, so GQA needs no per-query-head partial buffers
+  (the KV gradient memory does not grow with the group size); dQ in a second kernel, one program per query
+  block, streaming K/V like the forward.
+- block sizes, warps and pipeline stages come from a handful of configs per head dim, timed once per
+  (kernel, head dims, causal, dtype, sequence-length bucket) on the GPU and cached for the process.
+
+The same kernels run on CPU tensors under TRITON_INTERPRET=1 (loop bounds depend only on program ids and
+integer arguments, which the interpreter allows).
+"""
+
+import contextlib
+import math
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import _checks
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 
 
-def flash_gqa_attention(*a, **k):
-    raise NotImplementedError
+# --------------------------------------------------------------------------------------------------------------
+# Triton kernels
+# --------------------------------------------------------------------------------------------------------------
 
 
-flash_gqa_forward = flash_gqa_backward = flash_gqa_attention
+@triton.jit
+def _load(ptrs, mask_a, mask_b, CHECK_A: tl.constexpr, CHECK_B: tl.constexpr):
+    """Load a tile, masking only the axes that can run out of bounds (each mask is pre-broadcast by the caller,
+    e.g. rows[:, None] < M and cols[None, :] < D); unmasked loads stay plain vector loads."""
+    if CHECK_A and CHECK_B:
+        return tl.load(ptrs, mask=mask_a & mask_b, other=0.0)
+    elif CHECK_A:
+        return tl.load(ptrs, mask=mask_a, other=0.0)
+    elif CHECK_B:
+        return tl.load(ptrs, mask=mask_b, other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def _bound(x, INTERPRET: tl.constexpr):
+    """A loop bound computed from program ids. The triton 3.6 interpreter holds scalars as 1-element arrays, which
+    numpy 2 refuses to turn into the Python int `range` needs (TypeError: only 0-dimensional arrays can be
+    converted), so there the value is taken out explicitly; compiled, the branch is dropped and x stays as is."""
+    if INTERPRET:
+        return x.handle.data.item() if isinstance(x, tl.tensor) else x
+    else:
+        return x
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+               offs_m, offs_n, offs_dk, offs_dv, lo, hi, N, q_shift, qk_scale,
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr,
+               D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+               INTERPRET: tl.constexpr):
+    """Online softmax over key blocks [lo, hi). MASKED blocks check the causal diagonal and the sequence end;
+    unmasked ones are known (by the caller's loop split) to be wholly visible to every query row."""
+    for start_n in range(_bound(lo, INTERPRET), _bound(hi, INTERPRET), BLOCK_N):
+        cols = start_n + offs_n
+        # K^T tile (D_qk, BLOCK_N)
+        k = _load(k_base + offs_dk[:, None] * stride_kd + cols[None, :] * stride_kn,
+                  offs_dk[:, None] < D_QK, cols[None, :] < N, not EVEN_DK, MASKED)
+        qk = tl.dot(q, k, input_precision=PRECISION)
+        if MASKED:
+            visible = cols[None, :] < N
+            if CAUSAL:
+                visible = visible & ((q_shift + offs_m)[:, None] >= cols[None, :])
+            qk = tl.where(visible, qk * qk_scale, -float("inf"))
+            m_ij = tl.maximum(m_i, tl.max(qk, 1))
+            qk = qk - m_ij[:, None]
+        else:
+            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            qk = qk * qk_scale - m_ij[:, None]
+        p = tl.math.exp2(qk)
+        alpha = tl.math.exp2(m_i - m_ij)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        # V tile (BLOCK_N, D_v)
+        v = _load(v_base + cols[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+                  cols[:, None] < N, offs_dv[None, :] < D_V, MASKED, not EVEN_DV)
+        acc = acc * alpha[:, None]
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
+        m_i = m_ij
+    return acc, l_i, m_i
+
+
+@triton.jit
+def _flash_fwd_kernel(
+    Q, K, V, Out, LSE,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_lb, stride_lh, stride_lm,
+    M, N, qk_scale,
+    D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    # Causal programs are launched heaviest first (the last query blocks see the most keys), so the short ones
+    # fill the tail of the grid instead of a long one starting last.
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0) if CAUSAL else tl.program_id(0)
+    head = tl.program_id(1)
+    batch = tl.program_id(2).to(tl.int64)
+    kv_head = head // GROUP_SIZE
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    EVEN_DK: tl.constexpr = D_QK == BLOCK_DK
+    EVEN_DV: tl.constexpr = D_V == BLOCK_DV
+
+    q_base = Q + batch * stride_qb + head.to(tl.int64) * stride_qh
+    k_base = K + batch * stride_kb + kv_head.to(tl.int64) * stride_kh
+    v_base = V + batch * stride_vb + kv_head.to(tl.int64) * stride_vh
+    # Q tile (BLOCK_M, D_qk); rows past M load zeros and are never stored.
+    q = _load(q_base + offs_m[:, None] * stride_qm + offs_dk[None, :] * stride_qd,
+              offs_m[:, None] < M, offs_dk[None, :] < D_QK, True, not EVEN_DK)
+
+    m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+
+    # Keys [0, n_full) are visible to every row of this block and lie inside the sequence: no mask there.
+    # Keys [n_full, n_end) need the causal / sequence-end mask; keys past n_end are masked for every row.
+    q_shift = N - M  # query row i sits at key position q_shift + i
+    if CAUSAL:
+        n_end = tl.minimum(N, q_shift + start_m + BLOCK_M)
+        n_full = tl.minimum((q_shift + start_m + 1) // BLOCK_N * BLOCK_N, N // BLOCK_N * BLOCK_N)
+    else:
+        n_end = N
+        n_full = N // BLOCK_N * BLOCK_N
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                               offs_m, offs_n, offs_dk, offs_dv, 0, n_full, N, q_shift, qk_scale,
+                               False, CAUSAL, EVEN_DK, EVEN_DV, D_QK, D_V, BLOCK_N, PRECISION, INTERPRET)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                               offs_m, offs_n, offs_dk, offs_dv, n_full, n_end, N, q_shift, qk_scale,
+                               True, CAUSAL, EVEN_DK, EVEN_DV, D_QK, D_V, BLOCK_N, PRECISION, INTERPRET)
+
+    # Every row sees at least key 0 (bottom-right alignment with S_q <= S_kv), so l_i > 0.
+    out = acc / l_i[:, None]
+    lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453  # back from log2 to natural log
+    o_ptrs = Out + batch * stride_ob + head.to(tl.int64) * stride_oh + offs_m[:, None] * stride_om \
+        + offs_dv[None, :] * stride_od
+    tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_dv[None, :] < D_V))
+    l_ptrs = LSE + batch * stride_lb + head.to(tl.int64) * stride_lh + offs_m * stride_lm
+    tl.store(l_ptrs, lse, mask=offs_m < M)
+
+
+@triton.jit
+def _flash_bwd_delta_kernel(
+    Out, DO, DLSE, DELTA,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_gb, stride_gh, stride_gm,
+    M,
+    D_V: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """delta = rowsum(dO * Out) - dlse, fp32, written to a contiguous (B, H_q, M) buffer. The lse gradient folds in
+    here because d lse / d S = P, so it adds P * dlse to dS, the same as subtracting dlse from delta."""
+    pid_m = tl.program_id(0)
+    head = tl.program_id(1).to(tl.int64)
+    batch = tl.program_id(2).to(tl.int64)
+    H = tl.num_programs(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    mask = (rows[:, None] < M) & (offs_dv[None, :] < D_V)
+    o = tl.load(Out + batch * stride_ob + head * stride_oh + rows[:, None] * stride_om + offs_dv[None, :] * stride_od,
+                mask=mask, other=0.0).to(tl.float32)
+    do = tl.load(DO + batch * stride_dob + head * stride_doh + rows[:, None] * stride_dom
+                 + offs_dv[None, :] * stride_dod, mask=mask, other=0.0).to(tl.float32)
+    delta = tl.sum(o * do, axis=1)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + batch * stride_gb + head * stride_gh + rows * stride_gm, mask=rows < M, other=0.0)
+    tl.store(DELTA + (batch * H + head) * M + rows, delta, mask=rows < M)
+
+
+@triton.jit
+def _flash_bwd_dkdv_kernel(
+    Q, K, V, DO, LSE, DELTA, DK, DV,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_lb, stride_lh, stride_lm,
+    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
+    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
+    M, N, H_Q, scale, qk_scale,
+    D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    """One program owns a KV block of one KV head and accumulates dK, dV over all GROUP_SIZE query heads that
+    read it and over every query block that sees it; the result is written once, no partials, no atomics."""
+    pid_n = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    batch = tl.program_id(2).to(tl.int64)
+    start_n = pid_n * BLOCK_N
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    EVEN_DK: tl.constexpr = D_QK == BLOCK_DK
+    EVEN_DV: tl.constexpr = D_V == BLOCK_DV
+
+    # K, V tiles (BLOCK_N, D); rows past N load zeros: their dK/dV rows are garbage-free but never stored.
+    k = _load(K + batch * stride_kb + kv_head.to(tl.int64) * stride_kh + offs_n[:, None] * stride_kn
+              + offs_dk[None, :] * stride_kd, offs_n[:, None] < N, offs_dk[None, :] < D_QK, True, not EVEN_DK)
+    v = _load(V + batch * stride_vb + kv_head.to(tl.int64) * stride_vh + offs_n[:, None] * stride_vn
+              + offs_dv[None, :] * stride_vd, offs_n[:, None] < N, offs_dv[None, :] < D_V, True, not EVEN_DV)
+    dk = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+
+    # Query rows [m_lo, m_mid) straddle the causal diagonal of this key block (masked); rows from m_mid on see
+    # every key of it (unmasked); rows before m_lo see none of it and are skipped.
+    q_shift = N - M
+    if CAUSAL:
+        m_lo = tl.maximum(start_n - q_shift, 0) // BLOCK_M * BLOCK_M
+        m_mid = tl.minimum(tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - q_shift, 0), BLOCK_M) * BLOCK_M,
+                           tl.cdiv(M, BLOCK_M) * BLOCK_M)
+    else:
+        m_lo = 0
+        m_mid = 0
+    for g in range(GROUP_SIZE):
+        head = (kv_head * GROUP_SIZE + g).to(tl.int64)
+        q_base = Q + batch * stride_qb + head * stride_qh
+        do_base = DO + batch * stride_dob + head * stride_doh
+        lse_base = LSE + batch * stride_lb + head * stride_lh
+        delta_base = DELTA + (batch * H_Q + head) * M
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+                                 stride_qm, stride_qd, stride_dom, stride_dod, stride_lm,
+                                 offs_m, offs_n, offs_dk, offs_dv, m_lo, m_mid, M, q_shift, qk_scale,
+                                 True, EVEN_DK, EVEN_DV, D_QK, D_V, BLOCK_M, PRECISION, INTERPRET)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+                                 stride_qm, stride_qd, stride_dom, stride_dod, stride_lm,
+                                 offs_m, offs_n, offs_dk, offs_dv, m_mid, M, M, q_shift, qk_scale,
+                                 False, EVEN_DK, EVEN_DV, D_QK, D_V, BLOCK_M, PRECISION, INTERPRET)
+
+    dk = dk * scale
+    mask_n = offs_n[:, None] < N
+    tl.store(DK + batch * stride_dkb + kv_head.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dkn
+             + offs_dk[None, :] * stride_dkd, dk.to(DK.dtype.element_ty), mask=mask_n & (offs_dk[None, :] < D_QK))
+    tl.store(DV + batch * stride_dvb + kv_head.to(tl.int64) * stride_dvh + offs_n[:, None] * stride_dvn
+             + offs_dv[None, :] * stride_dvd, dv.to(DV.dtype.element_ty), mask=mask_n & (offs_dv[None, :] < D_V))
+
+
+@triton.jit
+def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
+                    stride_qm, stride_qd, stride_dom, stride_dod, stride_lm,
+                    offs_m, offs_n, offs_dk, offs_dv, lo, hi, M, q_shift, qk_scale,
+                    MASKED: tl.constexpr, EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr,
+                    D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr,
+                    INTERPRET: tl.constexpr):
+    """Accumulate dK, dV of one key block over query blocks [lo, hi) of one query head, in transposed form
+    (keys along rows) so both products land in the (BLOCK_N, D) accumulators. Rows past M load zeros for
+    Q, dO, lse and delta, which makes their dS and P dO contributions exactly zero without a mask."""
+    for start_m in range(_bound(lo, INTERPRET), _bound(hi, INTERPRET), BLOCK_M):
+        rows = start_m + offs_m
+        row_ok = rows < M
+        # Q^T tile (D_qk, BLOCK_M) and dO tile (BLOCK_M, D_v)
+        q_t = _load(q_base + offs_dk[:, None] * stride_qd + rows[None, :] * stride_qm,
+                    offs_dk[:, None] < D_QK, row_ok[None, :], not EVEN_DK, True)
+        lse = tl.load(lse_base + rows * stride_lm, mask=row_ok, other=0.0) * 1.4426950408889634
+        qk_t = tl.dot(k, q_t, input_precision=PRECISION)
+        p_t = tl.math.exp2(qk_t * qk_scale - lse[None, :])
+        if MASKED:
+            p_t = tl.where((q_shift + rows)[None, :] >= offs_n[:, None], p_t, 0.0)
+        do = _load(do_base + rows[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
+                   row_ok[:, None], offs_dv[None, :] < D_V, True, not EVEN_DV)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
+        delta = tl.load(delta_base + rows, mask=row_ok, other=0.0)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), dk, input_precision=PRECISION)
+    return dk, dv
+
+
+@triton.jit
+def _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                  offs_m, offs_n, offs_dk, offs_dv, lo, hi, N, q_shift, qk_scale,
+                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr,
+                  D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
+                  INTERPRET: tl.constexpr):
+    """Accumulate dQ of one query block over key blocks [lo, hi); the mask split mirrors the forward."""
+    for start_n in range(_bound(lo, INTERPRET), _bound(hi, INTERPRET), BLOCK_N):
+        cols = start_n + offs_n
+        # K^T (D_qk, BLOCK_N) and V^T (D_v, BLOCK_N) tiles
+        k_t = _load(k_base + offs_dk[:, None] * stride_kd + cols[None, :] * stride_kn,
+                    offs_dk[:, None] < D_QK, cols[None, :] < N, not EVEN_DK, MASKED)
+        v_t = _load(v_base + offs_dv[:, None] * stride_vd + cols[None, :] * stride_vn,
+                    offs_dv[:, None] < D_V, cols[None, :] < N, not EVEN_DV, MASKED)
+        qk = tl.dot(q, k_t, input_precision=PRECISION)
+        p = tl.math.exp2(qk * qk_scale - lse[:, None])
+        if MASKED:
+            visible = cols[None, :] < N
+            if CAUSAL:
+                visible = visible & ((q_shift + offs_m)[:, None] >= cols[None, :])
+            p = tl.where(visible, p, 0.0)
+        dp = tl.dot(do, v_t, input_precision=PRECISION)
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k_t.dtype), tl.trans(k_t), dq, input_precision=PRECISION)
+    return dq
+
+
+@triton.jit
+def _flash_bwd_dq_kernel(
+    Q, K, V, DO, LSE, DELTA, DQ,
+    stride_qb, stride_qh, stride_qm, stride_qd,
+    stride_kb, stride_kh, stride_kn, stride_kd,
+    stride_vb, stride_vh, stride_vn, stride_vd,
+    stride_dob, stride_doh, stride_dom, stride_dod,
+    stride_lb, stride_lh, stride_lm,
+    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    M, N, H_Q, scale, qk_scale,
+    D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
+    GROUP_SIZE: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+):
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0) if CAUSAL else tl.program_id(0)
+    head = tl.program_id(1)
+    batch = tl.program_id(2).to(tl.int64)
+    kv_head = head // GROUP_SIZE
+    head = head.to(tl.int64)
+    start_m = pid_m * BLOCK_M
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    EVEN_DK: tl.constexpr = D_QK == BLOCK_DK
+    EVEN_DV: tl.constexpr = D_V == BLOCK_DV
+    row_ok = offs_m < M
+
+    q = _load(Q + batch * stride_qb + head * stride_qh + offs_m[:, None] * stride_qm + offs_dk[None, :] * stride_qd,
+              row_ok[:, None], offs_dk[None, :] < D_QK, True, not EVEN_DK)
+    do = _load(DO + batch * stride_dob + head * stride_doh + offs_m[:, None] * stride_dom
+               + offs_dv[None, :] * stride_dod, row_ok[:, None], offs_dv[None, :] < D_V, True, not EVEN_DV)
+    lse = tl.load(LSE + batch * stride_lb + head * stride_lh + offs_m * stride_lm, mask=row_ok, other=0.0)
+    lse = lse * 1.4426950408889634
+    delta = tl.load(DELTA + (batch * H_Q + head) * M + offs_m, mask=row_ok, other=0.0)
+    dq = tl.zeros([BLOCK_M, BLOCK_DK], tl.float32)
+    k_base = K + batch * stride_kb + kv_head.to(tl.int64) * stride_kh
+    v_base = V + batch * stride_vb + kv_head.to(tl.int64) * stride_vh
+
+    q_shift = N - M
+    if CAUSAL:
+        n_end = tl.minimum(N, q_shift + start_m + BLOCK_M)
+        n_full = tl.minimum((q_shift + start_m + 1) // BLOCK_N * BLOCK_N, N // BLOCK_N * BLOCK_N)
+    else:
+        n_end = N
+        n_full = N // BLOCK_N * BLOCK_N
+    dq = _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                       offs_m, offs_n, offs_dk, offs_dv, 0, n_full, N, q_shift, qk_scale,
+                       False, CAUSAL, EVEN_DK, EVEN_DV, D_QK, D_V, BLOCK_N, PRECISION, INTERPRET)
+    dq = _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                       offs_m, offs_n, offs_dk, offs_dv, n_full, n_end, N, q_shift, qk_scale,
+                       True, CAUSAL, EVEN_DK, EVEN_DV, D_QK, D_V, BLOCK_N, PRECISION, INTERPRET)
+    dq = dq * scale
+    tl.store(DQ + batch * stride_dqb + head * stride_dqh + offs_m[:, None] * stride_dqm
+             + offs_dk[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty),
+             mask=row_ok[:, None] & (offs_dk[None, :] < D_QK))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Launch heuristics: a few configs per kernel and head dim, timed once per shape bucket and cached
+# --------------------------------------------------------------------------------------------------------------
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages). For dK/dV, BLOCK_N is the owned key block and BLOCK_M the streamed
+# query block; for the forward and dQ it is the other way round. The first entry is the default used untimed
+# (interpreter, short sequences); later entries are alternatives the timer may pick on the GPU. Larger head dims
+# get fewer stages: each stage holds one K and one V tile in shared memory.
+_CONFIGS = {
+    "fwd": {
+        64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (128, 32, 4, 4)],
+        128: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3)],
+        256: [(64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 8, 2), (32, 32, 4, 2)],
+    },
+    "dkdv": {
+        64: [(64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 4), (64, 128, 4, 2)],
+        128: [(32, 128, 8, 3), (64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 3)],
+        256: [(32, 64, 4, 2), (32, 128, 8, 1), (16, 64, 4, 2), (32, 32, 4, 2), (16, 32, 4, 2)],
+    },
+    "dq": {
+        64: [(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 4), (128, 64, 4, 2)],
+        128: [(128, 32, 8, 3), (128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 3)],
+        256: [(64, 32, 4, 2), (128, 32, 8, 1), (64, 16, 4, 2), (32, 32, 4, 2), (32, 16, 4, 2)],
+    },
+}
+# Configs that fit any head dim and dtype (fp32 at D=256 included) and keep the interpreter's tiles small.
+_SMALL_CONFIG = (32, 32, 4, 1)
+_TUNE_MIN_SEQ = 512  # below this a launch is tens of microseconds: the default config is not worth timing
+_TUNED: dict[tuple, tuple] = {}
+# Raised when a config needs more shared memory or registers than the GPU has: the tuner skips that config.
+_RESOURCE_ERRORS = tuple(e for e in (getattr(triton.runtime.errors, "OutOfResources", None),
+                                     getattr(triton.runtime.errors, "PTXASError", None),
+                                     triton.compiler.errors.CompilationError) if e is not None)
+
+
+def _dim_bucket(d_qk: int, d_v: int) -> int:
+    d = max(d_qk, d_v)
+    return 64 if d <= 64 else 128 if d <= 128 else 256
+
+
+def _autotune_enabled() -> bool:
+    return os.environ.get("ZOO_FLASH_AUTOTUNE", "1") != "0"
+
+
+def _pick_config(kind: str, q: torch.Tensor, d_qk: int, d_v: int, causal: bool, m: int, n: int, launch):
+    """The config for this launch: cached per (kind, head dims, causal, dtype, group, bucketed lengths). On the
+    GPU for long sequences each candidate is timed once (a few ms each); otherwise the first that compiles."""
+    if _checks.interpreting():
+        return _SMALL_CONFIG
+    s_bucket = triton.next_power_of_2(max(m, n))
+    key = (kind, d_qk, d_v, causal, q.dtype, q.shape[1], s_bucket, q.device.index)
+    if key in _TUNED:
+        return _TUNED[key]
+    candidates = list(_CONFIGS[kind][_dim_bucket(d_qk, d_v)])
+    if q.dtype == torch.float32:  # fp32 tiles are twice the bytes: the small config always fits
+        candidates = [_SMALL_CONFIG] + candidates
+    candidates.append(_SMALL_CONFIG)
+    timed = _autotune_enabled() and s_bucket >= _TUNE_MIN_SEQ and not torch.cuda.is_current_stream_capturing()
+    best, best_ms = None, float("inf")
+    for cfg in candidates:
+        try:
+            if not timed:
+                launch(cfg)
+                best = cfg
+                break
+            ms = triton.testing.do_bench(lambda: launch(cfg), warmup=5, rep=20, return_mode="median")
+        except _RESOURCE_ERRORS:
+            continue  # too much shared memory or registers for this head dim and dtype
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    if best is None:
+        raise RuntimeError(f"flash {kind}: no config compiled for D_qk={d_qk}, D_v={d_v}, {q.dtype}")
+    _TUNED[key] = best
+    return best
+
+
+def _precision(dtype: torch.dtype) -> str:
+    # fp32 inputs get true fp32 products (the reference's precision); fp16/bf16 ignore the setting.
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def _head_block(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Launchers: validate, allocate, pass strides
+# --------------------------------------------------------------------------------------------------------------
+
+
+def _check_head_dim(name: str, d: int):
+    if not MIN_HEAD_DIM <= d <= MAX_HEAD_DIM:
+        _checks.fail(name, f"head dim {d}", f"a head dim from {MIN_HEAD_DIM} to {MAX_HEAD_DIM}")
+
+
+def _check_qkv(q, k, v, causal: bool, scale):
+    """Validate the forward's inputs; returns (B, H_q, H_kv, S_q, S_kv, D_qk, D_v)."""
+    _checks.check_rank("q", q, 4, "(B, H_q, S_q, D_qk)")
+    _checks.check_rank("k", k, 4, "(B, H_kv, S_kv, D_qk)")
+    _checks.check_rank("v", v, 4, "(B, H_kv, S_kv, D_v)")
+    _checks.check_float("q", q)
+    _checks.check_float("k", k, q, "q")
+    _checks.check_float("v", v, q, "q")
+    _checks.check_same_device({"q": q, "k": k, "v": v})
+    b, h_q, s_q, d_qk = q.shape
+    _, h_kv, s_kv, _ = k.shape
+    d_v = v.shape[3]
+    if k.shape[0] != b or k.shape[3] != d_qk:
+        _checks.fail("k", f"shape {tuple(k.shape)}", f"(B={b}, H_kv, S_kv, D_qk={d_qk}) matching q")
+    if tuple(v.shape[:3]) != tuple(k.shape[:3]):
+        _checks.fail("v", f"shape {tuple(v.shape)}", f"(B, H_kv, S_kv) = {tuple(k.shape[:3])} matching k, then D_v")
+    if h_kv == 0 or h_q % h_kv != 0:
+        _checks.fail("k", f"H_kv={h_kv} for H_q={h_q}", "H_kv >= 1 dividing H_q (MHA, GQA or MQA)")
+    if s_kv == 0:
+        _checks.fail("k", "S_kv=0", "at least one key (S_kv >= 1)")
+    if causal and s_q > s_kv:
+        _checks.fail("causal", f"True with S_q={s_q} > S_kv={s_kv}",
+                     "S_q <= S_kv (bottom-right alignment: query i sits at position S_kv - S_q + i)")
+    _check_head_dim("q", d_qk)
+    _check_head_dim("v", d_v)
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        _checks.fail("scale", scale, "None (1/sqrt(D_qk)) or a finite float > 0")
+    return b, h_q, h_kv, s_q, s_kv, d_qk, d_v
+
+
+def _check_backward(q, k, v, out, lse, do, causal: bool, scale):
+    b, h_q, _, s_q, _, _, d_v = _check_qkv(q, k, v, causal, scale)
+    for name, t in (("out", out), ("do", do)):
+        _checks.check_rank(name, t, 4, "(B, H_q, S_q, D_v)")
+        _checks.check_float(name, t, q, "q")
+        if tuple(t.shape) != (b, h_q, s_q, d_v):
+            _checks.fail(name, f"shape {tuple(t.shape)}", f"(B, H_q, S_q, D_v) = {(b, h_q, s_q, d_v)}")
+    _checks.check_rank("lse", lse, 3, "(B, H_q, S_q)")
+    if lse.dtype != torch.float32 or tuple(lse.shape) != (b, h_q, s_q):
+        _checks.fail("lse", f"{lse.dtype} of shape {tuple(lse.shape)}", f"torch.float32 of shape {(b, h_q, s_q)}")
+    _checks.check_same_device({"q": q, "out": out, "lse": lse, "do": do})
+
+
+def _scale(scale, d_qk: int) -> float:
+    return float(scale) if scale is not None else 1.0 / math.sqrt(d_qk)
+
+
+def _forward(q, k, v, scale: float | None, causal: bool, out=None, lse=None):
+    """Launch the forward; `out` (B, H_q, S_q, D_v) and `lse` (B, H_q, S_q) fp32 may be passed preallocated
+    (any strides), which the tests use to check that every element is written."""
+    b, h_q, h_kv, s_q, s_kv, d_qk, d_v = _check_qkv(q, k, v, causal, scale)
+    sm_scale = _scale(scale, d_qk)
+    out = torch.empty((b, h_q, s_q, d_v), device=q.device, dtype=q.dtype) if out is None else out
+    lse = torch.empty((b, h_q, s_q), device=q.device, dtype=torch.float32) if lse is None else lse
+    if out.numel() == 0:
+        return out, lse
+
+    def launch(cfg):
+        block_m, block_n, warps, stages = cfg
+        grid = (triton.cdiv(s_q, block_m), h_q, b)
+        _flash_fwd_kernel[grid](
+            q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
+            s_q, s_kv, sm_scale * LOG2E,
+            D_QK=d_qk, D_V=d_v, BLOCK_DK=_head_block(d_qk), BLOCK_DV=_head_block(d_v),
+            GROUP_SIZE=h_q // h_kv, CAUSAL=causal, PRECISION=_precision(q.dtype), INTERPRET=_checks.interpreting(),
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
+        )
+
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        cfg = _pick_config("fwd", q, d_qk, d_v, causal, s_q, s_kv, launch)
+        launch(cfg)
+    return out, lse
+
+
+def _backward(q, k, v, out, lse, do, scale: float | None, causal: bool, dlse=None, grads=None):
+    """Launch delta, dK/dV and dQ. `grads` = (dq, dk, dv) may be preallocated (any strides)."""
+    _check_backward(q, k, v, out, lse, do, causal, scale)
+    b, h_q, s_q, d_qk = q.shape
+    h_kv, s_kv, d_v = k.shape[1], k.shape[2], v.shape[3]
+    sm_scale = _scale(scale, d_qk)
+    if grads is None:
+        grads = (torch.empty_like(q, memory_format=torch.contiguous_format),
+                 torch.empty_like(k, memory_format=torch.contiguous_format),
+                 torch.empty_like(v, memory_format=torch.contiguous_format))
+    dq, dk, dv = grads
+    if s_q == 0 or b == 0 or h_q == 0:
+        return dq, dk.zero_(), dv.zero_()
+    delta = torch.empty((b, h_q, s_q), device=q.device, dtype=torch.float32)
+    common = dict(D_QK=d_qk, D_V=d_v, BLOCK_DK=_head_block(d_qk), BLOCK_DV=_head_block(d_v),
+                  GROUP_SIZE=h_q // h_kv, CAUSAL=causal, PRECISION=_precision(q.dtype),
+                  INTERPRET=_checks.interpreting())
+    qkv_strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *lse.stride())
+
+    def launch_dkdv(cfg):
+        block_m, block_n, warps, stages = cfg
+        _flash_bwd_dkdv_kernel[(triton.cdiv(s_kv, block_n), h_kv, b)](
+            q, k, v, do, lse, delta, dk, dv, *qkv_strides, *dk.stride(), *dv.stride(),
+            s_q, s_kv, h_q, sm_scale, sm_scale * LOG2E, **common,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
+        )
+
+    def launch_dq(cfg):
+        block_m, block_n, warps, stages = cfg
+        _flash_bwd_dq_kernel[(triton.cdiv(s_q, block_m), h_q, b)](
+            q, k, v, do, lse, delta, dq, *qkv_strides, *dq.stride(),
+            s_q, s_kv, h_q, sm_scale, sm_scale * LOG2E, **common,
+            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
+        )
+
+    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        block = 64
+        _flash_bwd_delta_kernel[(triton.cdiv(s_q, block), h_q, b)](
+            out, do, dlse if dlse is not None else lse, delta, *out.stride(), *do.stride(),
+            *(dlse.stride() if dlse is not None else lse.stride()), s_q,
+            D_V=d_v, BLOCK_DV=_head_block(d_v), HAS_DLSE=dlse is not None, BLOCK_M=block, num_warps=4,
+        )
+        launch_dkdv(_pick_config("dkdv", q, d_qk, d_v, causal, s_q, s_kv, launch_dkdv))
+        launch_dq(_pick_config("dq", q, d_qk, d_v, causal, s_q, s_kv, launch_dq))
+    return dq, dk, dv
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Custom ops (traceable by torch.compile with fullgraph=True) and their autograd
+# --------------------------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("zoo::flash_fwd", mutates_args=())
+def _flash_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                  causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    return _forward(q, k, v, scale, causal)
+
+
+@_flash_fwd_op.register_fake
+def _(q, k, v, scale, causal):
+    b, h_q, _, s_q, _, _, d_v = _check_qkv(q, k, v, causal, scale)
+    return q.new_empty((b, h_q, s_q, d_v)), q.new_empty((b, h_q, s_q), dtype=torch.float32)
+
+
+@torch.library.custom_op("zoo::flash_bwd", mutates_args=())
+def _flash_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                  do: torch.Tensor, dlse: torch.Tensor | None, scale: float,
+                  causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _backward(q, k, v, out, lse, do, scale, causal, dlse=dlse)
+
+
+@_flash_bwd_op.register_fake
+def _(q, k, v, out, lse, do, dlse, scale, causal):
+    _check_backward(q, k, v, out, lse, do, causal, scale)
+    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
+
+
+def _setup_context(ctx, inputs, output):
+    q, k, v, scale, causal = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.scale, ctx.causal = scale, causal
+
+
+def _flash_fwd_backward(ctx, d_out, d_lse):
+    q, k, v, out, lse = ctx.saved_tensors
+    if d_out is None:
+        d_out = torch.zeros_like(out)
+    dq, dk, dv = _flash_bwd_op(q, k, v, out, lse, d_out, d_lse, ctx.scale, ctx.causal)
+    return dq, dk, dv, None, None
+
+
+_flash_fwd_op.register_autograd(_flash_fwd_backward, setup_context=_setup_context)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Public API
+# --------------------------------------------------------------------------------------------------------------
+
+
+def flash_gqa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
+                      causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Flash attention forward for MHA/GQA/MQA. q (B, H_q, S_q, D_qk), k (B, H_kv, S_kv, D_qk),
+    v (B, H_kv, S_kv, D_v), any strides. Returns out (B, H_q, S_q, D_v) in q's dtype and lse (B, H_q, S_q) fp32
+    (natural log). Differentiable in both outputs."""
+    _check_qkv(q, k, v, causal, scale)
+    return _flash_fwd_op(q, k, v, _scale(scale, q.shape[-1]), causal)
+
+
+def flash_gqa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                       do: torch.Tensor, *, scale: float | None = None,
+                       causal: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Gradients (dq, dk, dv) of flash attention given the forward's out and lse and the output gradient do.
+    dk and dv are summed over the query heads of each KV group."""
+    _check_backward(q, k, v, out, lse, do, causal, scale)
+    return _flash_bwd_op(q, k, v, out, lse, do, None, _scale(scale, q.shape[-1]), causal)
+
+
+def flash_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
+                        causal: bool = False) -> torch.Tensor:
+    """Differentiable flash attention (MHA/GQA/MQA, D_qk may differ from D_v, bottom-right causal alignment).
+    Returns out (B, H_q, S_q, D_v)."""
+    return flash_gqa_forward(q, k, v, scale=scale, causal=causal)[0]

@@ -1,0 +1,477 @@
+"""KV caches for generation: grouped (contiguous), paged, and the MLA latent caches, contiguous and paged.
+
+The model calls only the protocol below (see model.py); the cache keeps every piece of bookkeeping.
+
+    positions = cache.reserve(T)                          # (B, T) absolute positions of the T new tokens
+    k_all, v_all = cache.append(layer, k, v)              # prefill: (B, H_kv, S, D_*) every cached token
+    y = cache.attend(layer, q, k, v, scale)               # decode: (B, H_q, 1, D_v)
+    c_all, r_all = cache.append_latent(layer, c_kv, k_rope)                     # MLA prefill
+    o = cache.attend_latent(layer, q_absorbed, q_rope, c_kv, k_rope, scale)     # MLA decode: (B, H, 1, D_c)
+
+A cache holds `batch_size` rows, one sequence each. `cache.view(rows)` is the same cache seen through some of
+its rows (a batch-1 view prefills one prompt of a ragged batch; a view of the active rows decodes them while
+the finished ones are gone). Views share storage and bookkeeping with their cache; `reserve` grows only the
+view's rows, and `append`/`attend` act on the rows and positions of the view's last `reserve`.
+
+Layouts (the letters of kernels/reference.py):
+    grouped      K (B, H_kv, S_max, D_qk), V (B, H_kv, S_max, D_v) per layer: only the KV heads are stored
+    paged        K pool (num_pages, page_size, H_kv, D_qk), V pool (num_pages, page_size, H_kv, D_v) per layer,
+                 one BlockAllocator and one block table (B, max_pages) int32 shared by all layers
+    mla          c_kv (B, S_max, D_c), k_rope (B, S_max, D_r) per layer: the latent and the shared RoPE key only
+    paged_mla    c_kv pool (num_pages, page_size, D_c), k_rope pool (num_pages, page_size, D_r) per layer,
+                 the same allocator and table machinery as `paged` (PagedRows)
+
+The host owns the lengths and the block tables (plain Python lists); the device gets small index tensors once
+per `reserve`, so decoding needs no device-to-host sync and the kernels run with validate=False.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import kernels
+from kernels import reference
+
+CACHE_KINDS = ("grouped", "paged", "mla", "paged_mla")
+
+
+class CacheFullError(RuntimeError):
+    """The page pool cannot hold what was asked. Raised before anything changes."""
+
+
+class BlockAllocator:
+    """A free list of page ids 0 .. num_pages - 1.
+
+    Invariants (`check()` asserts them): every page is either free or owned, never both and never twice;
+    num_free + len(owned) == num_pages. `allocate` is all-or-nothing: on exhaustion it raises CacheFullError and
+    changes nothing. Freed pages go on top of the free list, so they are the next ones handed out.
+    """
+
+    def __init__(self, num_pages: int):
+        if not isinstance(num_pages, int) or num_pages < 1:
+            raise ValueError(f"num_pages: got {num_pages!r}; valid: an int >= 1")
+        self.num_pages = num_pages
+        self._free = list(range(num_pages - 1, -1, -1))  # a stack: pop() hands out the lowest id first
+        self._owned: set[int] = set()
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    @property
+    def num_used(self) -> int:
+        return len(self._owned)
+
+    def can_allocate(self, n: int) -> bool:
+        return n <= len(self._free)
+
+    def allocate(self, n: int) -> list[int]:
+        if not isinstance(n, int) or n < 0:
+            raise ValueError(f"n: got {n!r}; valid: an int >= 0")
+        if not self.can_allocate(n):
+            raise CacheFullError(
+                f"KV cache page pool exhausted: asked for {n} pages, {self.num_free} free of {self.num_pages} "
+                f"in the pool. Raise --num_pages or lower the batch (--num_samples / batch size).")
+        pages = [self._free.pop() for _ in range(n)]
+        self._owned.update(pages)
+        return pages
+
+    def free(self, pages: list[int]):
+        pages = list(pages)
+        not_owned = [p for p in pages if p not in self._owned]
+        if not_owned or len(set(pages)) != len(pages):
+            raise ValueError(f"pages: got {pages} (not owned or repeated: {not_owned or 'repeated'}); "
+                             f"valid: distinct pages currently allocated")
+        self._owned.difference_update(pages)
+        self._free.extend(reversed(pages))
+
+    def check(self):
+        free = set(self._free)
+        assert len(free) == len(self._free), "a page is on the free list twice"
+        assert not (free & self._owned), f"pages both free and owned: {sorted(free & self._owned)}"
+        assert free | self._owned == set(range(self.num_pages)), "a page is neither free nor owned (leak)"
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+class _Step:
+    """Where the tokens of the last `reserve` go: rows (n,), positions (n, T), and for a paged cache the
+    page ids and in-page offsets of every new token (n, T). All on the device."""
+
+    def __init__(self, rows_t, positions, seq_lens, pages=None, offsets=None):
+        self.rows_t, self.positions, self.seq_lens = rows_t, positions, seq_lens
+        self.pages, self.offsets = pages, offsets
+
+
+class ContiguousRows:
+    """Per-row token storage (B, S_max, ...): row r holds its sequence's tokens 0 .. lens[r] - 1.
+    Buffers are handled through token-major views (B, S_max, *feat); a (H, D) feature is stored head-major,
+    (B, H, S_max, D), as the grouped decode kernel reads it."""
+
+    paged = False
+
+    def __init__(self, batch_size: int, max_len: int, device, dtype):
+        self.batch_size, self.max_len, self.device, self.dtype = batch_size, max_len, device, dtype
+        self.lens = [0] * batch_size
+        self.buffers: list[torch.Tensor] = []  # token-major views, for memory accounting and compaction
+
+    def new_buffer(self, feat: tuple[int, ...]) -> torch.Tensor:
+        if len(feat) == 2:  # (H, D): head-major storage, token-major view
+            buf = torch.zeros(self.batch_size, feat[0], self.max_len, feat[1], device=self.device, dtype=self.dtype)
+            buf = buf.transpose(1, 2)
+        else:
+            buf = torch.zeros(self.batch_size, self.max_len, *feat, device=self.device, dtype=self.dtype)
+        self.buffers.append(buf)
+        return buf
+
+    def grow(self, rows: list[int], T: int):
+        for r in rows:
+            if self.lens[r] + T > self.max_len:
+                raise ValueError(f"T: got {T} new tokens for row {r} holding {self.lens[r]}; valid: at most "
+                                 f"max_len - {self.lens[r]} = {self.max_len - self.lens[r]} (the cache's max_len)")
+        for r in rows:
+            self.lens[r] += T
+
+    def step(self, rows_t, starts_t, T) -> _Step:
+        positions = starts_t[:, None] + torch.arange(T, device=self.device)
+        return _Step(rows_t, positions, (starts_t + T).int())
+
+    def write(self, buf, step: _Step, x):
+        # buf (B, S_max, *feat), x (n, T, *feat): one scatter covers prefill (same start) and ragged decode
+        buf[step.rows_t[:, None], step.positions] = x
+
+    def prefix(self, buf, rows: list[int], rows_t, length: int):
+        """(n, length, *feat): the first `length` tokens of these rows (a view when the rows are a range)."""
+        r0 = rows[0]
+        if rows == list(range(r0, r0 + len(rows))):
+            return buf[r0:r0 + len(rows), :length]
+        return buf[rows_t, :length]
+
+    def release(self, row: int):
+        self.lens[row] = 0
+
+    def compact(self, rows: list[int]) -> list[int]:
+        """Move the sequences of `rows` (ascending) to rows 0 .. n-1, so that a decode view is a narrow slice.
+        Copies only the rows that move; rows not listed are released. Returns the new row of each."""
+        if rows != sorted(set(rows)):
+            raise ValueError(f"rows: got {rows}; valid: distinct rows in ascending order")
+        for j, r in enumerate(rows):  # rows[j] >= j, so a source row is never overwritten before it is read
+            if r != j:
+                for buf in self.buffers:
+                    buf[j, :self.lens[r]] = buf[r, :self.lens[r]]
+        self.lens = [self.lens[r] for r in rows] + [0] * (self.batch_size - len(rows))
+        return list(range(len(rows)))
+
+    def tokens_held(self) -> int:
+        return sum(self.lens)
+
+
+class PagedRows:
+    """Per-row token storage in pages: pools (num_pages, page_size, *feat) shared by every row and one
+    BlockAllocator and block table shared by every buffer (every layer, K and V alike).
+
+    Invariants: row r owns exactly ceil(lens[r] / page_size) pages, listed in order in pages[r], and
+    block_table[r, i] == pages[r][i] for those; entries past them are stale and never read. A row's pages are
+    owned by no other row (the allocator guarantees it). `grow` allocates all the pages it needs at once, before
+    anything is written, so exhaustion leaves every sequence intact.
+    """
+
+    paged = True
+
+    def __init__(self, batch_size: int, max_len: int, device, dtype, page_size: int, num_pages: int | None):
+        if not isinstance(page_size, int) or page_size < 1 or page_size & (page_size - 1):
+            raise ValueError(f"page_size: got {page_size!r}; valid: a power of two (8 .. 256 for the kernels)")
+        self.batch_size, self.max_len, self.device, self.dtype = batch_size, max_len, device, dtype
+        self.page_size = page_size
+        self.max_pages = _cdiv(max_len, page_size)
+        num_pages = batch_size * self.max_pages if num_pages is None else num_pages
+        self.allocator = BlockAllocator(num_pages)
+        self.lens = [0] * batch_size
+        self.pages: list[list[int]] = [[] for _ in range(batch_size)]
+        self.block_table = torch.zeros(batch_size, self.max_pages, dtype=torch.int32, device=device)
+        self.buffers: list[torch.Tensor] = []
+
+    def new_buffer(self, feat: tuple[int, ...]) -> torch.Tensor:
+        pool = torch.zeros(self.allocator.num_pages, self.page_size, *feat, device=self.device, dtype=self.dtype)
+        self.buffers.append(pool)
+        return pool
+
+    def pages_needed(self, rows: list[int], T: int) -> int:
+        return sum(_cdiv(self.lens[r] + T, self.page_size) - len(self.pages[r]) for r in rows)
+
+    def grow(self, rows: list[int], T: int):
+        for r in rows:
+            if self.lens[r] + T > self.max_len:
+                raise ValueError(f"T: got {T} new tokens for row {r} holding {self.lens[r]}; valid: at most "
+                                 f"max_len - {self.lens[r]} = {self.max_len - self.lens[r]} (the cache's max_len)")
+        fresh = self.allocator.allocate(self.pages_needed(rows, T))  # all or nothing: raises before any change
+        entries = []
+        for r in rows:
+            for _ in range(_cdiv(self.lens[r] + T, self.page_size) - len(self.pages[r])):
+                entries.append((r, len(self.pages[r]), fresh[len(entries)]))
+                self.pages[r].append(entries[-1][2])
+            self.lens[r] += T
+        if entries:  # one small host-to-device copy for all the new table entries
+            idx = torch.tensor(entries, dtype=torch.int64).t().to(self.device)
+            self.block_table[idx[0], idx[1]] = idx[2].int()
+
+    def step(self, rows_t, starts_t, T) -> _Step:
+        positions = starts_t[:, None] + torch.arange(T, device=self.device)
+        pages = self.block_table[rows_t[:, None], positions // self.page_size].long()
+        return _Step(rows_t, positions, (starts_t + T).int(), pages, positions % self.page_size)
+
+    def write(self, pool, step: _Step, x):
+        pool[step.pages, step.offsets] = x  # pool (num_pages, page_size, *feat), x (n, T, *feat)
+
+    def table(self, rows: list[int], rows_t) -> torch.Tensor:
+        if rows == list(range(self.batch_size)):
+            return self.block_table
+        return self.block_table.index_select(0, rows_t)
+
+    def prefix(self, pool, rows: list[int], rows_t, length: int):
+        """(n, length, *feat): the first `length` tokens of these rows, gathered from their pages (a copy)."""
+        n_pages = _cdiv(length, self.page_size)
+        table = self.table(rows, rows_t)[:, :n_pages].long()
+        x = pool[table]  # (n, n_pages, page_size, *feat)
+        return x.reshape(len(rows), n_pages * self.page_size, *pool.shape[2:])[:, :length]
+
+    def release(self, row: int):
+        self.allocator.free(self.pages[row])
+        self.pages[row] = []
+        self.lens[row] = 0
+
+    def compact(self, rows: list[int]) -> list[int]:
+        """Release every row not listed; the kept ones stay where they are (a paged view of any rows is cheap)."""
+        for r in range(self.batch_size):
+            if r not in rows and self.pages[r]:
+                self.release(r)
+        return list(rows)
+
+    def tokens_held(self) -> int:
+        return self.allocator.num_used * self.page_size
+
+
+class _Cache:
+    """What every cache shares: the rows it covers, reserve/view/release, and the memory report."""
+
+    def __init__(self, store, n_layer: int, backend: str):
+        if backend not in ("triton", "torch"):
+            raise ValueError(f"backend: got {backend!r}; valid: 'triton' or 'torch'")
+        self.store, self.n_layer, self.backend = store, n_layer, backend
+        self._set_rows(list(range(store.batch_size)))
+        self._step: _Step | None = None
+
+    def _set_rows(self, rows: list[int]):
+        self.rows = rows
+        self._rows_t = torch.tensor(rows, dtype=torch.int64, device=self.store.device)
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.rows)
+
+    @property
+    def lens(self) -> list[int]:
+        return [self.store.lens[r] for r in self.rows]
+
+    def view(self, rows: list[int]) -> "_Cache":
+        rows = [int(r) for r in rows]
+        if not rows or len(set(rows)) != len(rows) or not all(0 <= r < self.store.batch_size for r in rows):
+            raise ValueError(f"rows: got {rows}; valid: distinct rows in [0, {self.store.batch_size})")
+        v = object.__new__(type(self))
+        v.__dict__.update(self.__dict__)
+        v._set_rows(rows)
+        v._step = None
+        return v
+
+    def reserve(self, T: int) -> torch.Tensor:
+        """Grow every sequence of this view by T tokens; returns their positions (B, T) on the device."""
+        starts = self.lens
+        self.store.grow(self.rows, T)  # raises (CacheFullError / ValueError) before anything changes
+        starts_t = torch.tensor(starts, dtype=torch.int64).to(self.store.device)
+        self._step = self.store.step(self._rows_t, starts_t, T)
+        return self._step.positions
+
+    def release(self, row: int):
+        """A finished sequence gives its storage back (its pages, for a paged cache)."""
+        self.store.release(row)
+
+    def compact(self, rows: list[int]) -> list[int]:
+        """Keep only the sequences of `rows`; returns the row each now lives in (see the store's compact)."""
+        return self.store.compact(sorted(rows))
+
+    def _new_tokens(self, x: torch.Tensor, layer: int, name: str):
+        if self._step is None:
+            raise RuntimeError(f"{name}: call reserve(T) before writing layer {layer}")
+        if not 0 <= layer < self.n_layer:
+            raise ValueError(f"layer: got {layer}; valid: 0 .. {self.n_layer - 1}")
+        if x.shape[0] != self.batch_size or x.shape[1] != self._step.positions.shape[1]:
+            raise ValueError(f"{name}: got shape {tuple(x.shape)}; valid: (B={self.batch_size}, "
+                             f"T={self._step.positions.shape[1]}, ...) matching the last reserve")
+
+    def _prefill_length(self) -> int:
+        lens = self.lens
+        if len(set(lens)) != 1:
+            raise ValueError(f"prefill: sequence lengths {lens} differ; valid: prefill ragged prompts one at a time "
+                             f"through view([row])")
+        return lens[0]
+
+    def memory(self) -> dict[str, int]:
+        """bytes_allocated: every buffer; bytes_in_use: the tokens held (whole pages for a paged cache);
+        bytes_per_token: one token of one sequence across all layers."""
+        per_token = sum(b[0, 0].numel() * b.element_size() for b in self.store.buffers)
+        return {
+            "bytes_allocated": sum(b.numel() * b.element_size() for b in self.store.buffers),
+            "bytes_in_use": self.store.tokens_held() * per_token,
+            "bytes_per_token": per_token,
+        }
+
+
+class _KVCache(_Cache):
+    """MHA/GQA/MQA content: K and V of the KV heads only, per layer."""
+
+    def __init__(self, store, n_layer, n_kv_head, d_qk, d_v, backend):
+        super().__init__(store, n_layer, backend)
+        self.k = [store.new_buffer((n_kv_head, d_qk)) for _ in range(n_layer)]  # token-major views / pools
+        self.v = [store.new_buffer((n_kv_head, d_v)) for _ in range(n_layer)]
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor):
+        """Prefill: k (B, H_kv, T, D_qk), v (B, H_kv, T, D_v) -> every cached token (B, H_kv, S, D_*)."""
+        self._write(layer, k, v)
+        S = self._prefill_length()
+        k_all = self.store.prefix(self.k[layer], self.rows, self._rows_t, S)
+        v_all = self.store.prefix(self.v[layer], self.rows, self._rows_t, S)
+        return k_all.transpose(1, 2), v_all.transpose(1, 2)
+
+    def _write(self, layer, k, v):
+        k_t, v_t = k.transpose(1, 2), v.transpose(1, 2)  # (B, T, H_kv, D)
+        self._new_tokens(k_t, layer, "k")
+        self._new_tokens(v_t, layer, "v")
+        self.store.write(self.k[layer], self._step, k_t.to(self.store.dtype))
+        self.store.write(self.v[layer], self._step, v_t.to(self.store.dtype))
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
+        """Decode: q (B, H_q, 1, D_qk), k/v (B, H_kv, 1, D) -> y (B, H_q, 1, D_v) over every cached token."""
+        if q.shape[2] != 1:
+            raise ValueError(f"q: got shape {tuple(q.shape)}; valid: (B, H_q, 1, D_qk) (decode is one token)")
+        self._write(layer, k, v)
+        return self._decode(layer, q[:, :, 0].to(self.store.dtype), scale).to(q.dtype)[:, :, None]
+
+
+class GroupedCache(_KVCache):
+    def __init__(self, batch_size, max_len, n_layer, n_kv_head, d_qk, d_v, *, device, dtype, backend):
+        super().__init__(ContiguousRows(batch_size, max_len, device, dtype), n_layer, n_kv_head, d_qk, d_v,
+                         backend)
+
+    def _decode(self, layer, q, scale):
+        n = max(self.lens)  # the kernel only reads up to each row's length; narrowing S saves the reference work
+        k = self.store.prefix(self.k[layer], self.rows, self._rows_t, n).transpose(1, 2)  # (B, H_kv, n, D)
+        v = self.store.prefix(self.v[layer], self.rows, self._rows_t, n).transpose(1, 2)
+        if self.backend == "torch":
+            return reference.decode_reference(q, k, v, self._step.seq_lens, scale=scale)[0]
+        return kernels.grouped_decode(q, k, v, self._step.seq_lens, scale=scale, validate=False)[0]
+
+
+class PagedCache(_KVCache):
+    def __init__(self, batch_size, max_len, n_layer, n_kv_head, d_qk, d_v, *, device, dtype, backend,
+                 page_size=16, num_pages=None):
+        super().__init__(PagedRows(batch_size, max_len, device, dtype, page_size, num_pages), n_layer, n_kv_head,
+                         d_qk, d_v, backend)
+
+    def _decode(self, layer, q, scale):
+        table = self.store.table(self.rows, self._rows_t)
+        if self.backend == "torch":
+            return reference.paged_decode_reference(q, self.k[layer], self.v[layer], table, self._step.seq_lens,
+                                                    scale=scale)[0]
+        return kernels.paged_grouped_decode(q, self.k[layer], self.v[layer], table, self._step.seq_lens,
+                                            scale=scale, validate=False)[0]
+
+
+class _LatentCache(_Cache):
+    """MLA content: the normalized latent c_kv and the RoPE key shared by all heads, per layer."""
+
+    def __init__(self, store, n_layer, d_c, d_r, backend):
+        super().__init__(store, n_layer, backend)
+        self.c = [store.new_buffer((d_c,)) for _ in range(n_layer)]
+        self.r = [store.new_buffer((d_r,)) for _ in range(n_layer)]
+
+    def _write(self, layer, c_kv, k_rope):
+        self._new_tokens(c_kv, layer, "c_kv")
+        self._new_tokens(k_rope, layer, "k_rope")
+        self.store.write(self.c[layer], self._step, c_kv.to(self.store.dtype))
+        self.store.write(self.r[layer], self._step, k_rope.to(self.store.dtype))
+
+    def append_latent(self, layer: int, c_kv: torch.Tensor, k_rope: torch.Tensor):
+        """Prefill: c_kv (B, T, D_c), k_rope (B, T, D_r) -> (B, S, D_c), (B, S, D_r) every cached token."""
+        self._write(layer, c_kv, k_rope)
+        S = self._prefill_length()
+        return (self.store.prefix(self.c[layer], self.rows, self._rows_t, S),
+                self.store.prefix(self.r[layer], self.rows, self._rows_t, S))
+
+    def attend_latent(self, layer, q_absorbed, q_rope, c_kv, k_rope, scale: float):
+        """Decode: q_absorbed (B, H, 1, D_c), q_rope (B, H, 1, D_r), c_kv (B, 1, D_c), k_rope (B, 1, D_r)
+        -> latent out (B, H, 1, D_c); the caller applies the value up-projection."""
+        if q_absorbed.shape[2] != 1:
+            raise ValueError(f"q_absorbed: got shape {tuple(q_absorbed.shape)}; valid: (B, H, 1, D_c)")
+        self._write(layer, c_kv, k_rope)
+        dt = self.store.dtype
+        out = self._decode(layer, q_absorbed[:, :, 0].to(dt), q_rope[:, :, 0].to(dt), scale)
+        return out.to(q_absorbed.dtype)[:, :, None]
+
+
+class MLACache(_LatentCache):
+    def __init__(self, batch_size, max_len, n_layer, d_c, d_r, *, device, dtype, backend):
+        super().__init__(ContiguousRows(batch_size, max_len, device, dtype), n_layer, d_c, d_r, backend)
+
+    def _decode(self, layer, q_abs, q_rope, scale):
+        n = max(self.lens)
+        c = self.store.prefix(self.c[layer], self.rows, self._rows_t, n)
+        r = self.store.prefix(self.r[layer], self.rows, self._rows_t, n)
+        if self.backend == "torch":
+            return reference.mla_decode_reference(q_abs, q_rope, c, r, self._step.seq_lens, scale=scale)[0]
+        return kernels.mla_decode(q_abs, q_rope, c, r, self._step.seq_lens, scale=scale, validate=False)[0]
+
+
+class PagedMLACache(_LatentCache):
+    def __init__(self, batch_size, max_len, n_layer, d_c, d_r, *, device, dtype, backend, page_size=16,
+                 num_pages=None):
+        super().__init__(PagedRows(batch_size, max_len, device, dtype, page_size, num_pages), n_layer, d_c, d_r,
+                         backend)
+
+    def _decode(self, layer, q_abs, q_rope, scale):
+        table = self.store.table(self.rows, self._rows_t)
+        if self.backend == "torch":
+            return reference.paged_mla_decode_reference(q_abs, q_rope, self.c[layer], self.r[layer], table,
+                                                        self._step.seq_lens, scale=scale)[0]
+        return kernels.paged_mla_decode(q_abs, q_rope, self.c[layer], self.r[layer], table, self._step.seq_lens,
+                                        scale=scale, validate=False)[0]
+
+
+def valid_cache_kinds(config) -> tuple[str, ...]:
+    return ("mla", "paged_mla") if config.attention == "mla" else ("grouped", "paged")
+
+
+def make_cache(kind: str, config, batch_size: int, max_len: int, *, device, dtype=torch.float32,
+               backend: str = "torch", page_size: int = 16, num_pages: int | None = None) -> _Cache:
+    """Build the cache `kind` for a model of GPTConfig `config`: grouped/paged for MHA/GQA/MQA, mla/paged_mla
+    for MLA. Any other combination raises ValueError listing the kinds valid for that model."""
+    valid = valid_cache_kinds(config)
+    if kind not in valid:
+        raise ValueError(f"cache kind: got {kind!r} for a model with attention={config.attention!r}; "
+                         f"valid: {', '.join(valid)}")
+    for name, value in (("batch_size", batch_size), ("max_len", max_len)):
+        if not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name}: got {value!r}; valid: an int >= 1")
+    common = dict(device=device, dtype=dtype, backend=backend)
+    paged = dict(page_size=page_size, num_pages=num_pages)
+    if config.attention == "mla":
+        dims = (config.n_layer, config.kv_lora_rank, config.qk_rope_head_dim)
+        if kind == "mla":
+            return MLACache(batch_size, max_len, *dims, **common)
+        return PagedMLACache(batch_size, max_len, *dims, **common, **paged)
+    head_dim = config.n_embd // config.n_head
+    dims = (config.n_layer, config.n_kv_head, head_dim, head_dim)
+    if kind == "grouped":
+        return GroupedCache(batch_size, max_len, *dims, **common)
+    return PagedCache(batch_size, max_len, *dims, **common, **paged)

@@ -1,0 +1,100 @@
+"""Checkpoints that a crash can never corrupt, and that load anywhere.
+
+`save_checkpoint` writes to a temporary file in the target's directory, fsyncs it and renames it over the target
+(`os.replace` is atomic on POSIX and Windows), so a reader sees the old file or the new one, never half of one.
+`load_checkpoint` maps tensors to `map_location` (a GPU checkpoint loads on a CPU machine) and turns a missing,
+truncated or corrupt file into a `CheckpointError` that says which file and what is wrong with it.
+
+Training checkpoints (`out_dir/last.pt`, `out_dir/best.pt`) are dicts with the keys of `TRAIN_KEYS`; their
+contents are plain tensors, numbers, strings and containers, so they load with `torch.load(weights_only=True)`.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+
+TRAIN_KEYS = (
+    "model",  # state_dict, no `_orig_mod.` / `module.` prefixes
+    "model_args",  # GPTConfig as a dict
+    "config",  # the resolved train config
+    "iter_num",  # completed iterations
+    "best_val_loss",
+    "optimizer",
+    "scaler",  # GradScaler state (empty unless fp16)
+    "rng",  # torch / cuda / numpy / python RNG states
+    "data_state",  # the batch sampler's generator state
+    "tokenizer",  # the dataset's meta dict (data.get_tokenizer rebuilds the tokenizer from it)
+)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that is missing, truncated, corrupt, or lacks the keys its reader needs."""
+
+
+def save_checkpoint(path: str | os.PathLike, obj: dict) -> None:
+    """Write `obj` to `path` atomically: temp file in the same directory, fsync, rename over `path`."""
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(obj, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    _fsync_directory(directory)  # make the rename itself durable
+
+
+def _fsync_directory(directory: str) -> None:
+    if os.name != "posix":
+        return
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def load_checkpoint(path: str | os.PathLike, map_location="cpu", required_keys: tuple[str, ...] = ()) -> dict:
+    """Load a checkpoint dict onto `map_location`; raise CheckpointError for a missing, truncated or corrupt file,
+    or one that lacks any of `required_keys` (pass `TRAIN_KEYS` to resume training)."""
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise CheckpointError(f"checkpoint {path!r}: no such file (train.py writes out_dir/last.pt and best.pt)")
+    size = os.path.getsize(path)
+    try:
+        obj = torch.load(path, map_location=map_location, weights_only=True)
+    except Exception as e:  # torch raises RuntimeError, EOFError, UnpicklingError, ... depending on the damage
+        raise CheckpointError(
+            f"checkpoint {path!r} ({size} bytes) is truncated or corrupt and cannot be loaded "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no detail'})"
+        ) from e
+    if not isinstance(obj, dict):
+        raise CheckpointError(f"checkpoint {path!r}: expected a dict, got {type(obj).__name__}")
+    missing = [k for k in required_keys if k not in obj]
+    if missing:
+        raise CheckpointError(f"checkpoint {path!r}: missing keys {missing}; it has {sorted(obj)}")
+    return obj
+
+
+def clean_state_dict(state_dict: dict) -> dict:
+    """Strip the `_orig_mod.` (torch.compile) and `module.` (DDP) prefixes so names match a plain GPT."""
+    prefixes = ("_orig_mod.", "module.")
+    out = {}
+    for name, tensor in state_dict.items():
+        changed = True
+        while changed:
+            changed = False
+            for p in prefixes:
+                if name.startswith(p):
+                    name, changed = name[len(p) :], True
+        out[name] = tensor
+    return out

@@ -1,0 +1,548 @@
+"""A small GPT with a choice of attention: MHA, GQA, MQA or DeepSeek-V2's multi-head latent attention (MLA).
+
+The model is nanoGPT's GPT-2 (pre-LayerNorm blocks, GELU MLP, tied embeddings) with the attention made
+configurable. Every variant has two interchangeable attention paths behind one switch (`causal_attention`):
+our Triton flash-attention kernel (`kernels.flash_gqa_attention`, differentiable, no K/V repetition for GQA)
+and plain PyTorch (the reference, and the fallback on machines without a GPU). `attn_backend="auto"` picks
+Triton on CUDA and PyTorch elsewhere.
+
+    python -c "from model import GPT, GPTConfig; GPT(GPTConfig(attention='gqa', n_kv_head=4))"
+    python -c "from model import GPT; GPT.from_pretrained('gpt2')"      # needs transformers and the network
+
+Attention variants (head_dim = n_embd // n_head for the GQA family):
+    mha   n_kv_head == n_head K/V heads (None -> n_head; another value is an error)
+    gqa   n_kv_head K/V heads, 1 <= n_kv_head <= n_head, dividing n_head (must be given)
+    mqa   one K/V head (None -> 1; another value is an error)
+    mla   K/V compressed into a latent c_kv of kv_lora_rank (RMSNorm'd) plus a RoPE key of qk_rope_head_dim
+          shared by all heads; per-head up-projections W_UK (c_kv -> qk_nope_head_dim) and W_UV
+          (c_kv -> v_head_dim); optional query compression (q_lora_rank > 0). n_kv_head resolves to n_head
+          (training materializes n_head K/V heads). The MLA fields are ignored by the other variants.
+
+Positions: pos_embedding="learned" adds GPT-2's learned absolute position embedding to the token embedding;
+"rope" uses rotary embeddings instead (GQA family: all head_dim dims of q and k are rotated, rotate-half
+pairing (i, i + D/2) as in GPT-NeoX/Llama). MLA rotates only its decoupled RoPE part (q_rope and the shared
+k_rope) whatever pos_embedding says, because the absorbed decode needs position-free nope keys; for MLA
+pos_embedding="learned" additionally adds the learned absolute embedding, "rope" adds nothing else.
+
+Generation: `forward(idx, cache=cache)` appends idx to every sequence held by `cache` and returns their logits.
+The model calls only `cache.reserve(T)` (positions of the new tokens), then per layer `cache.append` /
+`cache.attend` (GQA family) or `cache.append_latent` / `cache.attend_latent` (MLA); prefill (T > 1) runs the
+flash kernel over the cached prefix (bottom-right causal), decode (T == 1) lets the cache run its decode kernel.
+MLA decodes in the absorbed form: q_absorbed = q_nope W_UK[h] attends to the latent cache, and the value
+up-projection W_UV[h] is applied to the latent output afterwards, so the cache holds only
+kv_lora_rank + qk_rope_head_dim numbers per token per layer.
+
+Dropout: applied to the embeddings and to each residual branch; there is no dropout on the attention
+probabilities (the flash kernel has none, and both paths must compute the same function).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kernels import flash_gqa_attention
+from kernels.reference import causal_mask
+
+ATTENTIONS = ("mha", "gqa", "mqa", "mla")
+POS_EMBEDDINGS = ("learned", "rope")
+ATTN_BACKENDS = ("triton", "torch", "auto")
+GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
+
+# Dense bf16 tensor-core peaks (FLOP/s) from the vendors' datasheets, matched against
+# torch.cuda.get_device_name() in this order (the first substring that occurs wins: "H100 PCIe" before "H100").
+PEAK_BF16_FLOPS = (
+    ("GH200", 989e12),
+    ("H200", 989e12),
+    ("H100 PCIe", 756e12),
+    ("H100 NVL", 835e12),
+    ("H100", 989e12),
+    ("H800", 989e12),
+    ("B200", 2250e12),
+    ("A100", 312e12),
+    ("A800", 312e12),
+    ("L40S", 362e12),
+    ("L40", 181e12),
+    ("L4", 121e12),
+)
+
+
+def _invalid(field: str, got, valid: str):
+    raise ValueError(f"GPTConfig.{field}: got {got!r}; valid: {valid}")
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 50304  # GPT-2's 50257 padded up to a multiple of 64
+    block_size: int = 1024
+    n_layer: int = 12
+    n_head: int = 12
+    n_embd: int = 768
+    dropout: float = 0.0
+    bias: bool = True  # biases in the Linears and LayerNorms, as GPT-2
+    attention: str = "mha"  # one of ATTENTIONS
+    n_kv_head: int | None = None  # K/V heads; resolved in __post_init__ (see the module docstring)
+    kv_lora_rank: int = 0  # MLA: latent width D_c
+    q_lora_rank: int = 0  # MLA: query compression width (0 = one plain query projection)
+    qk_nope_head_dim: int = 0  # MLA: per-head query/key dims without position
+    qk_rope_head_dim: int = 0  # MLA: per-head query dims / shared key dims with RoPE (even)
+    v_head_dim: int = 0  # MLA: per-head value dims
+    pos_embedding: str = "learned"  # one of POS_EMBEDDINGS
+    rope_theta: float = 10000.0
+    attn_backend: str = "auto"  # one of ATTN_BACKENDS
+
+    def __post_init__(self):
+        for field in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                _invalid(field, value, "a positive int")
+        if not 0.0 <= self.dropout < 1.0:
+            _invalid("dropout", self.dropout, "a float in [0, 1)")
+        for field, choices in (("attention", ATTENTIONS), ("pos_embedding", POS_EMBEDDINGS),
+                               ("attn_backend", ATTN_BACKENDS)):
+            if getattr(self, field) not in choices:
+                _invalid(field, getattr(self, field), " | ".join(repr(c) for c in choices))
+        if not self.rope_theta > 0:
+            _invalid("rope_theta", self.rope_theta, "a positive float")
+        if self.attention == "mla":
+            self._check_mla()
+        else:
+            self._check_gqa_family()
+
+    def _check_gqa_family(self):
+        if self.n_embd % self.n_head:
+            _invalid("n_embd", self.n_embd, f"a multiple of n_head={self.n_head}")
+        if self.pos_embedding == "rope" and (self.n_embd // self.n_head) % 2:
+            _invalid("n_embd", self.n_embd, f"n_embd // n_head even for RoPE (head_dim {self.n_embd // self.n_head})")
+        derived = {"mha": self.n_head, "mqa": 1}.get(self.attention)
+        if derived is not None:  # mha / mqa fix the head count: None means "derive it"
+            if self.n_kv_head not in (None, derived):
+                _invalid("n_kv_head", self.n_kv_head, f"None or {derived} for attention={self.attention!r}")
+            self.n_kv_head = derived
+            return
+        n_kv = self.n_kv_head
+        if isinstance(n_kv, bool) or not isinstance(n_kv, int) or not 1 <= n_kv <= self.n_head \
+                or self.n_head % n_kv:
+            _invalid("n_kv_head", n_kv, f"an int in [1, n_head={self.n_head}] that divides n_head for attention='gqa'")
+
+    def _check_mla(self):
+        for field in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+            value = getattr(self, field)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                _invalid(field, value, "a positive int for attention='mla'")
+        if self.qk_rope_head_dim % 2:
+            _invalid("qk_rope_head_dim", self.qk_rope_head_dim, "an even int (RoPE rotates pairs)")
+        if isinstance(self.q_lora_rank, bool) or not isinstance(self.q_lora_rank, int) or self.q_lora_rank < 0:
+            _invalid("q_lora_rank", self.q_lora_rank, "an int >= 0 (0 = no query compression)")
+        if self.n_kv_head not in (None, self.n_head):
+            _invalid("n_kv_head", self.n_kv_head, f"None or n_head={self.n_head} for attention='mla'")
+        self.n_kv_head = self.n_head
+
+    @property
+    def qk_head_dim(self) -> int:
+        """D_qk of the attention kernels: head_dim, or MLA's nope + rope."""
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.attention == "mla" else self.n_embd // self.n_head
+
+    @property
+    def v_dim(self) -> int:
+        """D_v of the attention kernels: head_dim, or MLA's v_head_dim."""
+        return self.v_head_dim if self.attention == "mla" else self.n_embd // self.n_head
+
+    @property
+    def rope_dim(self) -> int:
+        """How many dims of each query/key head RoPE rotates (0: no RoPE)."""
+        if self.attention == "mla":
+            return self.qk_rope_head_dim
+        return self.n_embd // self.n_head if self.pos_embedding == "rope" else 0
+
+
+def causal_attention(q, k, v, scale: float, backend: str) -> torch.Tensor:
+    """The one attention switch. q (B, H_q, S_q, D_qk), k (B, H_kv, S_kv, D_qk), v (B, H_kv, S_kv, D_v) ->
+    (B, H_q, S_q, D_v). Causal with bottom-right alignment: query i sits at position S_kv - S_q + i, so a cached
+    prefix of S_kv - S_q tokens is visible to every query. Query head h reads K/V head h // (H_q // H_kv)."""
+    if backend == "triton":
+        return flash_gqa_attention(q, k, v, scale=scale, causal=True)
+    # Plain PyTorch: the math of kernels.reference.attention_reference, differentiable, in the input dtype
+    # (SDPA accumulates in fp32 like the flash kernel; an fp32 (S_q, S_kv) score matrix per head would not fit
+    # at training sizes). K/V are repeated to the query heads explicitly.
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    if q.shape[2] == k.shape[2]:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    mask = causal_mask(q.shape[2], k.shape[2], q.device)  # SDPA's is_causal is top-left aligned
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+
+def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float):
+    """positions (B|1, T) -> cos, sin (B|1, T, dim / 2) in fp32 (bf16 angles would be off by whole radians)."""
+    inv_freq = theta ** (-torch.arange(0, dim, 2, device=positions.device, dtype=torch.float32) / dim)
+    angles = positions[..., None].float() * inv_freq
+    return angles.cos(), angles.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate the pairs (i, i + D/2) of x (B, T, H, D) or (B, T, D) by the angles of cos/sin (B|1, T, D/2)."""
+    if x.ndim == 4:
+        cos, sin = cos[:, :, None], sin[:, :, None]
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with an optional bias (PyTorch's has no bias=False before 2.1)."""
+
+    def __init__(self, ndim: int, bias: bool):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(ndim))
+        self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
+
+    def forward(self, x):
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
+
+
+class RMSNorm(nn.Module):
+    """MLA's norm of the compressed latents; computed in fp32, returned in the input dtype."""
+
+    def __init__(self, ndim: int, eps: float = 1e-6):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(ndim))
+        self.eps = eps
+
+    def forward(self, x):
+        return F.rms_norm(x.float(), self.weight.shape, self.weight.float(), self.eps).type_as(x)
+
+
+class CausalSelfAttention(nn.Module):
+    """MHA / GQA / MQA: n_head query heads over n_kv_head K/V heads; c_attn projects only the K/V heads kept."""
+
+    def __init__(self, config: GPTConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
+        self.head_dim = config.n_embd // config.n_head
+        self.scale = 1.0 / math.sqrt(self.head_dim)
+        # Rows [q | k | v]; for MHA this is exactly GPT-2's c_attn.
+        self.c_attn = nn.Linear(config.n_embd, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=config.bias)
+        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x, rope, cache, backend: str):
+        B, T, _ = x.shape
+        H, H_kv, D = self.n_head, self.n_kv_head, self.head_dim
+        q, k, v = self.c_attn(x).split([H * D, H_kv * D, H_kv * D], dim=2)
+        q, k, v = q.view(B, T, H, D), k.view(B, T, H_kv, D), v.view(B, T, H_kv, D)
+        if rope is not None:
+            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|H_kv, T, D)
+        if cache is None:
+            y = causal_attention(q, k, v, self.scale, backend)
+        elif T == 1:
+            y = cache.attend(self.layer_idx, q, k, v, self.scale)
+        else:
+            k, v = cache.append(self.layer_idx, k, v)  # (B, H_kv, S, D): the cached prefix and these T tokens
+            k, v = k.to(q.dtype), v.to(q.dtype)  # the cache may store another dtype than autocast computes in
+            y = causal_attention(q, k, v, self.scale, backend)
+        y = y.transpose(1, 2).reshape(B, T, H * D)
+        return self.resid_dropout(self.c_proj(y))
+
+
+class MultiHeadLatentAttention(nn.Module):
+    """DeepSeek-V2 MLA. Letters: D_c = kv_lora_rank, D_n = qk_nope_head_dim, D_r = qk_rope_head_dim,
+    D_v = v_head_dim. Per head h: k_nope = c_kv W_UK[h]^T, v = c_kv W_UV[h]^T, k = [k_nope, k_rope] with k_rope
+    shared by every head; q = [q_nope, q_rope]."""
+
+    def __init__(self, config: GPTConfig, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.n_head = config.n_head
+        self.d_c, self.d_n = config.kv_lora_rank, config.qk_nope_head_dim
+        self.d_r, self.d_v = config.qk_rope_head_dim, config.v_head_dim
+        self.scale = 1.0 / math.sqrt(self.d_n + self.d_r)
+        q_dim = self.n_head * (self.d_n + self.d_r)
+        if config.q_lora_rank > 0:
+            self.q_a_proj = nn.Linear(config.n_embd, config.q_lora_rank, bias=config.bias)
+            self.q_a_norm = RMSNorm(config.q_lora_rank)
+            self.q_b_proj = nn.Linear(config.q_lora_rank, q_dim, bias=config.bias)
+        else:
+            self.q_proj = nn.Linear(config.n_embd, q_dim, bias=config.bias)
+        self.kv_a_proj = nn.Linear(config.n_embd, self.d_c + self.d_r, bias=config.bias)  # W_DKV and W_KR
+        self.kv_a_norm = RMSNorm(self.d_c)
+        # Rows per head [W_UK[h] (D_n) | W_UV[h] (D_v)]. No bias: the absorbed decode multiplies these weights
+        # into the query and the output, and a bias would need terms of its own there.
+        self.kv_b_proj = nn.Linear(self.d_c, self.n_head * (self.d_n + self.d_v), bias=False)
+        self.c_proj = nn.Linear(self.n_head * self.d_v, config.n_embd, bias=config.bias)
+        self.resid_dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x, rope, cache, backend: str):
+        B, T, _ = x.shape
+        H = self.n_head
+        q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x))) if hasattr(self, "q_a_proj") else self.q_proj(x)
+        q_nope, q_rope = q.view(B, T, H, self.d_n + self.d_r).split([self.d_n, self.d_r], dim=-1)
+        c_kv, k_rope = self.kv_a_proj(x).split([self.d_c, self.d_r], dim=-1)
+        c_kv = self.kv_a_norm(c_kv)  # (B, T, D_c)
+        q_rope, k_rope = apply_rope(q_rope, *rope), apply_rope(k_rope, *rope)  # k_rope (B, T, D_r), no head axis
+        q_nope, q_rope = q_nope.transpose(1, 2), q_rope.transpose(1, 2)  # (B, H, T, D_n), (B, H, T, D_r)
+        if cache is not None and T == 1:
+            y = self._decode_absorbed(q_nope, q_rope, c_kv, k_rope, cache)
+        else:
+            if cache is not None:
+                c_kv, k_rope = cache.append_latent(self.layer_idx, c_kv, k_rope)  # (B, S, D_c), (B, S, D_r)
+                c_kv, k_rope = c_kv.to(q_nope.dtype), k_rope.to(q_rope.dtype)
+            y = self._attend_unabsorbed(q_nope, q_rope, c_kv, k_rope, backend)
+        y = y.transpose(1, 2).reshape(B, T, H * self.d_v)  # y (B, H, T, D_v)
+        return self.resid_dropout(self.c_proj(y))
+
+    def _up_weights(self):
+        """W_UK (H, D_n, D_c) and W_UV (H, D_v, D_c), views of kv_b_proj.weight."""
+        w = self.kv_b_proj.weight.view(self.n_head, self.d_n + self.d_v, self.d_c)
+        return w.split([self.d_n, self.d_v], dim=1)
+
+    def _attend_unabsorbed(self, q_nope, q_rope, c_kv, k_rope, backend):
+        """Training and prefill: materialize per-head K (D_n + D_r) and V (D_v) and run the flash kernel."""
+        B, S, _ = c_kv.shape
+        H = self.n_head
+        kv = self.kv_b_proj(c_kv).view(B, S, H, self.d_n + self.d_v).transpose(1, 2)
+        k_nope, v = kv.split([self.d_n, self.d_v], dim=-1)  # (B, H, S, D_n), (B, H, S, D_v)
+        k = torch.cat([k_nope, k_rope[:, None].expand(B, H, S, self.d_r)], dim=-1)
+        q = torch.cat([q_nope, q_rope], dim=-1)
+        return causal_attention(q, k, v, self.scale, backend)
+
+    def _decode_absorbed(self, q_nope, q_rope, c_kv, k_rope, cache):
+        """Decode: q_nope . k_nope = (q_nope W_UK[h]) . c_kv, so the query moves into the latent space and every
+        head attends to the one shared latent cache; W_UV[h] is applied to the latent output afterwards."""
+        w_uk, w_uv = self._up_weights()
+        q_absorbed = torch.einsum("bhtn,hnc->bhtc", q_nope, w_uk)  # (B, H, 1, D_c)
+        latent = cache.attend_latent(self.layer_idx, q_absorbed, q_rope, c_kv, k_rope, self.scale)
+        return torch.einsum("bhtc,hvc->bhtv", latent, w_uv)  # (B, H, 1, D_v)
+
+
+class MLP(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.gelu = nn.GELU(approximate="tanh")  # GPT-2's "gelu_new": from_pretrained matches it exactly
+        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.dropout = nn.Dropout(config.dropout)
+
+    def forward(self, x):
+        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+
+
+class Block(nn.Module):
+    def __init__(self, config: GPTConfig, layer_idx: int):
+        super().__init__()
+        self.ln_1 = LayerNorm(config.n_embd, bias=config.bias)
+        attention = MultiHeadLatentAttention if config.attention == "mla" else CausalSelfAttention
+        self.attn = attention(config, layer_idx)
+        self.ln_2 = LayerNorm(config.n_embd, bias=config.bias)
+        self.mlp = MLP(config)
+
+    def forward(self, x, rope, cache, backend: str):
+        x = x + self.attn(self.ln_1(x), rope, cache, backend)
+        return x + self.mlp(self.ln_2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, config: GPTConfig):
+        super().__init__()
+        self.config = config
+        modules = dict(
+            wte=nn.Embedding(config.vocab_size, config.n_embd),
+            drop=nn.Dropout(config.dropout),
+            h=nn.ModuleList([Block(config, i) for i in range(config.n_layer)]),
+            ln_f=LayerNorm(config.n_embd, bias=config.bias),
+        )
+        if config.pos_embedding == "learned":
+            modules["wpe"] = nn.Embedding(config.block_size, config.n_embd)
+        self.transformer = nn.ModuleDict(modules)
+        self.lm_head = nn.Linear(config.n_embd, config.vocab_size, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # weight tying
+        self.apply(self._init_weights)
+        # GPT-2: residual projections scaled by 1/sqrt(2 * n_layer) (two residual additions per block).
+        for name, p in self.named_parameters():
+            if name.endswith("c_proj.weight"):
+                nn.init.normal_(p, mean=0.0, std=0.02 / math.sqrt(2 * config.n_layer))
+
+    @staticmethod
+    def _init_weights(module):
+        if isinstance(module, nn.Linear):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+            if module.bias is not None:
+                nn.init.zeros_(module.bias)
+        elif isinstance(module, nn.Embedding):
+            nn.init.normal_(module.weight, mean=0.0, std=0.02)
+
+    def attn_backend_for(self, device) -> str:
+        """config.attn_backend resolved for tensors on `device`: "auto" is Triton on CUDA, PyTorch elsewhere."""
+        if self.config.attn_backend != "auto":
+            return self.config.attn_backend
+        return "triton" if torch.device(device).type == "cuda" else "torch"
+
+    def forward(self, idx, targets=None, cache=None):
+        """idx (B, T) token ids -> (logits (B, T, vocab_size), loss or None). With a cache, idx are new tokens
+        appended to every cached sequence (positions from cache.reserve); without one, idx is the whole sequence."""
+        B, T = idx.shape
+        if cache is not None:
+            positions = cache.reserve(T)  # (B, T)
+        else:
+            positions = torch.arange(T, device=idx.device)[None]  # (1, T)
+        self._check_positions(positions, T, cache)
+        x = self.transformer.wte(idx)
+        if self.config.pos_embedding == "learned":
+            x = x + self.transformer.wpe(positions)
+        x = self.transformer.drop(x)
+        rope = rope_cos_sin(positions, self.config.rope_dim, self.config.rope_theta) if self.config.rope_dim else None
+        backend = self.attn_backend_for(idx.device)
+        for block in self.transformer.h:
+            x = block(x, rope, cache, backend)
+        logits = self.lm_head(self.transformer.ln_f(x))
+        loss = None
+        if targets is not None:
+            loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+        return logits, loss
+
+    def _check_positions(self, positions, T: int, cache):
+        """Learned positions stop at block_size; RoPE has no table, so it may go on (extrapolating)."""
+        if self.config.pos_embedding != "learned":
+            return
+        limit = self.config.block_size
+        if cache is None and T > limit:
+            raise ValueError(f"idx: got a sequence of {T} tokens; valid: at most block_size={limit}")
+        # With a cache the positions live on the device: reading them on a GPU would sync every decode step,
+        # so the check runs on the CPU only (sample.py stops at block_size; on a GPU an out-of-range position
+        # still fails loudly, as the embedding's device-side index assert).
+        if cache is not None and T > 0 and positions.device.type == "cpu":
+            last = int(positions.max())
+            if last >= limit:
+                raise ValueError(f"cache: position {last} reached; valid: positions < block_size={limit} "
+                                 "(learned position embeddings)")
+
+    def crop_block_size(self, block_size: int):
+        """Shrink the context (e.g. to fine-tune a GPT-2 checkpoint on shorter blocks)."""
+        if not 1 <= block_size <= self.config.block_size:
+            raise ValueError(f"block_size: got {block_size}; valid: 1..{self.config.block_size}")
+        self.config.block_size = block_size
+        if "wpe" in self.transformer:
+            self.transformer.wpe.weight = nn.Parameter(self.transformer.wpe.weight[:block_size])
+
+    def num_params(self, non_embedding: bool = True) -> int:
+        """Parameter count; non_embedding drops the position table (the token table is tied to lm_head)."""
+        n = sum(p.numel() for p in self.parameters())
+        if non_embedding and "wpe" in self.transformer:
+            n -= self.transformer.wpe.weight.numel()
+        return n
+
+    def configure_optimizers(self, weight_decay: float, learning_rate: float, betas, device_type: str):
+        """AdamW; weight decay on matrices and embeddings (>= 2-d) only, not on biases and norm gains."""
+        params = [p for p in self.parameters() if p.requires_grad]
+        groups = [
+            {"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+            {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0},
+        ]
+        fused = device_type == "cuda" and "fused" in inspect.signature(torch.optim.AdamW).parameters
+        return torch.optim.AdamW(groups, lr=learning_rate, betas=betas, **({"fused": True} if fused else {}))
+
+    def flops_per_token(self, seq_len: int | None = None) -> float:
+        """Training FLOPs (forward + backward) per token of a seq_len-token sequence (default block_size).
+        Matmuls: 6 per weight of every Linear (lm_head included; embedding lookups are free), from the actual
+        projection shapes of the variant. Attention: per layer and head, the scores cost 2 D_qk and P V 2 D_v
+        FLOPs per (query, key) pair, a causal token sees seq_len / 2 keys on average (the kernels skip masked
+        tiles), times 3 for forward + backward: 3 * n_layer * n_head * (D_qk + D_v) * seq_len. (nanoGPT/PaLM
+        count the full square, twice this term.)"""
+        cfg = self.config
+        T = cfg.block_size if seq_len is None else seq_len
+        n_matmul = sum(m.weight.numel() for m in self.modules() if isinstance(m, nn.Linear))
+        return 6 * n_matmul + 3 * cfg.n_layer * cfg.n_head * (cfg.qk_head_dim + cfg.v_dim) * T
+
+    def estimate_mfu(self, fwdbwd_per_iter: int, dt: float, peak_flops: float | None = None) -> float | None:
+        """Model FLOPs utilization: achieved FLOP/s of fwdbwd_per_iter block_size-token sequences in dt seconds
+        over the GPU's dense bf16 peak (PEAK_BF16_FLOPS, or peak_flops). None where the peak is unknown (the
+        CPU, an unlisted GPU)."""
+        if peak_flops is None:
+            peak_flops = peak_bf16_flops(next(self.parameters()).device)
+        if not peak_flops:
+            return None
+        flops_per_iter = self.flops_per_token() * self.config.block_size * fwdbwd_per_iter
+        return flops_per_iter / dt / peak_flops
+
+    def kv_cache_bytes_per_token(self, dtype: torch.dtype = torch.bfloat16) -> int:
+        """Cache bytes one token costs across all layers: K and V of n_kv_head heads, or MLA's latent + rope key."""
+        cfg = self.config
+        size = torch.empty((), dtype=dtype).element_size()
+        if cfg.attention == "mla":
+            return cfg.n_layer * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * size
+        return 2 * cfg.n_layer * cfg.n_kv_head * (cfg.n_embd // cfg.n_head) * size
+
+    @classmethod
+    def from_pretrained(cls, name_or_path: str, override_args: dict | None = None) -> "GPT":
+        """OpenAI GPT-2 weights (GPT2_NAMES, through transformers and the hub) or a local directory written by
+        GPT2LMHeadModel.save_pretrained, into an MHA model with learned positions. override_args may set
+        dropout and attn_backend."""
+        override_args = dict(override_args or {})
+        unknown = sorted(set(override_args) - {"dropout", "attn_backend"})
+        if unknown:
+            raise ValueError(f"override_args: got keys {unknown}; valid: 'dropout', 'attn_backend'")
+        if not os.path.isdir(name_or_path) and name_or_path not in GPT2_NAMES:
+            raise ValueError(f"name_or_path: got {name_or_path!r}; valid: one of {GPT2_NAMES} or a directory "
+                             "saved by GPT2LMHeadModel.save_pretrained")
+        try:
+            from transformers import GPT2LMHeadModel
+        except ImportError as e:
+            raise ImportError("GPT.from_pretrained needs transformers: pip install transformers") from e
+        try:
+            hf = GPT2LMHeadModel.from_pretrained(name_or_path)
+        except OSError as e:
+            raise OSError(f"could not load GPT-2 weights {name_or_path!r} ({e}). Hub names need the network; "
+                          "offline, pass a directory written by GPT2LMHeadModel.save_pretrained") from e
+        config = GPTConfig(**_config_from_gpt2(hf.config), **{"dropout": 0.0, **override_args})
+        model = cls(config)
+        _copy_gpt2_weights(hf.state_dict(), model)
+        return model
+
+
+def _config_from_gpt2(hf_config) -> dict:
+    """GPTConfig fields of a transformers GPT2Config; settings this model does not implement are refused."""
+    supported = {
+        "activation_function": ("gelu_new", "gelu_pytorch_tanh"),
+        "layer_norm_epsilon": (1e-5,),
+        "scale_attn_weights": (True,),
+        "scale_attn_by_inverse_layer_idx": (False,),
+        "n_inner": (None, 4 * hf_config.n_embd),
+    }
+    for field, valid in supported.items():
+        if getattr(hf_config, field, valid[0]) not in valid:
+            raise ValueError(f"GPT2Config.{field}: got {getattr(hf_config, field)!r}; valid: {valid}")
+    return dict(vocab_size=hf_config.vocab_size, block_size=hf_config.n_positions, n_layer=hf_config.n_layer,
+                n_head=hf_config.n_head, n_embd=hf_config.n_embd, bias=True, attention="mha",
+                pos_embedding="learned")
+
+
+def _copy_gpt2_weights(sd_hf: dict, model: GPT):
+    """Copy a GPT2LMHeadModel state_dict into model. HF's Conv1D stores weights (in, out): transposed here."""
+    ignored = (".attn.masked_bias", ".attn.bias")  # causal-mask buffers of older transformers versions
+    sd_hf = {k: v for k, v in sd_hf.items() if not k.endswith(ignored) and k != "lm_head.weight"}  # lm_head: tied
+    sd = model.state_dict()
+    ours = set(sd) - {"lm_head.weight"}
+    if ours != set(sd_hf):
+        raise ValueError(f"GPT-2 state_dict: keys differ; missing {sorted(ours - set(sd_hf))[:5]}, "
+                         f"unexpected {sorted(set(sd_hf) - ours)[:5]}")
+    conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
+    with torch.no_grad():
+        for key, value in sd_hf.items():
+            sd[key].copy_(value.t() if key.endswith(conv1d) else value)
+
+
+def peak_bf16_flops(device) -> float | None:
+    """The dense bf16 peak of the GPU holding `device` (PEAK_BF16_FLOPS), None for the CPU and unlisted GPUs."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in PEAK_BF16_FLOPS if key in name), None)

@@ -1,0 +1,303 @@
+"""The KV caches on their own (no model): the block allocator's invariants under random use, exhaustion, the
+paged bookkeeping against a shadow copy of every sequence, and each cache's decode (torch reference and Triton
+kernels) against the reference attention over the same tokens, through ragged lengths, release and reuse."""
+
+import random
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import DEVICE, KERNEL_DTYPES, assert_close
+
+from cache import BlockAllocator, CacheFullError, make_cache
+from kernels import reference
+
+GQA = SimpleNamespace(attention="gqa", n_layer=2, n_head=4, n_kv_head=2, n_embd=64)  # head_dim 16
+MLA = SimpleNamespace(attention="mla", n_layer=2, n_head=4, kv_lora_rank=32, qk_rope_head_dim=8)
+
+
+# ----------------------------------------------------------------------------------------------- allocator
+
+
+def test_allocator_random_sequences_keep_invariants():
+    rng = random.Random(0)
+    alloc = BlockAllocator(37)
+    owned: dict[int, list[int]] = {}  # sequence id -> its pages
+    ever_freed, reused = set(), 0
+    for step in range(2000):
+        if owned and rng.random() < 0.4:
+            seq = rng.choice(list(owned))
+            pages = owned.pop(seq)
+            alloc.free(pages)
+            ever_freed.update(pages)
+        else:
+            n = rng.randint(0, 6)
+            if alloc.can_allocate(n):
+                pages = alloc.allocate(n)
+                reused += len(set(pages) & ever_freed)
+                owned[step] = pages
+            else:
+                before = (alloc.num_free, alloc.num_used)
+                with pytest.raises(CacheFullError):
+                    alloc.allocate(n)
+                assert (alloc.num_free, alloc.num_used) == before, "a failed allocate changed the pool"
+        alloc.check()
+        held = [p for ps in owned.values() for p in ps]
+        assert len(held) == len(set(held)), f"step {step}: a page is owned by two sequences"
+        assert len(held) == alloc.num_used and alloc.num_free + len(held) == 37, f"step {step}: leak"
+    assert reused > 0, "freed pages were never handed out again"
+
+
+def test_allocator_exhaustion_message_and_bad_free():
+    alloc = BlockAllocator(4)
+    pages = alloc.allocate(3)
+    with pytest.raises(CacheFullError, match=r"asked for 2 pages, 1 free of 4 .*--num_pages.*batch"):
+        alloc.allocate(2)
+    assert alloc.num_free == 1
+    with pytest.raises(ValueError, match="pages: got"):
+        alloc.free([pages[0], pages[0]])
+    alloc.free([pages[0]])
+    with pytest.raises(ValueError, match="not owned"):
+        alloc.free([pages[0]])
+    assert alloc.allocate(1) == [pages[0]], "the freed page is the next one handed out"
+    with pytest.raises(ValueError, match="num_pages"):
+        BlockAllocator(0)
+    alloc.check()
+
+
+# ----------------------------------------------------------------------------------- paged bookkeeping
+
+
+def _paged_consistency(cache, shadow):
+    store = cache.store
+    store.allocator.check()
+    held = [p for ps in store.pages for p in ps]
+    assert len(held) == len(set(held)), "a page belongs to two sequences"
+    assert len(held) == store.allocator.num_used, "pages leaked"
+    table = store.block_table.cpu()
+    for r, toks in enumerate(shadow):
+        assert store.lens[r] == len(toks)
+        assert len(store.pages[r]) == -(-len(toks) // store.page_size)
+        assert table[r, :len(store.pages[r])].tolist() == store.pages[r]
+        if toks:
+            k_all, _ = _read(cache, r)
+            torch.testing.assert_close(k_all, torch.stack(toks, 1), rtol=0, atol=0)
+
+
+def _read(cache, r):
+    view = cache.view([r])
+    n = cache.store.lens[r]
+    k = view.store.prefix(view.k[0], view.rows, view._rows_t, n).transpose(1, 2)
+    return k[0], None
+
+
+def test_paged_random_grow_release_matches_shadow():
+    """Random growth (batch-1 prefill of 1..7 tokens) and release of 5 sequences over a pool too small for all
+    of them: every sequence reads back exactly what was written, whatever was freed and reused around it."""
+    rng = random.Random(1)
+    cache = make_cache("paged", GQA, 5, 40, device=DEVICE, page_size=4, num_pages=18)
+    shadow = [[] for _ in range(5)]  # row -> list of (H_kv, D) tokens of layer 0's K
+    full = 0
+    for _ in range(300):
+        r = rng.randrange(5)
+        if shadow[r] and rng.random() < 0.25:
+            cache.release(r)
+            shadow[r] = []
+        else:
+            T = rng.randint(1, 7)
+            if len(shadow[r]) + T > 40:
+                continue
+            view = cache.view([r])
+            k = torch.randn(1, 2, T, 16, device=DEVICE)
+            try:
+                view.reserve(T)
+            except CacheFullError:
+                full += 1
+                _paged_consistency(cache, shadow)  # nothing changed
+                continue
+            view.append(0, k, k)
+            shadow[r] += list(k[0].unbind(1))
+        _paged_consistency(cache, shadow)
+    assert full > 0, "the test never exhausted the pool"
+
+
+def test_paged_exhaustion_raises_and_leaves_others_intact():
+    cache = make_cache("paged", GQA, 3, 32, device=DEVICE, page_size=4, num_pages=6)
+    data = {}
+    for r, n in ((0, 10), (1, 8)):  # 3 + 2 pages
+        view = cache.view([r])
+        view.reserve(n)
+        data[r] = torch.randn(1, 2, n, 16, device=DEVICE)
+        view.append(0, data[r], data[r])
+    before = ([list(p) for p in cache.store.pages], list(cache.store.lens), cache.store.block_table.clone())
+    # rows 0 and 1 each need one more page for 3 more tokens: 2 pages asked, 1 free -> nothing allocated at all
+    with pytest.raises(CacheFullError, match=r"asked for 2 pages, 1 free of 6"):
+        cache.view([0, 1]).reserve(3)
+    with pytest.raises(CacheFullError, match="--num_pages"):
+        cache.view([2]).reserve(8)
+    assert ([list(p) for p in cache.store.pages], list(cache.store.lens)) == before[:2]
+    assert torch.equal(cache.store.block_table, before[2])
+    for r in data:
+        torch.testing.assert_close(_read(cache, r)[0], data[r][0], rtol=0, atol=0)
+    cache.release(0)  # a finished sequence makes room: the waiting prompt now fits
+    cache.view([2]).reserve(8)
+    assert cache.store.allocator.num_free == 2
+
+
+# ----------------------------------------------------------------------- decode against the reference
+
+
+def _backends():
+    yield pytest.param("torch", torch.float32, id="torch-fp32")
+    for dt in KERNEL_DTYPES:
+        yield pytest.param("triton", dt, id=f"triton-{str(dt).split('.')[-1]}")
+
+
+class _Shadow:
+    """Every token written, per row and layer, kept apart from the cache: the reference reads it."""
+
+    def __init__(self, rows, n_layer):
+        self.tok = {(r, layer): [] for r in range(rows) for layer in range(n_layer)}
+
+    def add(self, rows, layer, *xs):  # xs: (n, T, ...) each
+        for i, r in enumerate(rows):
+            self.tok[r, layer].append(tuple(x[i] for x in xs))
+
+    def stacked(self, r, layer, j):
+        return torch.cat([t[j] for t in self.tok[r, layer]], 0)  # (S, ...)
+
+    def clear(self, r):
+        for key in self.tok:
+            if key[0] == r:
+                self.tok[key] = []
+
+
+def _step(cache, shadow, rows, T, dtype, check):
+    """Grow `rows` of the cache by T tokens in every layer and check what the cache returns."""
+    view = cache.view(rows)
+    pos = view.reserve(T)
+    n = len(rows)
+    mla = hasattr(cache, "c")
+    for layer in range(cache.n_layer):
+        if mla:
+            c, kr = torch.randn(n, T, 32, device=DEVICE, dtype=dtype), torch.randn(n, T, 8, device=DEVICE, dtype=dtype)
+            shadow.add(rows, layer, c, kr)
+            if T > 1:
+                c_all, r_all = view.append_latent(layer, c, kr)
+                check(c_all[0], shadow.stacked(rows[0], layer, 0), "append_latent c_kv")
+                check(r_all[0], shadow.stacked(rows[0], layer, 1), "append_latent k_rope")
+                continue
+            qa, qr = torch.randn(n, 4, 1, 32, device=DEVICE, dtype=dtype), torch.randn(n, 4, 1, 8, device=DEVICE,
+                                                                                      dtype=dtype)
+            out = view.attend_latent(layer, qa, qr, c[:, :, :], kr, 0.2)
+            for i, r in enumerate(rows):
+                cs, rs = shadow.stacked(r, layer, 0), shadow.stacked(r, layer, 1)  # (S, D_c), (S, D_r)
+                ref, _ = reference.mla_decode_reference(qa[i:i + 1, :, 0], qr[i:i + 1, :, 0], cs[None], rs[None],
+                                                        torch.tensor([cs.shape[0]], device=DEVICE), scale=0.2)
+                check(out[i:i + 1, :, 0], ref, f"attend_latent row {r} layer {layer}")
+        else:
+            k, v = torch.randn(n, 2, T, 16, device=DEVICE, dtype=dtype), torch.randn(n, 2, T, 16, device=DEVICE,
+                                                                                  dtype=dtype)
+            shadow.add(rows, layer, k.transpose(1, 2), v.transpose(1, 2))
+            if T > 1:
+                k_all, v_all = view.append(layer, k, v)
+                check(k_all[0].transpose(0, 1), shadow.stacked(rows[0], layer, 0), "append k")
+                check(v_all[0].transpose(0, 1), shadow.stacked(rows[0], layer, 1), "append v")
+                continue
+            q = torch.randn(n, 4, 1, 16, device=DEVICE, dtype=dtype)
+            y = view.attend(layer, q, k, v, 0.25)
+            for i, r in enumerate(rows):
+                ks, vs = shadow.stacked(r, layer, 0), shadow.stacked(r, layer, 1)  # (S, H_kv, D)
+                ref, _ = reference.decode_reference(q[i:i + 1, :, 0], ks.transpose(0, 1)[None],
+                                                    vs.transpose(0, 1)[None], torch.tensor([ks.shape[0]], device=DEVICE),
+                                                    scale=0.25)
+                check(y[i:i + 1, :, 0], ref, f"attend row {r} layer {layer}")
+    return pos
+
+
+@pytest.mark.parametrize("backend,dtype", list(_backends()))
+@pytest.mark.parametrize("kind", ["grouped", "paged", "mla", "paged_mla"])
+def test_decode_matches_reference_through_ragged_release_and_reuse(kind, backend, dtype):
+    """Ragged prefill (rows of 5, 1 and 12 tokens, one at a time), decode steps over the ragged batch, a finished
+    row released (its pages reused by a new prompt), decode over the remaining rows, then over all again."""
+    config = MLA if kind.endswith("mla") else GQA
+    cache = make_cache(kind, config, 3, 24, device=DEVICE, dtype=dtype, backend=backend, page_size=4)
+    shadow = _Shadow(3, config.n_layer)
+
+    def check(got, ref, name):
+        assert_close(got, ref, dtype, f"{kind} {backend} {name}")
+
+    for r, n in enumerate((5, 1, 12)):
+        pos = _step(cache, shadow, [r], n, dtype, check)
+        assert pos.tolist() == [list(range(n))]
+    pos = _step(cache, shadow, [0, 1, 2], 1, dtype, check)
+    assert pos.tolist() == [[5], [1], [12]]
+    cache.release(1)
+    shadow.clear(1)
+    rows = cache.compact([0, 2])
+    if kind in ("grouped", "mla"):  # the contiguous caches move the survivors down: a decode view is a slice
+        assert rows == [0, 1]
+        shadow.tok = {((1 if r == 2 else r), layer): t for (r, layer), t in shadow.tok.items() if r != 1}
+        shadow.tok.update({(2, layer): [] for layer in range(config.n_layer)})
+        free_row = 2
+    else:
+        assert rows == [0, 2]
+        free_row = 1
+    _step(cache, shadow, rows, 1, dtype, check)
+    _step(cache, shadow, [free_row], 6, dtype, check)  # a new prompt in the freed row (paged: freed pages)
+    all_rows = sorted(rows + [free_row])
+    pos = _step(cache, shadow, all_rows, 1, dtype, check)
+    assert sorted(p[0] for p in pos.tolist()) == sorted([7, 14, 6])
+    if cache.store.paged:
+        cache.store.allocator.check()
+
+
+# ------------------------------------------------------------------------------ factory, memory, bad input
+
+
+def test_factory_rejects_combinations_that_cannot_work():
+    with pytest.raises(ValueError, match=r"'mla'.*attention='gqa'.*valid: grouped, paged"):
+        make_cache("mla", GQA, 1, 8, device="cpu")
+    with pytest.raises(ValueError, match=r"'grouped'.*attention='mla'.*valid: mla, paged_mla"):
+        make_cache("grouped", MLA, 1, 8, device="cpu")
+    with pytest.raises(ValueError, match="max_len"):
+        make_cache("grouped", GQA, 1, 0, device="cpu")
+    with pytest.raises(ValueError, match="page_size"):
+        make_cache("paged", GQA, 1, 8, device="cpu", page_size=12)
+    with pytest.raises(ValueError, match="backend"):
+        make_cache("grouped", GQA, 1, 8, device="cpu", backend="cuda")
+
+
+def test_memory_report():
+    bf16 = torch.bfloat16
+    grouped = make_cache("grouped", GQA, 3, 40, device="cpu", dtype=bf16)
+    per_token = 2 * GQA.n_layer * GQA.n_kv_head * 16 * 2  # K and V, KV heads only, 2 bytes
+    grouped.view([0]).reserve(7)
+    assert grouped.memory() == {"bytes_allocated": 3 * 40 * per_token, "bytes_in_use": 7 * per_token,
+                                "bytes_per_token": per_token}
+    paged = make_cache("paged", GQA, 3, 40, device="cpu", dtype=bf16, page_size=8, num_pages=9)
+    paged.view([0]).reserve(9)  # two pages held
+    assert paged.memory() == {"bytes_allocated": 9 * 8 * per_token, "bytes_in_use": 16 * per_token,
+                              "bytes_per_token": per_token}
+    mla = make_cache("paged_mla", MLA, 2, 16, device="cpu", dtype=bf16, page_size=8)
+    assert mla.memory()["bytes_per_token"] == MLA.n_layer * (32 + 8) * 2
+    assert mla.memory()["bytes_allocated"] == 2 * 2 * 8 * MLA.n_layer * (32 + 8) * 2  # 2 pages per row by default
+
+
+def test_bad_use_raises():
+    cache = make_cache("grouped", GQA, 2, 8, device="cpu")
+    with pytest.raises(ValueError, match=r"T: got 9 new tokens .*at most"):
+        cache.reserve(9)
+    with pytest.raises(RuntimeError, match="reserve"):
+        cache.append(0, torch.zeros(2, 2, 1, 16), torch.zeros(2, 2, 1, 16))
+    cache.view([0]).reserve(3)
+    view = cache.view([0, 1])
+    view.reserve(2)
+    with pytest.raises(ValueError, match="prefill: sequence lengths"):
+        view.append(0, torch.zeros(2, 2, 2, 16), torch.zeros(2, 2, 2, 16))
+    with pytest.raises(ValueError, match="rows: got"):
+        cache.view([0, 0])
+    with pytest.raises(ValueError, match="layer: got 2"):
+        view.append(2, torch.zeros(2, 2, 2, 16), torch.zeros(2, 2, 2, 16))
+    with pytest.raises(ValueError, match="k: got shape"):
+        view.append(0, torch.zeros(2, 2, 3, 16), torch.zeros(2, 2, 3, 16))
