@@ -181,8 +181,8 @@ class PagedRows:
     paged = True
 
     def __init__(self, batch_size: int, max_len: int, device, dtype, page_size: int, num_pages: int | None):
-        if not isinstance(page_size, int) or page_size < 1 or page_size & (page_size - 1):
-            raise ValueError(f"page_size: got {page_size!r}; valid: a power of two (8 .. 256 for the kernels)")
+        if not isinstance(page_size, int) or not 8 <= page_size <= 256 or page_size & (page_size - 1):
+            raise ValueError(f"page_size: got {page_size!r}; valid: a power of two from 8 to 256 (the paged kernels')")
         self.batch_size, self.max_len, self.device, self.dtype = batch_size, max_len, device, dtype
         self.page_size = page_size
         self.max_pages = _cdiv(max_len, page_size)
@@ -342,7 +342,7 @@ class _KVCache(_Cache):
         S = self._prefill_length()
         k_all = self.store.prefix(self.k[layer], self.rows, self._rows_t, S)
         v_all = self.store.prefix(self.v[layer], self.rows, self._rows_t, S)
-        return k_all.transpose(1, 2), v_all.transpose(1, 2)
+        return k_all.transpose(1, 2).to(k.dtype), v_all.transpose(1, 2).to(v.dtype)
 
     def _write(self, layer, k, v):
         k_t, v_t = k.transpose(1, 2), v.transpose(1, 2)  # (B, T, H_kv, D)
@@ -406,8 +406,8 @@ class _LatentCache(_Cache):
         """Prefill: c_kv (B, T, D_c), k_rope (B, T, D_r) -> (B, S, D_c), (B, S, D_r) every cached token."""
         self._write(layer, c_kv, k_rope)
         S = self._prefill_length()
-        return (self.store.prefix(self.c[layer], self.rows, self._rows_t, S),
-                self.store.prefix(self.r[layer], self.rows, self._rows_t, S))
+        return (self.store.prefix(self.c[layer], self.rows, self._rows_t, S).to(c_kv.dtype),
+                self.store.prefix(self.r[layer], self.rows, self._rows_t, S).to(k_rope.dtype))
 
     def attend_latent(self, layer, q_absorbed, q_rope, c_kv, k_rope, scale: float):
         """Decode: q_absorbed (B, H, 1, D_c), q_rope (B, H, 1, D_r), c_kv (B, 1, D_c), k_rope (B, 1, D_r)

@@ -40,6 +40,7 @@ def save_checkpoint(path: str | os.PathLike, obj: dict) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600 files; give the checkpoint a normal file's mode
     try:
         with os.fdopen(fd, "wb") as f:
             torch.save(obj, f)
@@ -51,6 +52,12 @@ def save_checkpoint(path: str | os.PathLike, obj: dict) -> None:
             os.unlink(tmp)
         raise
     _fsync_directory(directory)  # make the rename itself durable
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
 
 
 def _fsync_directory(directory: str) -> None:

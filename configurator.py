@@ -3,12 +3,12 @@
     python train.py configs/gqa.py --batch_size=32 --compile=False
 
 Each argument is either a config file (a Python file whose top-level assignments override the defaults; it may
-read the values set before it, e.g. `n_embd = 64 * n_head`) or a `--key=value` override. Overrides apply left to
-right. Values are parsed with `ast.literal_eval` (so `--dropout=0.1`, `--bias=True`, `--wandb_run_name=None`) and
-fall back to the raw string (`--dtype=bfloat16`). Every value is checked against the type of its default: an int
-is accepted for a float, a `None` default accepts anything, and a `str` default takes the raw text (so
-`--wandb_run_name=2024` stays the string "2024"). An unknown key or a value of the wrong type raises `ConfigError`
-naming it and listing the valid keys, before anything runs.
+read the values set before it, e.g. `n_embd = 64 * n_head`; names starting with `_` are its private helpers) or a
+`--key=value` override; they apply left to right. Values are parsed with `ast.literal_eval` (so `--dropout=0.1`,
+`--bias=True`, `--n_kv_head=None`) and fall back to the raw string (`--dtype=bfloat16`). Every value is checked
+against the type of its default: an int is accepted for a float, a `None` default accepts anything, and a `str`
+default takes the raw text (so `--wandb_run_name=2024` stays the string "2024"). An unknown key or a value of the
+wrong type raises `ConfigError` naming it and listing the valid keys, before anything runs.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ def _read_config_file(path: str, config: dict) -> dict:
     assigned = _top_level_names(tree)
     namespace = dict(config)
     exec(compile(tree, path, "exec"), namespace)  # a config file is Python by design (nanoGPT's convention)
-    return {name: namespace[name] for name in assigned if name in namespace}
+    return {name: namespace[name] for name in assigned if name in namespace and not name.startswith("_")}
 
 
 def _top_level_names(tree: ast.Module) -> list[str]:

@@ -20,7 +20,7 @@ import os
 import socket
 import tempfile
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from urllib.parse import urlparse
 
 import numpy as np
@@ -232,7 +232,7 @@ def write_dataset(
 
 
 def _write_tokens(path: str, chunks: Iterable[np.ndarray], dtype: np.dtype) -> int:
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=os.path.dirname(path))
+    fd, tmp = _temp_beside(path)
     n = 0
     try:
         with os.fdopen(fd, "wb") as f:
@@ -247,8 +247,17 @@ def _write_tokens(path: str, chunks: Iterable[np.ndarray], dtype: np.dtype) -> i
     return n
 
 
-def _atomic_write(path: str, data: bytes) -> None:
+def _temp_beside(path: str) -> tuple[int, str]:
+    """A temporary file in path's directory (so os.replace is atomic), with a normal file's mode (not 0600)."""
     fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=os.path.dirname(path))
+    mask = os.umask(0)
+    os.umask(mask)
+    os.chmod(tmp, 0o666 & ~mask)
+    return fd, tmp
+
+
+def _atomic_write(path: str, data: bytes) -> None:
+    fd, tmp = _temp_beside(path)
     with os.fdopen(fd, "wb") as f:
         f.write(data)
     os.replace(tmp, path)

@@ -46,20 +46,6 @@ MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 
 
 @triton.jit
-def _load(ptrs, mask_a, mask_b, CHECK_A: tl.constexpr, CHECK_B: tl.constexpr):
-    """Load a tile, masking only the axes that can run out of bounds (each mask is pre-broadcast by the caller,
-    e.g. rows[:, None] < M and cols[None, :] < D); unmasked loads stay plain vector loads."""
-    if CHECK_A and CHECK_B:
-        return tl.load(ptrs, mask=mask_a & mask_b, other=0.0)
-    elif CHECK_A:
-        return tl.load(ptrs, mask=mask_a, other=0.0)
-    elif CHECK_B:
-        return tl.load(ptrs, mask=mask_b, other=0.0)
-    else:
-        return tl.load(ptrs)
-
-
-@triton.jit
 def _bound(x, INTERPRET: tl.constexpr):
     """A loop bound computed from program ids. The triton 3.6 interpreter holds scalars as 1-element arrays, which
     numpy 2 refuses to turn into the Python int `range` needs (TypeError: only 0-dimensional arrays can be
@@ -71,20 +57,70 @@ def _bound(x, INTERPRET: tl.constexpr):
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+def _load(ptrs, mask_a, mask_b, CHECK_A: tl.constexpr, CHECK_B: tl.constexpr):
+    """Load a one-off tile, masking only the axes that can run out of bounds (each mask is pre-broadcast by the
+    caller, e.g. rows[:, None] < M and cols[None, :] < D); unmasked loads stay plain vector loads."""
+    if CHECK_A and CHECK_B:
+        return tl.load(ptrs, mask=mask_a & mask_b, other=0.0)
+    elif CHECK_A:
+        return tl.load(ptrs, mask=mask_a, other=0.0)
+    elif CHECK_B:
+        return tl.load(ptrs, mask=mask_b, other=0.0)
+    else:
+        return tl.load(ptrs)
+
+
+@triton.jit
+def _rows_source(base, n_rows, stride_r, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+                 USE_TMA: tl.constexpr):
+    """The (n_rows, D) matrix at `base` that a loop streams row blocks of: a TMA tensor descriptor on Hopper (the
+    copy engine fetches whole tiles asynchronously and zero-fills out-of-bounds rows and columns), else the plain
+    base pointer. The launcher picks TMA only when the column stride is 1 and every other stride and the base are
+    16-byte aligned."""
+    if USE_TMA:
+        return tl.make_tensor_descriptor(base, shape=[n_rows, D], strides=[stride_r, 1],
+                                         block_shape=[BLOCK_R, BLOCK_D])
+    else:
+        return base
+
+
+@triton.jit
+def _load_rows(src, start, n_rows, stride_r, tile_offs, offs_r, offs_c, D: tl.constexpr,
+               CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr, USE_TMA: tl.constexpr):
+    """Rows [start, start + BLOCK_R) of `src` (from _rows_source) as a (BLOCK_R, BLOCK_D) tile, zero outside the
+    matrix. The pointer path adds a precomputed tile offset (offs_r * stride_r + offs_c * stride_c) to the block
+    start and masks only the axes that can run out of bounds."""
+    if USE_TMA:
+        return src.load([start, 0])
+    else:
+        ptrs = src + start * stride_r + tile_offs
+        if CHECK_ROWS:
+            row_ok = (start + offs_r)[:, None] < n_rows
+            if CHECK_COLS:
+                return tl.load(ptrs, mask=row_ok & (offs_c[None, :] < D), other=0.0)
+            else:
+                return tl.load(ptrs, mask=row_ok, other=0.0)
+        else:
+            if CHECK_COLS:
+                return tl.load(ptrs, mask=offs_c[None, :] < D, other=0.0)
+            else:
+                return tl.load(ptrs)
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, k_offs, v_offs, stride_kn, stride_vn,
                offs_m, offs_n, offs_dk, offs_dv, lo, hi, N, q_shift, qk_scale,
                MASKED: tl.constexpr, CAUSAL: tl.constexpr, EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr,
                D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-               INTERPRET: tl.constexpr):
+               USE_TMA: tl.constexpr, INTERPRET: tl.constexpr):
     """Online softmax over key blocks [lo, hi). MASKED blocks check the causal diagonal and the sequence end;
     unmasked ones are known (by the caller's loop split) to be wholly visible to every query row."""
     for start_n in range(_bound(lo, INTERPRET), _bound(hi, INTERPRET), BLOCK_N):
-        cols = start_n + offs_n
-        # K^T tile (D_qk, BLOCK_N)
-        k = _load(k_base + offs_dk[:, None] * stride_kd + cols[None, :] * stride_kn,
-                  offs_dk[:, None] < D_QK, cols[None, :] < N, not EVEN_DK, MASKED)
-        qk = tl.dot(q, k, input_precision=PRECISION)
+        k = _load_rows(k_src, start_n, N, stride_kn, k_offs, offs_n, offs_dk, D_QK,
+                       MASKED, not EVEN_DK, USE_TMA)  # (BLOCK_N, D_qk)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         if MASKED:
+            cols = start_n + offs_n
             visible = cols[None, :] < N
             if CAUSAL:
                 visible = visible & ((q_shift + offs_m)[:, None] >= cols[None, :])
@@ -97,9 +133,8 @@ def _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn
         p = tl.math.exp2(qk)
         alpha = tl.math.exp2(m_i - m_ij)
         l_i = l_i * alpha + tl.sum(p, 1)
-        # V tile (BLOCK_N, D_v)
-        v = _load(v_base + cols[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
-                  cols[:, None] < N, offs_dv[None, :] < D_V, MASKED, not EVEN_DV)
+        v = _load_rows(v_src, start_n, N, stride_vn, v_offs, offs_n, offs_dv, D_V,
+                       MASKED, not EVEN_DV, USE_TMA)  # (BLOCK_N, D_v)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
         m_i = m_ij
@@ -117,7 +152,7 @@ def _flash_fwd_kernel(
     M, N, qk_scale,
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     GROUP_SIZE: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     # Causal programs are launched heaviest first (the last query blocks see the most keys), so the short ones
     # fill the tail of the grid instead of a long one starting last.
@@ -139,6 +174,10 @@ def _flash_fwd_kernel(
     # Q tile (BLOCK_M, D_qk); rows past M load zeros and are never stored.
     q = _load(q_base + offs_m[:, None] * stride_qm + offs_dk[None, :] * stride_qd,
               offs_m[:, None] < M, offs_dk[None, :] < D_QK, True, not EVEN_DK)
+    k_src = _rows_source(k_base, N, stride_kn, D_QK, BLOCK_N, BLOCK_DK, USE_TMA)
+    v_src = _rows_source(v_base, N, stride_vn, D_V, BLOCK_N, BLOCK_DV, USE_TMA)
+    k_offs = offs_n[:, None] * stride_kn + offs_dk[None, :] * stride_kd
+    v_offs = offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
 
     m_i = tl.full([BLOCK_M], -float("inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -153,12 +192,12 @@ def _flash_fwd_kernel(
     else:
         n_end = N
         n_full = N // BLOCK_N * BLOCK_N
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, k_offs, v_offs, stride_kn, stride_vn,
                                offs_m, offs_n, offs_dk, offs_dv, 0, n_full, N, q_shift, qk_scale,
-                               False, CAUSAL, EVEN_DK, EVEN_DV, D_QK, D_V, BLOCK_N, PRECISION, INTERPRET)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                               False, CAUSAL, EVEN_DK, EVEN_DV, D_QK, D_V, BLOCK_N, PRECISION, USE_TMA, INTERPRET)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, k_offs, v_offs, stride_kn, stride_vn,
                                offs_m, offs_n, offs_dk, offs_dv, n_full, n_end, N, q_shift, qk_scale,
-                               True, CAUSAL, EVEN_DK, EVEN_DV, D_QK, D_V, BLOCK_N, PRECISION, INTERPRET)
+                               True, CAUSAL, EVEN_DK, EVEN_DV, D_QK, D_V, BLOCK_N, PRECISION, USE_TMA, INTERPRET)
 
     # Every row sees at least key 0 (bottom-right alignment with S_q <= S_kv), so l_i > 0.
     out = acc / l_i[:, None]
@@ -199,6 +238,36 @@ def _flash_bwd_delta_kernel(
 
 
 @triton.jit
+def _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, q_offs, do_offs, lse_base, delta_base,
+                    stride_qm, stride_dom, stride_lm,
+                    offs_m, offs_n, offs_dk, offs_dv, lo, hi, M, q_shift, qk_scale,
+                    MASKED: tl.constexpr, EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr,
+                    D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr,
+                    USE_TMA: tl.constexpr, INTERPRET: tl.constexpr):
+    """Accumulate dK, dV of one key block over query blocks [lo, hi) of one query head, in transposed form
+    (keys along rows) so both products land in the (BLOCK_N, D) accumulators. Rows past M load zeros for
+    Q, dO, lse and delta, which makes their dS and P dO contributions exactly zero without a mask."""
+    for start_m in range(_bound(lo, INTERPRET), _bound(hi, INTERPRET), BLOCK_M):
+        rows = start_m + offs_m
+        row_ok = rows < M
+        q = _load_rows(q_src, start_m, M, stride_qm, q_offs, offs_m, offs_dk, D_QK,
+                       True, not EVEN_DK, USE_TMA)  # (BLOCK_M, D_qk)
+        lse = tl.load(lse_base + rows * stride_lm, mask=row_ok, other=0.0) * 1.4426950408889634
+        qk_t = tl.dot(k, tl.trans(q), input_precision=PRECISION)
+        p_t = tl.math.exp2(qk_t * qk_scale - lse[None, :])
+        if MASKED:
+            p_t = tl.where((q_shift + rows)[None, :] >= offs_n[:, None], p_t, 0.0)
+        do = _load_rows(do_src, start_m, M, stride_dom, do_offs, offs_m, offs_dv, D_V,
+                        True, not EVEN_DV, USE_TMA)  # (BLOCK_M, D_v)
+        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
+        delta = tl.load(delta_base + rows, mask=row_ok, other=0.0)
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION)
+    return dk, dv
+
+
+@triton.jit
 def _flash_bwd_dkdv_kernel(
     Q, K, V, DO, LSE, DELTA, DK, DV,
     stride_qb, stride_qh, stride_qm, stride_qd,
@@ -211,7 +280,7 @@ def _flash_bwd_dkdv_kernel(
     M, N, H_Q, scale, qk_scale,
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     GROUP_SIZE: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """One program owns a KV block of one KV head and accumulates dK, dV over all GROUP_SIZE query heads that
     read it and over every query block that sees it; the result is written once, no partials, no atomics."""
@@ -226,13 +295,15 @@ def _flash_bwd_dkdv_kernel(
     EVEN_DK: tl.constexpr = D_QK == BLOCK_DK
     EVEN_DV: tl.constexpr = D_V == BLOCK_DV
 
-    # K, V tiles (BLOCK_N, D); rows past N load zeros: their dK/dV rows are garbage-free but never stored.
+    # K, V tiles (BLOCK_N, D); rows past N load zeros: their dK/dV rows are never stored.
     k = _load(K + batch * stride_kb + kv_head.to(tl.int64) * stride_kh + offs_n[:, None] * stride_kn
               + offs_dk[None, :] * stride_kd, offs_n[:, None] < N, offs_dk[None, :] < D_QK, True, not EVEN_DK)
     v = _load(V + batch * stride_vb + kv_head.to(tl.int64) * stride_vh + offs_n[:, None] * stride_vn
               + offs_dv[None, :] * stride_vd, offs_n[:, None] < N, offs_dv[None, :] < D_V, True, not EVEN_DV)
     dk = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    q_offs = offs_m[:, None] * stride_qm + offs_dk[None, :] * stride_qd
+    do_offs = offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod
 
     # Query rows [m_lo, m_mid) straddle the causal diagonal of this key block (masked); rows from m_mid on see
     # every key of it (unmasked); rows before m_lo see none of it and are skipped.
@@ -246,18 +317,20 @@ def _flash_bwd_dkdv_kernel(
         m_mid = 0
     for g in range(GROUP_SIZE):
         head = (kv_head * GROUP_SIZE + g).to(tl.int64)
-        q_base = Q + batch * stride_qb + head * stride_qh
-        do_base = DO + batch * stride_dob + head * stride_doh
+        q_src = _rows_source(Q + batch * stride_qb + head * stride_qh, M, stride_qm, D_QK, BLOCK_M, BLOCK_DK,
+                             USE_TMA)
+        do_src = _rows_source(DO + batch * stride_dob + head * stride_doh, M, stride_dom, D_V, BLOCK_M, BLOCK_DV,
+                              USE_TMA)
         lse_base = LSE + batch * stride_lb + head * stride_lh
         delta_base = DELTA + (batch * H_Q + head) * M
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
-                                 stride_qm, stride_qd, stride_dom, stride_dod, stride_lm,
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, q_offs, do_offs, lse_base, delta_base,
+                                 stride_qm, stride_dom, stride_lm,
                                  offs_m, offs_n, offs_dk, offs_dv, m_lo, m_mid, M, q_shift, qk_scale,
-                                 True, EVEN_DK, EVEN_DV, D_QK, D_V, BLOCK_M, PRECISION, INTERPRET)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
-                                 stride_qm, stride_qd, stride_dom, stride_dod, stride_lm,
+                                 True, EVEN_DK, EVEN_DV, D_QK, D_V, BLOCK_M, PRECISION, USE_TMA, INTERPRET)
+        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, q_offs, do_offs, lse_base, delta_base,
+                                 stride_qm, stride_dom, stride_lm,
                                  offs_m, offs_n, offs_dk, offs_dv, m_mid, M, M, q_shift, qk_scale,
-                                 False, EVEN_DK, EVEN_DV, D_QK, D_V, BLOCK_M, PRECISION, INTERPRET)
+                                 False, EVEN_DK, EVEN_DV, D_QK, D_V, BLOCK_M, PRECISION, USE_TMA, INTERPRET)
 
     dk = dk * scale
     mask_n = offs_n[:, None] < N
@@ -268,60 +341,28 @@ def _flash_bwd_dkdv_kernel(
 
 
 @triton.jit
-def _bwd_dkdv_inner(dk, dv, k, v, q_base, do_base, lse_base, delta_base,
-                    stride_qm, stride_qd, stride_dom, stride_dod, stride_lm,
-                    offs_m, offs_n, offs_dk, offs_dv, lo, hi, M, q_shift, qk_scale,
-                    MASKED: tl.constexpr, EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr,
-                    D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr,
-                    INTERPRET: tl.constexpr):
-    """Accumulate dK, dV of one key block over query blocks [lo, hi) of one query head, in transposed form
-    (keys along rows) so both products land in the (BLOCK_N, D) accumulators. Rows past M load zeros for
-    Q, dO, lse and delta, which makes their dS and P dO contributions exactly zero without a mask."""
-    for start_m in range(_bound(lo, INTERPRET), _bound(hi, INTERPRET), BLOCK_M):
-        rows = start_m + offs_m
-        row_ok = rows < M
-        # Q^T tile (D_qk, BLOCK_M) and dO tile (BLOCK_M, D_v)
-        q_t = _load(q_base + offs_dk[:, None] * stride_qd + rows[None, :] * stride_qm,
-                    offs_dk[:, None] < D_QK, row_ok[None, :], not EVEN_DK, True)
-        lse = tl.load(lse_base + rows * stride_lm, mask=row_ok, other=0.0) * 1.4426950408889634
-        qk_t = tl.dot(k, q_t, input_precision=PRECISION)
-        p_t = tl.math.exp2(qk_t * qk_scale - lse[None, :])
-        if MASKED:
-            p_t = tl.where((q_shift + rows)[None, :] >= offs_n[:, None], p_t, 0.0)
-        do = _load(do_base + rows[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
-                   row_ok[:, None], offs_dv[None, :] < D_V, True, not EVEN_DV)
-        dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
-        delta = tl.load(delta_base + rows, mask=row_ok, other=0.0)
-        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk = tl.dot(ds_t.to(q_t.dtype), tl.trans(q_t), dk, input_precision=PRECISION)
-    return dk, dv
-
-
-@triton.jit
-def _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+def _bwd_dq_inner(dq, q, do, lse, delta, k_src, v_src, k_offs, v_offs, stride_kn, stride_vn,
                   offs_m, offs_n, offs_dk, offs_dv, lo, hi, N, q_shift, qk_scale,
                   MASKED: tl.constexpr, CAUSAL: tl.constexpr, EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr,
                   D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                  INTERPRET: tl.constexpr):
+                  USE_TMA: tl.constexpr, INTERPRET: tl.constexpr):
     """Accumulate dQ of one query block over key blocks [lo, hi); the mask split mirrors the forward."""
     for start_n in range(_bound(lo, INTERPRET), _bound(hi, INTERPRET), BLOCK_N):
-        cols = start_n + offs_n
-        # K^T (D_qk, BLOCK_N) and V^T (D_v, BLOCK_N) tiles
-        k_t = _load(k_base + offs_dk[:, None] * stride_kd + cols[None, :] * stride_kn,
-                    offs_dk[:, None] < D_QK, cols[None, :] < N, not EVEN_DK, MASKED)
-        v_t = _load(v_base + offs_dv[:, None] * stride_vd + cols[None, :] * stride_vn,
-                    offs_dv[:, None] < D_V, cols[None, :] < N, not EVEN_DV, MASKED)
-        qk = tl.dot(q, k_t, input_precision=PRECISION)
+        k = _load_rows(k_src, start_n, N, stride_kn, k_offs, offs_n, offs_dk, D_QK,
+                       MASKED, not EVEN_DK, USE_TMA)  # (BLOCK_N, D_qk)
+        v = _load_rows(v_src, start_n, N, stride_vn, v_offs, offs_n, offs_dv, D_V,
+                       MASKED, not EVEN_DV, USE_TMA)  # (BLOCK_N, D_v)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         p = tl.math.exp2(qk * qk_scale - lse[:, None])
         if MASKED:
+            cols = start_n + offs_n
             visible = cols[None, :] < N
             if CAUSAL:
                 visible = visible & ((q_shift + offs_m)[:, None] >= cols[None, :])
             p = tl.where(visible, p, 0.0)
-        dp = tl.dot(do, v_t, input_precision=PRECISION)
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k_t.dtype), tl.trans(k_t), dq, input_precision=PRECISION)
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
     return dq
 
 
@@ -337,7 +378,7 @@ def _flash_bwd_dq_kernel(
     M, N, H_Q, scale, qk_scale,
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
     GROUP_SIZE: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0) if CAUSAL else tl.program_id(0)
     head = tl.program_id(1)
@@ -363,6 +404,10 @@ def _flash_bwd_dq_kernel(
     dq = tl.zeros([BLOCK_M, BLOCK_DK], tl.float32)
     k_base = K + batch * stride_kb + kv_head.to(tl.int64) * stride_kh
     v_base = V + batch * stride_vb + kv_head.to(tl.int64) * stride_vh
+    k_src = _rows_source(k_base, N, stride_kn, D_QK, BLOCK_N, BLOCK_DK, USE_TMA)
+    v_src = _rows_source(v_base, N, stride_vn, D_V, BLOCK_N, BLOCK_DV, USE_TMA)
+    k_offs = offs_n[:, None] * stride_kn + offs_dk[None, :] * stride_kd
+    v_offs = offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
 
     q_shift = N - M
     if CAUSAL:
@@ -371,12 +416,12 @@ def _flash_bwd_dq_kernel(
     else:
         n_end = N
         n_full = N // BLOCK_N * BLOCK_N
-    dq = _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+    dq = _bwd_dq_inner(dq, q, do, lse, delta, k_src, v_src, k_offs, v_offs, stride_kn, stride_vn,
                        offs_m, offs_n, offs_dk, offs_dv, 0, n_full, N, q_shift, qk_scale,
-                       False, CAUSAL, EVEN_DK, EVEN_DV, D_QK, D_V, BLOCK_N, PRECISION, INTERPRET)
-    dq = _bwd_dq_inner(dq, q, do, lse, delta, k_base, v_base, stride_kn, stride_kd, stride_vn, stride_vd,
+                       False, CAUSAL, EVEN_DK, EVEN_DV, D_QK, D_V, BLOCK_N, PRECISION, USE_TMA, INTERPRET)
+    dq = _bwd_dq_inner(dq, q, do, lse, delta, k_src, v_src, k_offs, v_offs, stride_kn, stride_vn,
                        offs_m, offs_n, offs_dk, offs_dv, n_full, n_end, N, q_shift, qk_scale,
-                       True, CAUSAL, EVEN_DK, EVEN_DV, D_QK, D_V, BLOCK_N, PRECISION, INTERPRET)
+                       True, CAUSAL, EVEN_DK, EVEN_DV, D_QK, D_V, BLOCK_N, PRECISION, USE_TMA, INTERPRET)
     dq = dq * scale
     tl.store(DQ + batch * stride_dqb + head * stride_dqh + offs_m[:, None] * stride_dqm
              + offs_dk[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty),
@@ -393,23 +438,25 @@ def _flash_bwd_dq_kernel(
 # get fewer stages: each stage holds one K and one V tile in shared memory.
 _CONFIGS = {
     "fwd": {
-        64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3), (128, 32, 4, 4)],
-        128: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3)],
-        256: [(64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 8, 2), (32, 32, 4, 2)],
+        64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3)],
+        128: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3)],
+        256: [(64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 8, 2)],
     },
     "dkdv": {
-        64: [(64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 4), (64, 128, 4, 2)],
-        128: [(32, 128, 8, 3), (64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 3)],
-        256: [(32, 64, 4, 2), (32, 128, 8, 1), (16, 64, 4, 2), (32, 32, 4, 2), (16, 32, 4, 2)],
+        64: [(64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 4)],
+        128: [(32, 128, 8, 3), (64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3)],
+        256: [(32, 64, 4, 2), (32, 128, 8, 1), (16, 64, 4, 2), (32, 32, 4, 2)],
     },
     "dq": {
-        64: [(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 4), (128, 64, 4, 2)],
-        128: [(128, 32, 8, 3), (128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 3)],
-        256: [(64, 32, 4, 2), (128, 32, 8, 1), (64, 16, 4, 2), (32, 32, 4, 2), (32, 16, 4, 2)],
+        64: [(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 4)],
+        128: [(128, 32, 8, 3), (128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3)],
+        256: [(64, 32, 4, 2), (128, 32, 8, 1), (64, 16, 4, 2), (32, 32, 4, 2)],
     },
 }
-# Configs that fit any head dim and dtype (fp32 at D=256 included) and keep the interpreter's tiles small.
+# A config that fits any head dim and dtype (fp32 at D=256 included) in shared memory.
 _SMALL_CONFIG = (32, 32, 4, 1)
+# The interpreter pays per block operation, not per element: large tiles mean fewer loop trips on the CPU.
+_INTERPRETER_CONFIG = (64, 64, 4, 1)
 _TUNE_MIN_SEQ = 512  # below this a launch is tens of microseconds: the default config is not worth timing
 _TUNED: dict[tuple, tuple] = {}
 # Raised when a config needs more shared memory or registers than the GPU has: the tuner skips that config.
@@ -427,20 +474,23 @@ def _autotune_enabled() -> bool:
     return os.environ.get("ZOO_FLASH_AUTOTUNE", "1") != "0"
 
 
-def _pick_config(kind: str, q: torch.Tensor, d_qk: int, d_v: int, causal: bool, m: int, n: int, launch):
-    """The config for this launch: cached per (kind, head dims, causal, dtype, group, bucketed lengths). On the
-    GPU for long sequences each candidate is timed once (a few ms each); otherwise the first that compiles."""
+def _pick_config(kind: str, q: torch.Tensor, d_qk: int, d_v: int, causal: bool, m: int, n: int, use_tma: bool,
+                 launch):
+    """The config for this launch, cached per (kind, head dims, causal, dtype, sequence-length bucket, TMA). On the GPU
+    for long sequences each candidate is timed once (a few ms each, plus its compile); otherwise the first one
+    that compiles is taken. Buckets are coarse (short / medium / long) so a training run or a benchmark grid
+    tunes a handful of times, not once per shape."""
     if _checks.interpreting():
-        return _SMALL_CONFIG
-    s_bucket = triton.next_power_of_2(max(m, n))
-    key = (kind, d_qk, d_v, causal, q.dtype, q.shape[1], s_bucket, q.device.index)
+        return _INTERPRETER_CONFIG
+    s = max(m, n)
+    s_bucket = "short" if s < _TUNE_MIN_SEQ else "medium" if s <= 2048 else "long"
+    key = (kind, d_qk, d_v, causal, q.dtype, s_bucket, use_tma, q.device.index)
     if key in _TUNED:
         return _TUNED[key]
+    timed = _autotune_enabled() and s_bucket != "short" and not torch.cuda.is_current_stream_capturing()
     candidates = list(_CONFIGS[kind][_dim_bucket(d_qk, d_v)])
     if q.dtype == torch.float32:  # fp32 tiles are twice the bytes: the small config always fits
         candidates = [_SMALL_CONFIG] + candidates
-    candidates.append(_SMALL_CONFIG)
-    timed = _autotune_enabled() and s_bucket >= _TUNE_MIN_SEQ and not torch.cuda.is_current_stream_capturing()
     best, best_ms = None, float("inf")
     for cfg in candidates:
         try:
@@ -453,15 +503,39 @@ def _pick_config(kind: str, q: torch.Tensor, d_qk: int, d_v: int, causal: bool, 
             continue  # too much shared memory or registers for this head dim and dtype
         if ms < best_ms:
             best, best_ms = cfg, ms
-    if best is None:
-        raise RuntimeError(f"flash {kind}: no config compiled for D_qk={d_qk}, D_v={d_v}, {q.dtype}")
+    if best is None:  # nothing larger fit: the small config does for every head dim and dtype
+        best = _SMALL_CONFIG
     _TUNED[key] = best
     return best
 
 
-def _precision(dtype: torch.dtype) -> str:
-    # fp32 inputs get true fp32 products (the reference's precision); fp16/bf16 ignore the setting.
-    return "ieee" if dtype == torch.float32 else "tf32"
+_ALLOCATOR_SET = False
+
+
+def _use_tma(*tensors: torch.Tensor) -> bool:
+    """Stream these tensors through TMA tensor descriptors? ZOO_FLASH_TMA=auto (default): on Hopper or newer when
+    the layout allows; 0: never (plain pointers); 1: whenever the layout allows, also under the interpreter (the
+    tests use it to run the descriptor path on the CPU). TMA needs a unit last-dim stride, 16-byte aligned other
+    strides and base address (each (batch, head) slice becomes one 2-d descriptor)."""
+    global _ALLOCATOR_SET
+    mode = os.environ.get("ZOO_FLASH_TMA", "auto")
+    t0 = tensors[0]
+    if mode == "0" or (mode != "1" and not (t0.is_cuda and torch.cuda.get_device_capability(t0.device)[0] >= 9)):
+        return False
+    for t in tensors:
+        size = t.element_size()
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * size % 16 for s in t.stride()[:-1]):
+            return False
+    if t0.is_cuda and not _ALLOCATOR_SET:
+        # Descriptors built inside a kernel need a little global scratch memory, which triton asks for here.
+        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
+        _ALLOCATOR_SET = True
+    return True
+
+
+def _precision(dtype: torch.dtype):
+    # fp32 inputs get true fp32 products (the reference's precision, not tf32); fp16/bf16 use the default.
+    return "ieee" if dtype == torch.float32 else None
 
 
 def _head_block(d: int) -> int:
@@ -534,6 +608,7 @@ def _forward(q, k, v, scale: float | None, causal: bool, out=None, lse=None):
     lse = torch.empty((b, h_q, s_q), device=q.device, dtype=torch.float32) if lse is None else lse
     if out.numel() == 0:
         return out, lse
+    use_tma = _use_tma(k, v)
 
     def launch(cfg):
         block_m, block_n, warps, stages = cfg
@@ -543,11 +618,11 @@ def _forward(q, k, v, scale: float | None, causal: bool, out=None, lse=None):
             s_q, s_kv, sm_scale * LOG2E,
             D_QK=d_qk, D_V=d_v, BLOCK_DK=_head_block(d_qk), BLOCK_DV=_head_block(d_v),
             GROUP_SIZE=h_q // h_kv, CAUSAL=causal, PRECISION=_precision(q.dtype), INTERPRET=_checks.interpreting(),
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
+            BLOCK_M=block_m, BLOCK_N=block_n, USE_TMA=use_tma, num_warps=warps, num_stages=stages,
         )
 
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
-        cfg = _pick_config("fwd", q, d_qk, d_v, causal, s_q, s_kv, launch)
+        cfg = _pick_config("fwd", q, d_qk, d_v, causal, s_q, s_kv, use_tma, launch)
         launch(cfg)
     return out, lse
 
@@ -570,13 +645,14 @@ def _backward(q, k, v, out, lse, do, scale: float | None, causal: bool, dlse=Non
                   GROUP_SIZE=h_q // h_kv, CAUSAL=causal, PRECISION=_precision(q.dtype),
                   INTERPRET=_checks.interpreting())
     qkv_strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *lse.stride())
+    tma_dkdv, tma_dq = _use_tma(q, do), _use_tma(k, v)  # what each kernel streams through its loop
 
     def launch_dkdv(cfg):
         block_m, block_n, warps, stages = cfg
         _flash_bwd_dkdv_kernel[(triton.cdiv(s_kv, block_n), h_kv, b)](
             q, k, v, do, lse, delta, dk, dv, *qkv_strides, *dk.stride(), *dv.stride(),
             s_q, s_kv, h_q, sm_scale, sm_scale * LOG2E, **common,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
+            BLOCK_M=block_m, BLOCK_N=block_n, USE_TMA=tma_dkdv, num_warps=warps, num_stages=stages,
         )
 
     def launch_dq(cfg):
@@ -584,7 +660,7 @@ def _backward(q, k, v, out, lse, do, scale: float | None, causal: bool, dlse=Non
         _flash_bwd_dq_kernel[(triton.cdiv(s_q, block_m), h_q, b)](
             q, k, v, do, lse, delta, dq, *qkv_strides, *dq.stride(),
             s_q, s_kv, h_q, sm_scale, sm_scale * LOG2E, **common,
-            BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps, num_stages=stages,
+            BLOCK_M=block_m, BLOCK_N=block_n, USE_TMA=tma_dq, num_warps=warps, num_stages=stages,
         )
 
     with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
@@ -594,8 +670,8 @@ def _backward(q, k, v, out, lse, do, scale: float | None, causal: bool, dlse=Non
             *(dlse.stride() if dlse is not None else lse.stride()), s_q,
             D_V=d_v, BLOCK_DV=_head_block(d_v), HAS_DLSE=dlse is not None, BLOCK_M=block, num_warps=4,
         )
-        launch_dkdv(_pick_config("dkdv", q, d_qk, d_v, causal, s_q, s_kv, launch_dkdv))
-        launch_dq(_pick_config("dq", q, d_qk, d_v, causal, s_q, s_kv, launch_dq))
+        launch_dkdv(_pick_config("dkdv", q, d_qk, d_v, causal, s_q, s_kv, tma_dkdv, launch_dkdv))
+        launch_dq(_pick_config("dq", q, d_qk, d_v, causal, s_q, s_kv, tma_dq, launch_dq))
     return dq, dk, dv
 
 
@@ -634,6 +710,9 @@ def _setup_context(ctx, inputs, output):
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.scale, ctx.causal = scale, causal
+    # An unused output's gradient stays None instead of a zero tensor: the usual loss never touches lse, and then
+    # the delta pre-pass skips reading it.
+    ctx.set_materialize_grads(False)
 
 
 def _flash_fwd_backward(ctx, d_out, d_lse):

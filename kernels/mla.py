@@ -1,8 +1,264 @@
-"""Placeholder until the kernel lands (being written in this session)."""
+"""Absorbed multi-head latent attention (DeepSeek-V2 MLA) decode over a latent cache, contiguous or paged.
+
+Math, per sequence b and head h, with the key up-projection absorbed into the query (q_absorbed = q_nope W_UK[h])
+and the value up-projection left to the caller (out = latent W_UV[h]^T, `kernels.reference.unabsorb_output`):
+    s_n = scale * (q_absorbed_h . c_kv_n + q_rope_h . k_rope_n)     for n < seq_lens[b]
+    latent_h = sum_n softmax(s)_n c_kv_n,   lse_h = log sum_n exp(s_n)
+Every head reads the same cache row, so this is grouped decode with one KV head, all H query heads in its group,
+and V = K's latent part. The kernel reads each c_kv tile once and uses it twice: as K in the scores (the 512-wide
+latent and the 64-wide RoPE key as two dots) and as V in the output. Splits, their combine and the interpreter's
+compile-time trip count are those of `kernels.decode`.
+
+Layouts:
+    contiguous  q_absorbed (B, H, D_c)  q_rope (B, H, D_r)  c_kv (B, S_max, D_c)  k_rope (B, S_max, D_r)
+    paged       c_kv_pages (num_pages, page_size, D_c) and k_rope_pages (num_pages, page_size, D_r): one pool
+                each, shared by all heads (a latent cache has no head axis); block_table (B, max_pages) int32
+                maps token n of sequence b to page block_table[b, n // page_size], slot n % page_size, and the
+                same (page, slot) indexes both pools.
+Outputs: latent (B, H, D_c) in q_absorbed's dtype, lse (B, H) fp32, natural log.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels import _checks
+from kernels import decode as _decode
+from kernels.decode import LOG2E, MAX_SPLITS, _dot_precision, _pow2, _store_split, auto_num_splits, combine_splits
+from kernels.decode import num_sms as _num_sms
 
 
-def mla_decode(*a, **k):
-    raise NotImplementedError
+@triton.jit
+def _mla_tile(CKV, KR, BLOCK_TABLE, q, q_rope, m_i, l_i, acc, b, tile_start, end, offs_c, offs_r,
+              stride_cp, stride_cn, stride_cd, stride_rp, stride_rn, stride_rd, stride_tb, stride_tp, scale_log2,
+              D_C: tl.constexpr, D_R: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
+              PAGE_SIZE: tl.constexpr, EVICT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One online-softmax step over BLOCK_N latent rows: the c_kv tile serves as K and as V."""
+    offs_n = tile_start + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < end
+    if PAGED:
+        if PAGE_SIZE >= BLOCK_N:  # the tile lies inside one page: one table entry
+            page = tl.load(BLOCK_TABLE + b * stride_tb + (tile_start // PAGE_SIZE) * stride_tp,
+                           mask=tile_start < end, other=0).to(tl.int64)
+        else:
+            page = tl.load(BLOCK_TABLE + b * stride_tb + (offs_n // PAGE_SIZE) * stride_tp,
+                           mask=mask_n, other=0).to(tl.int64)[:, None]
+        slot = offs_n % PAGE_SIZE
+    else:
+        page = b.to(tl.int64)
+        slot = offs_n
+    kv = tl.load(CKV + page * stride_cp + slot[:, None] * stride_cn + offs_c[None, :] * stride_cd,
+                 mask=mask_n[:, None] & (offs_c[None, :] < D_C), other=0.0, eviction_policy=EVICT)  # (BLOCK_N, D_c)
+    kr = tl.load(KR + page * stride_rp + slot[:, None] * stride_rn + offs_r[None, :] * stride_rd,
+                 mask=mask_n[:, None] & (offs_r[None, :] < D_R), other=0.0, eviction_policy=EVICT)
+    s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)
+    s += tl.dot(q_rope, tl.trans(kr), input_precision=DOT_PRECISION)
+    s = tl.where(mask_n[None, :], s * scale_log2, -float("inf"))  # exp2 with log2(e) folded into the scale
+    m_new = tl.maximum(m_i, tl.max(s, axis=1))
+    m_use = tl.where(m_new == -float("inf"), 0.0, m_new)  # a fully masked tile: exp2(-inf) = 0, not NaN
+    alpha = tl.math.exp2(m_i - m_use)
+    p = tl.math.exp2(s - m_use[:, None])
+    l_i = l_i * alpha + tl.sum(p, axis=1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
 
 
-paged_mla_decode = mla_decode
+@triton.jit
+def _mla_decode_kernel(
+    QA, QR, CKV, KR, BLOCK_TABLE, SEQ_LENS, OUT, LSE,
+    stride_qab, stride_qah, stride_qad,
+    stride_qrb, stride_qrh, stride_qrd,
+    stride_cp, stride_cn, stride_cd,
+    stride_rp, stride_rn, stride_rd,
+    stride_tb, stride_tp,
+    stride_ob, stride_oh, stride_os, stride_od,
+    stride_lb, stride_lh, stride_ls,
+    scale_log2,
+    H: tl.constexpr, D_C: tl.constexpr, D_R: tl.constexpr,
+    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_DR: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, STATIC_ITERS: tl.constexpr,
+    EVICT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # grid (head tiles, splits, B): the head tiles of one (sequence, split) run side by side and share its
+    # tiles through L2.
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    b = tl.program_id(2)
+    heads = tile * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = heads < H
+    offs_c = tl.arange(0, BLOCK_DC)
+    offs_r = tl.arange(0, BLOCK_DR)
+    q = tl.load(QA + b * stride_qab + heads[:, None] * stride_qah + offs_c[None, :] * stride_qad,
+                mask=mask_h[:, None] & (offs_c[None, :] < D_C), other=0.0)  # (BLOCK_H, BLOCK_DC)
+    q_rope = tl.load(QR + b * stride_qrb + heads[:, None] * stride_qrh + offs_r[None, :] * stride_qrd,
+                     mask=mask_h[:, None] & (offs_r[None, :] < D_R), other=0.0)  # (BLOCK_H, BLOCK_DR)
+
+    seq_len = tl.load(SEQ_LENS + b)
+    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, seq_len)
+    m_i = tl.full([BLOCK_H], -float("inf"), tl.float32)  # running max, log2 units
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_DC], tl.float32)
+    if STATIC_ITERS > 0:  # the interpreter: a compile-time trip count (kernels/decode.py's docstring)
+        for i in range(0, STATIC_ITERS):
+            m_i, l_i, acc = _mla_tile(CKV, KR, BLOCK_TABLE, q, q_rope, m_i, l_i, acc, b, start + i * BLOCK_N, end,
+                                      offs_c, offs_r, stride_cp, stride_cn, stride_cd, stride_rp, stride_rn,
+                                      stride_rd, stride_tb, stride_tp, scale_log2, D_C, D_R, BLOCK_N, PAGED,
+                                      PAGE_SIZE, EVICT, DOT_PRECISION)
+    else:  # the GPU: this chunk's own tiles
+        for i in range(0, tl.cdiv(end - start, BLOCK_N)):
+            m_i, l_i, acc = _mla_tile(CKV, KR, BLOCK_TABLE, q, q_rope, m_i, l_i, acc, b, start + i * BLOCK_N, end,
+                                      offs_c, offs_r, stride_cp, stride_cn, stride_cd, stride_rp, stride_rn,
+                                      stride_rd, stride_tb, stride_tp, scale_log2, D_C, D_R, BLOCK_N, PAGED,
+                                      PAGE_SIZE, EVICT, DOT_PRECISION)
+    _store_split(OUT, LSE, acc, m_i, l_i, b, heads, mask_h, split, offs_c, D_C,
+                 stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls, NUM_SPLITS)
+
+
+# ---- Launch heuristics ------------------------------------------------------------------------------------------
+
+
+def _mla_config(h: int, d_c: int) -> dict:
+    """Heads per program and tile sizes. The (BLOCK_H, 512) fp32 accumulator lives in registers: 16 heads fit
+    four warps, 64 heads (the tensor cores' M for many heads) need eight."""
+    block_h = max(16, min(64, triton.next_power_of_2(h)))
+    if d_c > 256:
+        return dict(BLOCK_H=block_h, BLOCK_N=32, num_warps=8 if block_h >= 32 else 4, num_stages=2)
+    return dict(BLOCK_H=block_h, BLOCK_N=64, num_warps=4, num_stages=2)
+
+
+# ---- Launcher ---------------------------------------------------------------------------------------------------
+
+
+def _launch_mla(q_absorbed, q_rope, c_kv, k_rope, block_table, seq_lens, scale: float, num_splits, *, paged: bool,
+                page_size: int, capacity: int, config: dict | None = None):
+    batch, h, d_c = q_absorbed.shape
+    d_r = q_rope.shape[-1]
+    cfg = dict(_mla_config(h, d_c), **(config or {}))
+    block_h, block_n = cfg.pop("BLOCK_H"), cfg.pop("BLOCK_N")
+    head_tiles = triton.cdiv(h, block_h)
+    n_tiles = triton.cdiv(capacity, block_n)
+    if num_splits is None:
+        tile_bytes = block_n * (d_c + d_r) * c_kv.element_size()
+        num_splits = auto_num_splits(batch * head_tiles, n_tiles, tile_bytes, batch * h * (d_c + 1) * 4,
+                                     _num_sms(q_absorbed.device))
+    out = _decode.new_empty((batch, h, d_c), q_absorbed.device, q_absorbed.dtype)
+    lse = _decode.new_empty((batch, h), q_absorbed.device, torch.float32)
+    if num_splits == 1:
+        part_o, part_lse = out[:, :, None], lse[:, :, None]
+    else:
+        part_o = _decode.new_empty((batch, h, num_splits, d_c), out.device, torch.float32)
+        part_lse = _decode.new_empty((batch, h, num_splits), out.device, torch.float32)
+    table = block_table if paged else seq_lens  # unused when contiguous
+    table_strides = block_table.stride() if paged else (0, 0)
+    static_iters = triton.cdiv(n_tiles, num_splits) if _checks.interpreting() else 0
+    _mla_decode_kernel[(head_tiles, num_splits, batch)](
+        q_absorbed, q_rope, c_kv, k_rope, table, seq_lens, part_o, part_lse,
+        *q_absorbed.stride(), *q_rope.stride(), *c_kv.stride(), *k_rope.stride(), *table_strides,
+        *part_o.stride(), *part_lse.stride(),
+        float(scale) * LOG2E,
+        H=h, D_C=d_c, D_R=d_r, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DC=_pow2(d_c), BLOCK_DR=_pow2(d_r),
+        PAGED=paged, PAGE_SIZE=page_size, NUM_SPLITS=num_splits, STATIC_ITERS=static_iters,
+        # One head tile: each latent tile is read once, so stream it past L2. Several: they share it through L2.
+        EVICT="evict_first" if head_tiles == 1 else "", DOT_PRECISION=_dot_precision(q_absorbed.dtype), **cfg,
+    )
+    if num_splits > 1:
+        combine_splits(part_o, part_lse, out, lse)
+    return out, lse
+
+
+# ---- Custom ops (torch.compile traces through them) --------------------------------------------------------------
+
+
+@torch.library.custom_op("zoo::mla_decode", mutates_args=())
+def _mla_decode_op(q_absorbed: torch.Tensor, q_rope: torch.Tensor, c_kv: torch.Tensor, k_rope: torch.Tensor,
+                   seq_lens: torch.Tensor, scale: float, num_splits: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    return _launch_mla(q_absorbed, q_rope, c_kv, k_rope, None, seq_lens, scale, num_splits, paged=False,
+                       page_size=1, capacity=c_kv.shape[1])
+
+
+@_mla_decode_op.register_fake
+def _(q_absorbed, q_rope, c_kv, k_rope, seq_lens, scale, num_splits):
+    return torch.empty_like(q_absorbed), q_absorbed.new_empty(q_absorbed.shape[:2], dtype=torch.float32)
+
+
+@torch.library.custom_op("zoo::paged_mla_decode", mutates_args=())
+def _paged_mla_decode_op(q_absorbed: torch.Tensor, q_rope: torch.Tensor, c_kv_pages: torch.Tensor,
+                         k_rope_pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
+                         num_splits: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+    page_size = c_kv_pages.shape[1]
+    return _launch_mla(q_absorbed, q_rope, c_kv_pages, k_rope_pages, block_table, seq_lens, scale, num_splits,
+                       paged=True, page_size=page_size, capacity=block_table.shape[1] * page_size)
+
+
+@_paged_mla_decode_op.register_fake
+def _(q_absorbed, q_rope, c_kv_pages, k_rope_pages, block_table, seq_lens, scale, num_splits):
+    return torch.empty_like(q_absorbed), q_absorbed.new_empty(q_absorbed.shape[:2], dtype=torch.float32)
+
+
+# ---- Input checks -------------------------------------------------------------------------------------------------
+
+
+def _check_mla(q_absorbed, q_rope, ckv, kr, seq_lens, num_splits, *, ckv_name: str, kr_name: str, paged: bool):
+    _checks.check_rank("q_absorbed", q_absorbed, 3, "(B, H, D_c)")
+    _checks.check_rank("q_rope", q_rope, 3, "(B, H, D_r)")
+    rows = "(num_pages, page_size" if paged else "(B, S_max"
+    _checks.check_rank(ckv_name, ckv, 3, rows + ", D_c)")
+    _checks.check_rank(kr_name, kr, 3, rows + ", D_r)")
+    b, h, d_c = q_absorbed.shape
+    d_r = q_rope.shape[2]
+    if tuple(q_rope.shape[:2]) != (b, h):
+        _checks.fail("q_rope", f"shape {tuple(q_rope.shape)}", f"(B, H, D_r) with (B, H) = {(b, h)} from q_absorbed")
+    if (not paged and ckv.shape[0] != b) or ckv.shape[2] != d_c:
+        _checks.fail(ckv_name, f"shape {tuple(ckv.shape)}",
+                     f"{rows}, D_c) with D_c = {d_c}" + ("" if paged else f" and B = {b}") + " from q_absorbed")
+    if tuple(kr.shape) != (*ckv.shape[:2], d_r):
+        _checks.fail(kr_name, f"shape {tuple(kr.shape)}", f"{(*ckv.shape[:2], d_r)}: {ckv_name}'s rows, D_r of q_rope")
+    _checks.check_head_dim("q_absorbed", d_c, 16, 512)
+    _checks.check_head_dim("q_rope", d_r, 1, 128)
+    _checks.check_float("q_absorbed", q_absorbed)
+    for name, x in (("q_rope", q_rope), (ckv_name, ckv), (kr_name, kr)):
+        _checks.check_float(name, x, q_absorbed, "q_absorbed")
+    _checks.check_int32("seq_lens", seq_lens, (b,), "(B,)")
+    _checks.check_same_device({"q_absorbed": q_absorbed, "q_rope": q_rope, ckv_name: ckv, kr_name: kr,
+                               "seq_lens": seq_lens})
+    _checks.check_num_splits(num_splits, MAX_SPLITS)
+
+
+# ---- Public functions ---------------------------------------------------------------------------------------------
+
+
+def mla_decode(q_absorbed: torch.Tensor, q_rope: torch.Tensor, c_kv: torch.Tensor, k_rope: torch.Tensor,
+               seq_lens: torch.Tensor, *, scale: float, num_splits: int | None = None,
+               validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """Absorbed MLA decode over a contiguous latent cache. q_absorbed (B, H, D_c), q_rope (B, H, D_r),
+    c_kv (B, S_max, D_c), k_rope (B, S_max, D_r), seq_lens (B,) int32. D_c up to 512, D_r up to 128.
+    Returns latent out (B, H, D_c) in q_absorbed's dtype and lse (B, H) fp32. validate=False skips the
+    seq_lens value check (a device sync)."""
+    _check_mla(q_absorbed, q_rope, c_kv, k_rope, seq_lens, num_splits, ckv_name="c_kv", kr_name="k_rope",
+               paged=False)
+    if validate and _checks.can_read_values(seq_lens):
+        _checks.check_seq_lens_values(seq_lens, c_kv.shape[1], f"S_max of c_kv is {c_kv.shape[1]}")
+    return torch.ops.zoo.mla_decode(q_absorbed, q_rope, c_kv, k_rope, seq_lens, float(scale), num_splits)
+
+
+def paged_mla_decode(q_absorbed: torch.Tensor, q_rope: torch.Tensor, c_kv_pages: torch.Tensor,
+                     k_rope_pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, *, scale: float,
+                     num_splits: int | None = None, validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """mla_decode over a paged latent cache: c_kv_pages (num_pages, page_size, D_c) and k_rope_pages
+    (num_pages, page_size, D_r), one pool each shared by all heads, indexed by one block table (B, max_pages)
+    int32. page_size is a power of two from 8 to 256."""
+    _check_mla(q_absorbed, q_rope, c_kv_pages, k_rope_pages, seq_lens, num_splits, ckv_name="c_kv_pages",
+               kr_name="k_rope_pages", paged=True)
+    _checks.check_page_size("c_kv_pages", c_kv_pages.shape[1])
+    _checks.check_rank("block_table", block_table, 2, "(B, max_pages)")
+    _checks.check_int32("block_table", block_table, (q_absorbed.shape[0], block_table.shape[1]), "(B, max_pages)")
+    _checks.check_same_device({"q_absorbed": q_absorbed, "block_table": block_table})
+    if validate and _checks.can_read_values(seq_lens):
+        _checks.check_seq_lens_values(seq_lens, 2**31 - 1, "a positive length")
+        _checks.check_block_table_values(block_table, seq_lens, c_kv_pages.shape[1], c_kv_pages.shape[0])
+    return torch.ops.zoo.paged_mla_decode(q_absorbed, q_rope, c_kv_pages, k_rope_pages, block_table, seq_lens,
+                                          float(scale), num_splits)

@@ -92,10 +92,10 @@ def _read(cache, r):
 
 
 def test_paged_random_grow_release_matches_shadow():
-    """Random growth (batch-1 prefill of 1..7 tokens) and release of 5 sequences over a pool too small for all
+    """Random growth (batch-1 prefill of 1..12 tokens) and release of 5 sequences over a pool too small for all
     of them: every sequence reads back exactly what was written, whatever was freed and reused around it."""
     rng = random.Random(1)
-    cache = make_cache("paged", GQA, 5, 40, device=DEVICE, page_size=4, num_pages=18)
+    cache = make_cache("paged", GQA, 5, 40, device=DEVICE, page_size=8, num_pages=9)
     shadow = [[] for _ in range(5)]  # row -> list of (H_kv, D) tokens of layer 0's K
     full = 0
     for _ in range(300):
@@ -104,7 +104,7 @@ def test_paged_random_grow_release_matches_shadow():
             cache.release(r)
             shadow[r] = []
         else:
-            T = rng.randint(1, 7)
+            T = rng.randint(1, 12)
             if len(shadow[r]) + T > 40:
                 continue
             view = cache.view([r])
@@ -122,25 +122,25 @@ def test_paged_random_grow_release_matches_shadow():
 
 
 def test_paged_exhaustion_raises_and_leaves_others_intact():
-    cache = make_cache("paged", GQA, 3, 32, device=DEVICE, page_size=4, num_pages=6)
+    cache = make_cache("paged", GQA, 3, 64, device=DEVICE, page_size=8, num_pages=6)
     data = {}
-    for r, n in ((0, 10), (1, 8)):  # 3 + 2 pages
+    for r, n in ((0, 20), (1, 16)):  # 3 + 2 pages
         view = cache.view([r])
         view.reserve(n)
         data[r] = torch.randn(1, 2, n, 16, device=DEVICE)
         view.append(0, data[r], data[r])
     before = ([list(p) for p in cache.store.pages], list(cache.store.lens), cache.store.block_table.clone())
-    # rows 0 and 1 each need one more page for 3 more tokens: 2 pages asked, 1 free -> nothing allocated at all
+    # rows 0 and 1 each need one more page for 5 more tokens: 2 pages asked, 1 free -> nothing allocated at all
     with pytest.raises(CacheFullError, match=r"asked for 2 pages, 1 free of 6"):
-        cache.view([0, 1]).reserve(3)
+        cache.view([0, 1]).reserve(5)
     with pytest.raises(CacheFullError, match="--num_pages"):
-        cache.view([2]).reserve(8)
+        cache.view([2]).reserve(16)
     assert ([list(p) for p in cache.store.pages], list(cache.store.lens)) == before[:2]
     assert torch.equal(cache.store.block_table, before[2])
     for r in data:
         torch.testing.assert_close(_read(cache, r)[0], data[r][0], rtol=0, atol=0)
     cache.release(0)  # a finished sequence makes room: the waiting prompt now fits
-    cache.view([2]).reserve(8)
+    cache.view([2]).reserve(16)
     assert cache.store.allocator.num_free == 2
 
 
@@ -208,9 +208,9 @@ def _step(cache, shadow, rows, T, dtype, check):
             y = view.attend(layer, q, k, v, 0.25)
             for i, r in enumerate(rows):
                 ks, vs = shadow.stacked(r, layer, 0), shadow.stacked(r, layer, 1)  # (S, H_kv, D)
+                n_tok = torch.tensor([ks.shape[0]], device=DEVICE)
                 ref, _ = reference.decode_reference(q[i:i + 1, :, 0], ks.transpose(0, 1)[None],
-                                                    vs.transpose(0, 1)[None], torch.tensor([ks.shape[0]], device=DEVICE),
-                                                    scale=0.25)
+                                                    vs.transpose(0, 1)[None], n_tok, scale=0.25)
                 check(y[i:i + 1, :, 0], ref, f"attend row {r} layer {layer}")
     return pos
 
@@ -218,20 +218,20 @@ def _step(cache, shadow, rows, T, dtype, check):
 @pytest.mark.parametrize("backend,dtype", list(_backends()))
 @pytest.mark.parametrize("kind", ["grouped", "paged", "mla", "paged_mla"])
 def test_decode_matches_reference_through_ragged_release_and_reuse(kind, backend, dtype):
-    """Ragged prefill (rows of 5, 1 and 12 tokens, one at a time), decode steps over the ragged batch, a finished
+    """Ragged prefill (rows of 7, 1 and 15 tokens, one at a time), decode steps over the ragged batch, a finished
     row released (its pages reused by a new prompt), decode over the remaining rows, then over all again."""
     config = MLA if kind.endswith("mla") else GQA
-    cache = make_cache(kind, config, 3, 24, device=DEVICE, dtype=dtype, backend=backend, page_size=4)
+    cache = make_cache(kind, config, 3, 24, device=DEVICE, dtype=dtype, backend=backend, page_size=8)
     shadow = _Shadow(3, config.n_layer)
 
     def check(got, ref, name):
         assert_close(got, ref, dtype, f"{kind} {backend} {name}")
 
-    for r, n in enumerate((5, 1, 12)):
+    for r, n in enumerate((7, 1, 15)):  # rows 0 and 2 cross into a new page during the first decode steps
         pos = _step(cache, shadow, [r], n, dtype, check)
         assert pos.tolist() == [list(range(n))]
     pos = _step(cache, shadow, [0, 1, 2], 1, dtype, check)
-    assert pos.tolist() == [[5], [1], [12]]
+    assert pos.tolist() == [[7], [1], [15]]
     cache.release(1)
     shadow.clear(1)
     rows = cache.compact([0, 2])
@@ -247,7 +247,7 @@ def test_decode_matches_reference_through_ragged_release_and_reuse(kind, backend
     _step(cache, shadow, [free_row], 6, dtype, check)  # a new prompt in the freed row (paged: freed pages)
     all_rows = sorted(rows + [free_row])
     pos = _step(cache, shadow, all_rows, 1, dtype, check)
-    assert sorted(p[0] for p in pos.tolist()) == sorted([7, 14, 6])
+    assert sorted(p[0] for p in pos.tolist()) == sorted([9, 17, 6])
     if cache.store.paged:
         cache.store.allocator.check()
 
@@ -264,6 +264,8 @@ def test_factory_rejects_combinations_that_cannot_work():
         make_cache("grouped", GQA, 1, 0, device="cpu")
     with pytest.raises(ValueError, match="page_size"):
         make_cache("paged", GQA, 1, 8, device="cpu", page_size=12)
+    with pytest.raises(ValueError, match="page_size"):
+        make_cache("paged", GQA, 1, 8, device="cpu", page_size=4)
     with pytest.raises(ValueError, match="backend"):
         make_cache("grouped", GQA, 1, 8, device="cpu", backend="cuda")
 

@@ -1,0 +1,291 @@
+"""Decode kernels on the GPU: grouped, paged and MLA decode against PyTorch SDPA and the machine's ceilings.
+
+    python3 benchmarks/bench_decode.py            # the full grid (under 6 minutes on one H200)
+    python3 benchmarks/bench_decode.py --quick    # a small grid (under 2 minutes)
+    python3 benchmarks/bench_decode.py --tune     # launch-config sweeps (block sizes, warps, stages)
+
+Decode is memory-bound: the measure is bytes of cache read per second (each K/V byte counted once) against the
+device copy rate (read + write) measured in the same run. Every call is captured in a CUDA graph (the way decode
+runs in a server, and it keeps the host's launch cost out of the numbers) and timed by `common.bench_ms`, which
+clears the L2 before each replay. Before timing, each kernel's output is checked against an fp32 reference on a
+few sequences of the batch. Our kernels run with num_splits=None (auto) and with the best of a few fixed split
+counts, to check the heuristic.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from common import bench_ms, ceilings, header, print_table  # noqa: E402
+
+from kernels import decode as decode_mod  # noqa: E402
+from kernels import mla as mla_mod  # noqa: E402
+from kernels.decode import grouped_decode, paged_grouped_decode  # noqa: E402
+from kernels.mla import mla_decode, paged_mla_decode  # noqa: E402
+
+DTYPE = torch.bfloat16
+MAX_CACHE_BYTES = 24 * 1024**3  # K + V of one shape; larger shapes of the grid are skipped
+TOL = 2e-2  # bf16 output against an fp32 reference: one rounding of P and of the output, ~2^-8 relative
+
+
+def graph_ms(fn) -> float:
+    """Capture fn() in a CUDA graph and time its replay (median ms, cold L2)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return bench_ms(graph.replay)
+
+
+def check(name: str, got: torch.Tensor, ref: torch.Tensor):
+    err = (got.float() - ref.float()).abs().max().item()
+    if not math.isfinite(err) or err > TOL * max(1.0, ref.abs().max().item()):
+        raise AssertionError(f"{name}: max error {err:.3e} against the reference")
+
+
+def ref_decode_rows(q, k, v, seq_lens, scale, rows):
+    """fp32 decode for a few sequences (the full reference would materialize H_q copies of the cache)."""
+    outs = []
+    group = q.shape[1] // k.shape[1]
+    for b in rows:
+        n = int(seq_lens[b])
+        kb, vb = k[b, :, :n].float(), v[b, :, :n].float()  # (H_kv, n, D)
+        qb = q[b].float().reshape(k.shape[1], group, -1)  # (H_kv, G, D)
+        p = torch.softmax(qb @ kb.transpose(1, 2) * scale, dim=-1)
+        outs.append((p @ vb).reshape(q.shape[1], -1))
+    return torch.stack(outs)
+
+
+def sample_rows(batch: int) -> list[int]:
+    return sorted({0, batch // 2, batch - 1})
+
+
+def to_pages(x: torch.Tensor, page_size: int):
+    """(B, H_kv, S, D) cache -> shuffled pool (num_pages, page_size, H_kv, D) and block table (B, S / page_size)."""
+    b, h, s, d = x.shape
+    n = s // page_size
+    table = torch.randperm(b * n, device=x.device).reshape(b, n).to(torch.int32)
+    pool = torch.empty(b * n, page_size, h, d, device=x.device, dtype=x.dtype)
+    pool[table.long()] = x.reshape(b, h, n, page_size, d).permute(0, 2, 3, 1, 4)
+    return pool, table
+
+
+def split_candidates(auto: int) -> list[int]:
+    return sorted({1, max(1, auto // 2), min(decode_mod.MAX_SPLITS, auto * 2), 4, 16, 64} - {auto})
+
+
+def bench_grouped(shapes, fixed_splits: bool, copy_tbps: float) -> list[dict]:
+    rows = []
+    for b, s, h_kv, d in shapes:
+        h_q = 32
+        cache_bytes = 2 * b * h_kv * s * d * DTYPE.itemsize
+        if cache_bytes > MAX_CACHE_BYTES:
+            continue
+        q = torch.randn(b, h_q, d, device="cuda", dtype=DTYPE)
+        k = torch.randn(b, h_kv, s, d, device="cuda", dtype=DTYPE)
+        v = torch.randn(b, h_kv, s, d, device="cuda", dtype=DTYPE)
+        lens = torch.full((b,), s, device="cuda", dtype=torch.int32)
+        scale = d**-0.5
+        out, _ = grouped_decode(q, k, v, lens, scale=scale)
+        picks = sample_rows(b)
+        check(f"grouped B{b} S{s} Hkv{h_kv} D{d}", out[picks], ref_decode_rows(q, k, v, lens, scale, picks))
+        sdpa = lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, enable_gqa=True)  # noqa: E731
+        check("sdpa", sdpa()[picks, :, 0], ref_decode_rows(q, k, v, lens, scale, picks))
+        t_auto = graph_ms(lambda: grouped_decode(q, k, v, lens, scale=scale, validate=False))
+        t_sdpa = graph_ms(sdpa)
+        auto = _auto_splits_grouped(b, h_q, h_kv, s, d)
+        row = dict(B=b, S=s, H_kv=h_kv, D=d, splits=auto, us=1e3 * t_auto, GBps=cache_bytes / t_auto / 1e6,
+                   sdpa_GBps=cache_bytes / t_sdpa / 1e6, x_sdpa=t_sdpa / t_auto, of_copy=cache_bytes / t_auto / 1e9
+                   / copy_tbps)
+        if fixed_splits:
+            best = min((graph_ms(lambda: grouped_decode(q, k, v, lens, scale=scale, num_splits=n, validate=False)),
+                        n) for n in split_candidates(auto) if n <= math.ceil(s / 16))
+            row.update(best_fixed=best[1], auto_vs_best=best[0] / t_auto)
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+def _auto_splits_grouped(b, h_q, h_kv, s, d) -> int:
+    group = h_q // h_kv
+    block_h = max(16, min(64, 1 << (group - 1).bit_length()))
+    tiles = h_kv * math.ceil(group / block_h)
+    block_n = decode_mod._block_n(2 * d)
+    return decode_mod.auto_num_splits(b * tiles, math.ceil(s / block_n), block_n * 2 * d * DTYPE.itemsize,
+                                      b * h_q * (d + 1) * 4, decode_mod.num_sms(torch.device("cuda")))
+
+
+def bench_paged(shapes, copy_tbps: float) -> list[dict]:
+    rows = []
+    for b, s, h_kv, d, page_size, ragged in shapes:
+        h_q = 32
+        q = torch.randn(b, h_q, d, device="cuda", dtype=DTYPE)
+        k = torch.randn(b, h_kv, s, d, device="cuda", dtype=DTYPE)
+        v = torch.randn(b, h_kv, s, d, device="cuda", dtype=DTYPE)
+        g = torch.Generator(device="cpu").manual_seed(b + s)
+        lens = (torch.randint(s // 8, s + 1, (b,), generator=g) if ragged else torch.full((b,), s)).to(torch.int32)
+        lens = lens.cuda()
+        scale = d**-0.5
+        k_pages, table = to_pages(k, page_size)
+        v_pages = torch.empty_like(k_pages)
+        v_pages[table.long()] = v.reshape(b, h_kv, s // page_size, page_size, d).permute(0, 2, 3, 1, 4)
+        out, _ = paged_grouped_decode(q, k_pages, v_pages, table, lens, scale=scale)
+        picks = sample_rows(b)
+        check(f"paged B{b} S{s} page{page_size}", out[picks], ref_decode_rows(q, k, v, lens, scale, picks))
+        t_paged = graph_ms(lambda: paged_grouped_decode(q, k_pages, v_pages, table, lens, scale=scale,
+                                                        validate=False))
+        t_contig = graph_ms(lambda: grouped_decode(q, k, v, lens, scale=scale, validate=False))
+        read = 2 * int(lens.sum()) * h_kv * d * DTYPE.itemsize
+        rows.append(dict(B=b, S=s, H_kv=h_kv, D=d, page=page_size, lens="ragged" if ragged else "full",
+                         us=1e3 * t_paged, GBps=read / t_paged / 1e6, contig_GBps=read / t_contig / 1e6,
+                         x_contig=t_contig / t_paged))
+        print(rows[-1], flush=True)
+    return rows
+
+
+def ref_mla_rows(q_abs, q_rope, c_kv, k_rope, lens, scale, rows):
+    outs = []
+    for b in rows:
+        n = int(lens[b])
+        s = q_abs[b].float() @ c_kv[b, :n].float().T + q_rope[b].float() @ k_rope[b, :n].float().T
+        outs.append(torch.softmax(s * scale, dim=-1) @ c_kv[b, :n].float())
+    return torch.stack(outs)
+
+
+def bench_mla(shapes, fixed_splits: bool) -> list[dict]:
+    rows = []
+    for b, h, n, page_size in shapes:
+        d_c, d_r = 512, 64
+        q_abs = torch.randn(b, h, d_c, device="cuda", dtype=DTYPE)
+        q_rope = torch.randn(b, h, d_r, device="cuda", dtype=DTYPE)
+        c_kv = (0.3 * torch.randn(b, n, d_c, device="cuda")).to(DTYPE)
+        k_rope = torch.randn(b, n, d_r, device="cuda", dtype=DTYPE)
+        lens = torch.full((b,), n, device="cuda", dtype=torch.int32)
+        scale = (128 + d_r) ** -0.5
+        if page_size:
+            c_pages, table = to_pages(c_kv[:, None], page_size)
+            r_pages = torch.empty(b * n // page_size, page_size, 1, d_r, device="cuda", dtype=DTYPE)
+            r_pages[table.long()] = k_rope.reshape(b, n // page_size, page_size, 1, d_r)
+            c_pages, r_pages = c_pages[:, :, 0], r_pages[:, :, 0]
+
+            def run(splits=None):
+                return paged_mla_decode(q_abs, q_rope, c_pages, r_pages, table, lens, scale=scale,
+                                        num_splits=splits, validate=False)
+        else:
+            def run(splits=None):
+                return mla_decode(q_abs, q_rope, c_kv, k_rope, lens, scale=scale, num_splits=splits, validate=False)
+        picks = sample_rows(b)
+        check(f"mla B{b} H{h} N{n}", run()[0][picks], ref_mla_rows(q_abs, q_rope, c_kv, k_rope, lens, scale, picks))
+        t = graph_ms(run)
+        read = b * n * (d_c + d_r) * DTYPE.itemsize
+        flops = 2 * b * h * n * (d_c + d_r) + 2 * b * h * n * d_c
+        row = dict(B=b, H=h, N=n, page=page_size or "-", us=1e3 * t, TBps=read / t / 1e9, TFLOPs=flops / t / 1e9)
+        if fixed_splits:
+            best = min((graph_ms(lambda: run(sp)), sp) for sp in (1, 2, 4, 8, 16))
+            row.update(best_fixed=best[1], auto_vs_best=best[0] / t)
+        rows.append(row)
+        print(row, flush=True)
+    return rows
+
+
+def tune():
+    """Launch-config sweeps on a few shapes: the data behind the defaults in kernels/decode.py and kernels/mla.py."""
+    rows = []
+    for b, s, h_kv, d in [(64, 8192, 8, 128), (8, 32768, 8, 128), (64, 8192, 1, 128), (64, 8192, 8, 64)]:
+        q = torch.randn(b, 32, d, device="cuda", dtype=DTYPE)
+        k, v = (torch.randn(b, h_kv, s, d, device="cuda", dtype=DTYPE) for _ in range(2))
+        lens = torch.full((b,), s, device="cuda", dtype=torch.int32)
+        cache_bytes = 2 * k.numel() * k.element_size()
+        for block_n in (32, 64, 128):
+            for warps in (4, 8):
+                for stages in (2, 3, 4):
+                    cfg = dict(num_warps=warps, num_stages=stages)
+                    try:
+                        t = graph_ms(lambda: decode_mod._launch_decode(
+                            q, k, v, None, None, None, lens, d**-0.5, None, paged=False, page_size=1, capacity=s,
+                            block_n=block_n, config=cfg))
+                    except Exception as e:  # a config may not fit in shared memory
+                        print("skip", b, s, h_kv, d, block_n, cfg, type(e).__name__, flush=True)
+                        continue
+                    rows.append(dict(op="grouped", shape=f"B{b}-S{s}-Hkv{h_kv}-D{d}", BLOCK_N=block_n, warps=warps,
+                                     stages=stages, GBps=cache_bytes / t / 1e6))
+                    print(rows[-1], flush=True)
+    for b, h, n in [(64, 16, 8192), (64, 128, 8192)]:
+        q_abs, q_rope = torch.randn(b, h, 512, device="cuda", dtype=DTYPE), torch.randn(b, h, 64, device="cuda",
+                                                                                       dtype=DTYPE)
+        c_kv, k_rope = torch.randn(b, n, 512, device="cuda", dtype=DTYPE), torch.randn(b, n, 64, device="cuda",
+                                                                                      dtype=DTYPE)
+        lens = torch.full((b,), n, device="cuda", dtype=torch.int32)
+        flops = 2 * b * h * n * 576 + 2 * b * h * n * 512
+        grid = ([(16, bn, w, st) for bn in (16, 32, 64) for w in (4, 8) for st in (1, 2, 3)] if h <= 16 else
+                [(bh, bn, w, st) for bh in (32, 64) for bn in (16, 32) for w in (4, 8) for st in (1, 2)])
+        for block_h, block_n, warps, stages in grid:
+            cfg = dict(BLOCK_H=block_h, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+            try:
+                t = graph_ms(lambda: mla_mod._launch_mla(q_abs, q_rope, c_kv, k_rope, None, lens, 0.07,
+                                                         None, paged=False, page_size=1, capacity=n,
+                                                         config=cfg))
+            except Exception as e:
+                print("skip mla", cfg, type(e).__name__, flush=True)
+                continue
+            rows.append(dict(op=f"mla-H{h}", shape=f"B{b}-N{n}", BLOCK_H=block_h, BLOCK_N=block_n,
+                             warps=warps, stages=stages, TBps=b * n * 576 * 2 / t / 1e9,
+                             TFLOPs=flops / t / 1e9))
+            print(rows[-1], flush=True)
+    return rows
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="a small grid (under 2 minutes)")
+    parser.add_argument("--tune", action="store_true", help="launch-config sweeps instead of the grid")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    print(header())
+    ceil = ceilings()
+    print(f"ceilings: copy {ceil['copy_TBps']:.2f} TB/s (read+write), bf16 matmul {ceil['matmul_bf16_TFLOPs']:.0f} "
+          f"TFLOP/s", flush=True)
+    if args.tune:
+        rows = tune()
+        print_table([r for r in rows if r["op"] == "grouped"], ["shape", "BLOCK_N", "warps", "stages", "GBps"])
+        print_table([r for r in rows if r["op"] != "grouped"],
+                    ["op", "shape", "BLOCK_H", "BLOCK_N", "warps", "stages", "TBps", "TFLOPs"])
+        return
+    if args.quick:
+        grouped = [(b, s, h, 128) for b in (1, 64) for s in (1024, 32768) for h in (1, 8)]
+        paged = [(b, s, 8, 128, p, r) for b, s in ((64, 8192), (8, 32768)) for p in (16, 64) for r in (False, True)]
+        mla = [(64, 16, 8192, 0), (64, 128, 8192, 0), (64, 16, 8192, 64)]
+    else:
+        grouped = [(b, s, h, d) for d in (64, 128) for h in (1, 8, 32) for b in (1, 8, 32, 128)
+                   for s in (1024, 8192, 32768, 65536)]
+        paged = [(b, s, 8, 128, p, r) for b, s in ((1, 65536), (64, 8192), (8, 32768), (128, 4096))
+                 for p in (16, 64) for r in (False, True)]
+        mla = [(b, h, n, p) for h in (16, 128) for b, n in ((16, 8192), (64, 8192), (64, 32768), (128, 4096))
+               for p in (0, 64)]
+    g_rows = bench_grouped(grouped, fixed_splits=True, copy_tbps=ceil["copy_TBps"])
+    p_rows = bench_paged(paged, ceil["copy_TBps"])
+    m_rows = bench_mla(mla, fixed_splits=True)
+    print()
+    print(header())
+    print(f"ceilings: copy {ceil['copy_TBps']:.2f} TB/s, bf16 matmul {ceil['matmul_bf16_TFLOPs']:.0f} TFLOP/s; "
+          "H_q = 32; GB/s = K+V bytes read once per second; x_sdpa > 1: we are faster")
+    print_table(g_rows, ["B", "S", "H_kv", "D", "splits", "us", "GBps", "sdpa_GBps", "x_sdpa", "of_copy",
+                         "best_fixed", "auto_vs_best"])
+    print()
+    print_table(p_rows, ["B", "S", "H_kv", "D", "page", "lens", "us", "GBps", "contig_GBps", "x_contig"])
+    print()
+    print_table(m_rows, ["B", "H", "N", "page", "us", "TBps", "TFLOPs", "best_fixed", "auto_vs_best"])
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,151 @@
+"""Flash attention training kernels (kernels/flash.py) against PyTorch SDPA and FlexAttention on one GPU.
+
+    python3 benchmarks/bench_flash.py            # the full grid (a few minutes)
+    python3 benchmarks/bench_flash.py --quick    # four shapes (under two minutes)
+
+Per shape: our forward output and gradients are checked against SDPA (relative L2 error, bf16 budget) before
+anything is timed; then the forward and the backward alone (autograd.grad over a retained graph) are timed for
+ours, SDPA (`enable_gqa=True`, is_causal; MLA's D_v is padded to D_qk for it) and FlexAttention (compiled, causal
+block mask). FLOPs: 2*B*H_q*S_q*S_kv*(D_qk + D_v) for the forward (= 4*B*H*M*N*D for equal dims), half of it
+when causal; the backward counts 2.5x the forward. Ceilings (copy bandwidth, bf16 matmul) come from the same run.
+"""
+
+import argparse
+import os
+import sys
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import bench_ms, ceilings, header, print_table  # noqa: E402
+from kernels import flash, flash_gqa_attention  # noqa: E402
+
+# (B, H_q, H_kv, S, D_qk, D_v, causal); B * S = 16k tokens per shape.
+QUICK = [
+    (4, 32, 8, 4096, 128, 128, True),
+    (4, 32, 8, 4096, 128, 128, False),
+    (4, 32, 8, 4096, 64, 64, True),
+    (4, 16, 16, 4096, 192, 128, True),  # MLA training shape: D_qk = 128 nope + 64 rope, D_v = 128
+]
+
+
+def full_grid():
+    shapes = []
+    for d in (64, 128):
+        for causal in (True, False):
+            for s in (1024, 4096, 16384):
+                shapes.append((16384 // s, 32, 8, s, d, d, causal))  # group 4
+            shapes.append((4, 32, 32, 4096, d, d, causal))  # MHA
+            shapes.append((4, 32, 4, 4096, d, d, causal))  # group 8
+    shapes += [(4, 16, 16, 4096, 192, 128, True), (4, 16, 16, 4096, 192, 128, False)]
+    return shapes
+
+
+def flops(shape) -> float:
+    b, h_q, _, s, d_qk, d_v, causal = shape
+    return 2.0 * b * h_q * s * s * (d_qk + d_v) * (0.5 if causal else 1.0)
+
+
+def sdpa(q, k, v, causal):
+    d_v = v.shape[-1]
+    if d_v != q.shape[-1]:  # SDPA's fused backends need equal head dims: pad V, slice the output
+        v = F.pad(v, (0, q.shape[-1] - d_v))
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=causal, enable_gqa=q.shape[1] != k.shape[1])
+    return out[..., :d_v]
+
+
+_flex = None
+
+
+def flex(q, k, v, causal, block_mask):
+    global _flex
+    if _flex is None:
+        from torch.nn.attention.flex_attention import flex_attention
+
+        _flex = torch.compile(flex_attention, dynamic=False)
+    return _flex(q, k, v, block_mask=block_mask, enable_gqa=q.shape[1] != k.shape[1])
+
+
+def causal_block_mask(s, causal):
+    if not causal:
+        return None
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return create_block_mask(lambda b, h, q_idx, kv_idx: q_idx >= kv_idx, None, None, s, s, device="cuda")
+
+
+def rel_err(got, want) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm()).item()
+
+
+def time_fwd_bwd(fn, q, k, v, do):
+    """(forward ms, backward-alone ms, out, grads)."""
+    with torch.no_grad():
+        fwd_ms = bench_ms(lambda: fn(q, k, v))
+    leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+    out = fn(*leaves)
+    grads = torch.autograd.grad(out, leaves, do, retain_graph=True)
+    bwd_ms = bench_ms(lambda: torch.autograd.grad(out, leaves, do, retain_graph=True))
+    return fwd_ms, bwd_ms, out.detach(), grads
+
+
+def run_shape(shape, dtype, with_flex=True):
+    b, h_q, h_kv, s, d_qk, d_v, causal = shape
+    q = torch.randn(b, h_q, s, d_qk, device="cuda", dtype=dtype)
+    k = torch.randn(b, h_kv, s, d_qk, device="cuda", dtype=dtype)
+    v = torch.randn(b, h_kv, s, d_v, device="cuda", dtype=dtype)
+    do = torch.randn(b, h_q, s, d_v, device="cuda", dtype=dtype)
+    name = f"B{b}-Hq{h_q}-Hkv{h_kv}-S{s}-D{d_qk}" + (f"x{d_v}" if d_v != d_qk else "") + ("-causal" if causal else "")
+    ours = time_fwd_bwd(lambda q, k, v: flash_gqa_attention(q, k, v, causal=causal), q, k, v, do)
+    ref = time_fwd_bwd(lambda q, k, v: sdpa(q, k, v, causal), q, k, v, do)
+    # Check before reporting: ours against SDPA, forward and every gradient (bf16 rounding of P and dS: ~1e-2).
+    errs = [rel_err(ours[2], ref[2])] + [rel_err(g, r) for g, r in zip(ours[3], ref[3])]
+    if max(errs) > 2e-2:
+        raise AssertionError(f"{name}: ours vs SDPA relative errors (out, dq, dk, dv) = {errs}")
+    try:
+        if not with_flex:
+            raise RuntimeError("skipped (--no-flex)")
+        mask = causal_block_mask(s, causal)
+        fx = time_fwd_bwd(lambda q, k, v: flex(q, k, v, causal, mask), q, k, v, do)
+        flex_fwd, flex_bwd = fx[0], fx[1]
+    except Exception as e:  # noqa: BLE001 - a peer that cannot run this shape is reported, not fatal
+        print(f"{name}: FlexAttention failed: {type(e).__name__}: {str(e)[:200]}")
+        flex_fwd = flex_bwd = None
+    f = flops(shape)
+    tf = lambda ms, mult=1.0: None if ms is None else mult * f / ms / 1e9  # noqa: E731
+    row = dict(shape=name, err=max(errs),
+               fwd=tf(ours[0]), fwd_sdpa=tf(ref[0]), fwd_flex=tf(flex_fwd),
+               bwd=tf(ours[1], 2.5), bwd_sdpa=tf(ref[1], 2.5), bwd_flex=tf(flex_bwd, 2.5))
+    row["fwd/sdpa"] = ref[0] / ours[0]
+    row["bwd/sdpa"] = ref[1] / ours[1]
+    row["fwd/flex"] = None if flex_fwd is None else flex_fwd / ours[0]
+    row["bwd/flex"] = None if flex_bwd is None else flex_bwd / ours[1]
+    print(row, flush=True)
+    del q, k, v, do, ours, ref
+    torch.cuda.empty_cache()
+    return row
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--quick", action="store_true", help="four shapes instead of the full grid")
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (saves its compile time)")
+    args = parser.parse_args()
+    dtype = getattr(torch, args.dtype)
+    print(header())
+    c = ceilings()
+    print(f"ceilings: copy {c['copy_TBps']:.2f} TB/s, bf16 matmul {c['matmul_bf16_TFLOPs']:.0f} TFLOP/s")
+    rows = [run_shape(shape, dtype, not args.no_flex) for shape in (QUICK if args.quick else full_grid())]
+    print("configs picked (BLOCK_M, BLOCK_N, warps, stages):")
+    for key, cfg in flash._TUNED.items():
+        print(f"  {key[0]:5s} D{key[1]}/{key[2]} causal={key[3]} {key[5]}: {cfg}")
+    print(f"\n{args.dtype}, TFLOP/s (forward; backward alone = 2.5x forward FLOPs); ratio > 1: ours faster")
+    print_table(rows, ["shape", "fwd", "fwd_sdpa", "fwd_flex", "fwd/sdpa", "fwd/flex",
+                       "bwd", "bwd_sdpa", "bwd_flex", "bwd/sdpa", "bwd/flex", "err"])
+
+
+if __name__ == "__main__":
+    main()

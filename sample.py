@@ -1,0 +1,482 @@
+"""Sample from a trained model (or GPT-2) through a KV cache: prefill with the flash kernel, then one token per step
+through the grouped, paged or MLA decode kernels.
+
+    python sample.py --out_dir=out-gqa                                   # the checkpoint's natural cache
+    python sample.py --out_dir=out-gqa --cache=paged --num_samples=8 --max_new_tokens=500
+    python sample.py --out_dir=out-mla --cache=none                      # the reference: recompute everything
+    python sample.py --init_from=gpt2 --start="FILE:prompt.txt" --temperature=0 > out.txt
+    python sample.py --out_dir=out-tiny --device=cpu --max_new_tokens=50  # CPU: plain PyTorch attention
+
+--cache: auto (grouped for MHA/GQA/MQA, mla for MLA), grouped, paged, mla, none. On an MLA model "paged" means the
+paged latent cache (paged_mla, also accepted by name); grouped on an MLA model and mla on a GQA model are refused
+at start with the valid choices. "none" recomputes the whole context each step with no cache.
+
+The prompts (`--start`, one per sample) decode together as one batch; a sequence that emits the end-of-text
+token or reaches --max_new_tokens finishes and gives its cache rows (its pages) back while the others go on. With
+a paged cache, --num_pages limits the pool (0: enough for every sample at full length); a pool that cannot hold
+the batch raises CacheFullError, unless --wait_for_pages=True, which admits prompts only as pages free up
+(each admitted sequence is guaranteed pages for its full length, so nothing is ever evicted).
+
+Standard output gets the samples alone (the first one streamed as it is generated, then the others, separated by
+a line of dashes), so `> out.txt` captures just the text; progress and statistics (prefill and decode tokens/s,
+cache memory) go to standard error, and to the checkpoint's wandb project with --wandb_log=True.
+
+Past block_size: a model with learned positions cannot go there, so prompt + max_new_tokens beyond block_size is
+an error at start. A RoPE model may go on when asked (--allow_past_block_size=True: positions beyond what it was
+trained on, whose quality is the user's risk); otherwise that is an error too. Nothing is ever cropped silently.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from cache import CacheFullError, make_cache
+
+DEFAULTS = dict(
+    init_from="resume",  # "resume" (the checkpoint in out_dir), a checkpoint directory, or gpt2 / gpt2-medium / ...
+    out_dir="out",
+    cache="auto",  # auto | grouped | paged | mla | paged_mla | none
+    start="\n",  # the prompt, or FILE:path to read it from a file
+    num_samples=1,
+    max_new_tokens=200,
+    temperature=0.8,  # 0 = greedy
+    top_k=200,  # 0 = off
+    top_p=1.0,  # 1.0 = off
+    seed=1337,
+    page_size=16,
+    num_pages=0,  # 0 = enough for every sample at full length
+    wait_for_pages=False,
+    allow_past_block_size=False,
+    device="cuda" if torch.cuda.is_available() else "cpu",
+    dtype="auto",  # auto (bfloat16 on a GPU that has it, else float32) | float32 | bfloat16 | float16
+    compile=False,
+    wandb_log=False,
+)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CACHE_CHOICES = ("auto", "grouped", "paged", "mla", "paged_mla", "none")
+
+
+# ---------------------------------------------------------------------------------------------- choices
+
+
+def resolve_cache_kind(config, requested: str) -> str:
+    """The cache kind for a model: auto -> grouped / mla; paged on an MLA model -> paged_mla. A kind that cannot
+    hold this model's attention raises ValueError with the valid choices."""
+    mla = config.attention == "mla"
+    valid = ("auto", "mla", "paged", "paged_mla", "none") if mla else ("auto", "grouped", "paged", "none")
+    if requested not in valid:
+        raise ValueError(f"--cache: got {requested!r} for a model with attention={config.attention!r}; "
+                         f"valid: {', '.join(valid)}")
+    if requested == "auto":
+        return "mla" if mla else "grouped"
+    return "paged_mla" if mla and requested == "paged" else requested
+
+
+def check_length(config, prompt_lens: list[int], max_new_tokens: int, allow_past_block_size: bool):
+    """Positions run up to prompt + max_new_tokens - 2 (the last sampled token is never fed back)."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens: got {max_new_tokens}; valid: an int >= 1")
+    if min(prompt_lens) < 1:
+        raise ValueError("start: got an empty prompt; valid: at least one token")
+    longest = max(prompt_lens) + max_new_tokens - 1
+    if longest <= config.block_size:
+        return
+    how = f"prompt of {max(prompt_lens)} tokens + max_new_tokens={max_new_tokens} - 1 = {longest} tokens"
+    if config.pos_embedding == "learned":
+        raise ValueError(f"{how}; valid: at most block_size={config.block_size} for learned position embeddings "
+                         "(shorten the prompt or lower --max_new_tokens)")
+    if not allow_past_block_size:
+        raise ValueError(f"{how} > block_size={config.block_size}; this RoPE model may go past what it was trained "
+                         "on with --allow_past_block_size=True, or lower --max_new_tokens")
+
+
+# --------------------------------------------------------------------------------------------- sampling
+
+
+def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
+                top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+    """logits (B, V) -> next tokens (B,). temperature 0 is greedy (argmax); top_k / top_p filter before sampling."""
+    if temperature == 0:
+        return logits.argmax(dim=-1)
+    logits = logits.float() / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    if top_p is not None and top_p < 1.0:
+        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
+        drop = cum - sorted_logits.softmax(dim=-1) > top_p  # keep the smallest prefix whose mass reaches top_p
+        logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
+    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)[:, 0]
+
+
+# ------------------------------------------------------------------------------------------- generation
+
+
+@dataclass
+class GenerationStats:
+    prefill_tokens: int = 0
+    prefill_s: float = 0.0
+    decode_tokens: int = 0
+    decode_s: float = 0.0
+    decode_steps: int = 0
+    cache_bytes_allocated: int = 0
+    cache_bytes_peak: int = 0
+    cache_bytes_per_token: int = 0
+    extra: dict = field(default_factory=dict)
+
+    def summary(self) -> dict:
+        return {
+            "prefill_tokens_per_s": self.prefill_tokens / max(self.prefill_s, 1e-9),
+            "decode_tokens_per_s": self.decode_tokens / max(self.decode_s, 1e-9),
+            "prefill_tokens": self.prefill_tokens, "decode_tokens": self.decode_tokens,
+            "decode_steps": self.decode_steps, "cache_bytes_allocated": self.cache_bytes_allocated,
+            "cache_bytes_peak": self.cache_bytes_peak, "cache_bytes_per_token": self.cache_bytes_per_token,
+        }
+
+
+class _Timer:
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+
+    def __enter__(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.t0 = time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.seconds = time.perf_counter() - self.t0
+
+
+class _Sequences:
+    """Host bookkeeping of a generation: each prompt's new tokens and whether it is done."""
+
+    def __init__(self, prompts, max_new_tokens, eot_token, on_token):
+        self.prompts, self.max_new, self.eot, self.on_token = prompts, max_new_tokens, eot_token, on_token
+        self.out: list[list[int]] = [[] for _ in prompts]
+
+    def emit(self, i: int, token: int) -> bool:
+        """Record token for sequence i; True when the sequence is finished."""
+        if self.eot is not None and token == self.eot:
+            return True
+        self.out[i].append(token)
+        if self.on_token is not None:
+            self.on_token(i, token)
+        return len(self.out[i]) >= self.max_new
+
+    def last(self, i: int) -> int:
+        return self.out[i][-1]
+
+
+@torch.no_grad()
+def generate(model, prompts: list[list[int]], cache_kind: str = "auto", *, max_new_tokens: int,
+             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
+             eot_token: int | None = None, generator: torch.Generator | None = None, page_size: int = 16,
+             num_pages: int | None = None, wait_for_pages: bool = False, max_batch: int | None = None,
+             allow_past_block_size: bool = False, dtype: torch.dtype | None = None, on_token=None, on_logits=None):
+    """Generate up to max_new_tokens after each prompt; returns (new tokens per prompt, GenerationStats).
+
+    cache_kind: as resolve_cache_kind takes it ("none" recomputes the full context every step). on_token(i, tok)
+    sees every emitted token as it comes (streaming); on_logits(i, logits (V,)) sees the logits each new token of
+    sequence i was sampled from (the tests compare them with the full forward). max_batch caps the rows decoded
+    together (default: all prompts); with wait_for_pages a paged cache admits prompts only as pages free up.
+    """
+    config = model.config
+    kind = resolve_cache_kind(config, cache_kind)
+    check_length(config, [len(p) for p in prompts], max_new_tokens, allow_past_block_size)
+    seqs = _Sequences(prompts, max_new_tokens, eot_token, on_token)
+    stats = GenerationStats()
+    pick = lambda logits: sample_next(logits, temperature, top_k, top_p, generator)  # noqa: E731
+    if kind == "none":
+        _generate_uncached(model, seqs, pick, on_logits, stats)
+    else:
+        device = next(model.parameters()).device
+        rows = min(len(prompts), max_batch or len(prompts))
+        max_len = max(len(p) for p in prompts) + max_new_tokens - 1
+        cache = make_cache(kind, config, rows, max_len, device=device,
+                           dtype=dtype or next(model.parameters()).dtype, backend=model.attn_backend_for(device),
+                           page_size=page_size, num_pages=num_pages or None)
+        _generate_cached(model, cache, seqs, pick, on_logits, stats, wait_for_pages)
+    return seqs.out, stats
+
+
+def _generate_uncached(model, seqs: _Sequences, pick, on_logits, stats: GenerationStats):
+    """The reference: every step runs the full forward over each unfinished sequence's whole context."""
+    device = next(model.parameters()).device
+    live = list(range(len(seqs.prompts)))
+    first = True
+    while live:
+        with _Timer(device) as t:
+            finished = []
+            for i in live:
+                idx = torch.tensor([seqs.prompts[i] + seqs.out[i]], device=device)
+                logits = model(idx)[0][:, -1].float()
+                if on_logits is not None:
+                    on_logits(i, logits[0])
+                if seqs.emit(i, int(pick(logits)[0])):
+                    finished.append(i)
+        n = sum(len(seqs.prompts[i]) for i in live) if first else len(live)
+        if first:
+            stats.prefill_tokens, stats.prefill_s = n, t.seconds
+        else:
+            stats.decode_tokens, stats.decode_s, stats.decode_steps = (stats.decode_tokens + n,
+                                                                       stats.decode_s + t.seconds,
+                                                                       stats.decode_steps + 1)
+        live = [i for i in live if i not in finished]
+        first = False
+
+
+class _Scheduler:
+    """Which prompt goes into which cache row, and when. Without waiting every prompt is admitted as soon as a row
+    is free (a pool too small raises CacheFullError). With waiting (paged caches) a prompt is admitted only when
+    the free pages cover its whole life (prompt + max_new_tokens - 1 tokens) on top of what the running sequences
+    may still claim, so a running sequence never meets an empty pool."""
+
+    def __init__(self, cache, seqs: _Sequences, wait: bool):
+        self.cache, self.seqs = cache, seqs
+        self.wait = wait and cache.store.paged
+        self.waiting = deque(range(len(seqs.prompts)))
+        self.active: dict[int, int] = {}  # cache row -> sequence id
+
+    def pages_for_life(self, i: int) -> int:
+        ps = self.cache.store.page_size
+        return -(-(len(self.seqs.prompts[i]) + self.seqs.max_new - 1) // ps)
+
+    def admit(self) -> list[tuple[int, int]]:
+        """(row, sequence) pairs admitted now, lowest free rows first."""
+        free_rows = [r for r in range(self.cache.store.batch_size) if r not in self.active]
+        admitted = []
+        while self.waiting and free_rows:
+            i = self.waiting[0]
+            if self.wait:
+                store = self.cache.store
+                claimed = sum(self.pages_for_life(s) - len(store.pages[r]) for r, s in self.active.items())
+                if self.pages_for_life(i) > store.allocator.num_pages:
+                    raise CacheFullError(f"prompt {i} needs {self.pages_for_life(i)} pages for its full length, more "
+                                         f"than the whole pool of {store.allocator.num_pages}; raise --num_pages")
+                if store.allocator.num_free - claimed < self.pages_for_life(i):
+                    break
+            self.waiting.popleft()
+            r = free_rows.pop(0)
+            self.active[r] = i
+            admitted.append((r, i))
+        return admitted
+
+    def finish(self, rows: list[int]):
+        """Release finished rows; a contiguous cache then moves the survivors down so decode views stay slices."""
+        for r in rows:
+            del self.active[r]
+            self.cache.release(r)
+        if rows and not self.cache.store.paged and self.active:
+            old = sorted(self.active)
+            new = self.cache.compact(old)
+            self.active = {n: self.active[o] for o, n in zip(old, new)}
+
+
+def _generate_cached(model, cache, seqs: _Sequences, pick, on_logits, stats: GenerationStats, wait: bool):
+    device = next(model.parameters()).device
+    sched = _Scheduler(cache, seqs, wait)
+    mem = cache.memory()
+    stats.cache_bytes_allocated, stats.cache_bytes_per_token = mem["bytes_allocated"], mem["bytes_per_token"]
+    while sched.waiting or sched.active:
+        admitted = sched.admit()
+        if not admitted and not sched.active:
+            raise CacheFullError("no prompt can be admitted into an empty cache; raise --num_pages")
+        _prefill(model, cache, seqs, sched, admitted, pick, on_logits, stats, device)
+        stats.cache_bytes_peak = max(stats.cache_bytes_peak, cache.memory()["bytes_in_use"])
+        if not sched.active:
+            continue
+        rows = sorted(sched.active)
+        with _Timer(device) as t:
+            idx = torch.tensor([[seqs.last(sched.active[r])] for r in rows], device=device)
+            logits = model(idx, cache=cache.view(rows))[0][:, -1].float()
+            tokens = pick(logits).tolist()
+        stats.decode_tokens, stats.decode_s, stats.decode_steps = (stats.decode_tokens + len(rows),
+                                                                   stats.decode_s + t.seconds,
+                                                                   stats.decode_steps + 1)
+        stats.cache_bytes_peak = max(stats.cache_bytes_peak, cache.memory()["bytes_in_use"])
+        done = []
+        for j, r in enumerate(rows):
+            if on_logits is not None:
+                on_logits(sched.active[r], logits[j])
+            if seqs.emit(sched.active[r], tokens[j]):
+                done.append(r)
+        sched.finish(done)
+
+
+def _prefill(model, cache, seqs, sched, admitted, pick, on_logits, stats, device):
+    """Prefill admitted prompts; prompts of one length go together through one view, others one at a time."""
+    by_len: dict[int, list[tuple[int, int]]] = {}
+    for r, i in admitted:
+        by_len.setdefault(len(seqs.prompts[i]), []).append((r, i))
+    done = []
+    for group in by_len.values():
+        with _Timer(device) as t:
+            idx = torch.tensor([seqs.prompts[i] for _, i in group], device=device)
+            logits = model(idx, cache=cache.view([r for r, _ in group]))[0][:, -1].float()
+            tokens = pick(logits).tolist()
+        stats.prefill_tokens += idx.numel()
+        stats.prefill_s += t.seconds
+        for j, (r, i) in enumerate(group):
+            if on_logits is not None:
+                on_logits(i, logits[j])
+            if seqs.emit(i, tokens[j]):
+                done.append(r)
+    sched.finish(done)
+
+
+# ----------------------------------------------------------------------------------------------- the CLI
+
+
+def load_model(cfg: dict):
+    """(model, tokenizer meta, checkpoint config) from --init_from: resume (out_dir), a directory, or gpt2*."""
+    from model import GPT, GPT2_NAMES, GPTConfig
+
+    if cfg["init_from"] in GPT2_NAMES:
+        from data import tiktoken_meta
+
+        return GPT.from_pretrained(cfg["init_from"]), tiktoken_meta("gpt2"), {}
+    from checkpoint import clean_state_dict, load_checkpoint
+
+    directory = cfg["out_dir"] if cfg["init_from"] == "resume" else cfg["init_from"]
+    path = os.path.join(directory, "best.pt")
+    if not os.path.isfile(path):
+        path = os.path.join(directory, "last.pt")
+    ckpt = load_checkpoint(path, map_location="cpu", required_keys=("model", "model_args", "tokenizer"))
+    model = GPT(GPTConfig(**ckpt["model_args"]))
+    model.load_state_dict(clean_state_dict(ckpt["model"]))
+    print(f"loaded {path} (iter {ckpt.get('iter_num', '?')})", file=sys.stderr)
+    return model, ckpt["tokenizer"], ckpt.get("config", {})
+
+
+def read_start(start: str) -> str:
+    if start.startswith("FILE:"):
+        with open(start[5:], encoding="utf-8") as f:
+            return f.read()
+    return start
+
+
+def resolve_dtype(name: str, device: str) -> torch.dtype:
+    if name == "auto":
+        cuda = torch.device(device).type == "cuda"
+        return torch.bfloat16 if cuda and torch.cuda.is_bf16_supported() else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"--dtype: got {name!r}; valid: auto, {', '.join(DTYPES)}")
+    return DTYPES[name]
+
+
+class _Streamer:
+    """Writes sample 0's text to stdout as it grows (decoding the whole list keeps multi-byte BPE pieces whole)."""
+
+    def __init__(self, tokenizer, out=sys.stdout):
+        self.tok, self.out, self.ids, self.shown = tokenizer, out, [], 0
+
+    def __call__(self, i: int, token: int):
+        if i != 0:
+            return
+        self.ids.append(token)
+        text = self.tok.decode(self.ids)
+        if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the rest of it
+            return
+        self.out.write(text[self.shown:])
+        self.out.flush()
+        self.shown = len(text)
+
+    def flush(self):
+        text = self.tok.decode(self.ids)
+        self.out.write(text[self.shown:])
+        self.shown = len(text)
+
+
+def main(argv: list[str]) -> dict:
+    from configurator import parse_config
+    from data import get_tokenizer
+
+    cfg = parse_config(DEFAULTS, argv)
+    if cfg["cache"] not in CACHE_CHOICES:
+        raise ValueError(f"--cache: got {cfg['cache']!r}; valid: {', '.join(CACHE_CHOICES)}")
+    torch.manual_seed(cfg["seed"])
+    dtype = resolve_dtype(cfg["dtype"], cfg["device"])
+    model, meta, train_cfg = load_model(cfg)
+    model.eval().to(cfg["device"], dtype)
+    kind = resolve_cache_kind(model.config, cfg["cache"])  # fails at start with the valid choices
+    if cfg["compile"]:
+        model = _compiled(model)
+    tokenizer = get_tokenizer(meta)
+    start_ids = tokenizer.encode(read_start(cfg["start"]))
+    prompts = [start_ids] * cfg["num_samples"]
+    generator = torch.Generator(device=cfg["device"]).manual_seed(cfg["seed"])
+    stream = _Streamer(tokenizer)
+    sys.stdout.write(tokenizer.decode(start_ids))
+    print(f"sampling {cfg['num_samples']} x {cfg['max_new_tokens']} tokens, cache={kind}, "
+          f"attention={model.config.attention}, backend={model.attn_backend_for(cfg['device'])}, dtype={dtype}",
+          file=sys.stderr)
+    outputs, stats = generate(
+        model, prompts, kind, max_new_tokens=cfg["max_new_tokens"], temperature=cfg["temperature"],
+        top_k=cfg["top_k"] or None, top_p=cfg["top_p"], eot_token=tokenizer.eot_token, generator=generator,
+        page_size=cfg["page_size"], num_pages=cfg["num_pages"] or None, wait_for_pages=cfg["wait_for_pages"],
+        allow_past_block_size=cfg["allow_past_block_size"], on_token=stream)
+    stream.flush()
+    for out in outputs[1:]:
+        sys.stdout.write("\n---------------\n" + tokenizer.decode(start_ids + out))
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    summary = {"cache": kind, "attention": model.config.attention, **stats.summary()}
+    report(summary)
+    if cfg["wandb_log"]:
+        log_wandb(summary, train_cfg, cfg)
+    return summary
+
+
+def _compiled(model):
+    """torch.compile the per-layer blocks: the cache calls inside attention run eagerly (graph breaks), the
+    projections, norms and MLP between them are compiled."""
+    for block in model.transformer.h:
+        block.mlp = torch.compile(block.mlp, dynamic=True)
+    return model
+
+
+def report(summary: dict):
+    mib = 1024 ** 2
+    print(f"prefill: {summary['prefill_tokens']} tokens, {summary['prefill_tokens_per_s']:.1f} tokens/s | "
+          f"decode: {summary['decode_tokens']} tokens in {summary['decode_steps']} steps, "
+          f"{summary['decode_tokens_per_s']:.1f} tokens/s", file=sys.stderr)
+    if summary["cache"] != "none":
+        print(f"cache {summary['cache']}: {summary['cache_bytes_allocated'] / mib:.2f} MiB allocated, "
+              f"peak {summary['cache_bytes_peak'] / mib:.2f} MiB in use, "
+              f"{summary['cache_bytes_per_token']} bytes/token", file=sys.stderr)
+
+
+def log_wandb(summary: dict, train_cfg: dict, cfg: dict):
+    """Log the decode statistics into the checkpoint's wandb project and group (offline when there is no
+    network or no login)."""
+    try:
+        import wandb
+    except ImportError:
+        print("wandb_log: wandb is not installed; skipped", file=sys.stderr)
+        return
+    project = train_cfg.get("wandb_project", "attention-zoo")
+    group = train_cfg.get("wandb_group") or train_cfg.get("wandb_run_name") or summary["attention"]
+    kwargs = dict(project=project, group=group, job_type="sample", name=f"sample-{summary['cache']}",
+                  config={**cfg, "train": train_cfg})
+    try:
+        run = wandb.init(**kwargs)
+    except Exception as e:  # no network / no API key: keep the numbers locally
+        print(f"wandb_log: online init failed ({type(e).__name__}); logging offline", file=sys.stderr)
+        run = wandb.init(mode="offline", **kwargs)
+    run.log({f"sample/{k}": v for k, v in summary.items() if isinstance(v, (int, float))})
+    run.finish()
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

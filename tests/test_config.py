@@ -1,0 +1,151 @@
+"""configurator.parse_config and checkpoint.py: config files and overrides, the errors they promise, and atomic,
+corruption-checked checkpoints. Plus: every shipped config file parses and builds a valid model."""
+
+import glob
+import os
+
+import pytest
+import torch
+
+from checkpoint import TRAIN_KEYS, CheckpointError, clean_state_dict, load_checkpoint, save_checkpoint
+from configurator import ConfigError, parse_config
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DEFAULTS = dict(batch_size=12, learning_rate=6e-4, compile=False, dtype="bfloat16", wandb_run_name="run",
+                n_kv_head=None, betas=(0.9, 0.95), n_head=4, n_embd=128)
+
+
+def write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(text)
+    return str(path)
+
+
+def test_overrides_parse_and_coerce():
+    got = parse_config(DEFAULTS, ["--batch_size=32", "--learning_rate=1", "--compile=True", "--dtype=float16",
+                                  "--wandb_run_name=2024", "--n_kv_head=2", "--betas=(0.9,0.99)"])
+    assert got["batch_size"] == 32
+    assert got["learning_rate"] == 1.0 and isinstance(got["learning_rate"], float)  # int accepted for a float
+    assert got["compile"] is True and got["dtype"] == "float16"
+    assert got["wandb_run_name"] == "2024"  # a str default keeps the raw text
+    assert got["n_kv_head"] == 2 and got["betas"] == (0.9, 0.99)
+    assert DEFAULTS["batch_size"] == 12, "parse_config must not modify the defaults"
+
+
+def test_config_file_sees_earlier_values_and_overrides_apply_in_order(tmp_path):
+    cfg = write(tmp_path, "c.py", "import math\nn_embd = 64 * n_head\nbatch_size = int(math.sqrt(16))\n"
+                                  "_private = 3\n")
+    got = parse_config(DEFAULTS, ["--n_head=6", cfg, "--batch_size=7"])
+    assert got["n_embd"] == 384 and got["batch_size"] == 7
+    assert "_private" not in got and "math" not in got
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--bach_size=3"], "unknown config key 'bach_size' (did you mean batch_size?)"),
+    (["--batch_size=3.5"], "batch_size=3.5 has type float, but batch_size takes type int"),
+    (["--compile=1"], "compile=1 has type int, but compile takes type bool"),
+    (["--learning_rate=fast"], "learning_rate='fast' has type str"),
+    (["--batch_size"], "expected --key=value"),
+    (["missing_config.py"], "no such file"),
+], ids=["unknown-key", "float-for-int", "int-for-bool", "str-for-float", "no-value", "missing-file"])
+def test_bad_arguments_fail_with_clear_message(argv, needle):
+    with pytest.raises(ConfigError) as e:
+        parse_config(DEFAULTS, argv)
+    assert needle in str(e.value)
+    if "--" in argv[0] and "=" in argv[0]:
+        assert "valid keys: batch_size, betas, compile" in str(e.value)
+
+
+def test_bad_config_file(tmp_path):
+    with pytest.raises(ConfigError, match="unknown config key 'n_layers'"):
+        parse_config(DEFAULTS, [write(tmp_path, "a.py", "n_layers = 3\n")])
+    with pytest.raises(ConfigError, match="syntax error at line 1"):
+        parse_config(DEFAULTS, [write(tmp_path, "b.py", "n_head = = 3\n")])
+    with pytest.raises(ConfigError, match="has type str, but n_head takes type int"):
+        parse_config(DEFAULTS, [write(tmp_path, "c.py", "n_head = '4'\n")])
+    assert issubclass(ConfigError, ValueError)
+
+
+@pytest.mark.parametrize("files", [
+    *[[f] for f in sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))],
+    *[["configs/kv_h200.py", f"configs/{v}.py"] for v in ("mha", "gqa", "mqa", "mla")],
+], ids=lambda f: "+".join(os.path.basename(x)[:-3] for x in f))
+def test_shipped_configs_parse_and_build_a_model(files):
+    import train
+    from model import GPTConfig
+
+    config = parse_config(train.DEFAULTS, [os.path.join(ROOT, f) for f in files])
+    assert config["wandb_group"], "every config sets wandb_group so that a comparison lands on one chart"
+    gpt_config = train.model_config(config, vocab_size=50257)  # raises ConfigError if the fields disagree
+    assert isinstance(gpt_config, GPTConfig)
+    if config["attention"] == "gqa":
+        assert 1 < gpt_config.n_kv_head < gpt_config.n_head
+
+
+def test_variant_configs_share_size_and_budget():
+    import train
+
+    keys = ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "gradient_accumulation_steps", "max_iters",
+            "learning_rate", "dataset", "wandb_group")
+    configs = {v: parse_config(train.DEFAULTS, [os.path.join(ROOT, "configs", f"{v}.py")])
+               for v in ("mha", "gqa", "mqa", "mla")}
+    first = configs["mha"]
+    for v, c in configs.items():
+        assert {k: c[k] for k in keys} == {k: first[k] for k in keys}, v
+        assert c["attention"] == v and c["out_dir"] == f"out-{v}"
+
+
+# ----------------------------------------------------------------------------------------------- checkpoints
+
+
+def test_checkpoint_roundtrip_is_atomic_and_weights_only(tmp_path):
+    import random
+
+    path = tmp_path / "sub" / "last.pt"
+    obj = {"model": {"w": torch.arange(6.0).view(2, 3)}, "rng": {"python": random.getstate()}, "iter_num": 5}
+    save_checkpoint(path, obj)
+    save_checkpoint(path, dict(obj, iter_num=6))  # overwrite in place
+    assert os.listdir(path.parent) == ["last.pt"], "temporary files must be renamed or removed"
+    got = load_checkpoint(path)
+    assert got["iter_num"] == 6 and torch.equal(got["model"]["w"], obj["model"]["w"])
+    assert got["rng"]["python"] == obj["rng"]["python"]
+
+
+def test_failed_save_leaves_the_old_checkpoint(tmp_path):
+    path = tmp_path / "last.pt"
+    save_checkpoint(path, {"iter_num": 1})
+
+    class Unpicklable:
+        def __reduce__(self):
+            raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        save_checkpoint(path, {"iter_num": 2, "bad": Unpicklable()})
+    assert load_checkpoint(path)["iter_num"] == 1
+    assert os.listdir(tmp_path) == ["last.pt"]
+
+
+@pytest.mark.parametrize("damage", ["truncated", "garbage", "empty", "missing", "not-a-dict", "missing-keys"])
+def test_corrupt_checkpoint_fails_clearly(tmp_path, damage):
+    path = tmp_path / "last.pt"
+    save_checkpoint(path, {k: torch.zeros(1000) for k in TRAIN_KEYS} if damage != "not-a-dict" else [1, 2])
+    data = path.read_bytes()
+    if damage == "truncated":
+        path.write_bytes(data[: len(data) // 2])
+    elif damage == "garbage":
+        path.write_bytes(b"\x00not a checkpoint" * 100)
+    elif damage == "empty":
+        path.write_bytes(b"")
+    elif damage == "missing":
+        path.unlink()
+    elif damage == "missing-keys":
+        save_checkpoint(path, {"model": {}})
+    expected = {"missing": "no such file", "not-a-dict": "expected a dict", "missing-keys": "missing keys"}
+    with pytest.raises(CheckpointError, match=expected.get(damage, "truncated or corrupt")) as e:
+        load_checkpoint(path, required_keys=TRAIN_KEYS)
+    assert str(path) in str(e.value)
+
+
+def test_clean_state_dict_strips_compile_and_ddp_prefixes():
+    sd = {"module._orig_mod.lm_head.weight": 1, "_orig_mod.transformer.wte.weight": 2, "transformer.h.0.x": 3}
+    assert clean_state_dict(sd) == {"lm_head.weight": 1, "transformer.wte.weight": 2, "transformer.h.0.x": 3}

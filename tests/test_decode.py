@@ -1,0 +1,292 @@
+"""grouped_decode and paged_grouped_decode against kernels.reference, on the CPU (interpreter, fp32/fp16) and the GPU
+(fp16/bf16): head dims 32-128 including 48 and 80, D_qk != D_v, group sizes 1, 2, 3, 4, MQA and groups wider than
+one head tile, ragged lengths including 1, explicit and automatic splits (more splits than tiles too), shuffled
+block tables at page sizes 8-256, RoPE score terms, non-contiguous inputs, every bad input, torch.compile."""
+
+import math
+
+import pytest
+import torch
+from conftest import DEVICE, KERNEL_DTYPES, assert_close
+
+from kernels import decode, paged_grouped_decode
+from kernels.decode import auto_num_splits, grouped_decode
+from kernels.reference import decode_reference, paged_decode_reference
+
+DTYPE_IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+@pytest.fixture(autouse=True)
+def _poison_outputs(monkeypatch):
+    """Outputs and partials start as NaN: an element the kernels forget to write fails the NaN check."""
+    def poisoned(shape, device, dtype):
+        return torch.full(shape, float("nan"), device=device, dtype=dtype)
+
+    monkeypatch.setattr(decode, "new_empty", poisoned)
+
+
+def _ragged_lens(batch: int, s_max: int) -> torch.Tensor:
+    """Lengths in [1, s_max] that always include 1 and s_max (when batch allows)."""
+    lens = torch.randint(1, s_max + 1, (batch,))
+    lens[0] = s_max
+    if batch > 1:
+        lens[1] = 1
+    return lens.to(torch.int32).to(DEVICE)
+
+
+def _check(out, lse, ref_out, ref_lse, dtype, name):
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert_close(out, ref_out, dtype, f"{name} out")
+    assert_close(lse, ref_lse, torch.float32 if dtype == torch.float32 else dtype, f"{name} lse")
+
+
+# (B, H_q, H_kv, S_max, D_qk, D_v, explicit splits): group sizes 1, 2, 3, 4, MQA (8 and 32 wide) and a group of
+# 80 (two head tiles); 9 splits over 2 tiles leaves splits with nothing to do.
+CASES = [
+    (2, 2, 2, 65, 32, 32, 9),
+    (2, 8, 4, 63, 48, 48, 1),
+    (2, 6, 2, 17, 80, 48, 2),
+    (3, 8, 2, 130, 64, 64, 3),
+    (2, 8, 1, 65, 128, 128, 5),
+    (1, 32, 1, 40, 64, 32, 1),
+    (1, 80, 1, 20, 32, 32, 2),
+]
+CASE_IDS = [f"B{b}-Hq{hq}-Hkv{hkv}-S{s}-D{d}" + (f"-Dv{dv}" if dv != d else "") for b, hq, hkv, s, d, dv, _ in CASES]
+
+
+@pytest.mark.parametrize("auto", [True, False], ids=["splitsAuto", "splitsFixed"])
+@pytest.mark.parametrize("case", CASES, ids=CASE_IDS)
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
+def test_grouped_decode_matches_reference(dtype, case, auto):
+    b, hq, hkv, s, d, dv, splits = case
+    q = torch.randn(b, hq, d, device=DEVICE, dtype=dtype)
+    k = torch.randn(b, hkv, s, d, device=DEVICE, dtype=dtype)
+    v = torch.randn(b, hkv, s, dv, device=DEVICE, dtype=dtype)
+    seq_lens = _ragged_lens(b, s)
+    scale = 1 / math.sqrt(d)
+    out, lse = grouped_decode(q, k, v, seq_lens, scale=scale, num_splits=None if auto else splits)
+    ref_out, ref_lse = decode_reference(q, k, v, seq_lens, scale=scale)
+    _check(out, lse, ref_out, ref_lse, dtype, "grouped_decode")
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
+def test_grouped_decode_rope_term(dtype):
+    b, hq, hkv, s, d, dr = 2, 6, 2, 37, 32, 16
+    q, k, v = (torch.randn(b, hq, d, device=DEVICE, dtype=dtype), torch.randn(b, hkv, s, d, device=DEVICE, dtype=dtype),
+               torch.randn(b, hkv, s, 48, device=DEVICE, dtype=dtype))
+    q_rope = torch.randn(b, hq, dr, device=DEVICE, dtype=dtype)
+    k_rope = torch.randn(b, hkv, s, dr, device=DEVICE, dtype=dtype)
+    seq_lens = _ragged_lens(b, s)
+    out, lse = grouped_decode(q, k, v, seq_lens, scale=0.15, num_splits=2, q_rope=q_rope, k_rope=k_rope)
+    ref_out, ref_lse = decode_reference(q, k, v, seq_lens, scale=0.15, q_rope=q_rope, k_rope=k_rope)
+    _check(out, lse, ref_out, ref_lse, dtype, "grouped_decode+rope")
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
+def test_grouped_decode_non_contiguous(dtype):
+    """q a slice of a wider projection; the cache stored (B, S, H_kv, D) and viewed as (B, H_kv, S, D)."""
+    b, hq, hkv, s, d = 2, 8, 2, 50, 64
+    q = torch.randn(b, hq, 2 * d, device=DEVICE, dtype=dtype)[..., d:]
+    k = torch.randn(b, s, hkv, d, device=DEVICE, dtype=dtype).transpose(1, 2)
+    v = torch.randn(b, s, hkv, 2 * d, device=DEVICE, dtype=dtype).transpose(1, 2)[..., ::2]
+    assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
+    seq_lens = _ragged_lens(b, s)
+    out, lse = grouped_decode(q, k, v, seq_lens, scale=0.125, num_splits=3)
+    ref_out, ref_lse = decode_reference(q, k, v, seq_lens, scale=0.125)
+    _check(out, lse, ref_out, ref_lse, dtype, "grouped_decode non-contiguous")
+
+
+def _paged(k, v, page_size, extra_pages=3):
+    """Scatter a contiguous cache (B, H_kv, S, D) into shuffled pages: (pool_k, pool_v, block_table)."""
+    b, hkv, s, _ = k.shape
+    max_pages = -(-s // page_size)
+    num_pages = b * max_pages + extra_pages
+    table = torch.randperm(num_pages, device=DEVICE)[: b * max_pages].reshape(b, max_pages).to(torch.int32)
+    pools = []
+    for x in (k, v):
+        pool = torch.randn(num_pages, page_size, hkv, x.shape[-1], device=DEVICE, dtype=x.dtype)  # unused pages: noise
+        padded = torch.zeros(b, hkv, max_pages * page_size, x.shape[-1], device=DEVICE, dtype=x.dtype)
+        padded[:, :, :s] = x
+        pool[table.long()] = padded.reshape(b, hkv, max_pages, page_size, -1).permute(0, 2, 3, 1, 4)
+        pools.append(pool)
+    return pools[0], pools[1], table
+
+
+# (page_size, B, H_q, H_kv, S_max, D): tiles smaller than, equal to and larger than a page.
+PAGED_CASES = [(8, 3, 6, 2, 70, 48), (16, 2, 8, 2, 100, 64), (64, 3, 4, 1, 150, 32), (256, 2, 4, 2, 300, 80)]
+
+
+@pytest.mark.parametrize("num_splits", [None, 4], ids=lambda s: f"splits{s or 'Auto'}")
+@pytest.mark.parametrize("case", PAGED_CASES, ids=[f"page{p}-B{b}-Hq{hq}-Hkv{hkv}-S{s}-D{d}"
+                                                   for p, b, hq, hkv, s, d in PAGED_CASES])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
+def test_paged_decode_matches_reference(dtype, case, num_splits):
+    page_size, b, hq, hkv, s, d = case
+    q = torch.randn(b, hq, d, device=DEVICE, dtype=dtype)
+    k = torch.randn(b, hkv, s, d, device=DEVICE, dtype=dtype)
+    v = torch.randn(b, hkv, s, d, device=DEVICE, dtype=dtype)
+    k_pages, v_pages, table = _paged(k, v, page_size)
+    seq_lens = _ragged_lens(b, s)
+    out, lse = paged_grouped_decode(q, k_pages, v_pages, table, seq_lens, scale=0.1, num_splits=num_splits)
+    ref_out, ref_lse = decode_reference(q, k, v, seq_lens, scale=0.1)
+    _check(out, lse, ref_out, ref_lse, dtype, "paged_grouped_decode")
+    ref_out2, _ = paged_decode_reference(q, k_pages, v_pages, table, seq_lens, scale=0.1)
+    assert_close(out, ref_out2, dtype, "paged_grouped_decode vs paged reference")
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
+def test_paged_decode_rope_and_non_contiguous_pool(dtype):
+    """RoPE pool beside the K/V pools; the pools are views into one interleaved buffer (strided)."""
+    b, hq, hkv, s, d, dr, page_size = 2, 4, 2, 40, 32, 16, 16
+    q = torch.randn(b, hq, d, device=DEVICE, dtype=dtype)
+    k, v = (torch.randn(b, hkv, s, d, device=DEVICE, dtype=dtype) for _ in range(2))
+    k_rope = torch.randn(b, hkv, s, dr, device=DEVICE, dtype=dtype)
+    q_rope = torch.randn(b, hq, dr, device=DEVICE, dtype=dtype)
+    k_pages, v_pages, table = _paged(k, v, page_size)
+    kr_pages = torch.empty(*k_pages.shape[:3], dr, device=DEVICE, dtype=dtype)
+    kr_pages[table.long()] = torch.nn.functional.pad(k_rope, (0, 0, 0, table.shape[1] * page_size - s)).reshape(
+        b, hkv, table.shape[1], page_size, dr).permute(0, 2, 3, 1, 4)
+    both = torch.stack([k_pages, v_pages], dim=2)  # (pages, page_size, 2, H_kv, D): K and V interleaved
+    k_view, v_view = both[:, :, 0], both[:, :, 1]
+    assert not k_view.is_contiguous()
+    seq_lens = _ragged_lens(b, s)
+    out, lse = paged_grouped_decode(q, k_view, v_view, table, seq_lens, scale=0.2, num_splits=None,
+                                    q_rope=q_rope, k_rope_pages=kr_pages)
+    ref_out, ref_lse = decode_reference(q, k, v, seq_lens, scale=0.2, q_rope=q_rope, k_rope=k_rope)
+    _check(out, lse, ref_out, ref_lse, dtype, "paged_grouped_decode+rope")
+
+
+def test_paged_matches_contiguous_on_ragged_batch():
+    """Same cache, same lengths: the paged op and the contiguous op agree to rounding."""
+    dtype = KERNEL_DTYPES[-1]
+    b, hq, hkv, s, d = 4, 8, 2, 96, 64
+    q = torch.randn(b, hq, d, device=DEVICE, dtype=dtype)
+    k, v = (torch.randn(b, hkv, s, d, device=DEVICE, dtype=dtype) for _ in range(2))
+    k_pages, v_pages, table = _paged(k, v, 32)
+    seq_lens = torch.tensor([96, 1, 33, 64], dtype=torch.int32, device=DEVICE)
+    a, lse_a = grouped_decode(q, k, v, seq_lens, scale=0.1)
+    p, lse_p = paged_grouped_decode(q, k_pages, v_pages, table, seq_lens, scale=0.1)
+    assert_close(p, a, dtype, "paged vs contiguous")
+    assert_close(lse_p, lse_a, dtype, "paged vs contiguous lse")
+
+
+def test_auto_num_splits_heuristic():
+    """Enough programs already fill the machine: one split. Few long sequences: many splits, never more than
+    the tiles, never past the cap; the choice depends only on shapes."""
+    tile = 64 * 256 * 2
+    assert auto_num_splits(programs=64 * 8, n_tiles=128, tile_bytes=tile, partial_bytes=1, sms=132) == 1
+    few = auto_num_splits(programs=8, n_tiles=512, tile_bytes=tile, partial_bytes=8 * 32 * 129 * 4, sms=132)
+    assert 16 <= few <= decode.MAX_SPLITS
+    assert auto_num_splits(programs=1, n_tiles=3, tile_bytes=tile, partial_bytes=1, sms=132) <= 3
+
+
+def _bad_inputs():
+    f = dict(device=DEVICE, dtype=KERNEL_DTYPES[0])
+    q, k, v = torch.randn(2, 4, 32, **f), torch.randn(2, 2, 16, 32, **f), torch.randn(2, 2, 16, 32, **f)
+    lens = torch.tensor([16, 3], dtype=torch.int32, device=DEVICE)
+    pk, pv = torch.randn(6, 8, 2, 32, **f), torch.randn(6, 8, 2, 32, **f)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=DEVICE)
+    g = dict(scale=0.1)
+
+    def grouped(**kw):
+        args = dict(q=q, k=k, v=v, seq_lens=lens) | kw
+        return lambda: grouped_decode(args.pop("q"), args.pop("k"), args.pop("v"), args.pop("seq_lens"), **g, **args)
+
+    def paged(**kw):
+        args = dict(q=q, k_pages=pk, v_pages=pv, block_table=table, seq_lens=lens) | kw
+        return lambda: paged_grouped_decode(args.pop("q"), args.pop("k_pages"), args.pop("v_pages"),
+                                            args.pop("block_table"), args.pop("seq_lens"), **g, **args)
+
+    return {
+        "q-rank": (grouped(q=q[0]), "q"),
+        "k-rank": (grouped(k=k[0]), "k"),
+        "k-batch": (grouped(k=k[:1], v=v[:1]), "k"),
+        "k-headdim": (grouped(k=torch.randn(2, 2, 16, 16, **f)), "k"),
+        "v-seq-mismatch": (grouped(v=v[:, :, :8]), "v"),
+        "Hq-not-multiple-of-Hkv": (grouped(q=torch.randn(2, 3, 32, **f)), "q"),
+        "k-dtype": (grouped(k=k.double()), "k"),
+        "v-dtype-mismatch": (grouped(v=v.to(torch.bfloat16 if f["dtype"] != torch.bfloat16 else torch.float16)), "v"),
+        "q-int": (grouped(q=q.int()), "q"),
+        "seq_lens-int64": (grouped(seq_lens=lens.long()), "seq_lens"),
+        "seq_lens-shape": (grouped(seq_lens=lens[:1]), "seq_lens"),
+        "seq_lens-zero": (grouped(seq_lens=torch.tensor([16, 0], dtype=torch.int32, device=DEVICE)), "seq_lens"),
+        "seq_lens-beyond-cache": (grouped(seq_lens=torch.tensor([17, 1], dtype=torch.int32, device=DEVICE)),
+                                  "seq_lens"),
+        "headdim-too-small": (grouped(q=q[..., :8], k=k[..., :8], v=v[..., :8]), "q"),
+        "headdim-too-large": (grouped(q=torch.randn(2, 4, 272, **f), k=torch.randn(2, 2, 4, 272, **f),
+                                      v=torch.randn(2, 2, 4, 32, **f),
+                                      seq_lens=torch.tensor([4, 4], dtype=torch.int32, device=DEVICE)), "q"),
+        "num_splits-zero": (grouped(num_splits=0), "num_splits"),
+        "num_splits-float": (grouped(num_splits=2.0), "num_splits"),
+        "num_splits-huge": (grouped(num_splits=10_000), "num_splits"),
+        "rope-only-q": (grouped(q_rope=torch.randn(2, 4, 16, **f)), "k_rope"),
+        "rope-shape": (grouped(q_rope=torch.randn(2, 4, 16, **f), k_rope=torch.randn(2, 2, 15, 16, **f)), "k_rope"),
+        "device-mismatch": (grouped(seq_lens=lens.cpu()) if DEVICE == "cuda" else
+                            grouped(k=k.to("meta"), v=v.to("meta")), "k" if DEVICE == "cpu" else "seq_lens"),
+        "paged-page-size": (paged(k_pages=torch.randn(6, 12, 2, 32, **f), v_pages=torch.randn(6, 12, 2, 32, **f)),
+                            "k_pages"),
+        "paged-v-mismatch": (paged(v_pages=pv[:5]), "v_pages"),
+        "paged-table-rank": (paged(block_table=table[0]), "block_table"),
+        "paged-table-int64": (paged(block_table=table.long()), "block_table"),
+        "paged-entry-outside-pool": (paged(block_table=torch.tensor([[0, 6], [2, 3]], dtype=torch.int32,
+                                                                    device=DEVICE)), "block_table"),
+        "paged-negative-entry": (paged(block_table=torch.tensor([[0, 1], [-1, 3]], dtype=torch.int32,
+                                                                device=DEVICE)), "block_table"),
+        "paged-table-too-short": (paged(block_table=table[:, :1]), "block_table"),
+        "paged-seq_lens-zero": (paged(seq_lens=torch.tensor([0, 3], dtype=torch.int32, device=DEVICE)), "seq_lens"),
+    }
+
+
+BAD = _bad_inputs()
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_input_raises(name):
+    call, argument = BAD[name]
+    with pytest.raises(ValueError, match=rf"^{argument}\b.*got .*valid"):
+        call()
+
+
+def test_unused_table_entries_are_not_checked():
+    """Only the pages a sequence uses must lie in the pool: padding entries (-1) past its length are fine."""
+    dtype = KERNEL_DTYPES[0]
+    q = torch.randn(2, 4, 32, device=DEVICE, dtype=dtype)
+    k_pages, v_pages = (torch.randn(6, 8, 2, 32, device=DEVICE, dtype=dtype) for _ in range(2))
+    table = torch.tensor([[0, 1, 4], [2, -1, -1]], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([20, 5], dtype=torch.int32, device=DEVICE)
+    out, _ = paged_grouped_decode(q, k_pages, v_pages, table, lens, scale=0.1)
+    ref, _ = paged_decode_reference(q, k_pages, v_pages, table.clamp(min=0), lens, scale=0.1)
+    assert_close(out, ref, dtype, "padded table")
+
+
+def test_validate_false_skips_value_checks():
+    """validate=False reads no values (no sync): a zero length is the caller's contract and is not caught."""
+    dtype = KERNEL_DTYPES[0]
+    q, k, v = (torch.randn(2, 4, 32, device=DEVICE, dtype=dtype), torch.randn(2, 2, 16, 32, device=DEVICE, dtype=dtype),
+               torch.randn(2, 2, 16, 32, device=DEVICE, dtype=dtype))
+    zero = torch.tensor([16, 0], dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match="seq_lens"):
+        grouped_decode(q, k, v, zero, scale=0.1, num_splits=1)
+    grouped_decode(q, k, v, zero, scale=0.1, num_splits=1, validate=False)  # launches; row 1 is undefined
+
+
+def test_compile_fullgraph():
+    """torch.compile traces both ops as custom ops without a graph break (aot_eager: no Inductor codegen)."""
+    dtype = KERNEL_DTYPES[-1]
+    b, hq, hkv, s, d = 2, 4, 2, 24, 32
+    q = torch.randn(b, hq, d, device=DEVICE, dtype=dtype)
+    k, v = (torch.randn(b, hkv, s, d, device=DEVICE, dtype=dtype) for _ in range(2))
+    k_pages, v_pages, table = _paged(k, v, 8)
+    lens = torch.tensor([24, 7], dtype=torch.int32, device=DEVICE)
+
+    def step(q, k, v, k_pages, v_pages, table, lens):
+        a, lse_a = grouped_decode(q, k, v, lens, scale=0.2)
+        p, lse_p = paged_grouped_decode(q * 1, k_pages, v_pages, table, lens, scale=0.2)
+        return a + p, lse_a + lse_p
+
+    torch._dynamo.reset()
+    compiled = torch.compile(step, fullgraph=True, backend="aot_eager")
+    out, lse = compiled(q, k, v, k_pages, v_pages, table, lens)
+    ref_out, ref_lse = decode_reference(q, k, v, lens, scale=0.2)
+    assert_close(out, 2 * ref_out, dtype, "compiled out")
+    assert_close(lse, 2 * ref_lse, dtype, "compiled lse")

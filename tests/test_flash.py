@@ -1,0 +1,208 @@
+"""flash_gqa_attention / flash_gqa_forward / flash_gqa_backward against kernels.reference.attention_reference.
+
+Forward (out, lse) and backward (dq, dk, dv) on shapes that are not powers of two, MHA/GQA/MQA, D_qk != D_v,
+causal and not, S_q < S_kv (bottom-right causal alignment over a cached prefix), non-contiguous inputs; outputs
+are poisoned with NaN first so an unwritten element fails. Runs on the CPU (TRITON_INTERPRET=1, fp32/fp16) and on
+the GPU (fp16/bf16): the same tests, the dtypes each machine computes right (conftest.KERNEL_DTYPES).
+"""
+
+import math
+
+import pytest
+import torch
+from conftest import DEVICE, KERNEL_DTYPES, assert_close
+
+from kernels import flash_gqa_attention, flash_gqa_backward, flash_gqa_forward
+from kernels.flash import _backward, _forward
+from kernels.reference import attention_reference
+
+# (B, H_q, H_kv, S_q, S_kv, D_qk, D_v, causal). Every S in {1, 17, 63, 65, 130}, D in {32, 48, 64, 80, 128},
+# group sizes 1, 2, 3, 4 and MQA, D_qk != D_v (MLA's 192/128 included), S_q < S_kv, causal and not appear.
+CASES = [
+    (2, 4, 4, 1, 1, 32, 32, False),
+    (1, 4, 2, 17, 17, 48, 48, True),
+    (2, 6, 2, 63, 63, 80, 80, True),
+    (1, 8, 2, 65, 65, 64, 64, False),
+    (1, 4, 1, 130, 130, 128, 128, True),
+    (1, 4, 4, 130, 130, 32, 32, False),
+    (2, 4, 2, 17, 63, 64, 64, True),
+    (1, 2, 1, 1, 65, 80, 80, True),
+    (1, 4, 2, 63, 130, 48, 48, False),
+    (1, 4, 1, 65, 65, 192, 128, True),
+    (1, 2, 2, 17, 17, 64, 32, False),
+    (1, 3, 3, 130, 130, 80, 80, True),
+    (1, 4, 4, 64, 64, 64, 64, True),
+    (1, 4, 4, 65, 130, 128, 64, True),
+    (1, 2, 1, 130, 130, 16, 16, False),
+    (1, 4, 2, 63, 63, 256, 256, True),
+]
+
+
+def case_id(case) -> str:
+    b, h_q, h_kv, s_q, s_kv, d_qk, d_v, causal = case
+    s = f"S{s_q}" if s_q == s_kv else f"Sq{s_q}-Skv{s_kv}"
+    d = f"D{d_qk}" if d_qk == d_v else f"D{d_qk}x{d_v}"
+    return f"B{b}-Hq{h_q}-Hkv{h_kv}-{s}-{d}" + ("-causal" if causal else "")
+
+
+def make_inputs(case, dtype):
+    b, h_q, h_kv, s_q, s_kv, d_qk, d_v, _ = case
+    q = torch.randn(b, h_q, s_q, d_qk, device=DEVICE, dtype=dtype)
+    k = torch.randn(b, h_kv, s_kv, d_qk, device=DEVICE, dtype=dtype)
+    v = torch.randn(b, h_kv, s_kv, d_v, device=DEVICE, dtype=dtype)
+    do = torch.randn(b, h_q, s_q, d_v, device=DEVICE, dtype=dtype)
+    return q, k, v, do
+
+
+def reference_grads(q, k, v, do, causal, scale=None, dlse=None):
+    """Reference out, lse and the gradients of sum(out * do) (+ sum(lse * dlse)) in fp32."""
+    q32, k32, v32 = (x.detach().float().requires_grad_() for x in (q, k, v))
+    out, lse = attention_reference(q32, k32, v32, scale=scale, causal=causal)
+    loss = (out * do.float()).sum()
+    if dlse is not None:
+        loss = loss + (lse * dlse.float()).sum()
+    loss.backward()
+    return out.detach(), lse.detach(), q32.grad, k32.grad, v32.grad
+
+
+def poisoned(shape, dtype):
+    return torch.full(shape, float("nan"), device=DEVICE, dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@pytest.mark.parametrize("case", CASES, ids=case_id)
+def test_forward_backward_matches_reference(case, dtype):
+    """Launchers write into NaN-poisoned buffers: every element of out, lse, dq, dk, dv must be written."""
+    causal = case[-1]
+    q, k, v, do = make_inputs(case, dtype)
+    out, lse = _forward(q, k, v, None, causal, out=poisoned(do.shape, dtype), lse=poisoned(do.shape[:3], torch.float32))
+    grads = tuple(poisoned(x.shape, dtype) for x in (q, k, v))
+    dq, dk, dv = _backward(q, k, v, out, lse, do, None, causal, grads=grads)
+    ref_out, ref_lse, ref_dq, ref_dk, ref_dv = reference_grads(q, k, v, do, causal)
+    assert_close(out, ref_out, dtype, "out")
+    assert_close(lse, ref_lse, dtype, "lse")
+    assert_close(dq, ref_dq, dtype, "dq", grad=True)
+    assert_close(dk, ref_dk, dtype, "dk", grad=True)
+    assert_close(dv, ref_dv, dtype, "dv", grad=True)
+
+
+AUTOGRAD_CASES = [CASES[2], CASES[6], CASES[9]]
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@pytest.mark.parametrize("case", AUTOGRAD_CASES, ids=case_id)
+def test_autograd_with_lse_gradient(case, dtype):
+    """The public differentiable path, with a loss on lse as well as out (lse's gradient folds into delta),
+    and an explicit scale."""
+    causal = case[-1]
+    q, k, v, do = make_inputs(case, dtype)
+    dlse = torch.randn(do.shape[:3], device=DEVICE, dtype=torch.float32)
+    scale = 0.7 / math.sqrt(q.shape[-1])
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    out, lse = flash_gqa_forward(*leaves, scale=scale, causal=causal)
+    ((out.float() * do.float()).sum() + (lse * dlse).sum()).backward()
+    ref = reference_grads(q, k, v, do, causal, scale=scale, dlse=dlse)
+    for name, got, want in zip(("out", "lse"), (out, lse), ref[:2]):
+        assert_close(got.detach(), want, dtype, name)
+    for name, leaf, want in zip(("dq", "dk", "dv"), leaves, ref[2:]):
+        assert_close(leaf.grad, want, dtype, name, grad=True)
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+def test_non_contiguous_inputs(dtype):
+    """q from a (B, S, H, D) tensor, k sliced out of a wider last dim, v with a non-unit last-dim stride, do
+    transposed: the kernels read all of them through their strides."""
+    b, h_q, h_kv, s, d = 2, 4, 2, 65, 48
+    q = torch.randn(b, s, h_q, d, device=DEVICE, dtype=dtype).transpose(1, 2)
+    k = torch.randn(b, h_kv, s, 2 * d, device=DEVICE, dtype=dtype)[..., :d]
+    v = torch.randn(b, h_kv, d, s, device=DEVICE, dtype=dtype).transpose(2, 3)
+    do = torch.randn(b, s, h_q, d, device=DEVICE, dtype=dtype).transpose(1, 2)
+    assert not any(x.is_contiguous() for x in (q, k, v, do))
+    out, lse = flash_gqa_forward(q, k, v, causal=True)
+    dq, dk, dv = flash_gqa_backward(q, k, v, out, lse, do, causal=True)
+    ref = reference_grads(q, k, v, do, True)
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), ref):
+        assert_close(got, want, dtype, name, grad=name.startswith("d"))
+
+
+def test_torch_compile_fullgraph():
+    """torch.compile traces through the custom ops without graph breaks, forward and backward (aot_eager on the
+    CPU, where inductor would need a C++ toolchain; the default inductor backend on the GPU)."""
+    dtype = KERNEL_DTYPES[0]
+    q, k, v, do = make_inputs((1, 4, 2, 63, 63, 64, 64, True), dtype)
+
+    def loss_fn(q, k, v):
+        return (flash_gqa_attention(q, k, v, causal=True).float() * do.float()).sum()
+
+    backend = "inductor" if DEVICE == "cuda" else "aot_eager"
+    compiled = torch.compile(loss_fn, fullgraph=True, backend=backend)
+    eager_leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+    loss_fn(*eager_leaves).backward()
+    compiled(*leaves).backward()
+    for name, got, want in zip(("dq", "dk", "dv"), leaves, eager_leaves):
+        assert_close(got.grad, want.grad.float(), dtype, name, grad=True)
+
+
+# ------------------------------------------------------------------------------------------------------------
+# Bad input: ValueError naming the argument, what it got and what is valid; nothing is launched.
+# ------------------------------------------------------------------------------------------------------------
+
+
+def _t(*shape, dtype=torch.float16, device=DEVICE):
+    return torch.randn(*shape, device=device, dtype=torch.float32).to(dtype)
+
+
+Q, K, V = (2, 4, 8, 32), (2, 2, 8, 32), (2, 2, 8, 32)
+BAD_FORWARD = {
+    "q-rank": (lambda: (_t(4, 8, 32), _t(*K), _t(*V)), {}, "q: got shape"),
+    "k-batch": (lambda: (_t(*Q), _t(3, 2, 8, 32), _t(3, 2, 8, 32)), {}, "k: got shape"),
+    "k-head-dim": (lambda: (_t(*Q), _t(2, 2, 8, 48), _t(*V)), {}, "k: got shape"),
+    "v-seq": (lambda: (_t(*Q), _t(*K), _t(2, 2, 9, 32)), {}, "v: got shape"),
+    "heads-not-divisible": (lambda: (_t(*Q), _t(2, 3, 8, 32), _t(2, 3, 8, 32)), {}, "k: got H_kv=3 for H_q=4"),
+    "dtype-mismatch": (lambda: (_t(*Q), _t(*K, dtype=torch.float32), _t(*V)), {}, "k: got dtype torch.float32"),
+    "int-dtype": (lambda: (torch.ones(Q, dtype=torch.int32, device=DEVICE), _t(*K), _t(*V)), {}, "q: got dtype"),
+    "device-mismatch": (lambda: (_t(*Q), _t(*K), _t(*V, device="meta")), {}, "v: got device meta"),
+    "causal-sq-gt-skv": (lambda: (_t(2, 4, 9, 32), _t(*K), _t(*V)), {"causal": True}, "causal: got True with S_q=9"),
+    "head-dim-too-small": (lambda: (_t(2, 4, 8, 8), _t(2, 2, 8, 8), _t(2, 2, 8, 8)), {}, "head dim 8"),
+    "head-dim-too-large": (lambda: (_t(2, 4, 2, 512), _t(2, 2, 2, 512), _t(2, 2, 2, 32)), {}, "head dim 512"),
+    "v-head-dim-too-large": (lambda: (_t(*Q), _t(*K), _t(2, 2, 8, 320)), {}, "v: got head dim 320"),
+    "empty-keys": (lambda: (_t(*Q), _t(2, 2, 0, 32), _t(2, 2, 0, 32)), {}, "S_kv=0"),
+    "bad-scale": (lambda: (_t(*Q), _t(*K), _t(*V)), {"scale": -1.0}, "scale: got -1.0"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_FORWARD))
+def test_bad_forward_input_raises(name):
+    make, kwargs, message = BAD_FORWARD[name]
+    for fn in (flash_gqa_forward, flash_gqa_attention):
+        with pytest.raises(ValueError, match="valid") as err:
+            fn(*make(), **kwargs)
+        assert message in str(err.value), str(err.value)
+
+
+def _good_backward_args():
+    q, k, v = _t(*Q), _t(*K), _t(*V)
+    return dict(q=q, k=k, v=v, out=_t(*Q), lse=torch.zeros(Q[:3], device=DEVICE), do=_t(*Q))
+
+
+BAD_BACKWARD = {
+    "out-shape": ("out", lambda a: _t(2, 4, 8, 16), "out: got shape (2, 4, 8, 16)"),
+    "do-shape": ("do", lambda a: _t(2, 4, 7, 32), "do: got shape (2, 4, 7, 32)"),
+    "do-dtype": ("do", lambda a: _t(*Q, dtype=torch.float32), "do: got dtype torch.float32"),
+    "lse-dtype": ("lse", lambda a: torch.zeros(Q[:3], device=DEVICE, dtype=torch.float16), "lse: got torch.float16"),
+    "lse-shape": ("lse", lambda a: torch.zeros(2, 4, 9, device=DEVICE), "lse: got torch.float32 of shape (2, 4, 9)"),
+    "lse-rank": ("lse", lambda a: torch.zeros(2, 4, device=DEVICE), "lse: got shape (2, 4)"),
+    "lse-device": ("lse", lambda a: torch.zeros(Q[:3], device="meta"), "lse: got device meta"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_BACKWARD))
+def test_bad_backward_input_raises(name):
+    arg, make, message = BAD_BACKWARD[name]
+    args = _good_backward_args()
+    args[arg] = make(args)
+    with pytest.raises(ValueError, match="valid") as err:
+        flash_gqa_backward(args.pop("q"), args.pop("k"), args.pop("v"), args.pop("out"), args.pop("lse"),
+                           args.pop("do"))
+    assert message in str(err.value), str(err.value)

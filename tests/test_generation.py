@@ -1,0 +1,214 @@
+"""Generation through the caches against the plain PyTorch model: the logits of every step equal a full forward
+over the same tokens (torch reference and Triton kernels), greedy generations agree token for token across
+none / grouped / paged / mla, ragged batches equal their sequences run alone, the paged scheduler waits for pages,
+and sample.py runs end to end on a tiny checkpoint."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from conftest import DEVICE, KERNEL_DTYPES, TOLERANCES
+
+from cache import CacheFullError
+from model import GPT, GPTConfig
+from sample import check_length, generate, resolve_cache_kind, sample_next
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+VARIANTS = {
+    "mha": dict(attention="mha", pos_embedding="learned"),
+    "gqa": dict(attention="gqa", n_kv_head=2, pos_embedding="rope"),
+    "mqa": dict(attention="mqa", pos_embedding="learned"),
+    "mla": dict(attention="mla", kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                v_head_dim=24, pos_embedding="rope"),
+}
+CACHES = {"mha": ("grouped", "paged"), "gqa": ("grouped", "paged"), "mqa": ("grouped", "paged"),
+          "mla": ("mla", "paged_mla")}
+PROMPT_LENS = (6, 1, 11)  # ragged, with a one-token prompt (its "prefill" is a decode step)
+MAX_NEW = 5
+
+# Triton runs: fp32 under the CPU interpreter; on the GPU fp16 (the kernels' fp32 dots there may use tf32).
+TRITON_DTYPE = KERNEL_DTYPES[0]
+# Logits of the cached path against the plain full forward in the same dtype: the two differ only in the order
+# of their roundings (kernel vs reference attention, cached vs recomputed K/V). fp32: the conftest budget. fp16:
+# ~2^-11 per rounding through 2 layers and logits of size ~5 (the enlarged embedding below) -> 2e-2.
+LOGIT_TOLERANCES = {torch.float32: TOLERANCES[torch.float32], torch.float16: dict(atol=2e-2, rtol=2e-2)}
+
+
+def tiny_model(variant: str, backend: str = "torch", dtype=torch.float32, block_size: int = 64) -> GPT:
+    torch.manual_seed(0)
+    config = GPTConfig(vocab_size=65, block_size=block_size, n_layer=2, n_head=4, n_embd=64, dropout=0.0,
+                       attn_backend=backend, **VARIANTS[variant])
+    model = GPT(config)
+    with torch.no_grad():  # GPT-2's init gives near-flat logits; a wider (tied) embedding makes greedy margins
+        model.transformer.wte.weight.normal_(0.0, 0.5)  # large, so no argmax is decided by rounding noise
+    return model.to(DEVICE, dtype).eval()
+
+
+def prompts(lens=PROMPT_LENS, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, 65, (n,), generator=g).tolist() for n in lens]
+
+
+def _record():
+    seen: dict[int, list[torch.Tensor]] = {}
+    return seen, lambda i, logits: seen.setdefault(i, []).append(logits.float().cpu())
+
+
+def _close(got, ref, dtype, name):
+    tol = LOGIT_TOLERANCES[dtype]
+    err = (got - ref).abs()
+    assert (err <= tol["atol"] + tol["rtol"] * ref.abs()).all(), (
+        f"{name} ({dtype}): max err {err.max().item():.3e}, mean err {err.mean().item():.3e}, "
+        f"max |ref| {ref.abs().max().item():.3e}")
+
+
+def _variant_cache_backend():
+    for variant, kinds in CACHES.items():
+        for kind in kinds:
+            yield pytest.param(variant, kind, "torch", torch.float32, id=f"{variant}-{kind}-torch")
+            yield pytest.param(variant, kind, "triton", TRITON_DTYPE,
+                               id=f"{variant}-{kind}-triton-{str(TRITON_DTYPE).split('.')[-1]}")
+
+
+@pytest.mark.parametrize("variant,kind,backend,dtype", list(_variant_cache_backend()))
+def test_every_decode_step_matches_full_forward(variant, kind, backend, dtype):
+    """A ragged batch through the cache: the logits behind every new token equal the plain PyTorch model's full
+    forward over the prompt and the tokens generated so far (same weights, same dtype, torch attention)."""
+    model = tiny_model(variant, backend, dtype)
+    plain = tiny_model(variant, "torch", dtype)
+    ps = prompts()
+    seen, hook = _record()
+    out, stats = generate(model, ps, kind, max_new_tokens=MAX_NEW, page_size=8, on_logits=hook)
+    assert [len(o) for o in out] == [MAX_NEW] * len(ps)
+    assert stats.decode_steps == MAX_NEW - 1 and stats.prefill_tokens == sum(PROMPT_LENS)
+    for i, (p, o) in enumerate(zip(ps, out)):
+        with torch.no_grad():
+            full = plain(torch.tensor([p + o[:-1]], device=DEVICE))[0][0].float().cpu()  # (S, V)
+        ref = full[len(p) - 1:]
+        assert len(seen[i]) == MAX_NEW
+        for step, got in enumerate(seen[i]):
+            _close(got, ref[step], dtype, f"{variant} {kind} {backend} sequence {i} step {step}")
+
+
+def _greedy_params():
+    for variant in VARIANTS:
+        yield pytest.param(variant, "torch", torch.float32, id=f"{variant}-torch")
+        yield pytest.param(variant, "triton", TRITON_DTYPE, id=f"{variant}-triton")
+
+
+@pytest.mark.parametrize("variant,backend,dtype", list(_greedy_params()))
+def test_greedy_identical_across_caches(variant, backend, dtype):
+    """none (the plain PyTorch model recomputing everything, same weights and dtype), and each cache of the
+    variant on the backend under test: the same tokens. An end-of-text token taken from the reference's own output
+    makes one sequence stop early, so the others go on after its rows/pages are released."""
+    model = tiny_model(variant, backend, dtype)
+    plain = tiny_model(variant, "torch", dtype)
+    ps = prompts((7, 3, 12, 5), seed=2)
+    ref, _ = generate(plain, ps, "none", max_new_tokens=8)
+    eot = ref[1][2]  # sequence 1 stops at its third token (others may stop too, wherever it occurs first)
+    ref, _ = generate(plain, ps, "none", max_new_tokens=8, eot_token=eot)
+    assert min(len(o) for o in ref) < 8 <= max(len(o) for o in ref), "the test wants some sequences to end early"
+    for kind in CACHES[variant]:
+        out, _ = generate(model, ps, kind, max_new_tokens=8, eot_token=eot, page_size=8)
+        assert out == ref, f"{variant} {kind} {backend}: {out} != none's {ref}"
+
+
+@pytest.mark.parametrize("kind", ["grouped", "paged"])
+def test_ragged_batch_equals_each_sequence_alone(kind):
+    model = tiny_model("gqa")
+    ps = prompts((9, 2, 4))
+    seen_batch, hook = _record()
+    out_batch, _ = generate(model, ps, kind, max_new_tokens=MAX_NEW, page_size=8, on_logits=hook)
+    for i, p in enumerate(ps):
+        seen_alone, hook_alone = _record()
+        out_alone, _ = generate(model, [p], kind, max_new_tokens=MAX_NEW, page_size=8, on_logits=hook_alone)
+        assert out_alone[0] == out_batch[i]
+        for step, (a, b) in enumerate(zip(seen_alone[0], seen_batch[i])):
+            _close(b, a, torch.float32, f"sequence {i} step {step}")
+
+
+def test_paged_scheduler_waits_for_pages_or_raises():
+    """A pool that holds two sequences at a time: with waiting, five prompts go through three rows as pages free
+    up and give the same tokens as an unconstrained run; without waiting the pool runs out with the promised
+    error."""
+    model = tiny_model("mha")
+    ps = prompts((5, 9, 3, 12, 7), seed=3)
+    ref, _ = generate(model, ps, "grouped", max_new_tokens=6)
+    out, stats = generate(model, ps, "paged", max_new_tokens=6, page_size=8, num_pages=5, wait_for_pages=True,
+                          max_batch=3)
+    assert out == ref
+    assert stats.cache_bytes_peak <= stats.cache_bytes_allocated == 5 * 8 * stats.cache_bytes_per_token
+    with pytest.raises(CacheFullError, match=r"asked for \d+ pages, \d+ free of 5.*--num_pages"):
+        generate(model, ps, "paged", max_new_tokens=6, page_size=8, num_pages=5)
+    with pytest.raises(CacheFullError, match="more than the whole pool"):
+        generate(model, [[1] * 40], "paged", max_new_tokens=6, page_size=8, num_pages=5, wait_for_pages=True)
+
+
+def test_sampling_filters():
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.5, -1.0]] * 4000)
+    g = torch.Generator().manual_seed(0)
+    assert sample_next(logits[:2]).tolist() == [1, 1]
+    top2 = sample_next(logits, temperature=1.0, top_k=2, generator=g)
+    assert set(top2.tolist()) == {1, 3}
+    # softmax of the logits: p(1) ~ 0.53, p(3) ~ 0.32 -> top_p 0.7 keeps exactly {1, 3}
+    nucleus = sample_next(logits, temperature=1.0, top_p=0.7, generator=g)
+    assert set(nucleus.tolist()) == {1, 3}
+    assert set(sample_next(logits, temperature=1.0, top_p=0.1, generator=g).tolist()) == {1}
+    everything = sample_next(logits, temperature=1.0, generator=g)
+    assert set(everything.tolist()) == {0, 1, 2, 3, 4}
+    a = sample_next(logits[:50], 0.8, generator=torch.Generator().manual_seed(5))
+    b = sample_next(logits[:50], 0.8, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(a, b)
+
+
+def test_choices_and_lengths_fail_at_start():
+    gqa, mla = tiny_model("gqa").config, tiny_model("mla").config
+    assert resolve_cache_kind(gqa, "auto") == "grouped" and resolve_cache_kind(mla, "auto") == "mla"
+    assert resolve_cache_kind(mla, "paged") == "paged_mla"
+    with pytest.raises(ValueError, match=r"--cache: got 'mla'.*attention='gqa'; valid: auto, grouped, paged, none"):
+        resolve_cache_kind(gqa, "mla")
+    with pytest.raises(ValueError, match=r"--cache: got 'grouped'.*valid: auto, mla, paged, paged_mla, none"):
+        resolve_cache_kind(mla, "grouped")
+    learned = tiny_model("mha", block_size=16).config
+    check_length(learned, [10], 7, False)  # positions 0..15: fits exactly
+    with pytest.raises(ValueError, match="block_size=16 for learned position"):
+        check_length(learned, [10], 8, True)
+    rope = tiny_model("gqa", block_size=16).config
+    with pytest.raises(ValueError, match="allow_past_block_size=True"):
+        check_length(rope, [10], 8, False)
+    check_length(rope, [10], 8, True)
+
+
+def test_rope_model_generates_past_block_size_when_asked():
+    model = tiny_model("gqa", block_size=8)
+    ps = prompts((6,))
+    ref, _ = generate(model, ps, "none", max_new_tokens=6, allow_past_block_size=True)
+    out, _ = generate(model, ps, "paged", max_new_tokens=6, allow_past_block_size=True, page_size=8)
+    assert out == ref and len(out[0]) == 6
+
+
+def test_sample_py_end_to_end(tmp_path):
+    """A tiny checkpoint written by checkpoint.save_checkpoint; sample.py's stdout is the text alone (the first
+    sample, a separator, the second), equal to greedy generation in-process; statistics go to stderr."""
+    from checkpoint import save_checkpoint
+    from data import char_meta, get_tokenizer
+
+    chars = "".join(chr(c) for c in range(32, 97))  # 65 printable characters = the tiny model's vocabulary
+    model = tiny_model("mla", dtype=torch.float32).cpu()
+    save_checkpoint(tmp_path / "last.pt", {"model": model.state_dict(), "model_args": vars(model.config),
+                                           "tokenizer": char_meta(chars), "iter_num": 7, "config": {}})
+    tok = get_tokenizer(char_meta(chars))
+    start = "HELLO, "
+    expected, _ = generate(model, [tok.encode(start)], "none", max_new_tokens=20)
+    expected_text = start + tok.decode(expected[0])
+    env = {**os.environ, "PYTHONPATH": REPO}
+    run = subprocess.run([sys.executable, os.path.join(REPO, "sample.py"), f"--init_from={tmp_path}",
+                          "--device=cpu", "--cache=paged", "--num_samples=2", "--max_new_tokens=20",
+                          "--temperature=0", f"--start={start}", "--page_size=8"],
+                         capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == f"{expected_text}\n---------------\n{expected_text}\n"
+    assert "decode:" in run.stderr and "tokens/s" in run.stderr and "bytes/token" in run.stderr

@@ -1,0 +1,221 @@
+"""mla_decode and paged_mla_decode against kernels.reference on the CPU (interpreter, fp32/fp16) and the GPU
+(fp16/bf16): DeepSeek's 512 + 64 latent at small S, other latent widths and head counts (masked heads, two head
+tiles), ragged lengths including 1, explicit/automatic splits, shuffled page tables at page sizes 8-256, the
+absorbed kernel against the unabsorbed math (per-head K/V materialized), non-contiguous inputs, bad inputs and
+torch.compile."""
+
+import pytest
+import torch
+from conftest import DEVICE, KERNEL_DTYPES, TOLERANCES, assert_close
+
+from kernels import decode, mla_decode, paged_mla_decode
+from kernels.reference import (
+    absorb_query,
+    mla_decode_reference,
+    mla_unabsorbed_reference,
+    paged_mla_decode_reference,
+    unabsorb_output,
+)
+
+DTYPE_IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
+
+
+@pytest.fixture(autouse=True)
+def _poison_outputs(monkeypatch):
+    """Outputs and partials start as NaN: an element the kernels forget to write fails the NaN check."""
+    def poisoned(shape, device, dtype):
+        return torch.full(shape, float("nan"), device=device, dtype=dtype)
+
+    monkeypatch.setattr(decode, "new_empty", poisoned)
+
+
+def _lens(batch: int, s_max: int) -> torch.Tensor:
+    lens = torch.randint(1, s_max + 1, (batch,))
+    lens[0] = s_max
+    if batch > 1:
+        lens[1] = 1
+    return lens.to(torch.int32).to(DEVICE)
+
+
+def _inputs(b, h, s, d_c, d_r, dtype):
+    # Latent entries of size ~0.3 keep the 512-wide scores O(1) at scale 1/sqrt(d_c + d_r), as in a trained model.
+    q_abs = torch.randn(b, h, d_c, device=DEVICE, dtype=dtype)
+    q_rope = torch.randn(b, h, d_r, device=DEVICE, dtype=dtype)
+    c_kv = (0.3 * torch.randn(b, s, d_c, device=DEVICE)).to(dtype)
+    k_rope = torch.randn(b, s, d_r, device=DEVICE, dtype=dtype)
+    return q_abs, q_rope, c_kv, k_rope, (d_c + d_r) ** -0.5
+
+
+def _check(out, lse, ref_out, ref_lse, dtype, name):
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert_close(out, ref_out, dtype, f"{name} out")
+    assert_close(lse, ref_lse, dtype, f"{name} lse")
+
+
+# (B, H, S_max, D_c, D_r, explicit splits): 512 + 64 at 16 and 128 heads, 5 heads (masked rows) and non-powers of 2.
+CASES = [(2, 16, 33, 512, 64, 3), (1, 128, 20, 512, 64, 1), (3, 5, 70, 80, 16, 7), (2, 20, 40, 96, 48, 2)]
+
+
+@pytest.mark.parametrize("auto", [True, False], ids=["splitsAuto", "splitsFixed"])
+@pytest.mark.parametrize("case", CASES, ids=[f"B{b}-H{h}-S{s}-Dc{c}-Dr{r}" for b, h, s, c, r, _ in CASES])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
+def test_mla_decode_matches_reference(dtype, case, auto):
+    b, h, s, d_c, d_r, splits = case
+    q_abs, q_rope, c_kv, k_rope, scale = _inputs(b, h, s, d_c, d_r, dtype)
+    seq_lens = _lens(b, s)
+    out, lse = mla_decode(q_abs, q_rope, c_kv, k_rope, seq_lens, scale=scale, num_splits=None if auto else splits)
+    ref_out, ref_lse = mla_decode_reference(q_abs, q_rope, c_kv, k_rope, seq_lens, scale=scale)
+    _check(out, lse, ref_out, ref_lse, dtype, "mla_decode")
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
+def test_absorbed_kernel_matches_unabsorbed_mla(dtype):
+    """Per-head K = c_kv W_UK[h]^T and V = c_kv W_UV[h]^T materialized (fp32) against the absorbed kernel path."""
+    b, h, s, d_c, d_r, d_nope, d_v = 2, 16, 24, 512, 64, 32, 32
+    q_nope = torch.randn(b, h, d_nope, device=DEVICE, dtype=dtype)
+    q_rope = torch.randn(b, h, d_r, device=DEVICE, dtype=dtype)
+    c_kv = (0.3 * torch.randn(b, s, d_c, device=DEVICE)).to(dtype)
+    k_rope = torch.randn(b, s, d_r, device=DEVICE, dtype=dtype)
+    w_uk = (d_c**-0.5 * torch.randn(h, d_nope, d_c, device=DEVICE)).to(dtype)
+    w_uv = (d_c**-0.5 * torch.randn(h, d_v, d_c, device=DEVICE)).to(dtype)
+    scale = (d_nope + d_r) ** -0.5
+    q_abs = absorb_query(q_nope, w_uk).to(dtype)  # what the model feeds the kernel: the absorbed query in its dtype
+    seq_lens = torch.full((b,), s, dtype=torch.int32, device=DEVICE)
+    latent, _ = mla_decode(q_abs, q_rope, c_kv, k_rope, seq_lens, scale=scale, num_splits=2)
+    out = unabsorb_output(latent, w_uv)
+    ref = mla_unabsorbed_reference(q_nope, q_rope, c_kv, k_rope, w_uk, w_uv, scale=scale)
+    # Rounding the absorbed query and the latent output to the input dtype adds one rounding each on top of the
+    # kernel's own; the up-projection sums 512 such errors with random signs (~sqrt(512) * 2^-8 * |w| ~ 1e-2 for
+    # bf16), so the budget is twice the dtype's kernel tolerance.
+    tol = TOLERANCES[dtype]
+    err = (out - ref).abs()
+    bound = 2 * tol["atol"] + 2 * tol["rtol"] * ref.abs()
+    assert not torch.isnan(out).any()
+    assert bool((err <= bound).all()), f"absorbed vs unabsorbed ({dtype}): max err {err.max():.3e}"
+
+
+def _paged_latent(c_kv, k_rope, page_size, extra_pages=2):
+    b, s, _ = c_kv.shape
+    max_pages = -(-s // page_size)
+    num_pages = b * max_pages + extra_pages
+    table = torch.randperm(num_pages, device=DEVICE)[: b * max_pages].reshape(b, max_pages).to(torch.int32)
+    pools = []
+    for x in (c_kv, k_rope):
+        pool = torch.randn(num_pages, page_size, x.shape[-1], device=DEVICE, dtype=x.dtype)  # unused pages: noise
+        pool[table.long()] = torch.nn.functional.pad(x, (0, 0, 0, max_pages * page_size - s)).reshape(
+            b, max_pages, page_size, -1)
+        pools.append(pool)
+    return pools[0], pools[1], table
+
+
+@pytest.mark.parametrize("page_size", [8, 16, 64, 256], ids=lambda p: f"page{p}")
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
+def test_paged_mla_decode_matches_reference(dtype, page_size):
+    b, h, s, d_c, d_r = 3, 16, 70 if page_size < 256 else 260, 512, 64
+    q_abs, q_rope, c_kv, k_rope, scale = _inputs(b, h, s, d_c, d_r, dtype)
+    c_pages, r_pages, table = _paged_latent(c_kv, k_rope, page_size)
+    seq_lens = _lens(b, s)
+    out, lse = paged_mla_decode(q_abs, q_rope, c_pages, r_pages, table, seq_lens, scale=scale,
+                                num_splits=None if page_size in (16, 256) else 3)
+    ref_out, ref_lse = mla_decode_reference(q_abs, q_rope, c_kv, k_rope, seq_lens, scale=scale)
+    _check(out, lse, ref_out, ref_lse, dtype, "paged_mla_decode")
+    ref_out2, _ = paged_mla_decode_reference(q_abs, q_rope, c_pages, r_pages, table, seq_lens, scale=scale)
+    assert_close(out, ref_out2, dtype, "paged_mla_decode vs paged reference")
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
+def test_mla_decode_non_contiguous(dtype):
+    """The natural layout in a model: q_absorbed/q_rope slices of one (B, H, D_c + D_r) tensor and c_kv/k_rope
+    slices of one (B, S, D_c + D_r) cache; the paged pools likewise slices of one page pool."""
+    b, h, s, d_c, d_r = 2, 16, 40, 128, 32
+    q = torch.randn(b, h, d_c + d_r, device=DEVICE, dtype=dtype)
+    cache = (0.5 * torch.randn(b, s, d_c + d_r, device=DEVICE)).to(dtype)
+    q_abs, q_rope, c_kv, k_rope = q[..., :d_c], q[..., d_c:], cache[..., :d_c], cache[..., d_c:]
+    assert not (q_abs.is_contiguous() or c_kv.is_contiguous())
+    seq_lens = _lens(b, s)
+    out, lse = mla_decode(q_abs, q_rope, c_kv, k_rope, seq_lens, scale=0.08, num_splits=2)
+    ref_out, ref_lse = mla_decode_reference(q_abs, q_rope, c_kv, k_rope, seq_lens, scale=0.08)
+    _check(out, lse, ref_out, ref_lse, dtype, "mla_decode non-contiguous")
+    pool, _, table = _paged_latent(cache, cache[..., :1], 16)
+    out, lse = paged_mla_decode(q_abs, q_rope, pool[..., :d_c], pool[..., d_c:], table, seq_lens, scale=0.08)
+    _check(out, lse, ref_out, ref_lse, dtype, "paged_mla_decode non-contiguous")
+
+
+def _bad_inputs():
+    f = dict(device=DEVICE, dtype=KERNEL_DTYPES[0])
+    qa, qr = torch.randn(2, 4, 64, **f), torch.randn(2, 4, 16, **f)
+    ckv, kr = torch.randn(2, 16, 64, **f), torch.randn(2, 16, 16, **f)
+    lens = torch.tensor([16, 3], dtype=torch.int32, device=DEVICE)
+    cp, rp = torch.randn(6, 8, 64, **f), torch.randn(6, 8, 16, **f)
+    table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=DEVICE)
+
+    def dense(**kw):
+        a = dict(q_absorbed=qa, q_rope=qr, c_kv=ckv, k_rope=kr, seq_lens=lens, num_splits=None) | kw
+        return lambda: mla_decode(a["q_absorbed"], a["q_rope"], a["c_kv"], a["k_rope"], a["seq_lens"], scale=0.1,
+                                  num_splits=a["num_splits"])
+
+    def paged(**kw):
+        a = dict(q_absorbed=qa, q_rope=qr, c_kv_pages=cp, k_rope_pages=rp, block_table=table, seq_lens=lens) | kw
+        return lambda: paged_mla_decode(a["q_absorbed"], a["q_rope"], a["c_kv_pages"], a["k_rope_pages"],
+                                        a["block_table"], a["seq_lens"], scale=0.1)
+
+    other = torch.bfloat16 if f["dtype"] != torch.bfloat16 else torch.float16
+    return {
+        "q_absorbed-rank": (dense(q_absorbed=qa[0]), "q_absorbed"),
+        "q_rope-heads": (dense(q_rope=qr[:, :3]), "q_rope"),
+        "c_kv-rank": (dense(c_kv=ckv[0]), "c_kv"),
+        "c_kv-batch": (dense(c_kv=ckv[:1], k_rope=kr[:1]), "c_kv"),
+        "c_kv-latent-dim": (dense(c_kv=torch.randn(2, 16, 32, **f)), "c_kv"),
+        "k_rope-rows": (dense(k_rope=kr[:, :8]), "k_rope"),
+        "latent-dim-too-large": (dense(q_absorbed=torch.randn(2, 4, 576, **f), c_kv=torch.randn(2, 16, 576, **f)),
+                                 "q_absorbed"),
+        "rope-dim-too-large": (dense(q_rope=torch.randn(2, 4, 144, **f), k_rope=torch.randn(2, 16, 144, **f)),
+                               "q_rope"),
+        "c_kv-dtype": (dense(c_kv=ckv.to(other)), "c_kv"),
+        "q_absorbed-int": (dense(q_absorbed=qa.int()), "q_absorbed"),
+        "seq_lens-int64": (dense(seq_lens=lens.long()), "seq_lens"),
+        "seq_lens-zero": (dense(seq_lens=torch.tensor([0, 3], dtype=torch.int32, device=DEVICE)), "seq_lens"),
+        "seq_lens-beyond-cache": (dense(seq_lens=torch.tensor([17, 3], dtype=torch.int32, device=DEVICE)),
+                                  "seq_lens"),
+        "num_splits-negative": (dense(num_splits=-1), "num_splits"),
+        "device-mismatch": (dense(c_kv=ckv.to("meta"), k_rope=kr.to("meta")) if DEVICE == "cpu" else
+                            dense(seq_lens=lens.cpu()), "c_kv" if DEVICE == "cpu" else "seq_lens"),
+        "paged-page-size": (paged(c_kv_pages=torch.randn(6, 4, 64, **f), k_rope_pages=torch.randn(6, 4, 16, **f)),
+                            "c_kv_pages"),
+        "paged-rope-pool-mismatch": (paged(k_rope_pages=rp[:5]), "k_rope_pages"),
+        "paged-table-int64": (paged(block_table=table.long()), "block_table"),
+        "paged-entry-outside-pool": (paged(block_table=torch.tensor([[0, 9], [2, 3]], dtype=torch.int32,
+                                                                    device=DEVICE)), "block_table"),
+        "paged-table-too-short": (paged(block_table=table[:, :1]), "block_table"),
+    }
+
+
+BAD = _bad_inputs()
+
+
+@pytest.mark.parametrize("name", list(BAD))
+def test_bad_input_raises(name):
+    call, argument = BAD[name]
+    with pytest.raises(ValueError, match=rf"^{argument}\b.*got .*valid"):
+        call()
+
+
+def test_compile_fullgraph():
+    """torch.compile traces both MLA ops as custom ops without a graph break (aot_eager backend)."""
+    dtype = KERNEL_DTYPES[-1]
+    b, h, s, d_c, d_r = 2, 16, 24, 64, 16
+    q_abs, q_rope, c_kv, k_rope, scale = _inputs(b, h, s, d_c, d_r, dtype)
+    c_pages, r_pages, table = _paged_latent(c_kv, k_rope, 8)
+    lens = torch.tensor([24, 5], dtype=torch.int32, device=DEVICE)
+
+    def step(q_abs, q_rope, c_kv, k_rope, c_pages, r_pages, table, lens):
+        a, lse_a = mla_decode(q_abs, q_rope, c_kv, k_rope, lens, scale=scale)
+        p, lse_p = paged_mla_decode(q_abs, q_rope, c_pages, r_pages, table, lens, scale=scale)
+        return a.float() + p.float(), lse_a + lse_p
+
+    torch._dynamo.reset()
+    out, lse = torch.compile(step, fullgraph=True, backend="aot_eager")(q_abs, q_rope, c_kv, k_rope, c_pages,
+                                                                         r_pages, table, lens)
+    ref_out, ref_lse = mla_decode_reference(q_abs, q_rope, c_kv, k_rope, lens, scale=scale)
+    assert_close(out, 2 * ref_out, dtype, "compiled out")
+    assert_close(lse, 2 * ref_lse, dtype, "compiled lse")

@@ -1,0 +1,262 @@
+"""train.py end to end on the CPU with tiny models: every attention config learns; resume is bit-for-bit; Ctrl-C
+saves and resumes; 2-process gloo DDP matches one process on the same global batch; wandb writes an offline run
+with the logged metrics; bad config values, a corrupt checkpoint and a NaN loss stop with clear messages.
+train.py runs as a subprocess where the entry point matters (torchrun, signals, exit codes), in-process elsewhere."""
+
+import glob
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+import train
+from checkpoint import TRAIN_KEYS, CheckpointError, load_checkpoint
+from configurator import ConfigError
+from model import GPT
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# Size overrides go before a variant config file (it reads n_head / n_embd); 8 heads of 8 dims give GQA 2 K/V
+# heads and MLA a 32-wide latent.
+TINY = ["--n_layer=1", "--n_head=8", "--n_embd=64", "--block_size=32", "--batch_size=4", "--eval_iters=2",
+        "--attn_backend=torch", "--device=cpu", "--warmup_iters=2", "--learning_rate=3e-3"]
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    from data import ensure_dataset
+
+    directory = str(tmp_path_factory.mktemp("data") / "pydoc")
+    ensure_dataset("pydoc", directory)
+    return directory
+
+
+def run_inprocess(data_dir, out_dir, *args, config=None):
+    files = [os.path.join(ROOT, "configs", f"{config}.py")] if config else []
+    return train.main([*TINY, *files, f"--data_dir={data_dir}", f"--out_dir={out_dir}", *args])
+
+
+def metrics(out_dir):
+    with open(os.path.join(out_dir, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def subprocess_env(**extra):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=ROOT, **extra)
+    env.pop("TRITON_INTERPRET", None)  # the runs here use the torch backend
+    return env
+
+
+@pytest.mark.parametrize("variant", ["mha", "gqa", "mqa", "mla"])
+def test_each_attention_config_lowers_the_loss(data_dir, tmp_path, variant):
+    result = run_inprocess(data_dir, tmp_path, "--max_iters=40", "--eval_interval=40", "--log_interval=20",
+                           config=variant)
+    first, last = metrics(tmp_path)[0], metrics(tmp_path)[-1]
+    assert first["iter"] == 0 and last["iter"] == 40
+    assert last["val_loss"] < first["val_loss"] - 0.5, (first, last)
+    assert result["losses"]["val"] == last["val_loss"]
+    ckpt = load_checkpoint(tmp_path / "last.pt", required_keys=TRAIN_KEYS)
+    assert ckpt["model_args"]["attention"] == variant and ckpt["config"]["attention"] == variant
+    assert ckpt["model_args"]["n_kv_head"] == {"mha": 8, "gqa": 2, "mqa": 1, "mla": 8}[variant]
+    assert ckpt["iter_num"] == 40 and ckpt["tokenizer"]["kind"] == "char"
+    assert os.path.isfile(tmp_path / "best.pt")
+
+
+def test_resume_continues_bit_for_bit(data_dir, tmp_path, capsys):
+    # Dropout and gradient accumulation on: the restored RNG and sampler states both matter.
+    common = ["--dropout=0.1", "--gradient_accumulation_steps=2", "--eval_interval=3", "--log_interval=1",
+              "--lr_decay_iters=6"]
+    run_inprocess(data_dir, tmp_path / "a", *common, "--max_iters=6")
+    uninterrupted = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("iter ", "eval "))]
+    run_inprocess(data_dir, tmp_path / "b", *common, "--max_iters=3")
+    first_half = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("iter ", "eval "))]
+    run_inprocess(data_dir, tmp_path / "b", *common, "--max_iters=6", "--init_from=resume")
+    second_half = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("iter ", "eval "))]
+
+    def strip_timing(lines):
+        # iteration (without the /max_iters), loss, lr; not the timings
+        return [[line.split(" | ")[0].split("/")[0], *line.split(" | ")[1:3]] for line in lines]
+
+    assert strip_timing(first_half + second_half) == strip_timing(uninterrupted)
+    a, b = load_checkpoint(tmp_path / "a" / "last.pt"), load_checkpoint(tmp_path / "b" / "last.pt")
+    assert a["iter_num"] == b["iter_num"] == 6
+    for name, tensor in a["model"].items():
+        assert torch.equal(tensor, b["model"][name]), f"{name} differs after resume"
+    for pa, pb in zip(a["optimizer"]["state"].values(), b["optimizer"]["state"].values()):
+        assert torch.equal(pa["exp_avg_sq"], pb["exp_avg_sq"])
+    assert metrics(tmp_path / "a")[-1]["val_loss"] == metrics(tmp_path / "b")[-1]["val_loss"]
+
+
+def test_ctrl_c_saves_the_last_iteration_and_resumes(data_dir, tmp_path):
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), *TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}",
+           "--max_iters=100000", "--eval_interval=100000", "--log_interval=1"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=subprocess_env())
+    lines = []
+    deadline = time.time() + 120
+    for line in proc.stdout:
+        lines.append(line)
+        if line.startswith("iter 3/") or time.time() > deadline:
+            break
+    proc.send_signal(signal.SIGINT)
+    out, _ = proc.communicate(timeout=120)
+    output = "".join(lines) + out
+    assert proc.returncode == 0, output
+    assert "SIGINT: stopping after this iteration" in output and "interrupted: saved" in output
+    last_logged = max(int(line.split()[1].split("/")[0]) for line in output.splitlines() if line.startswith("iter "))
+    ckpt = load_checkpoint(tmp_path / "last.pt", required_keys=TRAIN_KEYS)
+    assert ckpt["iter_num"] == last_logged >= 3  # log_interval=1: every completed iteration printed its line
+    result = run_inprocess(data_dir, tmp_path, "--eval_interval=100000", f"--max_iters={ckpt['iter_num'] + 2}",
+                           "--init_from=resume")
+    assert result["iter_num"] == ckpt["iter_num"] + 2
+
+
+def test_ddp_two_gloo_processes_match_one_process(data_dir, tmp_path):
+    # Global batch: 2 micro-steps of 4 sequences per iteration. One process runs both micro-steps; two
+    # processes run one each and all-reduce. Same sampler draws, so the same global batch.
+    args = [*TINY, "--gradient_accumulation_steps=2", "--max_iters=4", "--eval_interval=2", "--log_interval=1",
+            f"--data_dir={data_dir}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           os.path.join(ROOT, "train.py"), *args, f"--out_dir={tmp_path / 'ddp'}"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=subprocess_env(), cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert proc.stdout.count("eval 4:") == 1, "only rank 0 prints"
+    assert "over 2 process(es)" in proc.stdout
+    train.main([*args, f"--out_dir={tmp_path / 'one'}"])
+
+    ddp, one = load_checkpoint(tmp_path / "ddp" / "last.pt"), load_checkpoint(tmp_path / "one" / "last.pt")
+    assert set(ddp["model"]) == set(GPT(train.GPTConfig(**ddp["model_args"])).state_dict()), "no module. prefixes"
+    assert len(ddp["rng"]) == 2, "every rank's RNG state is saved"
+    # Float sums in another order (all-reduce of two half-gradients vs one accumulation): rounding-level
+    # differences, amplified a little by Adam's normalisation over 4 steps.
+    for name, tensor in one["model"].items():
+        torch.testing.assert_close(ddp["model"][name], tensor, atol=1e-5, rtol=1e-4, msg=name)
+    for m_ddp, m_one in zip(metrics(tmp_path / "ddp"), metrics(tmp_path / "one")):
+        assert m_ddp["iter"] == m_one["iter"]
+        assert m_ddp["val_loss"] == pytest.approx(m_one["val_loss"], rel=1e-5)
+        assert m_ddp["train_loss"] == pytest.approx(m_one["train_loss"], rel=1e-5)
+
+
+def read_wandb_records(path):
+    """Records of a .wandb file: a LevelDB-style log (7-byte file header, 32 KiB blocks, 7-byte record headers:
+    crc32 u32, length u16, type u8 with FULL=1 FIRST=2 MIDDLE=3 LAST=4), each payload a wandb Record protobuf."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = open(path, "rb").read()
+    assert data[:4] == b":W&B", "not a wandb run file"
+    pos, block, payload, records = 7, 32768, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is zero padding
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        payload += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(payload)
+            records.append(record)
+            payload = b""
+    return records
+
+
+def test_wandb_without_credentials_writes_an_offline_run(data_dir, tmp_path):
+    pytest.importorskip("wandb")
+    env = subprocess_env(WANDB_DIR=str(tmp_path), HOME=str(tmp_path))  # no ~/.netrc: no credentials
+    for key in ("WANDB_MODE", "WANDB_API_KEY"):
+        env.pop(key, None)
+    cmd = [sys.executable, os.path.join(ROOT, "train.py"), *TINY, os.path.join(ROOT, "configs", "mla.py"),
+           f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'out'}", "--max_iters=4", "--eval_interval=2",
+           "--log_interval=2", "--wandb_log=True", "--wandb_group=test-group"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    runs = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
+    assert len(runs) == 1, os.listdir(tmp_path)
+    assert f"wandb sync {os.path.dirname(runs[0])}" in proc.stdout
+
+    records = read_wandb_records(runs[0])
+    history = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+               for r in records if r.WhichOneof("record_type") == "history"]
+    logged = set().union(*history)
+    assert {"train/loss", "val/loss", "lr", "tokens_per_sec", "train/running_loss"} <= logged, logged
+    evals = [h for h in history if "val/loss" in h]
+    assert [h["_step"] for h in evals] == [0, 2, 4]
+    assert evals[-1]["val/loss"] == pytest.approx(metrics(tmp_path / "out")[-1]["val_loss"])
+    run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
+    assert run.run_group == "test-group"
+    config = {i.key: json.loads(i.value_json) for i in run.config.update if i.key != "_wandb"}
+    assert config["attention"] == "mla" and config["kv_lora_rank"] == 32 and config["qk_rope_head_dim"] == 4
+    assert config["n_kv_head"] == 8 and config["qk_nope_head_dim"] == config["v_head_dim"] == 8
+    assert config["kv_cache_bytes_per_token"] == 1 * (32 + 4) * 2 and config["params"] > 0
+
+
+def test_unknown_key_stops_the_entry_point_with_the_valid_keys(tmp_path):
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--n_layers=2"], capture_output=True,
+                          text=True, timeout=120, env=subprocess_env(), cwd=tmp_path)
+    assert proc.returncode != 0
+    assert "error: override '--n_layers=2': unknown config key 'n_layers' (did you mean n_layer?)" in proc.stderr
+    assert "valid keys: attention, attn_backend, backend, batch_size" in proc.stderr
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--batch_size=big"], "batch_size='big' has type str, but batch_size takes type int"),
+    (["--device=tpu"], "device: got 'tpu'"),
+    (["--dtype=float8"], "dtype: got 'float8'"),
+    (["--attention=linear"], "GPTConfig.attention: got 'linear'"),
+    (["--attention=gqa", "--n_kv_head=3"], "GPTConfig.n_kv_head: got 3"),
+    (["--init_from=gpt5"], "init_from: got 'gpt5'"),
+], ids=["type", "device", "dtype", "attention", "n_kv_head", "init_from"])
+def test_bad_values_fail_with_clear_message(data_dir, tmp_path, argv, needle):
+    with pytest.raises(ConfigError) as e:
+        run_inprocess(data_dir, tmp_path, *argv)
+    assert needle in str(e.value)
+
+
+def test_corrupt_checkpoint_fails_to_resume_clearly(data_dir, tmp_path):
+    run_inprocess(data_dir, tmp_path, "--max_iters=2", "--eval_interval=2")
+    path = tmp_path / "last.pt"
+    path.write_bytes(path.read_bytes()[:-1000])
+    with pytest.raises(CheckpointError, match="last.pt.*is truncated or corrupt"):
+        run_inprocess(data_dir, tmp_path, "--max_iters=4", "--init_from=resume")
+    shutil.rmtree(tmp_path)
+    with pytest.raises(CheckpointError, match="no such file"):
+        run_inprocess(data_dir, tmp_path, "--max_iters=4", "--init_from=resume")
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(data_dir, tmp_path, monkeypatch):
+    forward, calls = GPT.forward, {"train": 0}
+
+    def poisoned_forward(self, idx, targets=None, cache=None):  # the 4th training forward returns a NaN loss
+        logits, loss = forward(self, idx, targets, cache)
+        if self.training:
+            calls["train"] += 1
+            if calls["train"] >= 4:
+                loss = loss * float("nan")
+        return logits, loss
+
+    monkeypatch.setattr(GPT, "forward", poisoned_forward)
+    # Eval (and checkpoint) every 2 iterations, progress every 3: the NaN of iteration 4 is caught by the check
+    # before the eval at 4, so last.pt stays the one of iteration 2.
+    with pytest.raises(train.NonFiniteLoss, match=r"train loss became nan in iterations 4\.\.4"):
+        run_inprocess(data_dir, tmp_path, "--max_iters=10", "--eval_interval=2", "--log_interval=3")
+    ckpt = load_checkpoint(tmp_path / "last.pt", required_keys=TRAIN_KEYS)
+    assert ckpt["iter_num"] == 2
+    assert all(torch.isfinite(t).all() for t in ckpt["model"].values())
+    assert [m["iter"] for m in metrics(tmp_path)] == [0, 2]
+
+
+def test_triton_backend_trains_like_torch(data_dir, tmp_path):
+    # The flash kernel under the Triton interpreter on the CPU (conftest sets TRITON_INTERPRET=1 without a GPU);
+    # head_dim 16, the kernels' smallest. fp32 both ways: the two paths agree to fp32 rounding.
+    args = ["--n_head=2", "--n_embd=32", "--max_iters=2", "--eval_interval=2", "--eval_iters=1", "--batch_size=2"]
+    torch_run = run_inprocess(data_dir, tmp_path / "torch", *args)
+    triton_run = run_inprocess(data_dir, tmp_path / "triton", *args, "--attn_backend=triton")
+    assert triton_run["losses"]["val"] == pytest.approx(torch_run["losses"]["val"], rel=1e-4)
+    a, b = load_checkpoint(tmp_path / "torch" / "last.pt"), load_checkpoint(tmp_path / "triton" / "last.pt")
+    for name, tensor in a["model"].items():
+        torch.testing.assert_close(b["model"][name], tensor, atol=1e-5, rtol=1e-4, msg=name)

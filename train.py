@@ -1,0 +1,618 @@
+"""Train a GPT with MHA, GQA, MQA or MLA attention, from a laptop CPU to several GPUs (nanoGPT's train.py, kept flat).
+
+A tiny run on the CPU (embedded dataset, prepared on first use, no network; a couple of minutes):
+    python train.py
+The four attention variants, same size and token budget, on one wandb chart (and in out-*/metrics.jsonl):
+    python train.py configs/mha.py --wandb_log=True      # likewise configs/gqa.py, configs/mqa.py, configs/mla.py
+A GPT-2-small-sized GQA model on one GPU, with the Triton kernels and torch.compile:
+    python train.py configs/gpt2_small_gqa.py
+Stack a size file and a variant file to compare the KV cache at GPU scale (later files override earlier ones):
+    python train.py configs/kv_h200.py configs/mla.py
+Override anything (`--key=value`, applied left to right after the files), resume exactly, or finetune GPT-2:
+    python train.py configs/gqa.py --batch_size=32 --max_iters=200
+    python train.py configs/gqa.py --init_from=resume    # continues out-gqa/last.pt where it stopped
+    python train.py --init_from=gpt2 --dataset=tinystories --learning_rate=3e-5 --pos_embedding=learned
+One node with 8 GPUs (DDP over NCCL; `gradient_accumulation_steps` is global and is divided among the ranks):
+    torchrun --standalone --nproc_per_node=8 train.py configs/gpt2_small_gqa.py
+Two nodes (run on each node, with node 0's address as the rendezvous endpoint; NCCL_IB_DISABLE=1 without
+InfiniBand):
+    torchrun --nnodes=2 --nproc_per_node=8 --node_rank=0 --rdzv_id=gqa1 --rdzv_backend=c10d \
+        --rdzv_endpoint=10.0.0.1:29500 train.py configs/gpt2_small_gqa.py      # node_rank=1 on the other node
+On CPUs, torchrun runs DDP over gloo (`--nproc_per_node=2 train.py` works on a laptop).
+
+Every eval appends a line to out_dir/metrics.jsonl and writes out_dir/last.pt (and best.pt when val loss
+improves) atomically. Ctrl-C (or SIGTERM) finishes the current iteration, saves last.pt and exits cleanly; a
+NaN/inf loss stops the run with a message and leaves the last good checkpoint untouched. Data order depends only
+on `seed` and the iteration, so `--init_from=resume` reproduces an uninterrupted run exactly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import random
+import signal
+import sys
+import textwrap
+import time
+from contextlib import contextmanager, nullcontext
+from dataclasses import asdict, dataclass, fields
+
+import numpy as np
+import torch
+import torch.distributed as dist
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from checkpoint import TRAIN_KEYS, clean_state_dict, load_checkpoint, save_checkpoint
+from configurator import ConfigError, parse_config
+from data import ensure_dataset
+from model import GPT, GPT2_NAMES, GPTConfig
+
+DEFAULTS = dict(
+    # I/O
+    out_dir="out",
+    eval_interval=250,  # every this many iterations: eval, a metrics.jsonl line, last.pt (and best.pt)
+    log_interval=10,  # progress line every this many iterations (also the NaN check and the stop sync)
+    eval_iters=20,  # batches per split per eval (always the same batches: curves are comparable)
+    eval_only=False,
+    init_from="scratch",  # "scratch", "resume" (out_dir/last.pt), a GPT-2 name (GPT2_NAMES) or its local dir
+    seed=1337,
+    # wandb (offline automatically without credentials or network)
+    wandb_log=False,
+    wandb_project="attention-zoo",
+    wandb_run_name="",  # "": derived from the attention variant
+    wandb_group="",  # runs of one comparison share a group, so they land on one chart
+    # data
+    dataset="pydoc",  # data/<dataset>/ (see data/__init__.py); pydoc is embedded and prepared on first use
+    data_dir="",  # "" = data/<dataset>
+    gradient_accumulation_steps=1,  # micro-steps per iteration, over all ranks together
+    batch_size=8,  # sequences per micro-step per process
+    block_size=128,
+    # model (the fields of model.GPTConfig)
+    vocab_size=0,  # 0: the dataset's vocabulary (rounded up to a multiple of 64 when larger than 1024)
+    n_layer=4,
+    n_head=8,
+    n_embd=128,
+    dropout=0.0,
+    bias=False,
+    attention="mha",  # "mha", "gqa", "mqa" or "mla"
+    n_kv_head=None,  # K/V heads for gqa (mha: n_head, mqa: 1, mla: n/a)
+    kv_lora_rank=0,  # MLA latent width
+    q_lora_rank=0,  # MLA query compression (0: none)
+    qk_nope_head_dim=0,
+    qk_rope_head_dim=0,
+    v_head_dim=0,
+    pos_embedding="rope",  # "rope" or "learned" (GPT-2)
+    rope_theta=10000.0,
+    attn_backend="auto",  # "triton" (our kernels), "torch" (reference), "auto": triton on CUDA, torch elsewhere
+    # AdamW and the learning-rate schedule (linear warmup, cosine decay to min_lr)
+    learning_rate=1e-3,
+    max_iters=1500,
+    weight_decay=0.1,
+    beta1=0.9,
+    beta2=0.99,
+    grad_clip=1.0,  # 0: off
+    decay_lr=True,
+    warmup_iters=100,
+    lr_decay_iters=0,  # 0: max_iters
+    min_lr=1e-4,
+    # system
+    device="auto",  # "auto" (cuda if available, else cpu), "cpu", "cuda", "cuda:1", "mps"
+    dtype="auto",  # "auto" (bfloat16 where the GPU has it, else float32), "float32", "bfloat16", "float16"
+    compile=False,
+    backend="auto",  # DDP backend: "auto" (nccl on CUDA, gloo on CPU), "nccl", "gloo"
+)
+MODEL_KEYS = [f.name for f in fields(GPTConfig)]
+PTDTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss became NaN or inf: the run stops without writing a checkpoint."""
+
+
+# ----------------------------------------------------------------------------------------------- setup helpers
+
+
+@dataclass
+class Dist:
+    rank: int = 0
+    local_rank: int = 0
+    world_size: int = 1
+
+    @property
+    def master(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def ddp(self) -> bool:
+        return self.world_size > 1
+
+
+def setup_distributed(config: dict) -> tuple[Dist, str]:
+    """Read torchrun's environment, pick the device and join the process group; return (Dist, device)."""
+    device = resolve_device(config["device"])
+    if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return Dist(), device
+    d = Dist(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))
+    if device.startswith("cuda"):
+        device = f"cuda:{d.local_rank}"
+        torch.cuda.set_device(device)
+    backend = config["backend"] if config["backend"] != "auto" else ("nccl" if device.startswith("cuda") else "gloo")
+    dist.init_process_group(backend=backend)
+    return d, device
+
+
+def resolve_device(name: str) -> str:
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise ConfigError(f"device: got {name!r} but no CUDA GPU is visible; valid here: 'cpu' or 'auto'")
+    if name.split(":")[0] not in ("cpu", "cuda", "mps"):
+        raise ConfigError(f"device: got {name!r}; valid: 'auto', 'cpu', 'cuda', 'cuda:N', 'mps'")
+    return name
+
+
+def resolve_dtype(name: str, device: str) -> str:
+    if name == "auto":
+        return "bfloat16" if device.startswith("cuda") and torch.cuda.is_bf16_supported() else "float32"
+    if name not in PTDTYPES:
+        raise ConfigError(f"dtype: got {name!r}; valid: 'auto', {', '.join(map(repr, PTDTYPES))}")
+    return name
+
+
+def check_config(config: dict, d: Dist) -> None:
+    """Value checks the types alone cannot make, before anything heavy runs."""
+    for key in ("batch_size", "block_size", "gradient_accumulation_steps", "eval_interval", "log_interval",
+                "eval_iters"):
+        if config[key] < 1:
+            raise ConfigError(f"{key}: got {config[key]}; valid: a positive int")
+    if config["gradient_accumulation_steps"] % d.world_size:
+        raise ConfigError(f"gradient_accumulation_steps: got {config['gradient_accumulation_steps']}; valid: a "
+                          f"multiple of the number of processes ({d.world_size}), since it is divided among them")
+    init = config["init_from"]
+    if init not in ("scratch", "resume", *GPT2_NAMES) and not os.path.isdir(init):
+        raise ConfigError(f"init_from: got {init!r}; valid: 'scratch', 'resume', {', '.join(GPT2_NAMES)} or a "
+                          "directory saved by GPT2LMHeadModel.save_pretrained")
+
+
+def model_config(config: dict, vocab_size: int) -> GPTConfig:
+    """GPTConfig from the train config; vocab 0 means the dataset's (large vocabularies padded to 64 for speed)."""
+    args = {k: config[k] for k in MODEL_KEYS if k in config}
+    if not args["vocab_size"]:
+        args["vocab_size"] = vocab_size if vocab_size <= 1024 else -(-vocab_size // 64) * 64
+    if args["vocab_size"] < vocab_size:
+        raise ConfigError(f"vocab_size: got {args['vocab_size']}; valid: 0 or at least the dataset's {vocab_size}")
+    try:
+        return GPTConfig(**args)
+    except ValueError as e:  # GPTConfig names the field and its valid values
+        raise ConfigError(f"model config: {e}") from None
+
+
+def build_model(config: dict, vocab_size: int, ckpt: dict | None) -> GPT:
+    """A fresh model, the one of a checkpoint (its architecture wins over the config), or OpenAI's GPT-2."""
+    if ckpt is not None:
+        args = dict(ckpt["model_args"], attn_backend=config["attn_backend"], dropout=config["dropout"])
+        model = GPT(GPTConfig(**args))
+        model.load_state_dict(clean_state_dict(ckpt["model"]))
+    elif config["init_from"] == "scratch":
+        model = GPT(model_config(config, vocab_size))
+    else:
+        model = GPT.from_pretrained(config["init_from"], dict(dropout=config["dropout"],
+                                                              attn_backend=config["attn_backend"]))
+        if config["block_size"] < model.config.block_size:
+            model.crop_block_size(config["block_size"])
+    if model.config.vocab_size < vocab_size:
+        raise ConfigError(f"dataset: its vocabulary ({vocab_size}) does not fit the model's "
+                          f"vocab_size={model.config.vocab_size}; use a dataset made with the model's tokenizer")
+    config.update({k: v for k, v in asdict(model.config).items() if k in config})  # the config reports the truth
+    return model
+
+
+def get_lr(it: int, config: dict) -> float:
+    """Linear warmup for warmup_iters, then cosine decay to min_lr at lr_decay_iters (0: max_iters)."""
+    lr, min_lr, warmup = config["learning_rate"], config["min_lr"], config["warmup_iters"]
+    if not config["decay_lr"]:
+        return lr
+    decay_iters = config["lr_decay_iters"] or config["max_iters"]
+    if it < warmup:
+        return lr * (it + 1) / (warmup + 1)
+    if it >= decay_iters:
+        return min_lr
+    ratio = (it - warmup) / max(1, decay_iters - warmup)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (lr - min_lr)
+
+
+# ----------------------------------------------------------------------------------------------- data
+
+
+class BatchSampler:
+    """Draws each iteration's global batch (A micro-steps x batch_size offsets) from one seeded generator, so the
+    data order depends only on (seed, iteration): the saved generator state resumes it exactly, and W ranks see
+    the same global batch as one process. Rank r of W takes micro-steps [r A/W, (r+1) A/W)."""
+
+    def __init__(self, n_tokens: int, config: dict, d: Dist):
+        self.high = n_tokens - config["block_size"]  # offsets i with i + block_size + 1 <= n_tokens
+        self.shape = (config["gradient_accumulation_steps"], config["batch_size"])
+        self.local = self.shape[0] // d.world_size
+        self.rank = d.rank
+        self.generator = torch.Generator().manual_seed(config["seed"])
+
+    def next(self) -> torch.Tensor:
+        """Offsets of this rank's micro-steps for the next iteration: (A / W, batch_size)."""
+        offsets = torch.randint(self.high, self.shape, generator=self.generator)
+        return offsets[self.rank * self.local : (self.rank + 1) * self.local]
+
+    def state_dict(self) -> dict:
+        return {"generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.generator.set_state(state["generator"])
+
+
+def get_batch(tokens: np.ndarray, offsets: torch.Tensor, block_size: int, device: str):
+    """x, y (B, T) int64: the windows at `offsets` and the same windows shifted by one token."""
+    x = torch.stack([torch.from_numpy(tokens[i : i + block_size].astype(np.int64)) for i in offsets.tolist()])
+    y = torch.stack([torch.from_numpy(tokens[i + 1 : i + 1 + block_size].astype(np.int64)) for i in offsets.tolist()])
+    if device.startswith("cuda"):  # pinned host memory lets the copy overlap the previous micro-step
+        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
+    return x.to(device), y.to(device)
+
+
+@torch.no_grad()
+def estimate_loss(model, data, config: dict, d: Dist, ctx, device: str) -> dict[str, float]:
+    """Mean loss over the same eval_iters batches of each split every time, sharded across ranks."""
+    model.eval()
+    losses = {}
+    for i, (split, tokens) in enumerate((("train", data.train), ("val", data.val))):
+        g = torch.Generator().manual_seed(config["seed"] + 1 + i)
+        offsets = torch.randint(len(tokens) - config["block_size"], (config["eval_iters"], config["batch_size"]),
+                                generator=g)
+        total = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of batch losses, number of batches)
+        for row in offsets[d.rank :: d.world_size]:
+            x, y = get_batch(tokens, row, config["block_size"], device)
+            with ctx:
+                _, loss = model(x, y)
+            total += torch.stack([loss.double(), torch.ones((), dtype=torch.float64, device=device)])
+        if d.ddp:
+            dist.all_reduce(total)
+        losses[split] = (total[0] / total[1]).item()
+    model.train()
+    return losses
+
+
+# ----------------------------------------------------------------------------------------------- state
+
+
+def rng_states() -> dict:
+    np_state = np.random.get_state()
+    return {
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else [],
+        "numpy": [np_state[0], torch.from_numpy(np_state[1].astype(np.int64)), *np_state[2:]],
+        "python": random.getstate(),
+    }
+
+
+def set_rng_states(states: dict) -> None:
+    torch.set_rng_state(states["torch"])
+    if torch.cuda.is_available() and len(states["cuda"]) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(states["cuda"])
+    name, keys, *rest = states["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), *rest))
+    random.setstate(states["python"])
+
+
+def gather_rng_states(d: Dist) -> list[dict]:
+    """Every rank's RNG states (dropout differs per rank), gathered for rank 0 to save."""
+    if not d.ddp:
+        return [rng_states()]
+    states = [None] * d.world_size
+    dist.all_gather_object(states, rng_states())
+    return states
+
+
+def load_resume_checkpoint(config: dict) -> dict:
+    ckpt = load_checkpoint(os.path.join(config["out_dir"], "last.pt"), map_location="cpu", required_keys=TRAIN_KEYS)
+    old = ckpt["config"]
+    changed = [k for k in ("batch_size", "block_size", "gradient_accumulation_steps", "seed", "dataset")
+               if old.get(k) != config[k]]
+    if changed:  # allowed (e.g. a larger batch for the rest of the run), but then it is no longer the same run
+        print(f"resume: {', '.join(f'{k} {old.get(k)!r} -> {config[k]!r}' for k in changed)} changed since the "
+              "checkpoint; the run will not match an uninterrupted one")
+    return ckpt
+
+
+# ----------------------------------------------------------------------------------------------- logging
+
+
+def print_setup(config: dict, model: GPT, d: Dist) -> None:
+    """The resolved config, the model and the batch, as the run will use them."""
+    text = ", ".join(f"{k}={v!r}" for k, v in config.items())
+    print("config: " + textwrap.fill(text, width=118, subsequent_indent="  "))
+    mc = model.config
+    print(f"model: {mc.attention}, {mc.n_layer} layers, {mc.n_head} heads / {mc.n_kv_head} KV heads, {mc.n_embd} "
+          f"wide, {model.num_params() / 1e6:.2f}M params, KV cache {model.kv_cache_bytes_per_token()} bytes/token "
+          f"(bf16), attention via {model.attn_backend_for(config['device'])}")
+    accum, batch, block = config["gradient_accumulation_steps"], config["batch_size"], config["block_size"]
+    print(f"tokens per iteration: {accum * batch * block:,} ({accum} micro-steps x {batch} sequences x {block} "
+          f"tokens, over {d.world_size} process(es)); device {config['device']}, {config['dtype']}")
+
+
+def init_wandb(config: dict, model: GPT):
+    """A wandb run in config's project and group; offline (never blocking) without credentials or network."""
+    try:
+        import wandb
+    except ImportError:
+        print("wandb: not installed (pip install wandb); metrics go to metrics.jsonl only")
+        return None
+    name = config["wandb_run_name"] or f"{config['attention']}-{time.strftime('%m%d-%H%M%S')}"
+    summary = dict(config, n_kv_head=model.config.n_kv_head, params=model.num_params(),
+                   kv_cache_bytes_per_token=model.kv_cache_bytes_per_token())
+    kwargs = dict(project=config["wandb_project"], group=config["wandb_group"] or None, name=name, config=summary)
+    mode = os.environ.get("WANDB_MODE") or ("online" if _wandb_has_credentials() else "offline")
+    run = None
+    if mode != "offline":
+        try:
+            run = wandb.init(mode=mode, settings=wandb.Settings(init_timeout=30), **kwargs)
+        except Exception as e:  # network down, bad key, service unreachable: keep training, log offline
+            print(f"wandb: online init failed ({type(e).__name__}: {e}); falling back to offline mode")
+    if run is None:
+        run = wandb.init(mode="offline", **kwargs)
+        print(f"wandb: offline run in {os.path.dirname(run.dir)}; upload it later with: "
+              f"wandb sync {os.path.dirname(run.dir)}")
+    run.summary.update({k: summary[k] for k in ("params", "kv_cache_bytes_per_token")})
+    return run
+
+
+def _wandb_has_credentials() -> bool:
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    netrc = os.path.join(os.path.expanduser("~"), ".netrc")
+    return os.path.isfile(netrc) and "api.wandb.ai" in open(netrc, encoding="utf-8", errors="replace").read()
+
+
+def log_eval(config: dict, run, record: dict) -> None:
+    """One JSON line in out_dir/metrics.jsonl (always) and the same numbers on wandb (if on)."""
+    with open(os.path.join(config["out_dir"], "metrics.jsonl"), "a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+    if run is not None:
+        names = {"train_loss": "train/loss", "val_loss": "val/loss"}
+        run.log({names.get(k, k): v for k, v in record.items() if v is not None and k != "iter"}, step=record["iter"])
+
+
+def format_progress(it: int, config: dict, loss: float, lr: float, dt: float, tok_s: float, mfu) -> str:
+    mfu_text = f"{100 * mfu:.1f}%" if mfu is not None else "n/a"
+    return (f"iter {it}/{config['max_iters']} | loss {loss:.4f} | lr {lr:.2e} | {1000 * dt:.1f} ms/iter | "
+            f"{tok_s:,.0f} tok/s | mfu {mfu_text}")
+
+
+@contextmanager
+def stop_on_signal():
+    """Ctrl-C / SIGTERM set a flag that the loop checks between iterations (a second Ctrl-C interrupts at once)."""
+    requested = {"stop": False}
+    previous = {}
+
+    def handler(signum, frame):
+        if requested["stop"] and signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        requested["stop"] = True
+        print(f"\n{signal.Signals(signum).name}: stopping after this iteration (Ctrl-C again to abort at once)")
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        previous[sig] = signal.signal(sig, handler)
+    try:
+        yield requested
+    finally:
+        for sig, h in previous.items():
+            signal.signal(sig, h)
+
+
+def should_stop(requested: dict, d: Dist, group) -> bool:
+    """All ranks must stop at the same iteration: the flag is all-reduced (on CPU, gloo: no GPU sync)."""
+    if not d.ddp:
+        return requested["stop"]
+    flag = torch.tensor([int(requested["stop"])])
+    dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+    return bool(flag.item())
+
+
+# ----------------------------------------------------------------------------------------------- main
+
+
+@dataclass
+class Setup:
+    """Everything the loop needs, built by `setup` (the loop itself stays flat and visible in `train`)."""
+
+    data: object  # data.TokenData
+    raw_model: GPT  # the plain module: checkpoints, MFU, KV bytes
+    model: torch.nn.Module  # raw_model, compiled if asked: eval runs through it
+    train_model: torch.nn.Module  # model, DDP-wrapped when distributed: training runs through it
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    sampler: BatchSampler
+    ctx: object  # autocast context (or nullcontext for float32)
+    iter_num: int
+    best_val_loss: float
+    resumed: bool
+    stop_group: object  # process group of the stop flag (gloo), None = the default group
+    run: object  # wandb run or None
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """Parse the config, join the process group if torchrun started us, set up, train; returns the final state."""
+    config = parse_config(DEFAULTS, sys.argv[1:] if argv is None else argv)
+    d, device = setup_distributed(config)
+    try:
+        with stop_on_signal() as stop_requested:
+            s = setup(config, d, device)
+            try:
+                return train(config, d, device, s, stop_requested)
+            finally:
+                if s.run is not None:
+                    s.run.finish()
+    finally:
+        if d.ddp:
+            dist.destroy_process_group()
+
+
+def setup(config: dict, d: Dist, device: str) -> Setup:
+    check_config(config, d)
+    config["device"], config["dtype"] = device, resolve_dtype(config["dtype"], device)
+    device_type = "cuda" if device.startswith("cuda") else "cpu"
+    torch.manual_seed(config["seed"] + d.rank)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
+    ptdtype = PTDTYPES[config["dtype"]]
+    ctx = nullcontext() if ptdtype == torch.float32 else torch.autocast(device_type=device_type, dtype=ptdtype)
+
+    data = ensure_dataset(config["dataset"], config["data_dir"])
+    for split, tokens in (("train", data.train), ("val", data.val)):
+        if len(tokens) <= config["block_size"] + 1:
+            raise ConfigError(f"block_size: got {config['block_size']}, but the {split} split has only "
+                              f"{len(tokens)} tokens; valid: fewer than that")
+    ckpt = load_resume_checkpoint(config) if config["init_from"] == "resume" else None
+    if ckpt is not None and ckpt["tokenizer"] != data.meta["tokenizer"]:
+        raise ConfigError(f"dataset: {config['dataset']!r} is tokenized differently from the checkpoint's data")
+    raw_model = build_model(config, data.vocab_size, ckpt).to(device)
+    optimizer = raw_model.configure_optimizers(config["weight_decay"], config["learning_rate"],
+                                               (config["beta1"], config["beta2"]), device_type)
+    scaler = torch.amp.GradScaler(device_type, enabled=config["dtype"] == "float16")
+    sampler = BatchSampler(len(data.train), config, d)
+    iter_num, best_val_loss = 0, float("inf")
+    if ckpt is not None:
+        optimizer.load_state_dict(ckpt["optimizer"])
+        scaler.load_state_dict(ckpt["scaler"])
+        sampler.load_state_dict(ckpt["data_state"])
+        iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
+        if len(ckpt["rng"]) == d.world_size:
+            set_rng_states(ckpt["rng"][d.rank])
+        elif d.master:
+            print(f"resume: the checkpoint has RNG states of {len(ckpt['rng'])} processes, this run has "
+                  f"{d.world_size}; RNGs stay seeded (only dropout is affected)")
+    model = torch.compile(raw_model) if config["compile"] else raw_model
+    train_model = DDP(model, device_ids=[d.local_rank] if device_type == "cuda" else None) if d.ddp else model
+    stop_group = dist.new_group(backend="gloo") if d.ddp and dist.get_backend() != "gloo" else None
+    run = None
+    if d.master:
+        os.makedirs(config["out_dir"], exist_ok=True)
+        print_setup(config, raw_model, d)
+        run = init_wandb(config, raw_model) if config["wandb_log"] else None
+    return Setup(data, raw_model, model, train_model, optimizer, scaler, sampler, ctx, iter_num, best_val_loss,
+                 ckpt is not None, stop_group, run)
+
+
+def train(config: dict, d: Dist, device: str, s: Setup, stop_requested: dict) -> dict:
+    """The training loop. Invariant at the top of each pass: iter_num iterations are complete, and the sampler,
+    optimizer and RNG states are exactly those after them (what a checkpoint written there holds)."""
+    data, raw_model, model, optimizer, scaler, sampler = s.data, s.raw_model, s.model, s.optimizer, s.scaler, s.sampler
+    iter_num, best_val_loss, start_iter = s.iter_num, s.best_val_loss, s.iter_num
+    local_accum = config["gradient_accumulation_steps"] // d.world_size
+    tokens_per_iter = config["gradient_accumulation_steps"] * config["batch_size"] * config["block_size"]
+    window_loss, window_iters = torch.zeros((), device=device), 0  # summed on the device: no sync until a log
+    t_window, tok_s, mfu, losses = time.perf_counter(), 0.0, None, {}
+    while True:
+        lr = get_lr(iter_num, config)
+        for group in optimizer.param_groups:
+            group["lr"] = lr
+
+        # Eval, metrics and checkpoints (not at the iteration a resumed run starts from: that one is on disk).
+        final = iter_num >= config["max_iters"] or config["eval_only"]
+        if (iter_num % config["eval_interval"] == 0 and (iter_num > start_iter or not s.resumed)) or final:
+            check_window(window_loss, window_iters, iter_num, d)  # never checkpoint a model whose loss went NaN
+            losses = estimate_loss(model, data, config, d, s.ctx, device)
+            if not all(math.isfinite(v) for v in losses.values()):
+                raise NonFiniteLoss(f"eval loss at iteration {iter_num} is {losses}; the last checkpoint is kept")
+            rng = gather_rng_states(d)
+            if d.master:
+                print(f"eval {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+                log_eval(config, s.run, dict(iter=iter_num, train_loss=losses["train"], val_loss=losses["val"],
+                                             lr=lr, tokens_per_sec=tok_s, mfu=mfu))
+                if iter_num > start_iter:
+                    state = training_state(raw_model, optimizer, scaler, sampler, config, iter_num,
+                                           min(best_val_loss, losses["val"]), rng, data.meta)
+                    save_checkpoint(os.path.join(config["out_dir"], "last.pt"), state)
+                    if losses["val"] < best_val_loss:
+                        save_checkpoint(os.path.join(config["out_dir"], "best.pt"), state)
+            best_val_loss = min(best_val_loss, losses["val"])
+            t_window = time.perf_counter()  # eval time is not training throughput
+        if final:
+            break
+        if should_stop(stop_requested, d, s.stop_group):
+            check_window(window_loss, window_iters, iter_num, d)
+            save_interrupted(raw_model, optimizer, scaler, sampler, config, iter_num, best_val_loss, data, d)
+            break
+
+        # One optimizer step over the global batch: local_accum micro-steps on each rank; DDP all-reduces the
+        # gradients only on the last one.
+        loss_iter = torch.zeros((), device=device)
+        for micro_step, offsets in enumerate(sampler.next()):
+            x, y = get_batch(data.train, offsets, config["block_size"], device)
+            sync = micro_step == local_accum - 1
+            with s.train_model.no_sync() if d.ddp and not sync else nullcontext():
+                with s.ctx:
+                    _, loss = s.train_model(x, y)
+                    loss = loss / local_accum  # DDP averages over ranks: together the mean over the global batch
+                scaler.scale(loss).backward()
+            loss_iter += loss.detach()
+        if config["grad_clip"] > 0:
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(raw_model.parameters(), config["grad_clip"])
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad(set_to_none=True)
+        iter_num += 1
+        window_loss += loss_iter
+        window_iters += 1
+
+        if iter_num % config["log_interval"] == 0:
+            loss_mean = check_window(window_loss, window_iters, iter_num, d)  # syncs the device
+            dt = (time.perf_counter() - t_window) / window_iters
+            tok_s = tokens_per_iter / dt
+            mfu = raw_model.estimate_mfu(config["batch_size"] * local_accum, dt)
+            if d.master:
+                print(format_progress(iter_num, config, loss_mean, lr, dt, tok_s, mfu), flush=True)
+                if s.run is not None:
+                    s.run.log({"train/running_loss": loss_mean, "lr": lr, "tokens_per_sec": tok_s,
+                               **({"mfu": mfu} if mfu is not None else {})}, step=iter_num)
+            window_loss.zero_()
+            window_iters, t_window = 0, time.perf_counter()
+
+    if s.run is not None:
+        s.run.summary["best_val_loss"] = best_val_loss
+    return dict(iter_num=iter_num, losses=losses, best_val_loss=best_val_loss)
+
+
+def check_window(window_loss: torch.Tensor, window_iters: int, iter_num: int, d: Dist) -> float:
+    """Mean train loss over the iterations since the last check (all ranks); NonFiniteLoss if any was NaN/inf."""
+    if window_iters == 0:
+        return float("nan")
+    total = window_loss.detach().clone().double()
+    if d.ddp:
+        dist.all_reduce(total)
+    mean = total.item() / (window_iters * d.world_size)
+    if not math.isfinite(mean):
+        raise NonFiniteLoss(f"train loss became {mean} in iterations {iter_num - window_iters + 1}..{iter_num}")
+    return mean
+
+
+def save_interrupted(raw_model, optimizer, scaler, sampler, config, iter_num, best_val_loss, data, d: Dist):
+    """On Ctrl-C / SIGTERM: last.pt of the last completed iteration."""
+    rng = gather_rng_states(d)
+    if d.master:
+        path = os.path.join(config["out_dir"], "last.pt")
+        save_checkpoint(path, training_state(raw_model, optimizer, scaler, sampler, config, iter_num, best_val_loss,
+                                             rng, data.meta))
+        print(f"interrupted: saved {path} at iteration {iter_num}; continue with --init_from=resume")
+
+
+def training_state(raw_model, optimizer, scaler, sampler, config, iter_num, best_val_loss, rng, meta) -> dict:
+    """The checkpoint dict (keys: checkpoint.TRAIN_KEYS)."""
+    return dict(model=clean_state_dict(raw_model.state_dict()), model_args=asdict(raw_model.config), config=config,
+                iter_num=iter_num, best_val_loss=best_val_loss, optimizer=optimizer.state_dict(),
+                scaler=scaler.state_dict(), rng=rng, data_state=sampler.state_dict(), tokenizer=meta["tokenizer"])
+
+if __name__ == "__main__":
+    try:
+        main()
+    except (ConfigError, NonFiniteLoss) as e:
+        raise SystemExit(f"error: {e}") from None
