@@ -162,12 +162,15 @@ class GPTConfig:
         return self.n_embd // self.n_head if self.pos_embedding == "rope" else 0
 
 
-def causal_attention(q, k, v, scale: float, backend: str) -> torch.Tensor:
+def causal_attention(q, k, v, backend: str) -> torch.Tensor:
     """The one attention switch. q (B, H_q, S_q, D_qk), k (B, H_kv, S_kv, D_qk), v (B, H_kv, S_kv, D_v) ->
-    (B, H_q, S_q, D_v). Causal with bottom-right alignment: query i sits at position S_kv - S_q + i, so a cached
-    prefix of S_kv - S_q tokens is visible to every query. Query head h reads K/V head h // (H_q // H_kv)."""
+    (B, H_q, S_q, D_v), scores scaled by 1/sqrt(D_qk): every variant's scale (MLA's 1/sqrt(nope + rope) too), left
+    to the ops' default (a float scale such as 1/sqrt(24) broke torch.compile(fullgraph=True) in the kernel's
+    argument check). Causal with bottom-right
+    alignment: query i sits at position S_kv - S_q + i, so a cached prefix of S_kv - S_q tokens is visible to
+    every query. Query head h reads K/V head h // (H_q // H_kv)."""
     if backend == "triton":
-        return flash_gqa_attention(q, k, v, scale=scale, causal=True)
+        return flash_gqa_attention(q, k, v, causal=True)
     # Plain PyTorch: the math of kernels.reference.attention_reference, differentiable, in the input dtype
     # (SDPA accumulates in fp32 like the flash kernel; an fp32 (S_q, S_kv) score matrix per head would not fit
     # at training sizes). K/V are repeated to the query heads explicitly.
@@ -175,9 +178,9 @@ def causal_attention(q, k, v, scale: float, backend: str) -> torch.Tensor:
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     if q.shape[2] == k.shape[2]:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     mask = causal_mask(q.shape[2], k.shape[2], q.device)  # SDPA's is_causal is top-left aligned
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
 
 
 def rope_cos_sin(positions: torch.Tensor, dim: int, theta: float):
@@ -242,13 +245,13 @@ class CausalSelfAttention(nn.Module):
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|H_kv, T, D)
         if cache is None:
-            y = causal_attention(q, k, v, self.scale, backend)
+            y = causal_attention(q, k, v, backend)
         elif T == 1:
             y = cache.attend(self.layer_idx, q, k, v, self.scale)
         else:
             k, v = cache.append(self.layer_idx, k, v)  # (B, H_kv, S, D): the cached prefix and these T tokens
             k, v = k.to(q.dtype), v.to(q.dtype)  # the cache may store another dtype than autocast computes in
-            y = causal_attention(q, k, v, self.scale, backend)
+            y = causal_attention(q, k, v, backend)
         y = y.transpose(1, 2).reshape(B, T, H * D)
         return self.resid_dropout(self.c_proj(y))
 
@@ -312,7 +315,7 @@ class MultiHeadLatentAttention(nn.Module):
         k_nope, v = kv.split([self.d_n, self.d_v], dim=-1)  # (B, H, S, D_n), (B, H, S, D_v)
         k = torch.cat([k_nope, k_rope[:, None].expand(B, H, S, self.d_r)], dim=-1)
         q = torch.cat([q_nope, q_rope], dim=-1)
-        return causal_attention(q, k, v, self.scale, backend)
+        return causal_attention(q, k, v, backend)
 
     def _decode_absorbed(self, q_nope, q_rope, c_kv, k_rope, cache):
         """Decode: q_nope . k_nope = (q_nope W_UK[h]) . c_kv, so the query moves into the latent space and every

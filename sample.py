@@ -458,23 +458,28 @@ def report(summary: dict):
 
 
 def log_wandb(summary: dict, train_cfg: dict, cfg: dict):
-    """Log the decode statistics into the checkpoint's wandb project and group (offline when there is no
-    network or no login)."""
+    """Log the decode statistics into the checkpoint's wandb project and group, so the variants compare on
+    decoding too. Offline (never blocking) without credentials or network, as train.py does."""
     try:
         import wandb
     except ImportError:
-        print("wandb_log: wandb is not installed; skipped", file=sys.stderr)
+        print("wandb_log: wandb is not installed (pip install wandb); skipped", file=sys.stderr)
         return
-    project = train_cfg.get("wandb_project", "attention-zoo")
-    group = train_cfg.get("wandb_group") or train_cfg.get("wandb_run_name") or summary["attention"]
-    kwargs = dict(project=project, group=group, job_type="sample", name=f"sample-{summary['cache']}",
-                  config={**cfg, "train": train_cfg})
+    run_name = train_cfg.get("wandb_run_name") or summary["attention"]
+    kwargs = dict(project=train_cfg.get("wandb_project") or "attention-zoo",
+                  group=train_cfg.get("wandb_group") or None, job_type="sample",
+                  name=f"{run_name}-sample-{summary['cache']}", config={**cfg, "train": train_cfg})
+    netrc = os.path.join(os.path.expanduser("~"), ".netrc")
+    online = os.environ.get("WANDB_API_KEY") or (os.path.isfile(netrc) and "api.wandb.ai" in open(netrc).read())
+    mode = os.environ.get("WANDB_MODE") or ("online" if online else "offline")
     try:
-        run = wandb.init(**kwargs)
-    except Exception as e:  # no network / no API key: keep the numbers locally
+        run = wandb.init(mode=mode, settings=wandb.Settings(init_timeout=30), **kwargs)
+    except Exception as e:  # no network: keep the numbers locally
         print(f"wandb_log: online init failed ({type(e).__name__}); logging offline", file=sys.stderr)
         run = wandb.init(mode="offline", **kwargs)
-    run.log({f"sample/{k}": v for k, v in summary.items() if isinstance(v, (int, float))})
+    numbers = {f"sample/{k}": v for k, v in summary.items() if isinstance(v, (int, float))}
+    run.log(numbers)
+    run.summary.update(numbers)
     run.finish()
 
 

@@ -11,13 +11,13 @@ Stack a size file and a variant file to compare the KV cache at GPU scale (later
 Override anything (`--key=value`, applied left to right after the files), resume exactly, or finetune GPT-2:
     python train.py configs/gqa.py --batch_size=32 --max_iters=200
     python train.py configs/gqa.py --init_from=resume    # continues out-gqa/last.pt where it stopped
-    python train.py --init_from=gpt2 --dataset=tinystories --learning_rate=3e-5 --pos_embedding=learned
+    python train.py --init_from=gpt2 --dataset=tinystories --learning_rate=3e-5 --block_size=512 --compile=True
 One node with 8 GPUs (DDP over NCCL; `gradient_accumulation_steps` is global and is divided among the ranks):
     torchrun --standalone --nproc_per_node=8 train.py configs/gpt2_small_gqa.py
-Two nodes (run on each node, with node 0's address as the rendezvous endpoint; NCCL_IB_DISABLE=1 without
-InfiniBand):
-    torchrun --nnodes=2 --nproc_per_node=8 --node_rank=0 --rdzv_id=gqa1 --rdzv_backend=c10d \
-        --rdzv_endpoint=10.0.0.1:29500 train.py configs/gpt2_small_gqa.py      # node_rank=1 on the other node
+Two nodes of 8 GPUs (node 0 at 10.0.0.1; every node needs the prepared data; global rank 0 writes out_dir;
+NCCL_IB_DISABLE=1 where there is no InfiniBand):
+    torchrun --nproc_per_node=8 --nnodes=2 --node_rank=0 --master_addr=10.0.0.1 --master_port=29500 \
+        train.py configs/gpt2_small_gqa.py                   # on node 0; the same with --node_rank=1 on node 1
 On CPUs, torchrun runs DDP over gloo (`--nproc_per_node=2 train.py` works on a laptop).
 
 Every eval appends a line to out_dir/metrics.jsonl and writes out_dir/last.pt (and best.pt when val loss
@@ -44,9 +44,9 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from checkpoint import TRAIN_KEYS, clean_state_dict, load_checkpoint, save_checkpoint
+from checkpoint import TRAIN_KEYS, CheckpointError, clean_state_dict, load_checkpoint, save_checkpoint
 from configurator import ConfigError, parse_config
-from data import ensure_dataset
+from data import DataError, ensure_dataset
 from model import GPT, GPT2_NAMES, GPTConfig
 
 DEFAULTS = dict(
@@ -354,7 +354,7 @@ def init_wandb(config: dict, model: GPT):
     run = None
     if mode != "offline":
         try:
-            run = wandb.init(mode=mode, settings=wandb.Settings(init_timeout=30), **kwargs)
+            run = wandb.init(mode=mode, settings=wandb.Settings(init_timeout=20), **kwargs)
         except Exception as e:  # network down, bad key, service unreachable: keep training, log offline
             print(f"wandb: online init failed ({type(e).__name__}: {e}); falling back to offline mode")
     if run is None:
@@ -449,8 +449,8 @@ def main(argv: list[str] | None = None) -> dict:
             try:
                 return train(config, d, device, s, stop_requested)
             finally:
-                if s.run is not None:
-                    s.run.finish()
+                if s.run is not None:  # marked failed when an exception (NaN loss, ...) is on its way out
+                    s.run.finish(exit_code=0 if sys.exc_info()[0] is None else 1)
     finally:
         if d.ddp:
             dist.destroy_process_group()
@@ -509,7 +509,7 @@ def train(config: dict, d: Dist, device: str, s: Setup, stop_requested: dict) ->
     local_accum = config["gradient_accumulation_steps"] // d.world_size
     tokens_per_iter = config["gradient_accumulation_steps"] * config["batch_size"] * config["block_size"]
     window_loss, window_iters = torch.zeros((), device=device), 0  # summed on the device: no sync until a log
-    t_window, tok_s, mfu, losses = time.perf_counter(), 0.0, None, {}
+    t_window, tok_s, mfu, losses = time.perf_counter(), None, None, {}
     while True:
         lr = get_lr(iter_num, config)
         for group in optimizer.param_groups:
@@ -614,5 +614,5 @@ def training_state(raw_model, optimizer, scaler, sampler, config, iter_num, best
 if __name__ == "__main__":
     try:
         main()
-    except (ConfigError, NonFiniteLoss) as e:
+    except (ConfigError, DataError, CheckpointError, NonFiniteLoss) as e:  # a message, not a traceback
         raise SystemExit(f"error: {e}") from None

@@ -81,7 +81,7 @@ def to_pages(x: torch.Tensor, page_size: int):
 
 
 def split_candidates(auto: int) -> list[int]:
-    return sorted({1, max(1, auto // 2), min(decode_mod.MAX_SPLITS, auto * 2), 4, 16, 64} - {auto})
+    return sorted({1, max(1, auto // 2), min(decode_mod.MAX_SPLITS, auto * 2), 4 * auto} - {auto})
 
 
 def bench_grouped(shapes, fixed_splits: bool, copy_tbps: float) -> list[dict]:
@@ -109,7 +109,7 @@ def bench_grouped(shapes, fixed_splits: bool, copy_tbps: float) -> list[dict]:
                    / copy_tbps)
         if fixed_splits:
             best = min((graph_ms(lambda: grouped_decode(q, k, v, lens, scale=scale, num_splits=n, validate=False)),
-                        n) for n in split_candidates(auto) if n <= math.ceil(s / 16))
+                        n) for n in split_candidates(auto) if n <= min(decode_mod.MAX_SPLITS, math.ceil(s / 64)))
             row.update(best_fixed=best[1], auto_vs_best=best[0] / t_auto)
         rows.append(row)
         print(row, flush=True)
@@ -249,6 +249,7 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a small grid (under 2 minutes)")
     parser.add_argument("--tune", action="store_true", help="launch-config sweeps instead of the grid")
+    parser.add_argument("--sections", default="grouped,paged,mla", help="which tables to run (comma-separated)")
     args = parser.parse_args()
     torch.manual_seed(0)
     print(header())
@@ -266,25 +267,29 @@ def main():
         paged = [(b, s, 8, 128, p, r) for b, s in ((64, 8192), (8, 32768)) for p in (16, 64) for r in (False, True)]
         mla = [(64, 16, 8192, 0), (64, 128, 8192, 0), (64, 16, 8192, 64)]
     else:
-        grouped = [(b, s, h, d) for d in (64, 128) for h in (1, 8, 32) for b in (1, 8, 32, 128)
-                   for s in (1024, 8192, 32768, 65536)]
+        grouped = [(b, s, h, d) for d in (128, 64) for h in (8, 1, 32) for b in (1, 8, 32, 128)
+                   for s in (1024, 8192, 65536)]
         paged = [(b, s, 8, 128, p, r) for b, s in ((1, 65536), (64, 8192), (8, 32768), (128, 4096))
                  for p in (16, 64) for r in (False, True)]
         mla = [(b, h, n, p) for h in (16, 128) for b, n in ((16, 8192), (64, 8192), (64, 32768), (128, 4096))
                for p in (0, 64)]
-    g_rows = bench_grouped(grouped, fixed_splits=True, copy_tbps=ceil["copy_TBps"])
-    p_rows = bench_paged(paged, ceil["copy_TBps"])
-    m_rows = bench_mla(mla, fixed_splits=True)
+    sections = args.sections.split(",")
+    g_rows = bench_grouped(grouped, fixed_splits=True, copy_tbps=ceil["copy_TBps"]) if "grouped" in sections else []
+    p_rows = bench_paged(paged, ceil["copy_TBps"]) if "paged" in sections else []
+    m_rows = bench_mla(mla, fixed_splits=True) if "mla" in sections else []
     print()
     print(header())
     print(f"ceilings: copy {ceil['copy_TBps']:.2f} TB/s, bf16 matmul {ceil['matmul_bf16_TFLOPs']:.0f} TFLOP/s; "
           "H_q = 32; GB/s = K+V bytes read once per second; x_sdpa > 1: we are faster")
-    print_table(g_rows, ["B", "S", "H_kv", "D", "splits", "us", "GBps", "sdpa_GBps", "x_sdpa", "of_copy",
-                         "best_fixed", "auto_vs_best"])
-    print()
-    print_table(p_rows, ["B", "S", "H_kv", "D", "page", "lens", "us", "GBps", "contig_GBps", "x_contig"])
-    print()
-    print_table(m_rows, ["B", "H", "N", "page", "us", "TBps", "TFLOPs", "best_fixed", "auto_vs_best"])
+    if g_rows:
+        print_table(g_rows, ["B", "S", "H_kv", "D", "splits", "us", "GBps", "sdpa_GBps", "x_sdpa", "of_copy",
+                             "best_fixed", "auto_vs_best"])
+    if p_rows:
+        print()
+        print_table(p_rows, ["B", "S", "H_kv", "D", "page", "lens", "us", "GBps", "contig_GBps", "x_contig"])
+    if m_rows:
+        print()
+        print_table(m_rows, ["B", "H", "N", "page", "us", "TBps", "TFLOPs", "best_fixed", "auto_vs_best"])
 
 
 if __name__ == "__main__":

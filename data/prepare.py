@@ -103,8 +103,9 @@ def prepare_hub(
     train_docs = _documents(source, source.train_split, streaming)
     if source.val_split is not None:
         val_docs = _documents(source, source.val_split, streaming)
-    else:
-        train_docs, val_docs = _hold_out(train_docs, source.val_every)
+    else:  # hold out every k-th document; a small --max_docs subset still gets ~10 validation documents
+        every = min(source.val_every, max(2, max_docs // 10)) if max_docs > 0 else source.val_every
+        train_docs, val_docs = _hold_out(train_docs, every)
     if max_docs > 0:
         train_docs = _take(train_docs, max_docs)
         val_docs = _take(val_docs, max(1, max_docs // 100)) if source.val_split is not None else val_docs

@@ -213,25 +213,24 @@ def num_sms(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def auto_num_splits(programs: int, n_tiles: int, tile_bytes: int, partial_bytes: int, sms: int,
-                    programs_per_sm: int = 2) -> int:
+def auto_num_splits(programs: int, n_tiles: int, tile_bytes: int, partial_bytes: int, sms: int) -> int:
     """Split count from a small cost model of one launch (FlashAttention-3's wave-efficiency rule, with costs).
 
     programs: (sequence, head tile) pairs; n_tiles: KV tiles per pair at full capacity; tile_bytes: bytes one
     tile reads; partial_bytes: bytes one split adds to the partial outputs (written, then read by the combine).
-    A wave is sms * programs_per_sm resident programs streaming at the full bandwidth; the time is the number of
-    waves times the work of one program, plus a fixed latency per program and, with splits, the combine launch
-    and its traffic. Only shapes enter, never sequence lengths, so no device sync is needed.
+    One program per SM streams at its share of the bandwidth; the launch lasts programs * splits / SMs program
+    lengths plus half a program for the tail (programs finish unevenly, so short programs balance better), each
+    program adds a fixed latency, and splitting adds the combine launch and its traffic. Only shapes enter, never
+    sequence lengths, so no device sync is needed. Fitted to H200 sweeps (benchmarks/bench_decode.py).
     """
-    slots = sms * programs_per_sm
-    tile_time = tile_bytes * slots  # time units: bytes at the per-slot bandwidth (bandwidth / slots)
-    program_latency = 2.0e-6 * 4.0e12  # ~2 us to start a program, load q and write its result, in bytes of 4 TB/s
-    combine_latency = 3.0e-6 * 4.0e12  # ~3 us for the second launch
+    bandwidth = 4.0e12
+    program_latency, combine_latency = 2e-6, 4e-6  # start a program, load q, write out; the second launch
     best, best_time = 1, math.inf
     for splits in range(1, min(MAX_SPLITS, n_tiles) + 1):
-        waves = math.ceil(programs * splits / slots)
-        per_program = math.ceil(n_tiles / splits) * tile_time + program_latency
-        time = waves * per_program + (combine_latency + 2 * partial_bytes * splits if splits > 1 else 0.0)
+        program = math.ceil(n_tiles / splits) * tile_bytes * sms / bandwidth + program_latency
+        time = (programs * splits / sms + 0.5) * program
+        if splits > 1:
+            time += combine_latency + 2 * partial_bytes * splits / bandwidth
         if time < best_time * 0.99:  # ties go to fewer splits
             best, best_time = splits, time
     return best
@@ -242,9 +241,12 @@ def _block_n(d_max: int) -> int:
 
 
 def _launch_config(d_max: int, device: torch.device) -> dict:
-    # 64 x 128 bf16 K and V tiles are 32 KB a stage; three stages keep ~96 KB in flight per program, two programs
-    # per SM. Wider heads take half the tokens per tile to stay inside shared memory.
-    return dict(num_warps=4, num_stages=3 if d_max <= 128 else 2)
+    # H200 sweep (bench_decode.py --tune, B64/B8, S 8k/32k, H_kv 1/8, D 64/128): BLOCK_N 64, four warps and four
+    # stages (four 32 KB K+V tiles in flight per program at D=128) is within a few % of the best everywhere;
+    # eight warps lose 5-20%. Wider heads take 32-token tiles and fewer stages to stay inside shared memory.
+    if d_max <= 128:
+        return dict(num_warps=4, num_stages=4)
+    return dict(num_warps=4, num_stages=3 if d_max <= 256 else 2)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:

@@ -478,12 +478,11 @@ def _pick_config(kind: str, q: torch.Tensor, d_qk: int, d_v: int, causal: bool, 
                  launch):
     """The config for this launch, cached per (kind, head dims, causal, dtype, sequence-length bucket, TMA). On the GPU
     for long sequences each candidate is timed once (a few ms each, plus its compile); otherwise the first one
-    that compiles is taken. Buckets are coarse (short / medium / long) so a training run or a benchmark grid
-    tunes a handful of times, not once per shape."""
+    that compiles is taken. The length buckets are coarse (short: untimed; long: timed once) so a training run
+    or a benchmark grid tunes a handful of times, not once per shape."""
     if _checks.interpreting():
         return _INTERPRETER_CONFIG
-    s = max(m, n)
-    s_bucket = "short" if s < _TUNE_MIN_SEQ else "medium" if s <= 2048 else "long"
+    s_bucket = "short" if max(m, n) < _TUNE_MIN_SEQ else "long"
     key = (kind, d_qk, d_v, causal, q.dtype, s_bucket, use_tma, q.device.index)
     if key in _TUNED:
         return _TUNED[key]
@@ -509,7 +508,8 @@ def _pick_config(kind: str, q: torch.Tensor, d_qk: int, d_v: int, causal: bool, 
     return best
 
 
-_ALLOCATOR_SET = False
+def _scratch(size: int, alignment: int, stream):
+    return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
 def _use_tma(*tensors: torch.Tensor) -> bool:
@@ -517,7 +517,6 @@ def _use_tma(*tensors: torch.Tensor) -> bool:
     the layout allows; 0: never (plain pointers); 1: whenever the layout allows, also under the interpreter (the
     tests use it to run the descriptor path on the CPU). TMA needs a unit last-dim stride, 16-byte aligned other
     strides and base address (each (batch, head) slice becomes one 2-d descriptor)."""
-    global _ALLOCATOR_SET
     mode = os.environ.get("ZOO_FLASH_TMA", "auto")
     t0 = tensors[0]
     if mode == "0" or (mode != "1" and not (t0.is_cuda and torch.cuda.get_device_capability(t0.device)[0] >= 9)):
@@ -526,10 +525,10 @@ def _use_tma(*tensors: torch.Tensor) -> bool:
         size = t.element_size()
         if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * size % 16 for s in t.stride()[:-1]):
             return False
-    if t0.is_cuda and not _ALLOCATOR_SET:
-        # Descriptors built inside a kernel need a little global scratch memory, which triton asks for here.
-        triton.set_allocator(lambda size, alignment, stream: torch.empty(size, dtype=torch.int8, device="cuda"))
-        _ALLOCATOR_SET = True
+    if t0.is_cuda:
+        # Descriptors built inside a kernel need a little global scratch memory, which triton asks this allocator
+        # for. It is a context variable, so it is set on every call: the backward runs on autograd's own thread.
+        triton.set_allocator(_scratch)
     return True
 
 

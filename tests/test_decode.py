@@ -174,7 +174,7 @@ def test_auto_num_splits_heuristic():
     """Enough programs already fill the machine: one split. Few long sequences: many splits, never more than
     the tiles, never past the cap; the choice depends only on shapes."""
     tile = 64 * 256 * 2
-    assert auto_num_splits(programs=64 * 8, n_tiles=128, tile_bytes=tile, partial_bytes=1, sms=132) == 1
+    assert auto_num_splits(programs=128 * 32, n_tiles=128, tile_bytes=tile, partial_bytes=1, sms=132) == 1
     few = auto_num_splits(programs=8, n_tiles=512, tile_bytes=tile, partial_bytes=8 * 32 * 129 * 4, sms=132)
     assert 16 <= few <= decode.MAX_SPLITS
     assert auto_num_splits(programs=1, n_tiles=3, tile_bytes=tile, partial_bytes=1, sms=132) <= 3

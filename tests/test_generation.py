@@ -191,8 +191,9 @@ def test_rope_model_generates_past_block_size_when_asked():
 
 
 def test_sample_py_end_to_end(tmp_path):
-    """A tiny checkpoint written by checkpoint.save_checkpoint; sample.py's stdout is the text alone (the first
-    sample, a separator, the second), equal to greedy generation in-process; statistics go to stderr."""
+    """A tiny checkpoint written by checkpoint.save_checkpoint and a FILE: prompt; sample.py's stdout is the text
+    alone (the first sample, a separator, the second), equal to greedy generation in-process; statistics go to
+    stderr."""
     from checkpoint import save_checkpoint
     from data import char_meta, get_tokenizer
 
@@ -204,10 +205,11 @@ def test_sample_py_end_to_end(tmp_path):
     start = "HELLO, "
     expected, _ = generate(model, [tok.encode(start)], "none", max_new_tokens=20)
     expected_text = start + tok.decode(expected[0])
+    (tmp_path / "prompt.txt").write_text(start)
     env = {**os.environ, "PYTHONPATH": REPO}
     run = subprocess.run([sys.executable, os.path.join(REPO, "sample.py"), f"--init_from={tmp_path}",
                           "--device=cpu", "--cache=paged", "--num_samples=2", "--max_new_tokens=20",
-                          "--temperature=0", f"--start={start}", "--page_size=8"],
+                          "--temperature=0", "--start=FILE:prompt.txt", "--page_size=8"],
                          capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
     assert run.returncode == 0, run.stderr
     assert run.stdout == f"{expected_text}\n---------------\n{expected_text}\n"

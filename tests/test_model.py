@@ -121,8 +121,8 @@ def test_torch_path_is_the_reference_math(s_q):
     the queries are fewer than the keys (a cached prefix), with D_qk != D_v."""
     q = torch.randn(2, 6, s_q, 24, device=DEVICE)
     k, v = torch.randn(2, 2, 9, 24, device=DEVICE), torch.randn(2, 2, 9, 20, device=DEVICE)
-    got = model_module.causal_attention(q, k, v, 0.3, "torch")
-    ref, _ = reference.attention_reference(q, k, v, scale=0.3, causal=True)
+    got = model_module.causal_attention(q, k, v, "torch")
+    ref, _ = reference.attention_reference(q, k, v, causal=True)  # scale 1/sqrt(D_qk)
     assert_scaled_close(got, ref, 1e-5, f"S_q={s_q}")
 
 
@@ -136,12 +136,12 @@ class ReferenceCache:
     torch.cat, and decode runs the kernels.reference math. It records each call, so the tests check the
     protocol as well as the numbers. (cache.py's real caches are tested in test_generation.py.)"""
 
-    def __init__(self, batch_size: int):
-        self.batch_size, self.length, self.store, self.calls = batch_size, 0, {}, []
+    def __init__(self, batch_size: int, device=DEVICE):
+        self.batch_size, self.device, self.length, self.store, self.calls = batch_size, device, 0, {}, []
 
     def reserve(self, T: int) -> torch.Tensor:
         self.calls.append(("reserve", T))
-        positions = torch.arange(self.length, self.length + T, device=DEVICE)
+        positions = torch.arange(self.length, self.length + T, device=self.device)
         self.length += T
         return positions.expand(self.batch_size, T)
 
@@ -159,7 +159,7 @@ class ReferenceCache:
     def attend(self, layer, q, k, v, scale):
         self.calls.append(("attend", layer, scale))
         k_all, v_all = self._grow(layer, k, v, 2)
-        seq_lens = torch.full((self.batch_size,), self.length, dtype=torch.int32, device=DEVICE)
+        seq_lens = torch.full((self.batch_size,), self.length, dtype=torch.int32, device=self.device)
         out, _ = reference.decode_reference(q[:, :, 0], k_all, v_all, seq_lens, scale=scale)
         return out.to(q.dtype)[:, :, None]
 
@@ -171,7 +171,7 @@ class ReferenceCache:
     def attend_latent(self, layer, q_absorbed, q_rope, c_kv, k_rope, scale):
         self.calls.append(("attend_latent", layer, scale))
         c_all, r_all = self._grow(layer, c_kv, k_rope, 1)
-        seq_lens = torch.full((self.batch_size,), self.length, dtype=torch.int32, device=DEVICE)
+        seq_lens = torch.full((self.batch_size,), self.length, dtype=torch.int32, device=self.device)
         out, _ = reference.mla_decode_reference(q_absorbed[:, :, 0], q_rope[:, :, 0], c_all, r_all, seq_lens,
                                                 scale=scale)
         return out.to(q_absorbed.dtype)[:, :, None]
@@ -209,10 +209,11 @@ def test_cached_forward_matches_full_forward(variant, pos, backend):
 
 
 def test_learned_positions_stop_at_block_size():
+    """Without a cache always; with one on the CPU only (reading GPU positions would sync every decode step)."""
     model = GPT(make_config("mha", attn_backend="torch"))
     with pytest.raises(ValueError, match="block_size=32"):
         model(torch.zeros(1, 33, dtype=torch.long))
-    cache = ReferenceCache(1)
+    cache = ReferenceCache(1, device="cpu")
     model(torch.zeros(1, 32, dtype=torch.long), cache=cache)
     with pytest.raises(ValueError, match="position 32 .*block_size=32"):
         model(torch.zeros(1, 1, dtype=torch.long), cache=cache)
@@ -400,3 +401,22 @@ def test_from_pretrained_errors(monkeypatch):
     monkeypatch.setitem(sys.modules, "transformers", None)  # what a missing package looks like to import
     with pytest.raises(ImportError, match="pip install transformers"):
         GPT.from_pretrained("gpt2")
+
+
+# ------------------------------------------------------------------------------------------------------------
+# torch.compile
+# ------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("variant", ["gqa-g2", "mla-qlora"])
+def test_traces_as_one_graph(variant):
+    """torch.compile(fullgraph=True) traces the whole Triton-path forward and backward without a graph break
+    (the "eager" backend: Dynamo's tracing is what is tested here, not Inductor's code generation)."""
+    model = GPT(make_config(variant, "rope", attn_backend="triton")).to(DEVICE)
+    compiled = torch.compile(copy.deepcopy(model), backend="eager", fullgraph=True)
+    idx = torch.randint(0, TINY["vocab_size"], (1, 20), device=DEVICE)
+    ref_logits, ref_loss = model(idx, idx)
+    logits, loss = compiled(idx, idx)
+    loss.backward()
+    assert_scaled_close(logits, ref_logits, 1e-6, "compiled logits")
+    assert compiled._orig_mod.lm_head.weight.grad is not None
