@@ -164,11 +164,10 @@ class GPTConfig:
 
 def causal_attention(q, k, v, backend: str) -> torch.Tensor:
     """The one attention switch. q (B, H_q, S_q, D_qk), k (B, H_kv, S_kv, D_qk), v (B, H_kv, S_kv, D_v) ->
-    (B, H_q, S_q, D_v), scores scaled by 1/sqrt(D_qk): every variant's scale (MLA's 1/sqrt(nope + rope) too), left
-    to the ops' default (a float scale such as 1/sqrt(24) broke torch.compile(fullgraph=True) in the kernel's
-    argument check). Causal with bottom-right
-    alignment: query i sits at position S_kv - S_q + i, so a cached prefix of S_kv - S_q tokens is visible to
-    every query. Query head h reads K/V head h // (H_q // H_kv)."""
+    (B, H_q, S_q, D_v). Scores are scaled by 1/sqrt(D_qk), every variant's scale (MLA's 1/sqrt(nope + rope) too),
+    left to the ops' default: a float scale such as 1/sqrt(24) broke torch.compile(fullgraph=True) in the
+    kernel's argument check. Causal with bottom-right alignment: query i sits at position S_kv - S_q + i, so a
+    cached prefix of S_kv - S_q tokens is visible to every query. Query head h reads K/V head h // (H_q // H_kv)."""
     if backend == "triton":
         return flash_gqa_attention(q, k, v, causal=True)
     # Plain PyTorch: the math of kernels.reference.attention_reference, differentiable, in the input dtype

@@ -198,10 +198,11 @@ def bench_mla(shapes, fixed_splits: bool) -> list[dict]:
     return rows
 
 
-def tune():
+def tune(sections: list[str]):
     """Launch-config sweeps on a few shapes: the data behind the defaults in kernels/decode.py and kernels/mla.py."""
     rows = []
-    for b, s, h_kv, d in [(64, 8192, 8, 128), (8, 32768, 8, 128), (64, 8192, 1, 128), (64, 8192, 8, 64)]:
+    grouped_shapes = [(64, 8192, 8, 128), (8, 32768, 8, 128), (64, 8192, 1, 128), (64, 8192, 8, 64)]
+    for b, s, h_kv, d in grouped_shapes if "grouped" in sections else []:
         q = torch.randn(b, 32, d, device="cuda", dtype=DTYPE)
         k, v = (torch.randn(b, h_kv, s, d, device="cuda", dtype=DTYPE) for _ in range(2))
         lens = torch.full((b,), s, device="cuda", dtype=torch.int32)
@@ -220,21 +221,28 @@ def tune():
                     rows.append(dict(op="grouped", shape=f"B{b}-S{s}-Hkv{h_kv}-D{d}", BLOCK_N=block_n, warps=warps,
                                      stages=stages, GBps=cache_bytes / t / 1e6))
                     print(rows[-1], flush=True)
-    for b, h, n in [(64, 16, 8192), (64, 128, 8192)]:
+    mla_shapes = [(64, h, 8192) for h in (16, 128) if "mla" in sections or f"mla{h}" in sections]
+    for b, h, n in mla_shapes:
         q_abs, q_rope = torch.randn(b, h, 512, device="cuda", dtype=DTYPE), torch.randn(b, h, 64, device="cuda",
                                                                                        dtype=DTYPE)
-        c_kv, k_rope = torch.randn(b, n, 512, device="cuda", dtype=DTYPE), torch.randn(b, n, 64, device="cuda",
-                                                                                      dtype=DTYPE)
+        c_kv = (0.3 * torch.randn(b, n, 512, device="cuda")).to(DTYPE)
+        k_rope = torch.randn(b, n, 64, device="cuda", dtype=DTYPE)
         lens = torch.full((b,), n, device="cuda", dtype=torch.int32)
         flops = 2 * b * h * n * 576 + 2 * b * h * n * 512
+        picks = sample_rows(b)
+        ref = ref_mla_rows(q_abs, q_rope, c_kv, k_rope, lens, 0.07, picks)
         grid = ([(16, bn, w, st) for bn in (16, 32, 64) for w in (4, 8) for st in (1, 2, 3)] if h <= 16 else
-                [(bh, bn, w, st) for bh in (32, 64) for bn in (16, 32) for w in (4, 8) for st in (1, 2)])
+                [(64, 16, 8, 2), (64, 32, 8, 3), (64, 64, 8, 1), (64, 64, 8, 2), (64, 32, 4, 2), (32, 64, 4, 2),
+                 (32, 32, 4, 3)])
         for block_h, block_n, warps, stages in grid:
             cfg = dict(BLOCK_H=block_h, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+
+            def run():
+                return mla_mod._launch_mla(q_abs, q_rope, c_kv, k_rope, None, lens, 0.07, None, paged=False,
+                                           page_size=1, capacity=n, config=cfg)
             try:
-                t = graph_ms(lambda: mla_mod._launch_mla(q_abs, q_rope, c_kv, k_rope, None, lens, 0.07,
-                                                         None, paged=False, page_size=1, capacity=n,
-                                                         config=cfg))
+                check(f"mla {cfg}", run()[0][picks], ref)
+                t = graph_ms(run)
             except Exception as e:
                 print("skip mla", cfg, type(e).__name__, flush=True)
                 continue
@@ -249,7 +257,8 @@ def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a small grid (under 2 minutes)")
     parser.add_argument("--tune", action="store_true", help="launch-config sweeps instead of the grid")
-    parser.add_argument("--sections", default="grouped,paged,mla", help="which tables to run (comma-separated)")
+    parser.add_argument("--sections", default="grouped,paged,mla",
+                        help="tables to run (or with --tune, sweeps: grouped, mla, mla16, mla128), comma-separated")
     args = parser.parse_args()
     torch.manual_seed(0)
     print(header())
@@ -257,7 +266,7 @@ def main():
     print(f"ceilings: copy {ceil['copy_TBps']:.2f} TB/s (read+write), bf16 matmul {ceil['matmul_bf16_TFLOPs']:.0f} "
           f"TFLOP/s", flush=True)
     if args.tune:
-        rows = tune()
+        rows = tune(args.sections.split(","))
         print_table([r for r in rows if r["op"] == "grouped"], ["shape", "BLOCK_N", "warps", "stages", "GBps"])
         print_table([r for r in rows if r["op"] != "grouped"],
                     ["op", "shape", "BLOCK_H", "BLOCK_N", "warps", "stages", "TBps", "TFLOPs"])

@@ -91,39 +91,62 @@ def time_fwd_bwd(fn, q, k, v, do):
     return fwd_ms, bwd_ms, out.detach(), grads
 
 
-def run_shape(shape, dtype, with_flex=True):
+def run_ours(q, k, v, do, causal, tma: str):
+    """Time our kernels with ZOO_FLASH_TMA set to `tma` ("auto": descriptors on Hopper; "0": plain pointers)."""
+    saved = os.environ.get("ZOO_FLASH_TMA")
+    os.environ["ZOO_FLASH_TMA"] = tma
+    try:
+        return time_fwd_bwd(lambda q, k, v: flash_gqa_attention(q, k, v, causal=causal), q, k, v, do)
+    finally:
+        if saved is None:
+            os.environ.pop("ZOO_FLASH_TMA")
+        else:
+            os.environ["ZOO_FLASH_TMA"] = saved
+
+
+def check(name, ours, ref):
+    """Ours against SDPA, forward and every gradient (bf16 rounding of P and dS: ~1e-2 relative); returns the
+    largest relative error."""
+    errs = [rel_err(ours[2], ref[2])] + [rel_err(g, r) for g, r in zip(ours[3], ref[3])]
+    if max(errs) > 2e-2:
+        raise AssertionError(f"{name}: ours vs SDPA relative errors (out, dq, dk, dv) = {errs}")
+    return max(errs)
+
+
+def run_shape(shape, dtype, with_flex=True, with_pointers=False):
     b, h_q, h_kv, s, d_qk, d_v, causal = shape
     q = torch.randn(b, h_q, s, d_qk, device="cuda", dtype=dtype)
     k = torch.randn(b, h_kv, s, d_qk, device="cuda", dtype=dtype)
     v = torch.randn(b, h_kv, s, d_v, device="cuda", dtype=dtype)
     do = torch.randn(b, h_q, s, d_v, device="cuda", dtype=dtype)
     name = f"B{b}-Hq{h_q}-Hkv{h_kv}-S{s}-D{d_qk}" + (f"x{d_v}" if d_v != d_qk else "") + ("-causal" if causal else "")
-    ours = time_fwd_bwd(lambda q, k, v: flash_gqa_attention(q, k, v, causal=causal), q, k, v, do)
     ref = time_fwd_bwd(lambda q, k, v: sdpa(q, k, v, causal), q, k, v, do)
-    # Check before reporting: ours against SDPA, forward and every gradient (bf16 rounding of P and dS: ~1e-2).
-    errs = [rel_err(ours[2], ref[2])] + [rel_err(g, r) for g, r in zip(ours[3], ref[3])]
-    if max(errs) > 2e-2:
-        raise AssertionError(f"{name}: ours vs SDPA relative errors (out, dq, dk, dv) = {errs}")
-    try:
-        if not with_flex:
-            raise RuntimeError("skipped (--no-flex)")
-        mask = causal_block_mask(s, causal)
-        fx = time_fwd_bwd(lambda q, k, v: flex(q, k, v, causal, mask), q, k, v, do)
-        flex_fwd, flex_bwd = fx[0], fx[1]
-    except Exception as e:  # noqa: BLE001 - a peer that cannot run this shape is reported, not fatal
-        print(f"{name}: FlexAttention failed: {type(e).__name__}: {str(e)[:200]}")
-        flex_fwd = flex_bwd = None
+    ours = run_ours(q, k, v, do, causal, "auto")
+    err = check(name, ours, ref)
+    ptr = None
+    if with_pointers:
+        ptr = run_ours(q, k, v, do, causal, "0")
+        err = max(err, check(name + " (pointers)", ptr, ref))
+    flex_fwd = flex_bwd = None
+    if with_flex:
+        try:
+            mask = causal_block_mask(s, causal)
+            flex_fwd, flex_bwd = time_fwd_bwd(lambda q, k, v: flex(q, k, v, causal, mask), q, k, v, do)[:2]
+        except Exception as e:  # noqa: BLE001 - a peer that cannot run this shape is reported, not fatal
+            print(f"{name}: FlexAttention failed: {type(e).__name__}: {str(e)[:200]}")
     f = flops(shape)
     tf = lambda ms, mult=1.0: None if ms is None else mult * f / ms / 1e9  # noqa: E731
-    row = dict(shape=name, err=max(errs),
+    row = dict(shape=name, err=err,
                fwd=tf(ours[0]), fwd_sdpa=tf(ref[0]), fwd_flex=tf(flex_fwd),
                bwd=tf(ours[1], 2.5), bwd_sdpa=tf(ref[1], 2.5), bwd_flex=tf(flex_bwd, 2.5))
     row["fwd/sdpa"] = ref[0] / ours[0]
     row["bwd/sdpa"] = ref[1] / ours[1]
     row["fwd/flex"] = None if flex_fwd is None else flex_fwd / ours[0]
     row["bwd/flex"] = None if flex_bwd is None else flex_bwd / ours[1]
+    if ptr is not None:
+        row["fwd_ptr"], row["bwd_ptr"] = tf(ptr[0]), tf(ptr[1], 2.5)
     print(row, flush=True)
-    del q, k, v, do, ours, ref
+    del q, k, v, do, ours, ref, ptr
     torch.cuda.empty_cache()
     return row
 
@@ -133,18 +156,25 @@ def main():
     parser.add_argument("--quick", action="store_true", help="four shapes instead of the full grid")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (saves its compile time)")
+    parser.add_argument("--pointers", action="store_true",
+                        help="also time our kernels with plain pointer loads instead of TMA descriptors "
+                             "(ZOO_FLASH_TMA=0): the TMA lever's gain")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     print(header())
     c = ceilings()
     print(f"ceilings: copy {c['copy_TBps']:.2f} TB/s, bf16 matmul {c['matmul_bf16_TFLOPs']:.0f} TFLOP/s")
-    rows = [run_shape(shape, dtype, not args.no_flex) for shape in (QUICK if args.quick else full_grid())]
+    shapes = QUICK if args.quick else full_grid()
+    rows = [run_shape(shape, dtype, not args.no_flex, args.pointers) for shape in shapes]
     print("configs picked (BLOCK_M, BLOCK_N, warps, stages):")
     for key, cfg in flash._TUNED.items():
-        print(f"  {key[0]:5s} D{key[1]}/{key[2]} causal={key[3]} {key[5]}: {cfg}")
+        print(f"  {key[0]:5s} D{key[1]}/{key[2]} causal={key[3]} {key[5]} tma={key[6]}: {cfg}")
     print(f"\n{args.dtype}, TFLOP/s (forward; backward alone = 2.5x forward FLOPs); ratio > 1: ours faster")
-    print_table(rows, ["shape", "fwd", "fwd_sdpa", "fwd_flex", "fwd/sdpa", "fwd/flex",
-                       "bwd", "bwd_sdpa", "bwd_flex", "bwd/sdpa", "bwd/flex", "err"])
+    columns = ["shape", "fwd", "fwd_sdpa", "fwd_flex", "fwd/sdpa", "fwd/flex",
+               "bwd", "bwd_sdpa", "bwd_flex", "bwd/sdpa", "bwd/flex", "err"]
+    if args.pointers:
+        columns[1:1] = ["fwd_ptr", "bwd_ptr"]
+    print_table(rows, columns)
 
 
 if __name__ == "__main__":

@@ -218,16 +218,17 @@ def auto_num_splits(programs: int, n_tiles: int, tile_bytes: int, partial_bytes:
 
     programs: (sequence, head tile) pairs; n_tiles: KV tiles per pair at full capacity; tile_bytes: bytes one
     tile reads; partial_bytes: bytes one split adds to the partial outputs (written, then read by the combine).
-    One program per SM streams at its share of the bandwidth; the launch lasts programs * splits / SMs program
-    lengths plus half a program for the tail (programs finish unevenly, so short programs balance better), each
-    program adds a fixed latency, and splitting adds the combine launch and its traffic. Only shapes enter, never
-    sequence lengths, so no device sync is needed. Fitted to H200 sweeps (benchmarks/bench_decode.py).
+    One program per SM streams at its share of the bandwidth, and no faster than one tile per tile_latency (a
+    lone program is latency-bound); the launch lasts programs * splits / SMs program lengths plus half a program
+    for the tail (programs finish unevenly, so short programs balance better), each program adds a fixed latency,
+    and splitting adds the combine launch and its traffic. Only shapes enter, never sequence lengths, so no device
+    sync is needed. The constants are fitted to an H200 sweep of the bench grid (benchmarks/bench_decode.py).
     """
     bandwidth = 4.0e12
-    program_latency, combine_latency = 2e-6, 4e-6  # start a program, load q, write out; the second launch
+    tile_latency, program_latency, combine_latency = 0.5e-6, 2e-6, 3e-6
     best, best_time = 1, math.inf
     for splits in range(1, min(MAX_SPLITS, n_tiles) + 1):
-        program = math.ceil(n_tiles / splits) * tile_bytes * sms / bandwidth + program_latency
+        program = math.ceil(n_tiles / splits) * (tile_bytes * sms / bandwidth + tile_latency) + program_latency
         time = (programs * splits / sms + 0.5) * program
         if splits > 1:
             time += combine_latency + 2 * partial_bytes * splits / bandwidth

@@ -20,9 +20,14 @@ Structure (FlashAttention-2, Dao 2023; Triton's fused-attention tutorial):
   block, streaming K/V like the forward.
 - block sizes, warps and pipeline stages come from a handful of configs per head dim, timed once per
   (kernel, head dims, causal, dtype, sequence-length bucket) on the GPU and cached for the process.
+- the tiles a loop streams (K/V in the forward and dQ, Q/dO in dK/dV) come through TMA tensor descriptors on
+  Hopper when the layout allows (unit last-dim stride, 16-byte aligned strides), else through plain pointers
+  with masks; the choice is made at launch (ZOO_FLASH_TMA=auto/0/1) and both paths compute the same math.
+  Measured on an H200 (bf16, B4 H_q32 H_kv8 S4096): descriptors moved D=128 by +2-3% (within run-to-run noise)
+  and D=64's forward by -9%; `benchmarks/bench_flash.py --pointers` times both.
 
-The same kernels run on CPU tensors under TRITON_INTERPRET=1 (loop bounds depend only on program ids and
-integer arguments, which the interpreter allows).
+The same kernels run on CPU tensors under TRITON_INTERPRET=1: loop bounds are computed from program ids and
+integer arguments, and `_bound` hands them to the interpreter as the Python ints its `range` needs.
 """
 
 import contextlib
@@ -36,7 +41,6 @@ import triton.language as tl
 from kernels import _checks
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 
 

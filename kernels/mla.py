@@ -122,15 +122,15 @@ def _mla_decode_kernel(
 
 
 def _mla_config(h: int, d_c: int) -> dict:
-    """Heads per program and tile sizes. The (BLOCK_H, 512) fp32 accumulator lives in registers. H200 sweep at
-    512 + 64 (bench_decode.py --tune): 16 heads, 32-row tiles, four warps, three stages read 3.8 TB/s (two stages
-    3.3, 64-row tiles 3.8, eight warps 2.9); 64 heads per program with eight warps is the best measured for
-    128 heads (compute-bound, ~190 TFLOP/s)."""
+    """Heads per program and tile sizes; the (BLOCK_H, D_c) fp32 accumulator lives in registers. H200 sweeps at
+    512 + 64, B64 N8192 (bench_decode.py --tune): 16 heads (memory-bound): 32-row tiles, four warps, three stages
+    read 3.8 TB/s (two stages 3.3, eight warps 2.9). 128 heads (compute-bound): 64 heads x 64 rows, eight warps,
+    two stages 265 TFLOP/s; 32 heads x 64 rows, four warps 245; 64 x 32 rows 180-220; 64 x 16 rows 108."""
     block_h = max(16, min(64, triton.next_power_of_2(h)))
     if d_c > 256:
         if block_h == 16:
             return dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=3)
-        return dict(BLOCK_H=block_h, BLOCK_N=32, num_warps=8 if block_h == 64 else 4, num_stages=2)
+        return dict(BLOCK_H=block_h, BLOCK_N=64, num_warps=8 if block_h == 64 else 4, num_stages=2)
     return dict(BLOCK_H=block_h, BLOCK_N=64, num_warps=4, num_stages=3)
 
 

@@ -92,7 +92,7 @@ def test_triton_path_matches_torch_path(variant, pos, dtype, monkeypatch):
     torch_model = GPT(make_config(variant, pos, attn_backend="torch")).to(DEVICE)
     triton_model = copy.deepcopy(torch_model)
     triton_model.config.attn_backend = "triton"
-    B, T = 2, 31
+    B, T = (2, 31) if pos == "learned" else (1, 31)  # batch strides once per variant: B=1 halves the interpreter's work
     idx = torch.randint(0, TINY["vocab_size"], (B, T), device=DEVICE)
     targets = torch.randint(0, TINY["vocab_size"], (B, T), device=DEVICE)
 
