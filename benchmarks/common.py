@@ -22,16 +22,19 @@ def bench_ms(fn, warmup_ms: int = 25, rep_ms: int = 100) -> float:
 
 def ceilings() -> dict[str, float]:
     """Device-to-device copy bandwidth (bytes read + written per second) and the bf16 matmul rate."""
-    x = torch.empty(2 * 1024**3 // 2, device="cuda", dtype=torch.bfloat16).normal_()
+    return {"copy_TBps": _copy_tbps(), "matmul_bf16_TFLOPs": _matmul_tflops()}
+
+
+def _copy_tbps(n_bytes: int = 2 * 1024**3) -> float:
+    x = torch.empty(n_bytes // 2, device="cuda", dtype=torch.bfloat16).normal_()  # random data, never zeros
     y = torch.empty_like(x)
-    ms = bench_ms(lambda: y.copy_(x))
-    copy_tbps = 2 * x.numel() * x.element_size() / ms / 1e9
-    del x, y
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    ms = bench_ms(lambda: a @ b)
-    mm_tflops = 2 * 8192**3 / ms / 1e9
-    return {"copy_TBps": copy_tbps, "matmul_bf16_TFLOPs": mm_tflops}
+    return 2 * n_bytes / bench_ms(lambda: y.copy_(x)) / 1e9
+
+
+def _matmul_tflops(n: int = 8192) -> float:
+    a = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(n, n, device="cuda", dtype=torch.bfloat16)
+    return 2 * n**3 / bench_ms(lambda: a @ b) / 1e9
 
 
 def print_table(rows: list[dict], columns: list[str]):

@@ -120,6 +120,27 @@ def _attend_tile(K, V, K_ROPE, BLOCK_TABLE, q, q_rope, m_i, l_i, acc, b, kv_head
                  scale_log2, D_QK: tl.constexpr, D_ROPE: tl.constexpr, D_V: tl.constexpr, BLOCK_N: tl.constexpr,
                  PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One online-softmax step over the BLOCK_N tokens from tile_start (those at or past `end` masked off)."""
+    offs_n, mask_n, page, slot = _tile_rows(BLOCK_TABLE, b, tile_start, end, stride_tb, stride_tp, BLOCK_N, PAGED,
+                                            PAGE_SIZE)
+    k = tl.load(K + page * stride_kp + kv_head * stride_kh + slot[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+                mask=mask_n[:, None] & (offs_d[None, :] < D_QK), other=0.0,
+                eviction_policy="evict_first")  # (BLOCK_N, BLOCK_DQK); each tile is read by one program only
+    v = tl.load(V + page * stride_vp + kv_head * stride_vh + slot[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+                mask=mask_n[:, None] & (offs_dv[None, :] < D_V), other=0.0, eviction_policy="evict_first")
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_H, BLOCK_N)
+    if D_ROPE > 0:
+        k_rope = tl.load(K_ROPE + page * stride_krp + kv_head * stride_krh + slot[:, None] * stride_krn
+                         + offs_dr[None, :] * stride_krd,
+                         mask=mask_n[:, None] & (offs_dr[None, :] < D_ROPE), other=0.0, eviction_policy="evict_first")
+        s += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
+    return _online_softmax_step(s, mask_n, v, m_i, l_i, acc, scale_log2, DOT_PRECISION)
+
+
+@triton.jit
+def _tile_rows(BLOCK_TABLE, b, tile_start, end, stride_tb, stride_tp, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
+               PAGE_SIZE: tl.constexpr):
+    """Where the BLOCK_N tokens from tile_start live: (offs_n, mask_n, page, slot), the cache row of token n
+    being (page, slot) — (b, n) in a contiguous cache, (block_table[b, n // PAGE_SIZE], n % PAGE_SIZE) paged."""
     offs_n = tile_start + tl.arange(0, BLOCK_N)
     mask_n = offs_n < end
     if PAGED:
@@ -133,17 +154,13 @@ def _attend_tile(K, V, K_ROPE, BLOCK_TABLE, q, q_rope, m_i, l_i, acc, b, kv_head
     else:
         page = b.to(tl.int64)
         slot = offs_n
-    k = tl.load(K + page * stride_kp + kv_head * stride_kh + slot[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                mask=mask_n[:, None] & (offs_d[None, :] < D_QK), other=0.0,
-                eviction_policy="evict_first")  # (BLOCK_N, BLOCK_DQK); each tile is read by one program only
-    v = tl.load(V + page * stride_vp + kv_head * stride_vh + slot[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
-                mask=mask_n[:, None] & (offs_dv[None, :] < D_V), other=0.0, eviction_policy="evict_first")
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_H, BLOCK_N)
-    if D_ROPE > 0:
-        k_rope = tl.load(K_ROPE + page * stride_krp + kv_head * stride_krh + slot[:, None] * stride_krn
-                         + offs_dr[None, :] * stride_krd,
-                         mask=mask_n[:, None] & (offs_dr[None, :] < D_ROPE), other=0.0, eviction_policy="evict_first")
-        s += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
+    return offs_n, mask_n, page, slot
+
+
+@triton.jit
+def _online_softmax_step(s, mask_n, v, m_i, l_i, acc, scale_log2, DOT_PRECISION: tl.constexpr):
+    """Fold one tile of raw scores s (BLOCK_H, BLOCK_N) and values v (BLOCK_N, D_v) into the running max m_i,
+    normalizer l_i (both in the log2 domain) and unnormalized output acc."""
     s = tl.where(mask_n[None, :], s * scale_log2, -float("inf"))  # exp2 with log2(e) folded into the scale
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_use = tl.where(m_new == -float("inf"), 0.0, m_new)  # a fully masked tile: exp2(-inf) = 0, not NaN

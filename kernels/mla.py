@@ -26,7 +26,17 @@ import triton.language as tl
 
 from kernels import _checks
 from kernels import decode as _decode
-from kernels.decode import LOG2E, MAX_SPLITS, _dot_precision, _pow2, _store_split, auto_num_splits, combine_splits
+from kernels.decode import (
+    LOG2E,
+    MAX_SPLITS,
+    _dot_precision,
+    _online_softmax_step,
+    _pow2,
+    _store_split,
+    _tile_rows,
+    auto_num_splits,
+    combine_splits,
+)
 from kernels.decode import num_sms as _num_sms
 
 
@@ -36,33 +46,15 @@ def _mla_tile(CKV, KR, BLOCK_TABLE, q, q_rope, m_i, l_i, acc, b, tile_start, end
               D_C: tl.constexpr, D_R: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
               PAGE_SIZE: tl.constexpr, EVICT: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """One online-softmax step over BLOCK_N latent rows: the c_kv tile serves as K and as V."""
-    offs_n = tile_start + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < end
-    if PAGED:
-        if PAGE_SIZE >= BLOCK_N:  # the tile lies inside one page: one table entry
-            page = tl.load(BLOCK_TABLE + b * stride_tb + (tile_start // PAGE_SIZE) * stride_tp,
-                           mask=tile_start < end, other=0).to(tl.int64)
-        else:
-            page = tl.load(BLOCK_TABLE + b * stride_tb + (offs_n // PAGE_SIZE) * stride_tp,
-                           mask=mask_n, other=0).to(tl.int64)[:, None]
-        slot = offs_n % PAGE_SIZE
-    else:
-        page = b.to(tl.int64)
-        slot = offs_n
+    offs_n, mask_n, page, slot = _tile_rows(BLOCK_TABLE, b, tile_start, end, stride_tb, stride_tp, BLOCK_N, PAGED,
+                                            PAGE_SIZE)
     kv = tl.load(CKV + page * stride_cp + slot[:, None] * stride_cn + offs_c[None, :] * stride_cd,
                  mask=mask_n[:, None] & (offs_c[None, :] < D_C), other=0.0, eviction_policy=EVICT)  # (BLOCK_N, D_c)
     kr = tl.load(KR + page * stride_rp + slot[:, None] * stride_rn + offs_r[None, :] * stride_rd,
                  mask=mask_n[:, None] & (offs_r[None, :] < D_R), other=0.0, eviction_policy=EVICT)
     s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)
     s += tl.dot(q_rope, tl.trans(kr), input_precision=DOT_PRECISION)
-    s = tl.where(mask_n[None, :], s * scale_log2, -float("inf"))  # exp2 with log2(e) folded into the scale
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_use = tl.where(m_new == -float("inf"), 0.0, m_new)  # a fully masked tile: exp2(-inf) = 0, not NaN
-    alpha = tl.math.exp2(m_i - m_use)
-    p = tl.math.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
+    return _online_softmax_step(s, mask_n, kv, m_i, l_i, acc, scale_log2, DOT_PRECISION)
 
 
 @triton.jit

@@ -47,3 +47,27 @@ def assert_close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype, name:
 @pytest.fixture(autouse=True)
 def _seed():
     torch.manual_seed(0)
+
+
+# ---------------------------------------------------------------------------------------- decode-kernel tests
+
+
+@pytest.fixture
+def poison_decode_outputs(monkeypatch):
+    """Outputs and split partials of the decode kernels start as NaN: an element a kernel forgets to write fails
+    the NaN check of assert_close."""
+    from kernels import decode
+
+    def poisoned(shape, device, dtype):
+        return torch.full(shape, float("nan"), device=device, dtype=dtype)
+
+    monkeypatch.setattr(decode, "new_empty", poisoned)
+
+
+def ragged_lens(batch: int, s_max: int) -> torch.Tensor:
+    """Sequence lengths in [1, s_max] on DEVICE (int32) that always include s_max and 1 (when batch allows)."""
+    lens = torch.randint(1, s_max + 1, (batch,))
+    lens[0] = s_max
+    if batch > 1:
+        lens[1] = 1
+    return lens.to(torch.int32).to(DEVICE)

@@ -7,7 +7,7 @@ import math
 
 import pytest
 import torch
-from conftest import DEVICE, KERNEL_DTYPES, assert_close
+from conftest import DEVICE, KERNEL_DTYPES, assert_close, ragged_lens
 
 from kernels import decode, paged_grouped_decode
 from kernels.decode import auto_num_splits, grouped_decode
@@ -17,21 +17,8 @@ DTYPE_IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16
 
 
 @pytest.fixture(autouse=True)
-def _poison_outputs(monkeypatch):
-    """Outputs and partials start as NaN: an element the kernels forget to write fails the NaN check."""
-    def poisoned(shape, device, dtype):
-        return torch.full(shape, float("nan"), device=device, dtype=dtype)
-
-    monkeypatch.setattr(decode, "new_empty", poisoned)
-
-
-def _ragged_lens(batch: int, s_max: int) -> torch.Tensor:
-    """Lengths in [1, s_max] that always include 1 and s_max (when batch allows)."""
-    lens = torch.randint(1, s_max + 1, (batch,))
-    lens[0] = s_max
-    if batch > 1:
-        lens[1] = 1
-    return lens.to(torch.int32).to(DEVICE)
+def _poison(poison_decode_outputs):
+    """Every output and partial of the decode kernels starts as NaN (conftest.poison_decode_outputs)."""
 
 
 def _check(out, lse, ref_out, ref_lse, dtype, name):
@@ -62,7 +49,7 @@ def test_grouped_decode_matches_reference(dtype, case, auto):
     q = torch.randn(b, hq, d, device=DEVICE, dtype=dtype)
     k = torch.randn(b, hkv, s, d, device=DEVICE, dtype=dtype)
     v = torch.randn(b, hkv, s, dv, device=DEVICE, dtype=dtype)
-    seq_lens = _ragged_lens(b, s)
+    seq_lens = ragged_lens(b, s)
     scale = 1 / math.sqrt(d)
     out, lse = grouped_decode(q, k, v, seq_lens, scale=scale, num_splits=None if auto else splits)
     ref_out, ref_lse = decode_reference(q, k, v, seq_lens, scale=scale)
@@ -76,7 +63,7 @@ def test_grouped_decode_rope_term(dtype):
                torch.randn(b, hkv, s, 48, device=DEVICE, dtype=dtype))
     q_rope = torch.randn(b, hq, dr, device=DEVICE, dtype=dtype)
     k_rope = torch.randn(b, hkv, s, dr, device=DEVICE, dtype=dtype)
-    seq_lens = _ragged_lens(b, s)
+    seq_lens = ragged_lens(b, s)
     out, lse = grouped_decode(q, k, v, seq_lens, scale=0.15, num_splits=2, q_rope=q_rope, k_rope=k_rope)
     ref_out, ref_lse = decode_reference(q, k, v, seq_lens, scale=0.15, q_rope=q_rope, k_rope=k_rope)
     _check(out, lse, ref_out, ref_lse, dtype, "grouped_decode+rope")
@@ -90,7 +77,7 @@ def test_grouped_decode_non_contiguous(dtype):
     k = torch.randn(b, s, hkv, d, device=DEVICE, dtype=dtype).transpose(1, 2)
     v = torch.randn(b, s, hkv, 2 * d, device=DEVICE, dtype=dtype).transpose(1, 2)[..., ::2]
     assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
-    seq_lens = _ragged_lens(b, s)
+    seq_lens = ragged_lens(b, s)
     out, lse = grouped_decode(q, k, v, seq_lens, scale=0.125, num_splits=3)
     ref_out, ref_lse = decode_reference(q, k, v, seq_lens, scale=0.125)
     _check(out, lse, ref_out, ref_lse, dtype, "grouped_decode non-contiguous")
@@ -126,7 +113,7 @@ def test_paged_decode_matches_reference(dtype, case, num_splits):
     k = torch.randn(b, hkv, s, d, device=DEVICE, dtype=dtype)
     v = torch.randn(b, hkv, s, d, device=DEVICE, dtype=dtype)
     k_pages, v_pages, table = _paged(k, v, page_size)
-    seq_lens = _ragged_lens(b, s)
+    seq_lens = ragged_lens(b, s)
     out, lse = paged_grouped_decode(q, k_pages, v_pages, table, seq_lens, scale=0.1, num_splits=num_splits)
     ref_out, ref_lse = decode_reference(q, k, v, seq_lens, scale=0.1)
     _check(out, lse, ref_out, ref_lse, dtype, "paged_grouped_decode")
@@ -149,7 +136,7 @@ def test_paged_decode_rope_and_non_contiguous_pool(dtype):
     both = torch.stack([k_pages, v_pages], dim=2)  # (pages, page_size, 2, H_kv, D): K and V interleaved
     k_view, v_view = both[:, :, 0], both[:, :, 1]
     assert not k_view.is_contiguous()
-    seq_lens = _ragged_lens(b, s)
+    seq_lens = ragged_lens(b, s)
     out, lse = paged_grouped_decode(q, k_view, v_view, table, seq_lens, scale=0.2, num_splits=None,
                                     q_rope=q_rope, k_rope_pages=kr_pages)
     ref_out, ref_lse = decode_reference(q, k, v, seq_lens, scale=0.2, q_rope=q_rope, k_rope=k_rope)

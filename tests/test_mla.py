@@ -6,9 +6,9 @@ torch.compile."""
 
 import pytest
 import torch
-from conftest import DEVICE, KERNEL_DTYPES, TOLERANCES, assert_close
+from conftest import DEVICE, KERNEL_DTYPES, TOLERANCES, assert_close, ragged_lens
 
-from kernels import decode, mla_decode, paged_mla_decode
+from kernels import mla_decode, paged_mla_decode
 from kernels.reference import (
     absorb_query,
     mla_decode_reference,
@@ -21,20 +21,8 @@ DTYPE_IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16
 
 
 @pytest.fixture(autouse=True)
-def _poison_outputs(monkeypatch):
-    """Outputs and partials start as NaN: an element the kernels forget to write fails the NaN check."""
-    def poisoned(shape, device, dtype):
-        return torch.full(shape, float("nan"), device=device, dtype=dtype)
-
-    monkeypatch.setattr(decode, "new_empty", poisoned)
-
-
-def _lens(batch: int, s_max: int) -> torch.Tensor:
-    lens = torch.randint(1, s_max + 1, (batch,))
-    lens[0] = s_max
-    if batch > 1:
-        lens[1] = 1
-    return lens.to(torch.int32).to(DEVICE)
+def _poison(poison_decode_outputs):
+    """Every output and partial of the decode kernels starts as NaN (conftest.poison_decode_outputs)."""
 
 
 def _inputs(b, h, s, d_c, d_r, dtype):
@@ -62,7 +50,7 @@ CASES = [(2, 16, 33, 512, 64, 3), (1, 128, 20, 512, 64, 1), (3, 5, 70, 80, 16, 7
 def test_mla_decode_matches_reference(dtype, case, auto):
     b, h, s, d_c, d_r, splits = case
     q_abs, q_rope, c_kv, k_rope, scale = _inputs(b, h, s, d_c, d_r, dtype)
-    seq_lens = _lens(b, s)
+    seq_lens = ragged_lens(b, s)
     out, lse = mla_decode(q_abs, q_rope, c_kv, k_rope, seq_lens, scale=scale, num_splits=None if auto else splits)
     ref_out, ref_lse = mla_decode_reference(q_abs, q_rope, c_kv, k_rope, seq_lens, scale=scale)
     _check(out, lse, ref_out, ref_lse, dtype, "mla_decode")
@@ -114,7 +102,7 @@ def test_paged_mla_decode_matches_reference(dtype, page_size):
     b, h, s, d_c, d_r = 3, 16, 70 if page_size < 256 else 260, 512, 64
     q_abs, q_rope, c_kv, k_rope, scale = _inputs(b, h, s, d_c, d_r, dtype)
     c_pages, r_pages, table = _paged_latent(c_kv, k_rope, page_size)
-    seq_lens = _lens(b, s)
+    seq_lens = ragged_lens(b, s)
     out, lse = paged_mla_decode(q_abs, q_rope, c_pages, r_pages, table, seq_lens, scale=scale,
                                 num_splits=None if page_size in (16, 256) else 3)
     ref_out, ref_lse = mla_decode_reference(q_abs, q_rope, c_kv, k_rope, seq_lens, scale=scale)
@@ -132,7 +120,7 @@ def test_mla_decode_non_contiguous(dtype):
     cache = (0.5 * torch.randn(b, s, d_c + d_r, device=DEVICE)).to(dtype)
     q_abs, q_rope, c_kv, k_rope = q[..., :d_c], q[..., d_c:], cache[..., :d_c], cache[..., d_c:]
     assert not (q_abs.is_contiguous() or c_kv.is_contiguous())
-    seq_lens = _lens(b, s)
+    seq_lens = ragged_lens(b, s)
     out, lse = mla_decode(q_abs, q_rope, c_kv, k_rope, seq_lens, scale=0.08, num_splits=2)
     ref_out, ref_lse = mla_decode_reference(q_abs, q_rope, c_kv, k_rope, seq_lens, scale=0.08)
     _check(out, lse, ref_out, ref_lse, dtype, "mla_decode non-contiguous")
