@@ -44,7 +44,7 @@ DEFAULTS = dict(
     cache="auto",  # auto | grouped | paged | mla | paged_mla | none
     start="\n",  # the prompt, or FILE:path to read it from a file
     num_samples=1,
-    max_new_tokens=200,
+    max_new_tokens=100,  # prompt + max_new_tokens - 1 must fit in block_size (see --allow_past_block_size)
     temperature=0.8,  # 0 = greedy
     top_k=200,  # 0 = off
     top_p=1.0,  # 1.0 = off
@@ -415,6 +415,7 @@ def main(argv: list[str]) -> dict:
     tokenizer = get_tokenizer(meta)
     start_ids = tokenizer.encode(read_start(cfg["start"]))
     prompts = [start_ids] * cfg["num_samples"]
+    check_length(model.config, [len(start_ids)], cfg["max_new_tokens"], cfg["allow_past_block_size"])
     generator = torch.Generator(device=cfg["device"]).manual_seed(cfg["seed"])
     stream = _Streamer(tokenizer)
     sys.stdout.write(tokenizer.decode(start_ids))
@@ -484,4 +485,7 @@ def log_wandb(summary: dict, train_cfg: dict, cfg: dict):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1:])
+    try:
+        main(sys.argv[1:])
+    except (ValueError, CacheFullError) as e:  # bad options, lengths, checkpoints or pool sizes: a message
+        raise SystemExit(f"error: {e}") from None

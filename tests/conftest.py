@@ -7,6 +7,9 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+    # The tests' tensors are tiny and the interpreter is single-threaded numpy: intra-op threads only add
+    # synchronization, and on a busy 2-core machine spinning OpenMP workers made a tiny generate() ~50x slower.
+    torch.set_num_threads(1)
 
 import pytest  # noqa: E402
 
