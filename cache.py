@@ -96,6 +96,12 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def check_page_size(page_size) -> None:
+    """The paged decode kernels take pages of a power of two from 8 to 256 tokens."""
+    if not isinstance(page_size, int) or not 8 <= page_size <= 256 or page_size & (page_size - 1):
+        raise ValueError(f"page_size: got {page_size!r}; valid: a power of two from 8 to 256 (the paged kernels')")
+
+
 class _Step:
     """Where the tokens of the last `reserve` go: rows (n,), positions (n, T), and for a paged cache the
     page ids and in-page offsets of every new token (n, T). All on the device."""
@@ -181,8 +187,7 @@ class PagedRows:
     paged = True
 
     def __init__(self, batch_size: int, max_len: int, device, dtype, page_size: int, num_pages: int | None):
-        if not isinstance(page_size, int) or not 8 <= page_size <= 256 or page_size & (page_size - 1):
-            raise ValueError(f"page_size: got {page_size!r}; valid: a power of two from 8 to 256 (the paged kernels')")
+        check_page_size(page_size)
         self.batch_size, self.max_len, self.device, self.dtype = batch_size, max_len, device, dtype
         self.page_size = page_size
         self.max_pages = _cdiv(max_len, page_size)

@@ -8,7 +8,8 @@ read the values set before it, e.g. `n_embd = 64 * n_head`; names starting with 
 `--bias=True`, `--n_kv_head=None`) and fall back to the raw string (`--dtype=bfloat16`). Every value is checked
 against the type of its default: an int is accepted for a float, a `None` default accepts anything, and a `str`
 default takes the raw text (so `--wandb_run_name=2024` stays the string "2024"). An unknown key or a value of the
-wrong type raises `ConfigError` naming it and listing the valid keys, before anything runs.
+wrong type raises `ConfigError` naming it and listing the valid keys, before anything runs; so does a config file
+that fails to run (a misspelt name: its line and the names it may read).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from __future__ import annotations
 import ast
 import difflib
 import os
+import traceback
 
 
 class ConfigError(ValueError):
@@ -65,7 +67,12 @@ def _read_config_file(path: str, config: dict) -> dict:
         raise ConfigError(f"config file {path!r}: syntax error at line {e.lineno}: {e.msg}") from None
     assigned = _top_level_names(tree)
     namespace = dict(config)
-    exec(compile(tree, path, "exec"), namespace)  # a config file is Python by design (nanoGPT's convention)
+    try:
+        exec(compile(tree, path, "exec"), namespace)  # a config file is Python by design (nanoGPT's convention)
+    except Exception as e:  # a misspelt name (NameError), a bad expression: the file and line, not a traceback
+        line = next((f.lineno for f in reversed(traceback.extract_tb(e.__traceback__)) if f.filename == path), "?")
+        raise ConfigError(f"config file {path!r}: line {line}: {type(e).__name__}: {e}; valid names to read: "
+                          f"{', '.join(sorted(config))}") from None
     return {name: namespace[name] for name in assigned if name in namespace and not name.startswith("_")}
 
 

@@ -57,8 +57,10 @@ GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
 
 # Dense bf16 tensor-core peaks (FLOP/s) from the vendors' datasheets, matched against
 # torch.cuda.get_device_name() in this order (the first substring that occurs wins: "H100 PCIe" before "H100").
+# The NVL (PCIe-card) parts run at lower clocks than the SXM modules.
 PEAK_BF16_FLOPS = (
     ("GH200", 989e12),
+    ("H200 NVL", 835e12),
     ("H200", 989e12),
     ("H100 PCIe", 756e12),
     ("H100 NVL", 835e12),
@@ -75,6 +77,14 @@ PEAK_BF16_FLOPS = (
 
 def _invalid(field: str, got, valid: str):
     raise ValueError(f"GPTConfig.{field}: got {got!r}; valid: {valid}")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 @dataclass
@@ -100,15 +110,17 @@ class GPTConfig:
     def __post_init__(self):
         for field in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
             value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not _is_int(value) or value < 1:
                 _invalid(field, value, "a positive int")
-        if not 0.0 <= self.dropout < 1.0:
+        if not _is_number(self.dropout) or not 0.0 <= self.dropout < 1.0:
             _invalid("dropout", self.dropout, "a float in [0, 1)")
+        if not isinstance(self.bias, bool):
+            _invalid("bias", self.bias, "True | False")
         for field, choices in (("attention", ATTENTIONS), ("pos_embedding", POS_EMBEDDINGS),
                                ("attn_backend", ATTN_BACKENDS)):
             if getattr(self, field) not in choices:
                 _invalid(field, getattr(self, field), " | ".join(repr(c) for c in choices))
-        if not self.rope_theta > 0:
+        if not _is_number(self.rope_theta) or not self.rope_theta > 0:
             _invalid("rope_theta", self.rope_theta, "a positive float")
         if self.attention == "mla":
             self._check_mla()
@@ -127,18 +139,17 @@ class GPTConfig:
             self.n_kv_head = derived
             return
         n_kv = self.n_kv_head
-        if isinstance(n_kv, bool) or not isinstance(n_kv, int) or not 1 <= n_kv <= self.n_head \
-                or self.n_head % n_kv:
+        if not _is_int(n_kv) or not 1 <= n_kv <= self.n_head or self.n_head % n_kv:
             _invalid("n_kv_head", n_kv, f"an int in [1, n_head={self.n_head}] that divides n_head for attention='gqa'")
 
     def _check_mla(self):
         for field in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
             value = getattr(self, field)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not _is_int(value) or value < 1:
                 _invalid(field, value, "a positive int for attention='mla'")
         if self.qk_rope_head_dim % 2:
             _invalid("qk_rope_head_dim", self.qk_rope_head_dim, "an even int (RoPE rotates pairs)")
-        if isinstance(self.q_lora_rank, bool) or not isinstance(self.q_lora_rank, int) or self.q_lora_rank < 0:
+        if not _is_int(self.q_lora_rank) or self.q_lora_rank < 0:
             _invalid("q_lora_rank", self.q_lora_rank, "an int >= 0 (0 = no query compression)")
         if self.n_kv_head not in (None, self.n_head):
             _invalid("n_kv_head", self.n_kv_head, f"None or n_head={self.n_head} for attention='mla'")
@@ -165,8 +176,7 @@ class GPTConfig:
 def causal_attention(q, k, v, backend: str) -> torch.Tensor:
     """The one attention switch. q (B, H_q, S_q, D_qk), k (B, H_kv, S_kv, D_qk), v (B, H_kv, S_kv, D_v) ->
     (B, H_q, S_q, D_v). Scores are scaled by 1/sqrt(D_qk), every variant's scale (MLA's 1/sqrt(nope + rope) too),
-    left to the ops' default: a float scale such as 1/sqrt(24) broke torch.compile(fullgraph=True) in the
-    kernel's argument check. Causal with bottom-right alignment: query i sits at position S_kv - S_q + i, so a
+    which is the ops' default. Causal with bottom-right alignment: query i sits at position S_kv - S_q + i, so a
     cached prefix of S_kv - S_q tokens is visible to every query. Query head h reads K/V head h // (H_q // H_kv)."""
     if backend == "triton":
         return flash_gqa_attention(q, k, v, causal=True)
@@ -491,7 +501,8 @@ class GPT(nn.Module):
         unknown = sorted(set(override_args) - {"dropout", "attn_backend"})
         if unknown:
             raise ValueError(f"override_args: got keys {unknown}; valid: 'dropout', 'attn_backend'")
-        if not os.path.isdir(name_or_path) and name_or_path not in GPT2_NAMES:
+        is_dir = os.path.isdir(name_or_path)
+        if not is_dir and name_or_path not in GPT2_NAMES:
             raise ValueError(f"name_or_path: got {name_or_path!r}; valid: one of {GPT2_NAMES} or a directory "
                              "saved by GPT2LMHeadModel.save_pretrained")
         try:
@@ -499,14 +510,24 @@ class GPT(nn.Module):
         except ImportError as e:
             raise ImportError("GPT.from_pretrained needs transformers: pip install transformers") from e
         try:
-            hf = GPT2LMHeadModel.from_pretrained(name_or_path)
+            hf, info = GPT2LMHeadModel.from_pretrained(name_or_path, output_loading_info=True)
         except OSError as e:
-            raise OSError(f"could not load GPT-2 weights {name_or_path!r} ({e}). Hub names need the network; "
-                          "offline, pass a directory written by GPT2LMHeadModel.save_pretrained") from e
+            hint = ("is it a directory written by GPT2LMHeadModel.save_pretrained?" if is_dir else
+                    "hub names need the network; offline, pass a directory written by GPT2LMHeadModel.save_pretrained")
+            raise OSError(f"could not load GPT-2 weights {name_or_path!r} ({e}); {hint}") from e
+        # transformers only warns about weights the checkpoint lacks (another architecture's directory, say) and
+        # leaves them randomly initialized: that would be a silently untrained model. (lm_head is tied to wte.)
+        missing = sorted(k for k in info["missing_keys"] if not k.endswith(_GPT2_BUFFERS) and k != "lm_head.weight")
+        if missing:
+            raise ValueError(f"name_or_path: {name_or_path!r} lacks GPT-2 weights {missing[:5]} "
+                             f"({len(missing)} in all); valid: GPT-2 weights saved by GPT2LMHeadModel.save_pretrained")
         config = GPTConfig(**_config_from_gpt2(hf.config), **{"dropout": 0.0, **override_args})
         model = cls(config)
         _copy_gpt2_weights(hf.state_dict(), model)
         return model
+
+
+_GPT2_BUFFERS = (".attn.masked_bias", ".attn.bias")  # causal-mask buffers of older transformers versions
 
 
 def _config_from_gpt2(hf_config) -> dict:
@@ -528,8 +549,7 @@ def _config_from_gpt2(hf_config) -> dict:
 
 def _copy_gpt2_weights(sd_hf: dict, model: GPT):
     """Copy a GPT2LMHeadModel state_dict into model. HF's Conv1D stores weights (in, out): transposed here."""
-    ignored = (".attn.masked_bias", ".attn.bias")  # causal-mask buffers of older transformers versions
-    sd_hf = {k: v for k, v in sd_hf.items() if not k.endswith(ignored) and k != "lm_head.weight"}  # lm_head: tied
+    sd_hf = {k: v for k, v in sd_hf.items() if not k.endswith(_GPT2_BUFFERS) and k != "lm_head.weight"}  # tied
     sd = model.state_dict()
     ours = set(sd) - {"lm_head.weight"}
     if ours != set(sd_hf):

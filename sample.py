@@ -14,8 +14,9 @@ at start with the valid choices. "none" recomputes the whole context each step w
 The prompts (`--start`, one per sample) decode together as one batch; a sequence that emits the end-of-text
 token or reaches --max_new_tokens finishes and gives its cache rows (its pages) back while the others go on. With
 a paged cache, --num_pages limits the pool (0: enough for every sample at full length); a pool that cannot hold
-the batch raises CacheFullError, unless --wait_for_pages=True, which admits prompts only as pages free up
-(each admitted sequence is guaranteed pages for its full length, so nothing is ever evicted).
+every sample at full length fails at start, unless --wait_for_pages=True, which admits prompts only as pages free
+up (each admitted sequence is guaranteed pages for its full length, so nothing is ever evicted). --num_pages and
+--wait_for_pages with a contiguous cache, and any option out of its range, fail at start with the valid values.
 
 Standard output gets the samples alone (the first one streamed as it is generated, then the others, separated by
 a line of dashes), so `> out.txt` captures just the text; progress and statistics (prefill and decode tokens/s,
@@ -36,7 +37,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cache import CacheFullError, make_cache
+from cache import CacheFullError, check_page_size, make_cache
 
 DEFAULTS = dict(
     init_from="resume",  # "resume" (the checkpoint in out_dir), a checkpoint directory, or gpt2 / gpt2-medium / ...
@@ -66,6 +67,55 @@ CACHE_CHOICES = ("auto", "grouped", "paged", "mla", "paged_mla", "none")
 # ---------------------------------------------------------------------------------------------- choices
 
 
+def check_options(cfg: dict):
+    """Every option that needs no model, checked before anything is loaded or printed."""
+    if cfg["cache"] not in CACHE_CHOICES:
+        raise ValueError(f"--cache: got {cfg['cache']!r}; valid: {', '.join(CACHE_CHOICES)}")
+    for key in ("num_samples", "max_new_tokens"):
+        if cfg[key] < 1:
+            raise ValueError(f"--{key}: got {cfg[key]}; valid: an int >= 1")
+    check_sampling(cfg["temperature"], cfg["top_k"], cfg["top_p"])
+    check_page_size(cfg["page_size"])
+    if cfg["num_pages"] < 0:
+        raise ValueError(f"--num_pages: got {cfg['num_pages']}; valid: 0 (enough for every sample) or an int >= 1")
+    check_device(cfg["device"])
+    resolve_dtype(cfg["dtype"], cfg["device"])
+
+
+def check_device(name: str):
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        device = None
+    if device is None or device.type not in ("cpu", "cuda"):
+        raise ValueError(f"--device: got {name!r}; valid: cpu, cuda, cuda:N")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device: got {name!r} but this torch sees no CUDA device; valid: cpu")
+    if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
+        raise ValueError(f"--device: got {name!r}; valid: cpu, cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
+
+
+def check_pool(kind: str, prompt_len: int, cfg: dict):
+    """--num_pages and --wait_for_pages act on a paged cache only. A pool too small for one sample at full length,
+    or (without waiting) for all the samples at once, could not finish: both fail here, at start."""
+    if kind not in ("paged", "paged_mla"):
+        if cfg["num_pages"] or cfg["wait_for_pages"]:
+            raise ValueError(f"--num_pages={cfg['num_pages']} / --wait_for_pages={cfg['wait_for_pages']}: given with "
+                             f"--cache={kind}, which has no page pool; valid: --cache=paged, or 0 / False")
+        return
+    if not cfg["num_pages"]:
+        return
+    tokens = prompt_len + cfg["max_new_tokens"] - 1
+    per_sample = -(-tokens // cfg["page_size"])
+    need = per_sample if cfg["wait_for_pages"] else per_sample * cfg["num_samples"]
+    if cfg["num_pages"] < need:
+        who = "one sample" if cfg["wait_for_pages"] else f"{cfg['num_samples']} samples at once"
+        wait = "" if cfg["wait_for_pages"] else f", or --wait_for_pages=True with >= {per_sample}"
+        raise ValueError(f"--num_pages: got {cfg['num_pages']}; the pool must hold {need} pages of {cfg['page_size']} "
+                         f"tokens for {who} at full length ({tokens} tokens each); valid: 0 (enough for all), "
+                         f">= {need}{wait}")
+
+
 def resolve_cache_kind(config, requested: str) -> str:
     """The cache kind for a model: auto -> grouped / mla; paged on an MLA model -> paged_mla. A kind that cannot
     hold this model's attention raises ValueError with the valid choices."""
@@ -81,6 +131,8 @@ def resolve_cache_kind(config, requested: str) -> str:
 
 def check_length(config, prompt_lens: list[int], max_new_tokens: int, allow_past_block_size: bool):
     """Positions run up to prompt + max_new_tokens - 2 (the last sampled token is never fed back)."""
+    if not prompt_lens:
+        raise ValueError("prompts: got none; valid: at least one prompt")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens: got {max_new_tokens}; valid: an int >= 1")
     if min(prompt_lens) < 1:
@@ -98,6 +150,16 @@ def check_length(config, prompt_lens: list[int], max_new_tokens: int, allow_past
 
 
 # --------------------------------------------------------------------------------------------- sampling
+
+
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None):
+    """temperature >= 0 (0: greedy), top_k >= 0 (0 or None: off), top_p in (0, 1] (1 or None: off)."""
+    if not temperature >= 0:  # also refuses NaN
+        raise ValueError(f"temperature: got {temperature!r}; valid: a number >= 0 (0 = greedy)")
+    if top_k is not None and (not isinstance(top_k, int) or top_k < 0):
+        raise ValueError(f"top_k: got {top_k!r}; valid: an int >= 0 (0 = off)")
+    if top_p is not None and not 0 < top_p <= 1:
+        raise ValueError(f"top_p: got {top_p!r}; valid: a number in (0, 1] (1 = off)")
 
 
 def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
@@ -193,6 +255,7 @@ def generate(model, prompts: list[list[int]], cache_kind: str = "auto", *, max_n
     """
     config = model.config
     kind = resolve_cache_kind(config, cache_kind)
+    check_sampling(temperature, top_k, top_p)
     check_length(config, [len(p) for p in prompts], max_new_tokens, allow_past_block_size)
     seqs = _Sequences(prompts, max_new_tokens, eot_token, on_token)
     stats = GenerationStats()
@@ -360,10 +423,14 @@ def load_model(cfg: dict):
 
 
 def read_start(start: str) -> str:
-    if start.startswith("FILE:"):
+    if not start.startswith("FILE:"):
+        return start
+    try:
         with open(start[5:], encoding="utf-8") as f:
             return f.read()
-    return start
+    except OSError as e:
+        raise ValueError(f"--start: got {start!r}, which cannot be read ({e.strerror}); valid: the prompt text, "
+                         "or FILE:path of a readable UTF-8 file") from None
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
@@ -378,8 +445,8 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
 class _Streamer:
     """Writes sample 0's text to stdout as it grows (decoding the whole list keeps multi-byte BPE pieces whole)."""
 
-    def __init__(self, tokenizer, out=sys.stdout):
-        self.tok, self.out, self.ids, self.shown = tokenizer, out, [], 0
+    def __init__(self, tokenizer, out=None):
+        self.tok, self.out, self.ids, self.shown = tokenizer, out or sys.stdout, [], 0
 
     def __call__(self, i: int, token: int):
         if i != 0:
@@ -403,8 +470,7 @@ def main(argv: list[str]) -> dict:
     from data import get_tokenizer
 
     cfg = parse_config(DEFAULTS, argv)
-    if cfg["cache"] not in CACHE_CHOICES:
-        raise ValueError(f"--cache: got {cfg['cache']!r}; valid: {', '.join(CACHE_CHOICES)}")
+    check_options(cfg)
     torch.manual_seed(cfg["seed"])
     dtype = resolve_dtype(cfg["dtype"], cfg["device"])
     model, meta, train_cfg = load_model(cfg)
@@ -416,6 +482,7 @@ def main(argv: list[str]) -> dict:
     start_ids = tokenizer.encode(read_start(cfg["start"]))
     prompts = [start_ids] * cfg["num_samples"]
     check_length(model.config, [len(start_ids)], cfg["max_new_tokens"], cfg["allow_past_block_size"])
+    check_pool(kind, len(start_ids), cfg)
     generator = torch.Generator(device=cfg["device"]).manual_seed(cfg["seed"])
     stream = _Streamer(tokenizer)
     sys.stdout.write(tokenizer.decode(start_ids))
@@ -487,5 +554,5 @@ def log_wandb(summary: dict, train_cfg: dict, cfg: dict):
 if __name__ == "__main__":
     try:
         main(sys.argv[1:])
-    except (ValueError, CacheFullError) as e:  # bad options, lengths, checkpoints or pool sizes: a message
+    except (ValueError, CacheFullError, OSError) as e:  # bad options, lengths, checkpoints, pools, GPT-2 offline
         raise SystemExit(f"error: {e}") from None

@@ -150,6 +150,10 @@ def resolve_device(name: str) -> str:
         raise ConfigError(f"device: got {name!r} but no CUDA GPU is visible; valid here: 'cpu' or 'auto'")
     if name.split(":")[0] not in ("cpu", "cuda", "mps"):
         raise ConfigError(f"device: got {name!r}; valid: 'auto', 'cpu', 'cuda', 'cuda:N', 'mps'")
+    if name.startswith("cuda:") and not (name[5:].isdigit() and int(name[5:]) < torch.cuda.device_count()):
+        raise ConfigError(f"device: got {name!r}; valid here: 'cuda:0' .. 'cuda:{torch.cuda.device_count() - 1}'")
+    if name == "mps" and not torch.backends.mps.is_available():
+        raise ConfigError("device: got 'mps' but MPS is not available here; valid here: 'cpu' or 'auto'")
     return name
 
 
@@ -167,6 +171,15 @@ def check_config(config: dict, d: Dist) -> None:
                 "eval_iters"):
         if config[key] < 1:
             raise ConfigError(f"{key}: got {config[key]}; valid: a positive int")
+    for key in ("max_iters", "warmup_iters", "lr_decay_iters", "learning_rate", "min_lr", "weight_decay",
+                "grad_clip"):
+        if config[key] < 0:
+            raise ConfigError(f"{key}: got {config[key]}; valid: a number >= 0")
+    for key in ("beta1", "beta2"):
+        if not 0 <= config[key] < 1:
+            raise ConfigError(f"{key}: got {config[key]}; valid: a number in [0, 1)")
+    if config["backend"] not in ("auto", "nccl", "gloo"):
+        raise ConfigError(f"backend: got {config['backend']!r}; valid: 'auto', 'nccl', 'gloo'")
     if config["gradient_accumulation_steps"] % d.world_size:
         raise ConfigError(f"gradient_accumulation_steps: got {config['gradient_accumulation_steps']}; valid: a "
                           f"multiple of the number of processes ({d.world_size}), since it is divided among them")
@@ -198,8 +211,11 @@ def build_model(config: dict, vocab_size: int, ckpt: dict | None) -> GPT:
     elif config["init_from"] == "scratch":
         model = GPT(model_config(config, vocab_size))
     else:
-        model = GPT.from_pretrained(config["init_from"], dict(dropout=config["dropout"],
-                                                              attn_backend=config["attn_backend"]))
+        try:
+            model = GPT.from_pretrained(config["init_from"], dict(dropout=config["dropout"],
+                                                                  attn_backend=config["attn_backend"]))
+        except (OSError, ValueError) as e:  # no network, not a GPT-2 directory: the model's message, no traceback
+            raise ConfigError(f"init_from: {e}") from None
         if config["block_size"] < model.config.block_size:
             model.crop_block_size(config["block_size"])
     if model.config.vocab_size < vocab_size:
@@ -349,7 +365,8 @@ def init_wandb(config: dict, model: GPT):
     name = config["wandb_run_name"] or f"{config['attention']}-{time.strftime('%m%d-%H%M%S')}"
     summary = dict(config, n_kv_head=model.config.n_kv_head, params=model.num_params(),
                    kv_cache_bytes_per_token=model.kv_cache_bytes_per_token())
-    kwargs = dict(project=config["wandb_project"], group=config["wandb_group"] or None, name=name, config=summary)
+    kwargs = dict(project=config["wandb_project"], group=config["wandb_group"] or None, name=name, config=summary,
+                  dir=os.environ.get("WANDB_DIR") or config["out_dir"])  # each run's files beside its checkpoints
     mode = os.environ.get("WANDB_MODE") or ("online" if _wandb_has_credentials() else "offline")
     run = None
     if mode != "offline":
@@ -358,7 +375,11 @@ def init_wandb(config: dict, model: GPT):
         except Exception as e:  # network down, bad key, service unreachable: keep training, log offline
             print(f"wandb: online init failed ({type(e).__name__}: {e}); falling back to offline mode")
     if run is None:
-        run = wandb.init(mode="offline", **kwargs)
+        try:
+            run = wandb.init(mode="offline", **kwargs)
+        except Exception as e:  # an unwritable WANDB_DIR, a broken install: train on, metrics.jsonl still has it all
+            print(f"wandb: offline init failed too ({type(e).__name__}: {e}); metrics go to metrics.jsonl only")
+            return None
         print(f"wandb: offline run in {os.path.dirname(run.dir)}; upload it later with: "
               f"wandb sync {os.path.dirname(run.dir)}")
     run.summary.update({k: summary[k] for k in ("params", "kv_cache_bytes_per_token")})
@@ -480,7 +501,10 @@ def setup(config: dict, d: Dist, device: str) -> Setup:
     sampler = BatchSampler(len(data.train), config, d)
     iter_num, best_val_loss = 0, float("inf")
     if ckpt is not None:
+        impl = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in optimizer.param_groups]
         optimizer.load_state_dict(ckpt["optimizer"])
+        for group, flags in zip(optimizer.param_groups, impl):  # this device's AdamW (fused on CUDA), not the saver's
+            group.update(flags)
         scaler.load_state_dict(ckpt["scaler"])
         sampler.load_state_dict(ckpt["data_state"])
         iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]

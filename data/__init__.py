@@ -8,7 +8,7 @@ The tokenizer dict is what checkpoints carry (`tokenizer` key) and what `get_tok
     {"kind": "tiktoken", "encoding": "gpt2", "vocab_size": 50257, "eot_token": 50256}   GPT-2 BPE
 
 Datasets (prepare with `python -m data.prepare NAME`, see data/prepare.py):
-    pydoc        Python's bundled documentation (`pydoc_data`), ~0.7 MB of English prose, character-level.
+    pydoc        Python's bundled documentation (`pydoc_data`), ~0.5 MB of English prose, character-level.
                  No network; train.py prepares it automatically the first time it is used.
     char         any local text file, character-level (`python -m data.prepare char --input=book.txt`)
     tinystories  roneneldan/TinyStories, GPT-2 BPE (small: ~470M tokens; --max_docs for a subset)

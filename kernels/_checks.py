@@ -5,6 +5,8 @@ captured or torch.compile is tracing."""
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -36,6 +38,13 @@ def check_same_device(tensors: dict[str, torch.Tensor]):
             fail(name, f"device {dev}", f"the device of {first_name}, {first}")
     if first.type != "cuda" and not interpreting():
         fail(first_name, f"device {first}", "a CUDA tensor (or run with TRITON_INTERPRET=1 to execute on the CPU)")
+
+
+def check_scale(scale, valid: str = "a finite float > 0"):
+    # Comparisons rather than math.isfinite: under torch.compile a float argument can arrive as a SymFloat, which
+    # comparisons guard on and math.isfinite breaks the graph at.
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
+        fail("scale", repr(scale), valid)
 
 
 def check_int32(name: str, x: torch.Tensor, shape: tuple[int, ...], layout: str):

@@ -281,6 +281,7 @@ def _launch_decode(q, k, v, q_rope, k_rope, block_table, seq_lens, scale: float,
     h_kv = k.shape[2] if paged else k.shape[1]
     d_v = v.shape[-1]
     d_rope = q_rope.shape[-1] if q_rope is not None else 0
+    seq_lens = seq_lens.contiguous()  # the kernel reads seq_lens[b] at SEQ_LENS + b (no stride)
     group = h_q // h_kv
     block_h = max(16, min(64, triton.next_power_of_2(group)))
     head_tiles = h_kv * triton.cdiv(group, block_h)
@@ -379,15 +380,15 @@ def _(q, k_pages, v_pages, block_table, seq_lens, scale, num_splits, q_rope, k_r
 # ---- Input checks -------------------------------------------------------------------------------------------------
 
 
-def _check_common(q, k, v, seq_lens, num_splits, q_rope, k_rope, *, k_name, v_name, kr_name, head_axis, batch):
+def _check_common(q, k, v, seq_lens, scale, num_splits, q_rope, k_rope, *, k_name, v_name, kr_name, head_axis, batch):
     """Checks shared by both ops once k/v ranks are known; head_axis is the H_kv axis of k (1 or 2)."""
     _checks.check_float("q", q)
     _checks.check_float(k_name, k, q, "q")
     _checks.check_float(v_name, v, q, "q")
     h_q, d_qk, h_kv = q.shape[1], q.shape[2], k.shape[head_axis]
-    if h_q % h_kv:
+    if h_kv == 0 or h_q % h_kv:
         _checks.fail("q", f"H_q = {h_q} query heads for H_kv = {h_kv} KV heads ({k_name} dim {head_axis})",
-                     "H_q a multiple of H_kv")
+                     "H_kv >= 1 and H_q a multiple of H_kv")
     _checks.check_head_dim("q", d_qk, 16, 256)
     _checks.check_head_dim(v_name, v.shape[-1], 16, 256)
     _checks.check_int32("seq_lens", seq_lens, (batch,), "(B,)")
@@ -405,9 +406,10 @@ def _check_common(q, k, v, seq_lens, num_splits, q_rope, k_rope, *, k_name, v_na
         tensors.update(q_rope=q_rope, **{kr_name: k_rope})
     _checks.check_same_device(tensors)
     _checks.check_num_splits(num_splits, MAX_SPLITS)
+    _checks.check_scale(scale)
 
 
-def _check_grouped(q, k, v, seq_lens, num_splits, q_rope, k_rope):
+def _check_grouped(q, k, v, seq_lens, scale, num_splits, q_rope, k_rope):
     _checks.check_rank("q", q, 3, "(B, H_q, D)")
     _checks.check_rank("k", k, 4, "(B, H_kv, S_max, D)")
     _checks.check_rank("v", v, 4, "(B, H_kv, S_max, D_v)")
@@ -421,11 +423,11 @@ def _check_grouped(q, k, v, seq_lens, num_splits, q_rope, k_rope):
         _checks.check_rank("k_rope", k_rope, 4, "(B, H_kv, S_max, D_r)")
         if q_rope is not None and tuple(k_rope.shape) != (*k.shape[:3], q_rope.shape[-1]):
             _checks.fail("k_rope", f"shape {tuple(k_rope.shape)}", f"{(*k.shape[:3], q_rope.shape[-1])}")
-    _check_common(q, k, v, seq_lens, num_splits, q_rope, k_rope, k_name="k", v_name="v", kr_name="k_rope",
+    _check_common(q, k, v, seq_lens, scale, num_splits, q_rope, k_rope, k_name="k", v_name="v", kr_name="k_rope",
                   head_axis=1, batch=b)
 
 
-def _check_paged(q, k_pages, v_pages, block_table, seq_lens, num_splits, q_rope, k_rope_pages):
+def _check_paged(q, k_pages, v_pages, block_table, seq_lens, scale, num_splits, q_rope, k_rope_pages):
     _checks.check_rank("q", q, 3, "(B, H_q, D)")
     _checks.check_rank("k_pages", k_pages, 4, "(num_pages, page_size, H_kv, D)")
     _checks.check_rank("v_pages", v_pages, 4, "(num_pages, page_size, H_kv, D_v)")
@@ -443,7 +445,7 @@ def _check_paged(q, k_pages, v_pages, block_table, seq_lens, num_splits, q_rope,
                          f"{(*k_pages.shape[:3], q_rope.shape[-1])}")
     _checks.check_rank("block_table", block_table, 2, "(B, max_pages)")
     _checks.check_int32("block_table", block_table, (b, block_table.shape[1]), "(B, max_pages)")
-    _check_common(q, k_pages, v_pages, seq_lens, num_splits, q_rope, k_rope_pages, k_name="k_pages",
+    _check_common(q, k_pages, v_pages, seq_lens, scale, num_splits, q_rope, k_rope_pages, k_name="k_pages",
                   v_name="v_pages", kr_name="k_rope_pages", head_axis=2, batch=b)
     _checks.check_same_device({"q": q, "block_table": block_table})
 
@@ -462,7 +464,7 @@ def grouped_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: 
     split count from the device and the shapes. validate=False skips the checks that read seq_lens (a device
     sync); they are skipped anyway under CUDA graph capture and torch.compile.
     """
-    _check_grouped(q, k, v, seq_lens, num_splits, q_rope, k_rope)
+    _check_grouped(q, k, v, seq_lens, scale, num_splits, q_rope, k_rope)
     if validate and _checks.can_read_values(seq_lens):
         _checks.check_seq_lens_values(seq_lens, k.shape[2], f"S_max of k is {k.shape[2]}")
     return torch.ops.zoo.grouped_decode(q, k, v, seq_lens, float(scale), num_splits, q_rope, k_rope)
@@ -475,7 +477,7 @@ def paged_grouped_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.
     """grouped_decode over a paged cache: pools (num_pages, page_size, H_kv, D) shared by every sequence and a
     block table (B, max_pages) int32 mapping each sequence's logical pages to pool pages. page_size is a power of
     two from 8 to 256. validate=False skips the value checks of seq_lens and block_table (a device sync)."""
-    _check_paged(q, k_pages, v_pages, block_table, seq_lens, num_splits, q_rope, k_rope_pages)
+    _check_paged(q, k_pages, v_pages, block_table, seq_lens, scale, num_splits, q_rope, k_rope_pages)
     if validate and _checks.can_read_values(seq_lens):
         page_size = k_pages.shape[1]
         _checks.check_seq_lens_values(seq_lens, 2**31 - 1, "a positive length")

@@ -580,8 +580,8 @@ def _check_qkv(q, k, v, causal: bool, scale):
                      "S_q <= S_kv (bottom-right alignment: query i sits at position S_kv - S_q + i)")
     _check_head_dim("q", d_qk)
     _check_head_dim("v", d_v)
-    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
-        _checks.fail("scale", scale, "None (1/sqrt(D_qk)) or a finite float > 0")
+    if scale is not None:
+        _checks.check_scale(scale, "None (1/sqrt(D_qk)) or a finite float > 0")
     return b, h_q, h_kv, s_q, s_kv, d_qk, d_v
 
 

@@ -133,6 +133,7 @@ def _launch_mla(q_absorbed, q_rope, c_kv, k_rope, block_table, seq_lens, scale: 
                 page_size: int, capacity: int, config: dict | None = None):
     batch, h, d_c = q_absorbed.shape
     d_r = q_rope.shape[-1]
+    seq_lens = seq_lens.contiguous()  # the kernel reads seq_lens[b] at SEQ_LENS + b (no stride)
     cfg = dict(_mla_config(h, d_c), **(config or {}))
     block_h, block_n = cfg.pop("BLOCK_H"), cfg.pop("BLOCK_N")
     head_tiles = triton.cdiv(h, block_h)
@@ -198,7 +199,7 @@ def _(q_absorbed, q_rope, c_kv_pages, k_rope_pages, block_table, seq_lens, scale
 # ---- Input checks -------------------------------------------------------------------------------------------------
 
 
-def _check_mla(q_absorbed, q_rope, ckv, kr, seq_lens, num_splits, *, ckv_name: str, kr_name: str, paged: bool):
+def _check_mla(q_absorbed, q_rope, ckv, kr, seq_lens, scale, num_splits, *, ckv_name: str, kr_name: str, paged: bool):
     _checks.check_rank("q_absorbed", q_absorbed, 3, "(B, H, D_c)")
     _checks.check_rank("q_rope", q_rope, 3, "(B, H, D_r)")
     rows = "(num_pages, page_size" if paged else "(B, S_max"
@@ -222,6 +223,7 @@ def _check_mla(q_absorbed, q_rope, ckv, kr, seq_lens, num_splits, *, ckv_name: s
     _checks.check_same_device({"q_absorbed": q_absorbed, "q_rope": q_rope, ckv_name: ckv, kr_name: kr,
                                "seq_lens": seq_lens})
     _checks.check_num_splits(num_splits, MAX_SPLITS)
+    _checks.check_scale(scale)
 
 
 # ---- Public functions ---------------------------------------------------------------------------------------------
@@ -234,7 +236,7 @@ def mla_decode(q_absorbed: torch.Tensor, q_rope: torch.Tensor, c_kv: torch.Tenso
     c_kv (B, S_max, D_c), k_rope (B, S_max, D_r), seq_lens (B,) int32. D_c up to 512, D_r up to 128.
     Returns latent out (B, H, D_c) in q_absorbed's dtype and lse (B, H) fp32. validate=False skips the
     seq_lens value check (a device sync)."""
-    _check_mla(q_absorbed, q_rope, c_kv, k_rope, seq_lens, num_splits, ckv_name="c_kv", kr_name="k_rope",
+    _check_mla(q_absorbed, q_rope, c_kv, k_rope, seq_lens, scale, num_splits, ckv_name="c_kv", kr_name="k_rope",
                paged=False)
     if validate and _checks.can_read_values(seq_lens):
         _checks.check_seq_lens_values(seq_lens, c_kv.shape[1], f"S_max of c_kv is {c_kv.shape[1]}")
@@ -247,7 +249,7 @@ def paged_mla_decode(q_absorbed: torch.Tensor, q_rope: torch.Tensor, c_kv_pages:
     """mla_decode over a paged latent cache: c_kv_pages (num_pages, page_size, D_c) and k_rope_pages
     (num_pages, page_size, D_r), one pool each shared by all heads, indexed by one block table (B, max_pages)
     int32. page_size is a power of two from 8 to 256."""
-    _check_mla(q_absorbed, q_rope, c_kv_pages, k_rope_pages, seq_lens, num_splits, ckv_name="c_kv_pages",
+    _check_mla(q_absorbed, q_rope, c_kv_pages, k_rope_pages, seq_lens, scale, num_splits, ckv_name="c_kv_pages",
                kr_name="k_rope_pages", paged=True)
     _checks.check_page_size("c_kv_pages", c_kv_pages.shape[1])
     _checks.check_rank("block_table", block_table, 2, "(B, max_pages)")

@@ -281,9 +281,14 @@ def test_memory_report():
     paged.view([0]).reserve(9)  # two pages held
     assert paged.memory() == {"bytes_allocated": 9 * 8 * per_token, "bytes_in_use": 16 * per_token,
                               "bytes_per_token": per_token}
-    mla = make_cache("paged_mla", MLA, 2, 16, device="cpu", dtype=bf16, page_size=8)
-    assert mla.memory()["bytes_per_token"] == MLA.n_layer * (32 + 8) * 2
-    assert mla.memory()["bytes_allocated"] == 2 * 2 * 8 * MLA.n_layer * (32 + 8) * 2  # 2 pages per row by default
+    latent = MLA.n_layer * (32 + 8) * 2  # c_kv and the shared RoPE key only, 2 bytes
+    mla = make_cache("mla", MLA, 2, 16, device="cpu", dtype=bf16)
+    mla.view([1]).reserve(5)
+    assert mla.memory() == {"bytes_allocated": 2 * 16 * latent, "bytes_in_use": 5 * latent, "bytes_per_token": latent}
+    paged_mla = make_cache("paged_mla", MLA, 2, 16, device="cpu", dtype=bf16, page_size=8)
+    paged_mla.view([0, 1]).reserve(3)  # one page each
+    assert paged_mla.memory() == {"bytes_allocated": 2 * 2 * 8 * latent,  # 2 pages per row by default
+                                  "bytes_in_use": 2 * 8 * latent, "bytes_per_token": latent}
 
 
 def test_bad_use_raises():

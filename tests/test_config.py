@@ -63,6 +63,9 @@ def test_bad_config_file(tmp_path):
         parse_config(DEFAULTS, [write(tmp_path, "b.py", "n_head = = 3\n")])
     with pytest.raises(ConfigError, match="has type str, but n_head takes type int"):
         parse_config(DEFAULTS, [write(tmp_path, "c.py", "n_head = '4'\n")])
+    with pytest.raises(ConfigError, match=r"d\.py': line 2: NameError: name 'n_heads' is not defined.*valid names "
+                                          r"to read: batch_size, betas"):
+        parse_config(DEFAULTS, [write(tmp_path, "d.py", "n_head = 8\nn_embd = 64 * n_heads\n")])
     assert issubclass(ConfigError, ValueError)
 
 

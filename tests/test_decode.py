@@ -28,8 +28,9 @@ def _check(out, lse, ref_out, ref_lse, dtype, name):
 
 
 # (B, H_q, H_kv, S_max, D_qk, D_v, explicit splits): group sizes 1, 2, 3, 4, MQA (8 and 32 wide) and a group of
-# 80 (two head tiles); 9 splits over 2 tiles leaves splits with nothing to do.
+# 80 (two head tiles); 9 splits over 2 tiles leaves splits with nothing to do; a one-token cache.
 CASES = [
+    (2, 4, 2, 1, 32, 32, 2),
     (2, 2, 2, 65, 32, 32, 9),
     (2, 8, 4, 63, 48, 48, 1),
     (2, 6, 2, 17, 80, 48, 2),
@@ -173,16 +174,17 @@ def _bad_inputs():
     lens = torch.tensor([16, 3], dtype=torch.int32, device=DEVICE)
     pk, pv = torch.randn(6, 8, 2, 32, **f), torch.randn(6, 8, 2, 32, **f)
     table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=DEVICE)
-    g = dict(scale=0.1)
+    other = torch.bfloat16 if f["dtype"] != torch.bfloat16 else torch.float16
+    i32 = dict(dtype=torch.int32, device=DEVICE)
 
     def grouped(**kw):
-        args = dict(q=q, k=k, v=v, seq_lens=lens) | kw
-        return lambda: grouped_decode(args.pop("q"), args.pop("k"), args.pop("v"), args.pop("seq_lens"), **g, **args)
+        args = dict(q=q, k=k, v=v, seq_lens=lens, scale=0.1) | kw
+        return lambda: grouped_decode(args.pop("q"), args.pop("k"), args.pop("v"), args.pop("seq_lens"), **args)
 
     def paged(**kw):
-        args = dict(q=q, k_pages=pk, v_pages=pv, block_table=table, seq_lens=lens) | kw
+        args = dict(q=q, k_pages=pk, v_pages=pv, block_table=table, seq_lens=lens, scale=0.1) | kw
         return lambda: paged_grouped_decode(args.pop("q"), args.pop("k_pages"), args.pop("v_pages"),
-                                            args.pop("block_table"), args.pop("seq_lens"), **g, **args)
+                                            args.pop("block_table"), args.pop("seq_lens"), **args)
 
     return {
         "q-rank": (grouped(q=q[0]), "q"),
@@ -221,6 +223,26 @@ def _bad_inputs():
                                                                 device=DEVICE)), "block_table"),
         "paged-table-too-short": (paged(block_table=table[:, :1]), "block_table"),
         "paged-seq_lens-zero": (paged(seq_lens=torch.tensor([0, 3], dtype=torch.int32, device=DEVICE)), "seq_lens"),
+        "Hkv-zero": (grouped(k=k[:, :0], v=v[:, :0]), "q"),
+        "scale-nan": (grouped(scale=float("nan")), "scale"),
+        "scale-none": (grouped(scale=None), "scale"),
+        "scale-negative": (grouped(scale=-0.1), "scale"),
+        "k_rope-only": (grouped(k_rope=torch.randn(2, 2, 16, 16, **f)), "q_rope"),
+        "k_rope-rank": (grouped(q_rope=torch.randn(2, 4, 16, **f), k_rope=torch.randn(2, 16, 16, **f)), "k_rope"),
+        "q_rope-dtype": (grouped(q_rope=torch.randn(2, 4, 16, device=DEVICE, dtype=other),
+                                 k_rope=torch.randn(2, 2, 16, 16, **f)), "q_rope"),
+        "paged-q-rank": (paged(q=q[0]), "q"),
+        "paged-k_pages-rank": (paged(k_pages=pk[0]), "k_pages"),
+        "paged-k_pages-headdim": (paged(k_pages=pk[..., :16]), "k_pages"),
+        "paged-Hq-not-multiple-of-Hkv": (paged(q=torch.randn(2, 3, 32, **f)), "q"),
+        "paged-v-dtype-mismatch": (paged(v_pages=pv.to(other)), "v_pages"),
+        "paged-headdim-too-small": (paged(q=q[..., :8], k_pages=pk[..., :8], v_pages=pv[..., :8]), "q"),
+        "paged-table-batch": (paged(block_table=table[:1]), "block_table"),
+        "paged-seq_lens-beyond-table": (paged(seq_lens=torch.tensor([17, 3], **i32)), "block_table"),
+        "paged-rope-pool-shape": (paged(q_rope=torch.randn(2, 4, 16, **f), k_rope_pages=torch.randn(6, 8, 1, 16, **f)),
+                                  "k_rope_pages"),
+        "paged-device-mismatch": (paged(block_table=table.to("meta" if DEVICE == "cpu" else "cpu")), "block_table"),
+        "paged-scale-nan": (paged(scale=float("nan")), "scale"),
     }
 
 
@@ -232,6 +254,24 @@ def test_bad_input_raises(name):
     call, argument = BAD[name]
     with pytest.raises(ValueError, match=rf"^{argument}\b.*got .*valid"):
         call()
+
+
+def test_strided_seq_lens_and_block_table():
+    """seq_lens and block_table as strided views (every other entry of a longer tensor, a transposed table): the
+    kernels see the same lengths and pages as the value checks."""
+    dtype = KERNEL_DTYPES[0]
+    b, hq, hkv, s, d = 3, 4, 2, 40, 32
+    q = torch.randn(b, hq, d, device=DEVICE, dtype=dtype)
+    k, v = (torch.randn(b, hkv, s, d, device=DEVICE, dtype=dtype) for _ in range(2))
+    lens = torch.tensor([40, 1, 1, 1, 23, 40], dtype=torch.int32, device=DEVICE)[::2]  # (40, 1, 23)
+    k_pages, v_pages, table = _paged(k, v, 8)
+    table_t = table.t().contiguous().t()  # same values, column-major
+    assert not (lens.is_contiguous() or table_t.is_contiguous())
+    ref_out, ref_lse = decode_reference(q, k, v, lens, scale=0.1)
+    out, lse = grouped_decode(q, k, v, lens, scale=0.1, num_splits=2)
+    _check(out, lse, ref_out, ref_lse, dtype, "grouped_decode strided seq_lens")
+    out, lse = paged_grouped_decode(q, k_pages, v_pages, table_t, lens, scale=0.1, num_splits=2)
+    _check(out, lse, ref_out, ref_lse, dtype, "paged_grouped_decode strided seq_lens and table")
 
 
 def test_unused_table_entries_are_not_checked():

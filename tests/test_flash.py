@@ -161,6 +161,20 @@ def test_torch_compile_fullgraph():
         assert_close(got.grad, want.grad.float(), dtype, name, grad=True)
 
 
+def test_torch_compile_float_scale_argument():
+    """A float scale passed into the compiled function: the second call with another value makes it a SymFloat,
+    which the argument check must handle without a graph break."""
+    dtype = KERNEL_DTYPES[0]
+    q, k, v, _ = make_inputs((1, 2, 1, 17, 17, 32, 32, True), dtype)
+    backend = "inductor" if DEVICE == "cuda" else "aot_eager"
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda q, k, v, scale: flash_gqa_attention(q, k, v, scale=scale, causal=True),
+                             fullgraph=True, backend=backend)
+    for scale in (0.2, 0.3, 0.4):
+        ref, _ = attention_reference(q, k, v, scale=scale, causal=True)
+        assert_close(compiled(q, k, v, scale), ref, dtype, f"compiled out, scale={scale}")
+
+
 # ------------------------------------------------------------------------------------------------------------
 # Bad input: ValueError naming the argument, what it got and what is valid; nothing is launched.
 # ------------------------------------------------------------------------------------------------------------
@@ -186,6 +200,9 @@ BAD_FORWARD = {
     "v-head-dim-too-large": (lambda: (_t(*Q), _t(*K), _t(2, 2, 8, 320)), {}, "v: got head dim 320"),
     "empty-keys": (lambda: (_t(*Q), _t(2, 2, 0, 32), _t(2, 2, 0, 32)), {}, "S_kv=0"),
     "bad-scale": (lambda: (_t(*Q), _t(*K), _t(*V)), {"scale": -1.0}, "scale: got -1.0"),
+    "nan-scale": (lambda: (_t(*Q), _t(*K), _t(*V)), {"scale": float("nan")}, "scale: got nan"),
+    "inf-scale": (lambda: (_t(*Q), _t(*K), _t(*V)), {"scale": float("inf")}, "scale: got inf"),
+    "str-scale": (lambda: (_t(*Q), _t(*K), _t(*V)), {"scale": "0.1"}, "scale: got '0.1'"),
 }
 
 
@@ -211,6 +228,8 @@ BAD_BACKWARD = {
     "lse-shape": ("lse", lambda a: torch.zeros(2, 4, 9, device=DEVICE), "lse: got torch.float32 of shape (2, 4, 9)"),
     "lse-rank": ("lse", lambda a: torch.zeros(2, 4, device=DEVICE), "lse: got shape (2, 4)"),
     "lse-device": ("lse", lambda a: torch.zeros(Q[:3], device="meta"), "lse: got device meta"),
+    "do-device": ("do", lambda a: _t(*Q, device="meta"), "do: got device meta"),
+    "q-heads": ("q", lambda a: _t(2, 3, 8, 32), "k: got H_kv=2 for H_q=3"),
 }
 
 

@@ -11,6 +11,7 @@ import pytest
 import torch
 from conftest import DEVICE, KERNEL_DTYPES, TOLERANCES
 
+import sample
 from cache import CacheFullError
 from model import GPT, GPTConfig
 from sample import check_length, generate, resolve_cache_kind, sample_next
@@ -116,9 +117,9 @@ def test_greedy_identical_across_caches(variant, backend, dtype):
         assert out == ref, f"{variant} {kind} {backend}: {out} != none's {ref}"
 
 
-@pytest.mark.parametrize("kind", ["grouped", "paged"])
-def test_ragged_batch_equals_each_sequence_alone(kind):
-    model = tiny_model("gqa")
+@pytest.mark.parametrize("variant,kind", [("gqa", "grouped"), ("gqa", "paged"), ("mla", "mla"), ("mla", "paged_mla")])
+def test_ragged_batch_equals_each_sequence_alone(variant, kind):
+    model = tiny_model(variant)
     ps = prompts((9, 2, 4))
     seen_batch, hook = _record()
     out_batch, _ = generate(model, ps, kind, max_new_tokens=MAX_NEW, page_size=8, on_logits=hook)
@@ -164,6 +165,19 @@ def test_sampling_filters():
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("option,match", [
+    (dict(temperature=-0.5), r"temperature: got -0.5; valid: a number >= 0"),
+    (dict(temperature=float("nan")), r"temperature: got nan"),
+    (dict(temperature=1.0, top_k=-1), r"top_k: got -1; valid: an int >= 0"),
+    (dict(temperature=1.0, top_p=0.0), r"top_p: got 0.0; valid: a number in \(0, 1\]"),
+    (dict(temperature=1.0, top_p=1.5), r"top_p: got 1.5; valid"),
+], ids=["temperature-neg", "temperature-nan", "top_k-neg", "top_p-0", "top_p-1.5"])
+def test_bad_sampling_options_raise(option, match):
+    model = tiny_model("mqa")
+    with pytest.raises(ValueError, match=match):
+        generate(model, prompts((3,)), "grouped", max_new_tokens=2, **option)
+
+
 def test_choices_and_lengths_fail_at_start():
     gqa, mla = tiny_model("gqa").config, tiny_model("mla").config
     assert resolve_cache_kind(gqa, "auto") == "grouped" and resolve_cache_kind(mla, "auto") == "mla"
@@ -180,6 +194,8 @@ def test_choices_and_lengths_fail_at_start():
     with pytest.raises(ValueError, match="allow_past_block_size=True"):
         check_length(rope, [10], 8, False)
     check_length(rope, [10], 8, True)
+    with pytest.raises(ValueError, match="prompts: got none"):
+        check_length(rope, [], 8, False)
 
 
 def test_rope_model_generates_past_block_size_when_asked():
@@ -190,18 +206,27 @@ def test_rope_model_generates_past_block_size_when_asked():
     assert out == ref and len(out[0]) == 6
 
 
-def test_sample_py_end_to_end(tmp_path):
-    """A tiny checkpoint written by checkpoint.save_checkpoint and a FILE: prompt; sample.py's stdout is the text
-    alone (the first sample, a separator, the second), equal to greedy generation in-process; statistics go to
-    stderr."""
+CHARS = "".join(chr(c) for c in range(32, 97))  # 65 printable characters = the tiny model's vocabulary
+
+
+def _checkpoint(directory, variant="mla"):
+    """A tiny checkpoint written by checkpoint.save_checkpoint, with a character-level tokenizer; returns the model."""
     from checkpoint import save_checkpoint
+    from data import char_meta
+
+    model = tiny_model(variant, dtype=torch.float32).cpu()
+    save_checkpoint(directory / "last.pt", {"model": model.state_dict(), "model_args": vars(model.config),
+                                            "tokenizer": char_meta(CHARS), "iter_num": 7, "config": {}})
+    return model
+
+
+def test_sample_py_end_to_end(tmp_path):
+    """A tiny checkpoint and a FILE: prompt; sample.py's stdout is the text alone (the first sample, a separator,
+    the second), equal to greedy generation in-process; statistics go to stderr."""
     from data import char_meta, get_tokenizer
 
-    chars = "".join(chr(c) for c in range(32, 97))  # 65 printable characters = the tiny model's vocabulary
-    model = tiny_model("mla", dtype=torch.float32).cpu()
-    save_checkpoint(tmp_path / "last.pt", {"model": model.state_dict(), "model_args": vars(model.config),
-                                           "tokenizer": char_meta(chars), "iter_num": 7, "config": {}})
-    tok = get_tokenizer(char_meta(chars))
+    model = _checkpoint(tmp_path)
+    tok = get_tokenizer(char_meta(CHARS))
     start = "HELLO, "
     expected, _ = generate(model, [tok.encode(start)], "none", max_new_tokens=20)
     expected_text = start + tok.decode(expected[0])
@@ -214,3 +239,72 @@ def test_sample_py_end_to_end(tmp_path):
     assert run.returncode == 0, run.stderr
     assert run.stdout == f"{expected_text}\n---------------\n{expected_text}\n"
     assert "decode:" in run.stderr and "tokens/s" in run.stderr and "bytes/token" in run.stderr
+
+
+def test_sample_py_stops_at_end_of_text(tmp_path, monkeypatch, capsys):
+    """With a tokenizer that has an end-of-text token, the sample stops where the model first emits it: stdout is
+    the prompt and the tokens before it, nothing after."""
+    import data
+
+    model = _checkpoint(tmp_path, "gqa")
+    tok = data.get_tokenizer(data.char_meta(CHARS))
+    start = "HELLO, "
+    free, _ = generate(model, [tok.encode(start)], "none", max_new_tokens=20)
+    eot = free[0][6]
+    stop = free[0].index(eot)  # its first occurrence, at most 6 of 20
+
+    def with_eot(meta):
+        tokenizer = tok.__class__(CHARS)
+        tokenizer.eot_token = eot
+        return tokenizer
+
+    monkeypatch.setattr(data, "get_tokenizer", with_eot)
+    summary = sample.main([f"--init_from={tmp_path}", "--device=cpu", "--cache=paged", "--page_size=8",
+                           "--max_new_tokens=20", "--temperature=0", f"--start={start}"])
+    assert capsys.readouterr().out == start + tok.decode(free[0][:stop]) + "\n"
+    assert summary["prefill_tokens"] == len(start) and summary["decode_tokens"] == stop
+
+
+BAD_OPTIONS = [
+    ("--cache=grouped", r"--cache: got 'grouped' for a model with attention='mla'; valid: auto, mla, paged"),
+    ("--cache=flat", r"--cache: got 'flat'; valid: auto, grouped, paged, mla, paged_mla, none"),
+    ("--num_samples=0", r"--num_samples: got 0; valid: an int >= 1"),
+    ("--temperature=-1", r"temperature: got -1.0; valid"),
+    ("--top_k=-2", r"top_k: got -2; valid"),
+    ("--top_p=1.5", r"top_p: got 1.5; valid"),
+    ("--page_size=12", r"page_size: got 12; valid: a power of two"),
+    ("--num_pages=-1", r"--num_pages: got -1; valid"),
+    ("--device=tpu0", r"--device: got 'tpu0'; valid: cpu, cuda"),
+    ("--device=meta", r"--device: got 'meta'; valid: cpu, cuda"),
+    ("--dtype=float64", r"--dtype: got 'float64'; valid"),
+    ("--start=FILE:missing.txt", r"--start: got 'FILE:missing.txt', which cannot be read"),
+    ("--max_new_tokens=70", r"block_size=64; this RoPE model may go past .* --allow_past_block_size=True"),
+    ("--cache=mla --num_pages=4", r"--num_pages=4 / --wait_for_pages=False: given with --cache=mla.*--cache=paged"),
+    ("--cache=mla --wait_for_pages=True", r"given with --cache=mla, which has no page pool"),
+    ("--cache=paged --page_size=8 --num_samples=3 --num_pages=5",  # 2 pages each at full length
+     r"--num_pages: got 5; the pool must hold 6 pages .* 3 samples at once.*>= 6, or --wait_for_pages=True with >= 2"),
+    ("--cache=paged --page_size=8 --num_pages=1 --wait_for_pages=True", r"--num_pages: got 1; .* for one sample"),
+]
+
+
+@pytest.mark.parametrize("args,match", BAD_OPTIONS, ids=[a for a, _ in BAD_OPTIONS])
+def test_sample_py_rejects_bad_options_at_start(tmp_path, monkeypatch, capsys, args, match):
+    """Each bad option or combination raises ValueError naming it and the valid values before any text is written
+    (prompt "HELLO, ": 7 tokens, + 10 new - 1 = 16 tokens = 2 pages of 8)."""
+    _checkpoint(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=match):
+        sample.main([f"--init_from={tmp_path}", "--device=cpu", "--start=HELLO, ", "--max_new_tokens=10",
+                     *args.split()])
+    assert capsys.readouterr().out == ""
+
+
+def test_sample_py_error_is_a_message_not_a_traceback(tmp_path):
+    _checkpoint(tmp_path)
+    run = subprocess.run([sys.executable, os.path.join(REPO, "sample.py"), f"--init_from={tmp_path}",
+                          "--device=cpu", "--cache=grouped"], capture_output=True, text=True, timeout=120,
+                         env={**os.environ, "PYTHONPATH": REPO})
+    assert run.returncode == 1 and run.stdout == ""
+    assert "Traceback" not in run.stderr
+    assert run.stderr.strip().endswith("error: --cache: got 'grouped' for a model with attention='mla'; valid: "
+                                       "auto, mla, paged, paged_mla, none")

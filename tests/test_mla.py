@@ -138,14 +138,15 @@ def _bad_inputs():
     table = torch.tensor([[0, 1], [2, 3]], dtype=torch.int32, device=DEVICE)
 
     def dense(**kw):
-        a = dict(q_absorbed=qa, q_rope=qr, c_kv=ckv, k_rope=kr, seq_lens=lens, num_splits=None) | kw
-        return lambda: mla_decode(a["q_absorbed"], a["q_rope"], a["c_kv"], a["k_rope"], a["seq_lens"], scale=0.1,
-                                  num_splits=a["num_splits"])
+        a = dict(q_absorbed=qa, q_rope=qr, c_kv=ckv, k_rope=kr, seq_lens=lens, num_splits=None, scale=0.1) | kw
+        return lambda: mla_decode(a["q_absorbed"], a["q_rope"], a["c_kv"], a["k_rope"], a["seq_lens"],
+                                  scale=a["scale"], num_splits=a["num_splits"])
 
     def paged(**kw):
-        a = dict(q_absorbed=qa, q_rope=qr, c_kv_pages=cp, k_rope_pages=rp, block_table=table, seq_lens=lens) | kw
+        a = dict(q_absorbed=qa, q_rope=qr, c_kv_pages=cp, k_rope_pages=rp, block_table=table, seq_lens=lens,
+                 scale=0.1) | kw
         return lambda: paged_mla_decode(a["q_absorbed"], a["q_rope"], a["c_kv_pages"], a["k_rope_pages"],
-                                        a["block_table"], a["seq_lens"], scale=0.1)
+                                        a["block_table"], a["seq_lens"], scale=a["scale"])
 
     other = torch.bfloat16 if f["dtype"] != torch.bfloat16 else torch.float16
     return {
@@ -175,6 +176,24 @@ def _bad_inputs():
         "paged-entry-outside-pool": (paged(block_table=torch.tensor([[0, 9], [2, 3]], dtype=torch.int32,
                                                                     device=DEVICE)), "block_table"),
         "paged-table-too-short": (paged(block_table=table[:, :1]), "block_table"),
+        "latent-dim-too-small": (dense(q_absorbed=qa[..., :8], c_kv=ckv[..., :8]), "q_absorbed"),
+        "q_rope-dtype": (dense(q_rope=qr.to(other)), "q_rope"),
+        "k_rope-rank": (dense(k_rope=kr[0]), "k_rope"),
+        "scale-nan": (dense(scale=float("nan")), "scale"),
+        "scale-zero": (dense(scale=0.0), "scale"),
+        "paged-q_absorbed-rank": (paged(q_absorbed=qa[0]), "q_absorbed"),
+        "paged-c_kv_pages-rank": (paged(c_kv_pages=cp[0]), "c_kv_pages"),
+        "paged-latent-dim": (paged(c_kv_pages=cp[..., :32]), "c_kv_pages"),
+        "paged-c_kv_pages-dtype": (paged(c_kv_pages=cp.to(other)), "c_kv_pages"),
+        "paged-table-rank": (paged(block_table=table[0]), "block_table"),
+        "paged-table-batch": (paged(block_table=table[:1]), "block_table"),
+        "paged-negative-entry": (paged(block_table=torch.tensor([[0, 1], [-1, 3]], dtype=torch.int32,
+                                                                device=DEVICE)), "block_table"),
+        "paged-seq_lens-zero": (paged(seq_lens=torch.tensor([16, 0], dtype=torch.int32, device=DEVICE)), "seq_lens"),
+        "paged-seq_lens-beyond-table": (paged(seq_lens=torch.tensor([17, 3], dtype=torch.int32, device=DEVICE)),
+                                        "block_table"),
+        "paged-device-mismatch": (paged(block_table=table.to("meta" if DEVICE == "cpu" else "cpu")), "block_table"),
+        "paged-scale-none": (paged(scale=None), "scale"),
     }
 
 
@@ -186,6 +205,22 @@ def test_bad_input_raises(name):
     call, argument = BAD[name]
     with pytest.raises(ValueError, match=rf"^{argument}\b.*got .*valid"):
         call()
+
+
+def test_strided_seq_lens():
+    """seq_lens a strided view (every other entry of a longer tensor), block_table column-major: the kernels see
+    the lengths and pages the value checks saw."""
+    dtype = KERNEL_DTYPES[0]
+    q_abs, q_rope, c_kv, k_rope, scale = _inputs(3, 4, 24, 64, 16, dtype)
+    lens = torch.tensor([24, 1, 1, 1, 9, 24], dtype=torch.int32, device=DEVICE)[::2]  # (24, 1, 9)
+    c_pages, r_pages, table = _paged_latent(c_kv, k_rope, 8)
+    table_t = table.t().contiguous().t()
+    assert not (lens.is_contiguous() or table_t.is_contiguous())
+    ref_out, ref_lse = mla_decode_reference(q_abs, q_rope, c_kv, k_rope, lens, scale=scale)
+    out, lse = mla_decode(q_abs, q_rope, c_kv, k_rope, lens, scale=scale, num_splits=2)
+    _check(out, lse, ref_out, ref_lse, dtype, "mla_decode strided seq_lens")
+    out, lse = paged_mla_decode(q_abs, q_rope, c_pages, r_pages, table_t, lens, scale=scale, num_splits=2)
+    _check(out, lse, ref_out, ref_lse, dtype, "paged_mla_decode strided seq_lens and table")
 
 
 def test_compile_fullgraph():

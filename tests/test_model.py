@@ -238,6 +238,9 @@ BAD_CONFIGS = {
     "zero-vocab": (dict(vocab_size=0), "vocab_size", "a positive int"),
     "float-layers": (dict(n_layer=2.0), "n_layer", "a positive int"),
     "dropout-1": (dict(dropout=1.0), "dropout", r"\[0, 1\)"),
+    "dropout-string": (dict(dropout="0.1"), "dropout", r"\[0, 1\)"),
+    "bias-string": (dict(bias="False"), "bias", r"True \| False"),  # a truthy string would mean bias=True
+    "theta-string": (dict(rope_theta="1e4"), "rope_theta", "a positive float"),
     "theta-0": (dict(rope_theta=0.0), "rope_theta", "a positive float"),
     "embd-not-divisible": (dict(n_embd=30, n_head=4), "n_embd", "a multiple of n_head=4"),
     "rope-odd-head-dim": (dict(n_embd=12, n_head=4, pos_embedding="rope"), "n_embd", "even for RoPE"),
@@ -348,8 +351,9 @@ def test_flops_and_mfu_by_hand():
 def test_mfu_peaks(monkeypatch):
     model = GPT(make_config("mha"))
     assert model.estimate_mfu(4, 0.5) is None  # the CPU has no bf16 tensor-core peak to compare against
-    names = {"NVIDIA H200": 989e12, "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12,
-             "NVIDIA A100-SXM4-80GB": 312e12, "NVIDIA L40S": 362e12, "NVIDIA L4": 121e12, "Tesla T4": None}
+    names = {"NVIDIA H200": 989e12, "NVIDIA H200 NVL": 835e12, "NVIDIA GH200 480GB": 989e12,
+             "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA A100-SXM4-80GB": 312e12,
+             "NVIDIA L40S": 362e12, "NVIDIA L4": 121e12, "Tesla T4": None}
     for name, peak in names.items():
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
         assert peak_bf16_flops(torch.device("cuda", 0)) == peak, name
@@ -385,7 +389,7 @@ def test_from_pretrained_local_dir_matches_transformers(tmp_path):
     assert_scaled_close(ours, theirs, 1e-5, "logits vs transformers")
 
 
-def test_from_pretrained_errors(monkeypatch):
+def test_from_pretrained_errors(monkeypatch, tmp_path):
     with pytest.raises(ValueError, match="name_or_path: got 'gpt3'"):
         GPT.from_pretrained("gpt3")
     with pytest.raises(ValueError, match=r"override_args: got keys \['n_layer'\]"):
@@ -398,9 +402,21 @@ def test_from_pretrained_errors(monkeypatch):
     monkeypatch.setattr(transformers.GPT2LMHeadModel, "from_pretrained", offline)
     with pytest.raises(OSError, match="offline, pass a directory written by GPT2LMHeadModel.save_pretrained"):
         GPT.from_pretrained("gpt2")
+    with pytest.raises(OSError, match="is it a directory written by GPT2LMHeadModel.save_pretrained"):
+        GPT.from_pretrained(str(tmp_path))  # a directory without weights
     monkeypatch.setitem(sys.modules, "transformers", None)  # what a missing package looks like to import
     with pytest.raises(ImportError, match="pip install transformers"):
         GPT.from_pretrained("gpt2")
+
+
+def test_from_pretrained_refuses_another_architecture(tmp_path):
+    """transformers loads a Llama directory into GPT2LMHeadModel with a warning and random weights; we refuse."""
+    transformers = pytest.importorskip("transformers")
+    llama = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                                     num_attention_heads=4, max_position_embeddings=32)
+    transformers.LlamaForCausalLM(llama).save_pretrained(tmp_path)
+    with pytest.raises(ValueError, match=r"name_or_path: .* lacks GPT-2 weights \['transformer\."):
+        GPT.from_pretrained(str(tmp_path))
 
 
 # ------------------------------------------------------------------------------------------------------------

@@ -17,7 +17,7 @@ import torch
 from conftest import DEVICE
 
 import train
-from checkpoint import TRAIN_KEYS, CheckpointError, load_checkpoint
+from checkpoint import TRAIN_KEYS, CheckpointError, load_checkpoint, save_checkpoint
 from configurator import ConfigError
 from model import GPT
 
@@ -167,16 +167,16 @@ def read_wandb_records(path):
 
 def test_wandb_without_credentials_writes_an_offline_run(data_dir, tmp_path):
     pytest.importorskip("wandb")
-    env = subprocess_env(WANDB_DIR=str(tmp_path), HOME=str(tmp_path))  # no ~/.netrc: no credentials
-    for key in ("WANDB_MODE", "WANDB_API_KEY"):
+    env = subprocess_env(HOME=str(tmp_path))  # no ~/.netrc: no credentials
+    for key in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_DIR"):
         env.pop(key, None)
     cmd = [sys.executable, os.path.join(ROOT, "train.py"), *TINY, os.path.join(ROOT, "configs", "mla.py"),
            f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'out'}", "--max_iters=4", "--eval_interval=2",
            "--log_interval=2", "--wandb_log=True", "--wandb_group=test-group"]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    runs = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
-    assert len(runs) == 1, os.listdir(tmp_path)
+    runs = glob.glob(str(tmp_path / "out" / "wandb" / "offline-run-*" / "run-*.wandb"))  # beside the checkpoints
+    assert len(runs) == 1, os.listdir(tmp_path / "out")
     assert f"wandb sync {os.path.dirname(runs[0])}" in proc.stdout
 
     records = read_wandb_records(runs[0])
@@ -211,11 +211,21 @@ def test_unknown_key_stops_the_entry_point_with_the_valid_keys(tmp_path):
     (["--attention=linear"], "GPTConfig.attention: got 'linear'"),
     (["--attention=gqa", "--n_kv_head=3"], "GPTConfig.n_kv_head: got 3"),
     (["--init_from=gpt5"], "init_from: got 'gpt5'"),
-], ids=["type", "device", "dtype", "attention", "n_kv_head", "init_from"])
+    (["--learning_rate=-1"], "learning_rate: got -1.0; valid: a number >= 0"),
+    (["--beta2=1.5"], "beta2: got 1.5; valid: a number in [0, 1)"),
+    (["--backend=mpi"], "backend: got 'mpi'; valid: 'auto', 'nccl', 'gloo'"),
+    (["--device=cuda:99"], "device: got 'cuda:99'"),
+], ids=["type", "device", "dtype", "attention", "n_kv_head", "init_from", "lr", "beta2", "backend", "cuda-index"])
 def test_bad_values_fail_with_clear_message(data_dir, tmp_path, argv, needle):
     with pytest.raises(ConfigError) as e:
         run_inprocess(data_dir, tmp_path, *argv)
     assert needle in str(e.value)
+
+
+def test_init_from_a_directory_without_gpt2_weights_fails_clearly(data_dir, tmp_path):
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="init_from: could not load GPT-2 weights .*empty"):
+        run_inprocess(data_dir, tmp_path / "out", f"--init_from={tmp_path / 'empty'}")
 
 
 def test_corrupt_checkpoint_fails_to_resume_clearly(data_dir, tmp_path):
@@ -276,6 +286,19 @@ def test_checkpoint_resumes_on_the_cpu(data_dir, tmp_path):
                            "--init_from=resume")
     assert result["iter_num"] == 4
     assert load_checkpoint(tmp_path / "last.pt")["config"]["device"] == "cpu"
+
+
+def test_resume_uses_this_devices_adamw_implementation(data_dir, tmp_path):
+    # A checkpoint written on CUDA carries fused=True in its param groups; a resume elsewhere must not inherit it
+    # (and a CPU checkpoint resumed on CUDA must get the fused kernel).
+    run_inprocess(data_dir, tmp_path, "--device=cpu", "--max_iters=2", "--eval_interval=2")
+    ckpt = load_checkpoint(tmp_path / "last.pt")
+    for group in ckpt["optimizer"]["param_groups"]:
+        group["fused"] = True
+    save_checkpoint(tmp_path / "last.pt", ckpt)
+    run_inprocess(data_dir, tmp_path, "--device=cpu", "--max_iters=4", "--eval_interval=2", "--init_from=resume")
+    groups = load_checkpoint(tmp_path / "last.pt")["optimizer"]["param_groups"]
+    assert [g["fused"] for g in groups] == [None, None]
 
 
 def test_finetune_from_gpt2_weights_in_a_local_directory(data_dir, tmp_path):
