@@ -6,6 +6,7 @@ captured or torch.compile is tracing."""
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 
@@ -56,8 +57,6 @@ def check_int32(name: str, x: torch.Tensor, shape: tuple[int, ...], layout: str)
 
 
 def interpreting() -> bool:
-    import os
-
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
