@@ -81,7 +81,9 @@ def to_pages(x: torch.Tensor, page_size: int):
 
 
 def split_candidates(auto: int) -> list[int]:
-    return sorted({1, max(1, auto // 2), min(decode_mod.MAX_SPLITS, auto * 2), 4 * auto} - {auto})
+    """Fixed split counts to time against the auto pick: 1 and its power-of-two neighbours."""
+    return sorted({1, max(1, auto // 4), max(1, auto // 2), min(decode_mod.MAX_SPLITS, auto * 2),
+                   min(decode_mod.MAX_SPLITS, auto * 4)} - {auto})
 
 
 def bench_grouped(shapes, fixed_splits: bool, copy_tbps: float) -> list[dict]:
@@ -117,12 +119,7 @@ def bench_grouped(shapes, fixed_splits: bool, copy_tbps: float) -> list[dict]:
 
 
 def _auto_splits_grouped(b, h_q, h_kv, s, d) -> int:
-    group = h_q // h_kv
-    block_h = max(16, min(64, 1 << (group - 1).bit_length()))
-    tiles = h_kv * math.ceil(group / block_h)
-    block_n = decode_mod._block_n(2 * d)
-    return decode_mod.auto_num_splits(b * tiles, math.ceil(s / block_n), block_n * 2 * d * DTYPE.itemsize,
-                                      b * h_q * (d + 1) * 4, decode_mod.num_sms(torch.device("cuda")))
+    return decode_mod.grouped_num_splits(b, h_q, h_kv, s, d, d, DTYPE.itemsize, torch.device("cuda"))
 
 
 def bench_paged(shapes, copy_tbps: float) -> list[dict]:

@@ -92,7 +92,8 @@ def time_fwd_bwd(fn, q, k, v, do):
 
 
 def run_ours(q, k, v, do, causal, tma: str):
-    """Time our kernels with ZOO_FLASH_TMA set to `tma` ("auto": descriptors on Hopper; "0": plain pointers)."""
+    """Time our kernels with ZOO_FLASH_TMA set to `tma` ("auto": descriptors for the backward on Hopper; "0":
+    plain pointers everywhere)."""
     saved = os.environ.get("ZOO_FLASH_TMA")
     os.environ["ZOO_FLASH_TMA"] = tma
     try:
@@ -157,8 +158,8 @@ def main():
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (saves its compile time)")
     parser.add_argument("--pointers", action="store_true",
-                        help="also time our kernels with plain pointer loads instead of TMA descriptors "
-                             "(ZOO_FLASH_TMA=0): the TMA lever's gain")
+                        help="also time our kernels with plain pointer loads everywhere (ZOO_FLASH_TMA=0): "
+                             "the backward's TMA lever")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     print(header())

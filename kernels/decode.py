@@ -196,11 +196,14 @@ def _combine_splits_kernel(
     stride_lb, stride_lh,
     NUM_SPLITS: tl.constexpr, D_V: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
 ):
-    """Merge the splits of one (sequence, head): all its partials in one 2-D load, weights exp2(lse_s - max)."""
+    """Merge the splits of one (sequence, head) over BLOCK_DV of its output columns: the partials in one 2-D load,
+    weights exp2(lse_s - max). Column blocks are separate programs, so a (splits, columns) tile stays in
+    registers even at 128 splits and 512 columns."""
     h = tl.program_id(0)
     b = tl.program_id(1)
+    col_block = tl.program_id(2)
     offs_s = tl.arange(0, BLOCK_S)
-    offs_d = tl.arange(0, BLOCK_DV)
+    offs_d = col_block * BLOCK_DV + tl.arange(0, BLOCK_DV)
     mask_s = offs_s < NUM_SPLITS
     lse2 = tl.load(PARTIAL_LSE + b * stride_plb + h * stride_plh + offs_s * stride_pls, mask=mask_s,
                    other=-float("inf"))
@@ -212,7 +215,8 @@ def _combine_splits_kernel(
     out = tl.sum(o * w[:, None], axis=0) / denom
     tl.store(OUT + b * stride_ob + h * stride_oh + offs_d * stride_od, out.to(OUT.dtype.element_ty),
              mask=offs_d < D_V)
-    tl.store(LSE + b * stride_lb + h * stride_lh, (m + tl.math.log2(denom)) * 0.6931471805599453)
+    if col_block == 0:
+        tl.store(LSE + b * stride_lb + h * stride_lh, (m + tl.math.log2(denom)) * 0.6931471805599453)
 
 
 # ---- Launch heuristics ------------------------------------------------------------------------------------------
@@ -230,28 +234,65 @@ def num_sms(device: torch.device) -> int:
     return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
-def auto_num_splits(programs: int, n_tiles: int, tile_bytes: int, partial_bytes: int, sms: int) -> int:
+SPLIT_CHOICES = (1, 2, 4, 8, 16, 32, 64, 128)  # powers of two: few compiled variants (NUM_SPLITS is constexpr)
+
+
+def auto_num_splits(programs: int, n_tiles: int, tile_bytes: int, tile_flops: int, partial_bytes: int,
+                    slots: int) -> int:
     """Split count from a small cost model of one launch (FlashAttention-3's wave-efficiency rule, with costs).
 
-    programs: (sequence, head tile) pairs; n_tiles: KV tiles per pair at full capacity; tile_bytes: bytes one
-    tile reads; partial_bytes: bytes one split adds to the partial outputs (written, then read by the combine).
-    One program per SM streams at its share of the bandwidth, and no faster than one tile per tile_latency (a
-    lone program is latency-bound); the launch lasts programs * splits / SMs program lengths plus half a program
-    for the tail (programs finish unevenly, so short programs balance better), each program adds a fixed latency,
-    and splitting adds the combine launch and its traffic. Only shapes enter, never sequence lengths, so no device
-    sync is needed. The constants are fitted to an H200 sweep of the bench grid (benchmarks/bench_decode.py).
+    programs: (sequence, head tile) pairs; n_tiles: KV tiles per pair at full capacity; tile_bytes / tile_flops:
+    what one tile reads and computes (FLOPs counted at the MMA's 64-row minimum); partial_bytes: bytes one split
+    adds to the partial outputs (written, then read by the combine); slots: programs the GPU runs at once (SMs
+    times programs per SM). The programs run in waves of `slots`; in a wave of c programs each tile takes the
+    longer of its share of the bandwidth (tile_bytes * c / bandwidth) and what one program alone needs per tile
+    (a latency floor, or its compute at one SM's rate). Splitting adds the combine: a launch and the partials'
+    traffic. Only shapes enter, never sequence lengths, so no device sync is needed and the launch can be captured
+    in a CUDA graph. The constants are fitted to an H200 sweep of every split count on the grid of
+    benchmarks/bench_decode.py: the pick is within 5% of the best measured split on 64 of its 68 shapes, and
+    within 6.5% on all (the rest is run-to-run noise of a few %).
     """
-    bandwidth = 4.0e12
-    tile_latency, program_latency, combine_latency = 0.5e-6, 2e-6, 3e-6
+    bandwidth, tile_floor, sm_flops, combine_latency = 5e12, 1e-6, 3e12, 8e-6
+    per_tile_alone = max(tile_floor, tile_flops / sm_flops)
     best, best_time = 1, math.inf
-    for splits in range(1, min(MAX_SPLITS, n_tiles) + 1):
-        program = math.ceil(n_tiles / splits) * (tile_bytes * sms / bandwidth + tile_latency) + program_latency
-        time = (programs * splits / sms + 0.5) * program
+    for splits in SPLIT_CHOICES:
+        if splits > max(1, n_tiles):
+            break
+        waves, last = divmod(programs * splits, slots)
+        tiles = math.ceil(n_tiles / splits)
+        time = waves * tiles * max(tile_bytes * slots / bandwidth, per_tile_alone)
+        if last:
+            time += tiles * max(tile_bytes * last / bandwidth, per_tile_alone)
         if splits > 1:
             time += combine_latency + 2 * partial_bytes * splits / bandwidth
-        if time < best_time * 0.99:  # ties go to fewer splits
+        if time < best_time * 0.95:  # a split must win by 5% (more splits: more combine traffic and variance)
             best, best_time = splits, time
     return best
+
+
+def programs_per_sm(d_max: int) -> int:
+    """How many grouped-decode programs an SM holds at once with _launch_config's tiles (shared memory for the
+    pipelined K/V tiles is the limit): fitted with auto_num_splits on the same H200 sweep."""
+    return 4 if d_max <= 64 else 2 if d_max <= 128 else 1
+
+
+def _block_h(group: int) -> int:
+    """Query heads per program: the KV group packed into the MMA's M dimension (at least 16 rows)."""
+    return max(16, min(64, triton.next_power_of_2(group)))
+
+
+def grouped_num_splits(batch: int, h_q: int, h_kv: int, capacity: int, d_qk: int, d_v: int, itemsize: int,
+                       device: torch.device, block_n: int | None = None) -> int:
+    """The split count grouped and paged decode use with num_splits=None (d_qk includes a RoPE part)."""
+    group = h_q // h_kv
+    block_h = _block_h(group)
+    d_max = max(d_qk, d_v)
+    block_n = block_n or _block_n(d_max)
+    tile_bytes = block_n * (d_qk + d_v) * itemsize
+    tile_flops = 2 * max(64, block_h) * block_n * (d_qk + d_v)
+    partial_bytes = batch * h_q * (d_v + 1) * 4
+    return auto_num_splits(batch * h_kv * triton.cdiv(group, block_h), triton.cdiv(capacity, block_n), tile_bytes,
+                           tile_flops, partial_bytes, num_sms(device) * programs_per_sm(d_max))
 
 
 def _block_n(d_max: int) -> int:
@@ -283,15 +324,14 @@ def _launch_decode(q, k, v, q_rope, k_rope, block_table, seq_lens, scale: float,
     d_rope = q_rope.shape[-1] if q_rope is not None else 0
     seq_lens = seq_lens.contiguous()  # the kernel reads seq_lens[b] at SEQ_LENS + b (no stride)
     group = h_q // h_kv
-    block_h = max(16, min(64, triton.next_power_of_2(group)))
+    block_h = _block_h(group)
     head_tiles = h_kv * triton.cdiv(group, block_h)
     d_max = max(d_qk + d_rope, d_v)
     block_n = block_n or _block_n(d_max)
     n_tiles = triton.cdiv(capacity, block_n)
     if num_splits is None:
-        tile_bytes = block_n * (d_qk + d_rope + d_v) * k.element_size()
-        partial_bytes = batch * h_q * (d_v + 1) * 4
-        num_splits = auto_num_splits(batch * head_tiles, n_tiles, tile_bytes, partial_bytes, num_sms(q.device))
+        num_splits = grouped_num_splits(batch, h_q, h_kv, capacity, d_qk + d_rope, d_v, k.element_size(), q.device,
+                                        block_n)
     out = new_empty((batch, h_q, d_v), q.device, q.dtype)
     lse = new_empty((batch, h_q), q.device, torch.float32)
     if num_splits == 1:
@@ -330,9 +370,10 @@ def _launch_decode(q, k, v, q_rope, k_rope, block_table, seq_lens, scale: float,
 def combine_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor):
     """part_o (B, H, splits, D_v) fp32, part_lse (B, H, splits) log2 units -> out (B, H, D_v), lse (B, H)."""
     batch, heads, splits, d_v = part_o.shape
-    _combine_splits_kernel[(heads, batch)](
+    block_dv = min(_pow2(d_v), max(16, 4096 // _pow2(splits, 2)))  # at most 4096 fp32 values per program
+    _combine_splits_kernel[(heads, batch, triton.cdiv(d_v, block_dv))](
         part_o, part_lse, out, lse, *part_o.stride(), *part_lse.stride(), *out.stride(), *lse.stride(),
-        NUM_SPLITS=splits, D_V=d_v, BLOCK_S=_pow2(splits, 2), BLOCK_DV=_pow2(d_v), num_warps=4,
+        NUM_SPLITS=splits, D_V=d_v, BLOCK_S=_pow2(splits, 2), BLOCK_DV=block_dv, num_warps=4,
     )
 
 

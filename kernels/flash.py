@@ -20,11 +20,15 @@ Structure (FlashAttention-2, Dao 2023; Triton's fused-attention tutorial):
   block, streaming K/V like the forward.
 - block sizes, warps and pipeline stages come from a handful of configs per head dim, timed once per
   (kernel, head dims, causal, dtype, sequence-length bucket) on the GPU and cached for the process.
-- the tiles a loop streams (K/V in the forward and dQ, Q/dO in dK/dV) come through TMA tensor descriptors on
-  Hopper when the layout allows (unit last-dim stride, 16-byte aligned strides), else through plain pointers
-  with masks; the choice is made at launch (ZOO_FLASH_TMA=auto/0/1) and both paths compute the same math.
-  Measured on an H200 (bf16, B4 H_q32 H_kv8 S4096): descriptors moved D=128 by +2-3% (within run-to-run noise)
-  and D=64's forward by -9%; `benchmarks/bench_flash.py --pointers` times both.
+- the tiles a loop streams (K/V in the forward and dQ, Q/dO in dK/dV) come through TMA tensor descriptors or
+  through plain pointers with masks; both paths compute the same math. ZOO_FLASH_TMA=auto (default) uses
+  descriptors for the two backward kernels on Hopper and pointers for the forward, as measured on an H200 (bf16,
+  B4 H_q32 H_kv8 S4096, best config of each): forward D=128 causal 450 TFLOP/s with pointers vs 427 with
+  descriptors, full 506 vs 484, D=64 causal 401 vs 362; backward D=128 causal 355 with descriptors vs 335.
+  ZOO_FLASH_TMA=0/1 forces one path everywhere (1 also under the interpreter, where the tests use it).
+- tried and dropped, measured on the same H200: triton 3.6's automatic warp specialization of the KV loop
+  (`tl.range(..., warp_specialize=True)`: no change at eight warps, a compiler failure at four) and dQ
+  accumulated with fp32 atomics inside the dK/dV kernel instead of its own pass (265 TFLOP/s backward vs 355).
 
 The same kernels run on CPU tensors under TRITON_INTERPRET=1: loop bounds are computed from program ids and
 integer arguments, and `_bound` hands them to the interpreter as the Python ints its `range` needs.
@@ -442,18 +446,18 @@ def _flash_bwd_dq_kernel(
 # get fewer stages: each stage holds one K and one V tile in shared memory.
 _CONFIGS = {
     "fwd": {
-        64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3)],
-        128: [(128, 64, 8, 3), (128, 128, 8, 3), (128, 64, 4, 3), (64, 64, 4, 3)],
+        64: [(128, 64, 8, 4), (128, 64, 4, 3), (128, 128, 4, 3), (64, 64, 4, 3)],
+        128: [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3)],
         256: [(64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 8, 2)],
     },
     "dkdv": {
         64: [(64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 4)],
-        128: [(32, 128, 8, 3), (64, 128, 8, 2), (32, 128, 4, 3), (64, 64, 4, 3)],
+        128: [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3)],
         256: [(32, 64, 4, 2), (32, 128, 8, 1), (16, 64, 4, 2), (32, 32, 4, 2)],
     },
     "dq": {
         64: [(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 4)],
-        128: [(128, 32, 8, 3), (128, 64, 8, 2), (128, 32, 4, 3), (64, 64, 4, 3)],
+        128: [(128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3)],
         256: [(64, 32, 4, 2), (128, 32, 8, 1), (64, 16, 4, 2), (32, 32, 4, 2)],
     },
 }
@@ -516,14 +520,16 @@ def _scratch(size: int, alignment: int, stream):
     return torch.empty(size, dtype=torch.int8, device="cuda")
 
 
-def _use_tma(*tensors: torch.Tensor) -> bool:
-    """Stream these tensors through TMA tensor descriptors? ZOO_FLASH_TMA=auto (default): on Hopper or newer when
-    the layout allows; 0: never (plain pointers); 1: whenever the layout allows, also under the interpreter (the
-    tests use it to run the descriptor path on the CPU). TMA needs a unit last-dim stride, 16-byte aligned other
-    strides and base address (each (batch, head) slice becomes one 2-d descriptor)."""
+def _use_tma(backward: bool, *tensors: torch.Tensor) -> bool:
+    """Stream these tensors through TMA tensor descriptors? ZOO_FLASH_TMA=auto (default): for the backward kernels
+    on Hopper or newer when the layout allows (the forward is faster with pointers, see the module docstring);
+    0: never (plain pointers); 1: whenever the layout allows, also under the interpreter (the tests use it to run
+    the descriptor path on the CPU). TMA needs a unit last-dim stride, 16-byte aligned other strides and base
+    address (each (batch, head) slice becomes one 2-d descriptor)."""
     mode = os.environ.get("ZOO_FLASH_TMA", "auto")
     t0 = tensors[0]
-    if mode == "0" or (mode != "1" and not (t0.is_cuda and torch.cuda.get_device_capability(t0.device)[0] >= 9)):
+    if mode == "0" or (mode != "1" and not (backward and t0.is_cuda
+                                             and torch.cuda.get_device_capability(t0.device)[0] >= 9)):
         return False
     for t in tensors:
         size = t.element_size()
@@ -611,7 +617,7 @@ def _forward(q, k, v, scale: float | None, causal: bool, out=None, lse=None):
     lse = torch.empty((b, h_q, s_q), device=q.device, dtype=torch.float32) if lse is None else lse
     if out.numel() == 0:
         return out, lse
-    use_tma = _use_tma(k, v)
+    use_tma = _use_tma(False, k, v)
 
     def launch(cfg):
         block_m, block_n, warps, stages = cfg
@@ -648,7 +654,7 @@ def _backward(q, k, v, out, lse, do, scale: float | None, causal: bool, dlse=Non
                   GROUP_SIZE=h_q // h_kv, CAUSAL=causal, PRECISION=_precision(q.dtype),
                   INTERPRET=_checks.interpreting())
     qkv_strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *lse.stride())
-    tma_dkdv, tma_dq = _use_tma(q, do), _use_tma(k, v)  # what each kernel streams through its loop
+    tma_dkdv, tma_dq = _use_tma(True, q, do), _use_tma(True, k, v)  # what each kernel streams through its loop
 
     def launch_dkdv(cfg):
         block_m, block_n, warps, stages = cfg

@@ -115,13 +115,14 @@ def _mla_decode_kernel(
 
 def _mla_config(h: int, d_c: int) -> dict:
     """Heads per program and tile sizes; the (BLOCK_H, D_c) fp32 accumulator lives in registers. H200 sweeps at
-    512 + 64, B64 N8192 (bench_decode.py --tune): 16 heads (memory-bound): 32-row tiles, four warps, three stages
-    read 3.8 TB/s (two stages 3.3, eight warps 2.9). 128 heads (compute-bound): 64 heads x 64 rows, eight warps,
-    two stages 265 TFLOP/s; 32 heads x 64 rows, four warps 245; 64 x 32 rows 180-220; 64 x 16 rows 108."""
+    512 + 64 with the best split count each (B 1-128, N 4k-64k): 16 heads (memory-bound): 64-row tiles, four
+    warps, three stages read 3.90 TB/s at B64 N8192 and 4.34 at N32768 (32-row tiles 3.84 / 4.20, two stages
+    3.77 / 4.27, eight warps 2.8). 128 heads (compute-bound): 64 heads x 64 rows, eight warps, two stages
+    294 TFLOP/s at B64 N8192; 32 heads x 64 rows, four warps 250; 64 x 32 rows 190-233; 64 x 16 rows 108."""
     block_h = max(16, min(64, triton.next_power_of_2(h)))
     if d_c > 256:
         if block_h == 16:
-            return dict(BLOCK_H=16, BLOCK_N=32, num_warps=4, num_stages=3)
+            return dict(BLOCK_H=16, BLOCK_N=64, num_warps=4, num_stages=3)
         return dict(BLOCK_H=block_h, BLOCK_N=64, num_warps=8 if block_h == 64 else 4, num_stages=2)
     return dict(BLOCK_H=block_h, BLOCK_N=64, num_warps=4, num_stages=3)
 
@@ -140,8 +141,11 @@ def _launch_mla(q_absorbed, q_rope, c_kv, k_rope, block_table, seq_lens, scale: 
     n_tiles = triton.cdiv(capacity, block_n)
     if num_splits is None:
         tile_bytes = block_n * (d_c + d_r) * c_kv.element_size()
-        num_splits = auto_num_splits(batch * head_tiles, n_tiles, tile_bytes, batch * h * (d_c + 1) * 4,
-                                     _num_sms(q_absorbed.device))
+        tile_flops = 2 * max(64, block_h) * block_n * (d_c + d_r + d_c)
+        # One program per SM: the 64-row head tile's accumulator fills the register file, and the 16-head tile's
+        # three stages of 64 x 576 latent rows fill shared memory.
+        num_splits = auto_num_splits(batch * head_tiles, n_tiles, tile_bytes, tile_flops,
+                                     batch * h * (d_c + 1) * 4, _num_sms(q_absorbed.device))
     out = _decode.new_empty((batch, h, d_c), q_absorbed.device, q_absorbed.dtype)
     lse = _decode.new_empty((batch, h), q_absorbed.device, torch.float32)
     if num_splits == 1:

@@ -158,14 +158,31 @@ def test_paged_matches_contiguous_on_ragged_batch():
     assert_close(lse_p, lse_a, dtype, "paged vs contiguous lse")
 
 
-def test_auto_num_splits_heuristic():
-    """Enough programs already fill the machine: one split. Few long sequences: many splits, never more than
-    the tiles, never past the cap; the choice depends only on shapes."""
+# (B, S, H_kv, D) -> the split count that was fastest in an H200 sweep of every power of two (H_q 32, bf16).
+MEASURED_BEST_SPLITS = {(1, 65536, 1, 128): 128, (1, 8192, 8, 64): 32, (8, 65536, 1, 128): 32, (8, 1024, 8, 64): 4,
+                        (32, 65536, 1, 128): 8, (128, 8192, 1, 128): 2, (8, 8192, 32, 128): 1,
+                        (128, 1024, 8, 128): 1}
+
+
+@pytest.mark.parametrize("shape", list(MEASURED_BEST_SPLITS), ids=lambda s: "B{}-S{}-Hkv{}-D{}".format(*s))
+def test_auto_num_splits_matches_measured_best(shape, monkeypatch):
+    """On a 132-SM H200 the cost model picks the split count that measured fastest: many for few long sequences,
+    one once the programs fill the machine; only shapes enter (no device values)."""
+    monkeypatch.setattr(decode, "num_sms", lambda device: 132)
+    b, s, h_kv, d = shape
+    assert decode.grouped_num_splits(b, 32, h_kv, s, d, d, 2, torch.device("cuda")) == MEASURED_BEST_SPLITS[shape]
+
+
+def test_auto_num_splits_limits():
+    """Never more splits than tiles, never past the cap, always a power of two."""
     tile = 64 * 256 * 2
-    assert auto_num_splits(programs=128 * 32, n_tiles=128, tile_bytes=tile, partial_bytes=1, sms=132) == 1
-    few = auto_num_splits(programs=8, n_tiles=512, tile_bytes=tile, partial_bytes=8 * 32 * 129 * 4, sms=132)
-    assert 16 <= few <= decode.MAX_SPLITS
-    assert auto_num_splits(programs=1, n_tiles=3, tile_bytes=tile, partial_bytes=1, sms=132) <= 3
+    assert auto_num_splits(programs=1, n_tiles=3, tile_bytes=tile, tile_flops=1, partial_bytes=1, slots=264) <= 3
+    assert auto_num_splits(programs=1, n_tiles=0, tile_bytes=tile, tile_flops=1, partial_bytes=1, slots=264) == 1
+    many = auto_num_splits(programs=1, n_tiles=10**6, tile_bytes=tile, tile_flops=1, partial_bytes=1, slots=264)
+    assert many == decode.MAX_SPLITS
+    for n_tiles in (5, 17, 100, 1000):
+        n = auto_num_splits(programs=3, n_tiles=n_tiles, tile_bytes=tile, tile_flops=1, partial_bytes=64, slots=8)
+        assert n & (n - 1) == 0 and n <= n_tiles
 
 
 def _bad_inputs():

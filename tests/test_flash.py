@@ -90,8 +90,8 @@ def test_forward_backward_matches_reference(case, dtype):
 @pytest.mark.parametrize("case", [CASES[2], CASES[7], CASES[9]], ids=case_id)
 def test_pointer_and_descriptor_paths(case, tma, monkeypatch):
     """Both ways the loops can stream tiles: plain pointers with masks, and TMA tensor descriptors (zero-filled
-    out of bounds). The GPU picks descriptors on Hopper by itself; ZOO_FLASH_TMA=1 forces them, also under the
-    interpreter, and ZOO_FLASH_TMA=0 forces pointers."""
+    out of bounds). The GPU picks descriptors for the backward on Hopper by itself; ZOO_FLASH_TMA=1 forces them,
+    also under the interpreter, and ZOO_FLASH_TMA=0 forces pointers."""
     monkeypatch.setenv("ZOO_FLASH_TMA", tma)
     dtype = KERNEL_DTYPES[-1]
     causal = case[-1]
