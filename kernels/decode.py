@@ -237,32 +237,30 @@ def num_sms(device: torch.device) -> int:
 SPLIT_CHOICES = (1, 2, 4, 8, 16, 32, 64, 128)  # powers of two: few compiled variants (NUM_SPLITS is constexpr)
 
 
-def auto_num_splits(programs: int, n_tiles: int, tile_bytes: int, tile_flops: int, partial_bytes: int,
+def auto_num_splits(programs: int, n_tiles: int, tile_bytes: int, tile_time: float, partial_bytes: int,
                     slots: int) -> int:
     """Split count from a small cost model of one launch (FlashAttention-3's wave-efficiency rule, with costs).
 
-    programs: (sequence, head tile) pairs; n_tiles: KV tiles per pair at full capacity; tile_bytes / tile_flops:
-    what one tile reads and computes (FLOPs counted at the MMA's 64-row minimum); partial_bytes: bytes one split
+    programs: (sequence, head tile) pairs; n_tiles: KV tiles per pair at full capacity; tile_bytes: what one tile
+    reads; tile_time: seconds one program alone needs per tile (`tile_seconds`); partial_bytes: bytes one split
     adds to the partial outputs (written, then read by the combine); slots: programs the GPU runs at once (SMs
     times programs per SM). The programs run in waves of `slots`; in a wave of c programs each tile takes the
-    longer of its share of the bandwidth (tile_bytes * c / bandwidth) and what one program alone needs per tile
-    (a latency floor, or its compute at one SM's rate). Splitting adds the combine: a launch and the partials'
-    traffic. Only shapes enter, never sequence lengths, so no device sync is needed and the launch can be captured
-    in a CUDA graph. The constants are fitted to an H200 sweep of every split count on the grid of
-    benchmarks/bench_decode.py: the pick is within 5% of the best measured split on 64 of its 68 shapes, and
-    within 6.5% on all (the rest is run-to-run noise of a few %).
+    longer of its share of the bandwidth (tile_bytes * c / bandwidth) and tile_time. Splitting adds the combine:
+    a launch and the partials' traffic. Only shapes enter, never sequence lengths, so no device sync is needed
+    and the launch can be captured in a CUDA graph. The constants are fitted to an H200 sweep of every power-of-two
+    split count on the grid of benchmarks/bench_decode.py (contiguous: the pick is within 5% of the best split
+    on 64 of 68 shapes and within 6.5% on all; paged: within 3.5% on all 16).
     """
-    bandwidth, tile_floor, sm_flops, combine_latency = 5e12, 1e-6, 3e12, 8e-6
-    per_tile_alone = max(tile_floor, tile_flops / sm_flops)
+    bandwidth, combine_latency = 5e12, 8e-6
     best, best_time = 1, math.inf
     for splits in SPLIT_CHOICES:
         if splits > max(1, n_tiles):
             break
         waves, last = divmod(programs * splits, slots)
         tiles = math.ceil(n_tiles / splits)
-        time = waves * tiles * max(tile_bytes * slots / bandwidth, per_tile_alone)
+        time = waves * tiles * max(tile_bytes * slots / bandwidth, tile_time)
         if last:
-            time += tiles * max(tile_bytes * last / bandwidth, per_tile_alone)
+            time += tiles * max(tile_bytes * last / bandwidth, tile_time)
         if splits > 1:
             time += combine_latency + 2 * partial_bytes * splits / bandwidth
         if time < best_time * 0.95:  # a split must win by 5% (more splits: more combine traffic and variance)
@@ -270,10 +268,18 @@ def auto_num_splits(programs: int, n_tiles: int, tile_bytes: int, tile_flops: in
     return best
 
 
-def programs_per_sm(d_max: int) -> int:
+def tile_seconds(tile_flops: int, paged: bool) -> float:
+    """What one program alone needs per KV tile: a latency floor of 1 us, or its MMA work at one SM's rate
+    (3 TFLOP/s, with FLOPs counted at the MMA's 64-row minimum); three times that when paged, where each tile's
+    rows wait on block-table loads (fitted to the same sweep)."""
+    return max(1e-6, tile_flops / 3e12) * (3 if paged else 1)
+
+
+def programs_per_sm(d_max: int, paged: bool) -> int:
     """How many grouped-decode programs an SM holds at once with _launch_config's tiles (shared memory for the
-    pipelined K/V tiles is the limit): fitted with auto_num_splits on the same H200 sweep."""
-    return 4 if d_max <= 64 else 2 if d_max <= 128 else 1
+    pipelined K/V tiles is the limit), twice as many when paged (gathered rows take less of it): fitted with
+    auto_num_splits on the same H200 sweep."""
+    return (4 if d_max <= 64 else 2 if d_max <= 128 else 1) * (2 if paged else 1)
 
 
 def _block_h(group: int) -> int:
@@ -282,7 +288,7 @@ def _block_h(group: int) -> int:
 
 
 def grouped_num_splits(batch: int, h_q: int, h_kv: int, capacity: int, d_qk: int, d_v: int, itemsize: int,
-                       device: torch.device, block_n: int | None = None) -> int:
+                       device: torch.device, paged: bool = False, block_n: int | None = None) -> int:
     """The split count grouped and paged decode use with num_splits=None (d_qk includes a RoPE part)."""
     group = h_q // h_kv
     block_h = _block_h(group)
@@ -291,8 +297,9 @@ def grouped_num_splits(batch: int, h_q: int, h_kv: int, capacity: int, d_qk: int
     tile_bytes = block_n * (d_qk + d_v) * itemsize
     tile_flops = 2 * max(64, block_h) * block_n * (d_qk + d_v)
     partial_bytes = batch * h_q * (d_v + 1) * 4
+    slots = num_sms(device) * programs_per_sm(d_max, paged)
     return auto_num_splits(batch * h_kv * triton.cdiv(group, block_h), triton.cdiv(capacity, block_n), tile_bytes,
-                           tile_flops, partial_bytes, num_sms(device) * programs_per_sm(d_max))
+                           tile_seconds(tile_flops, paged), partial_bytes, slots)
 
 
 def _block_n(d_max: int) -> int:
@@ -331,7 +338,7 @@ def _launch_decode(q, k, v, q_rope, k_rope, block_table, seq_lens, scale: float,
     n_tiles = triton.cdiv(capacity, block_n)
     if num_splits is None:
         num_splits = grouped_num_splits(batch, h_q, h_kv, capacity, d_qk + d_rope, d_v, k.element_size(), q.device,
-                                        block_n)
+                                        paged, block_n)
     out = new_empty((batch, h_q, d_v), q.device, q.dtype)
     lse = new_empty((batch, h_q), q.device, torch.float32)
     if num_splits == 1:

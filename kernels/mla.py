@@ -36,6 +36,7 @@ from kernels.decode import (
     _tile_rows,
     auto_num_splits,
     combine_splits,
+    tile_seconds,
 )
 from kernels.decode import num_sms as _num_sms
 
@@ -143,9 +144,11 @@ def _launch_mla(q_absorbed, q_rope, c_kv, k_rope, block_table, seq_lens, scale: 
         tile_bytes = block_n * (d_c + d_r) * c_kv.element_size()
         tile_flops = 2 * max(64, block_h) * block_n * (d_c + d_r + d_c)
         # One program per SM: the 64-row head tile's accumulator fills the register file, and the 16-head tile's
-        # three stages of 64 x 576 latent rows fill shared memory.
-        num_splits = auto_num_splits(batch * head_tiles, n_tiles, tile_bytes, tile_flops,
-                                     batch * h * (d_c + 1) * 4, _num_sms(q_absorbed.device))
+        # three stages of 64 x 576 latent rows fill shared memory (paged, half of it, as in grouped decode).
+        smem_bound_paged = paged and block_h < 64
+        slots = _num_sms(q_absorbed.device) * (2 if smem_bound_paged else 1)
+        num_splits = auto_num_splits(batch * head_tiles, n_tiles, tile_bytes,
+                                     tile_seconds(tile_flops, smem_bound_paged), batch * h * (d_c + 1) * 4, slots)
     out = _decode.new_empty((batch, h, d_c), q_absorbed.device, q_absorbed.dtype)
     lse = _decode.new_empty((batch, h), q_absorbed.device, torch.float32)
     if num_splits == 1:

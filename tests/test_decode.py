@@ -176,12 +176,12 @@ def test_auto_num_splits_matches_measured_best(shape, monkeypatch):
 def test_auto_num_splits_limits():
     """Never more splits than tiles, never past the cap, always a power of two."""
     tile = 64 * 256 * 2
-    assert auto_num_splits(programs=1, n_tiles=3, tile_bytes=tile, tile_flops=1, partial_bytes=1, slots=264) <= 3
-    assert auto_num_splits(programs=1, n_tiles=0, tile_bytes=tile, tile_flops=1, partial_bytes=1, slots=264) == 1
-    many = auto_num_splits(programs=1, n_tiles=10**6, tile_bytes=tile, tile_flops=1, partial_bytes=1, slots=264)
+    assert auto_num_splits(programs=1, n_tiles=3, tile_bytes=tile, tile_time=1e-6, partial_bytes=1, slots=264) <= 3
+    assert auto_num_splits(programs=1, n_tiles=0, tile_bytes=tile, tile_time=1e-6, partial_bytes=1, slots=264) == 1
+    many = auto_num_splits(programs=1, n_tiles=10**6, tile_bytes=tile, tile_time=1e-6, partial_bytes=1, slots=264)
     assert many == decode.MAX_SPLITS
     for n_tiles in (5, 17, 100, 1000):
-        n = auto_num_splits(programs=3, n_tiles=n_tiles, tile_bytes=tile, tile_flops=1, partial_bytes=64, slots=8)
+        n = auto_num_splits(programs=3, n_tiles=n_tiles, tile_bytes=tile, tile_time=1e-6, partial_bytes=64, slots=8)
         assert n & (n - 1) == 0 and n <= n_tiles
 
 
