@@ -486,11 +486,13 @@ def _pick_config(kind: str, q: torch.Tensor, d_qk: int, d_v: int, causal: bool, 
                  launch):
     """The config for this launch, cached per (kind, head dims, causal, dtype, sequence-length bucket, TMA). On the GPU
     for long sequences each candidate is timed once (a few ms each, plus its compile); otherwise the first one
-    that compiles is taken. The length buckets are coarse (short: untimed; long: timed once) so a training run
-    or a benchmark grid tunes a handful of times, not once per shape."""
+    that compiles is taken. The length buckets are powers of two (below 512: untimed), so a training run tunes
+    once per kernel and a benchmark grid a handful of times, not once per shape."""
     if _checks.interpreting():
         return _INTERPRETER_CONFIG
-    s_bucket = "short" if max(m, n) < _TUNE_MIN_SEQ else "long"
+    # Short: untimed. Longer: one bucket per power of two of the longer sequence (capped at 16k): the best tile
+    # can move with the length, and a grid tuned once on its first, shortest shape kept that shape's pick.
+    s_bucket = "short" if max(m, n) < _TUNE_MIN_SEQ else min(triton.next_power_of_2(max(m, n)), 16384)
     key = (kind, d_qk, d_v, causal, q.dtype, s_bucket, use_tma, q.device.index)
     if key in _TUNED:
         return _TUNED[key]
