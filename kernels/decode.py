@@ -14,7 +14,10 @@ Levers (issue 7):
 - Each sequence's own length is cut evenly into the splits, so a short sequence in a ragged batch spreads its few
   tiles over all its programs instead of leaving them to the first one.
 - The split count comes from the SM count and the shapes (the cache's capacity, never the lengths' values), so
-  the launch needs no device sync and can be captured in a CUDA graph.
+  the launch needs no device sync and can be captured in a CUDA graph: a wave cost model (`auto_num_splits`)
+  fitted to an H200 sweep of every power-of-two split count, with paged launches modelled apart.
+- The combine merges the splits of one (sequence, head) per column block, so even 128 splits of a 512-wide MLA
+  latent stay in registers.
 - Paged caches: when a page holds at least one tile, the tile's page id is one scalar load; smaller pages are
   gathered per token from the block-table row (a few distinct addresses, served by L1).
 
