@@ -280,8 +280,9 @@ def tile_seconds(tile_flops: int, paged: bool) -> float:
 
 def programs_per_sm(d_max: int, paged: bool) -> int:
     """How many grouped-decode programs an SM holds at once with _launch_config's tiles (shared memory for the
-    pipelined K/V tiles is the limit), twice as many when paged (gathered rows take less of it): fitted with
-    auto_num_splits on the same H200 sweep."""
+    pipelined K/V tiles is the limit). Paged launches count twice as many: with tile_seconds' slower paged tiles,
+    that is what matched the paged sweep (the mechanism was not profiled). Fitted with auto_num_splits on the
+    same H200 sweep."""
     return (4 if d_max <= 64 else 2 if d_max <= 128 else 1) * (2 if paged else 1)
 
 

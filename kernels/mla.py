@@ -29,6 +29,7 @@ from kernels import decode as _decode
 from kernels.decode import (
     LOG2E,
     MAX_SPLITS,
+    _block_h,
     _dot_precision,
     _online_softmax_step,
     _pow2,
@@ -120,7 +121,7 @@ def _mla_config(h: int, d_c: int) -> dict:
     warps, three stages read 3.90 TB/s at B64 N8192 and 4.34 at N32768 (32-row tiles 3.84 / 4.20, two stages
     3.77 / 4.27, eight warps 2.8). 128 heads (compute-bound): 64 heads x 64 rows, eight warps, two stages
     294 TFLOP/s at B64 N8192; 32 heads x 64 rows, four warps 250; 64 x 32 rows 190-233; 64 x 16 rows 108."""
-    block_h = max(16, min(64, triton.next_power_of_2(h)))
+    block_h = _block_h(h)
     if d_c > 256:
         if block_h == 16:
             return dict(BLOCK_H=16, BLOCK_N=64, num_warps=4, num_stages=3)
@@ -144,7 +145,8 @@ def _launch_mla(q_absorbed, q_rope, c_kv, k_rope, block_table, seq_lens, scale: 
         tile_bytes = block_n * (d_c + d_r) * c_kv.element_size()
         tile_flops = 2 * max(64, block_h) * block_n * (d_c + d_r + d_c)
         # One program per SM: the 64-row head tile's accumulator fills the register file, and the 16-head tile's
-        # three stages of 64 x 576 latent rows fill shared memory (paged, half of it, as in grouped decode).
+        # three stages of 64 x 576 latent rows fill shared memory. Paged 16-head launches use grouped decode's
+        # paged rule (slower tiles, twice the programs), which matched their best measured splits.
         smem_bound_paged = paged and block_h < 64
         slots = _num_sms(q_absorbed.device) * (2 if smem_bound_paged else 1)
         num_splits = auto_num_splits(batch * head_tiles, n_tiles, tile_bytes,

@@ -158,6 +158,21 @@ def test_paged_matches_contiguous_on_ragged_batch():
     assert_close(lse_p, lse_a, dtype, "paged vs contiguous lse")
 
 
+def test_combine_splits_over_column_blocks():
+    """64 splits of an 80-wide output: the combine cuts the columns into two programs (the second one masked past
+    column 80), and only the first writes lse. Empty splits (lse = -inf) weigh nothing."""
+    b, h, splits, d_v = 2, 3, 64, 80
+    part_o = torch.randn(b, h, splits, d_v, device=DEVICE)
+    part_lse = 4 * torch.randn(b, h, splits, device=DEVICE)  # log2 units
+    part_lse[:, :, 40:] = -float("inf")
+    out = torch.full((b, h, d_v), float("nan"), device=DEVICE)
+    lse = torch.full((b, h), float("nan"), device=DEVICE)
+    decode.combine_splits(part_o, part_lse, out, lse)
+    w = torch.softmax(part_lse * math.log(2), dim=-1)  # 2^(lse_s) / sum 2^(lse)
+    assert_close(out, (w[..., None] * part_o).sum(2), torch.float32, "combined output")
+    assert_close(lse, torch.logsumexp(part_lse * math.log(2), dim=-1), torch.float32, "combined lse")
+
+
 # (B, S, H_kv, D) -> the split count that was fastest in an H200 sweep of every power of two (H_q 32, bf16).
 MEASURED_BEST_SPLITS = {(1, 65536, 1, 128): 128, (1, 8192, 8, 64): 32, (8, 65536, 1, 128): 32, (8, 1024, 8, 64): 4,
                         (32, 65536, 1, 128): 8, (128, 8192, 1, 128): 2, (8, 8192, 32, 128): 1,
