@@ -207,11 +207,11 @@ def tune(sections: list[str]):
         for block_n in (32, 64, 128):
             for warps in (4, 8):
                 for stages in (2, 3, 4):
-                    cfg = dict(num_warps=warps, num_stages=stages)
+                    cfg = dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages)
                     try:
                         t = graph_ms(lambda: decode_mod._launch_decode(
                             q, k, v, None, None, None, lens, d**-0.5, None, paged=False, page_size=1, capacity=s,
-                            block_n=block_n, config=cfg))
+                            config=cfg))
                     except Exception as e:  # a config may not fit in shared memory
                         print("skip", b, s, h_kv, d, block_n, cfg, type(e).__name__, flush=True)
                         continue

@@ -11,6 +11,8 @@ writes the final output itself.
 Levers (issue 7):
 - The query heads of one KV group are packed into the M dimension of the MMA (BLOCK_H rows, at least 16), so each
   K/V tile is read from memory once for the whole group.
+- Tiles sized for the memory stream (`_tile_config`): a contiguous cache streams 128 tokens of K and V per step
+  through three pipeline stages; a paged one 64 tokens through two.
 - Each sequence's own length is cut evenly into the splits, so a short sequence in a ragged batch spreads its few
   tiles over all its programs instead of leaving them to the first one.
 - The split count comes from the SM count and the shapes (the cache's capacity, never the lengths' values), so
@@ -247,14 +249,14 @@ def auto_num_splits(programs: int, n_tiles: int, tile_bytes: int, tile_time: flo
     programs: (sequence, head tile) pairs; n_tiles: KV tiles per pair at full capacity; tile_bytes: what one tile
     reads; tile_time: seconds one program alone needs per tile (`tile_seconds`); partial_bytes: bytes one split
     adds to the partial outputs (written, then read by the combine); slots: programs the GPU runs at once (SMs
-    times programs per SM). The programs run in waves of `slots`; in a wave of c programs each tile takes the
+    times `programs_per_sm`). The programs run in waves of `slots`; in a wave of c programs each tile takes the
     longer of its share of the bandwidth (tile_bytes * c / bandwidth) and tile_time. Splitting adds the combine:
     a launch and the partials' traffic. Only shapes enter, never sequence lengths, so no device sync is needed
     and the launch can be captured in a CUDA graph. The constants are fitted to an H200 sweep of every power-of-two
-    split count on the grid of benchmarks/bench_decode.py (contiguous: the pick is within 5% of the best split
-    on 64 of 68 shapes and within 6.5% on all; paged: within 3.5% on all 16).
+    split count on the grid of benchmarks/bench_decode.py with `_tile_config`'s tiles (contiguous: the pick is
+    within 5% of the best split on 65 of 68 shapes and within 6% on all; paged: within 5% on all 16).
     """
-    bandwidth, combine_latency = 5e12, 8e-6
+    bandwidth, combine_latency = 4e12, 4e-6
     best, best_time = 1, math.inf
     for splits in SPLIT_CHOICES:
         if splits > max(1, n_tiles):
@@ -272,18 +274,51 @@ def auto_num_splits(programs: int, n_tiles: int, tile_bytes: int, tile_time: flo
 
 
 def tile_seconds(tile_flops: int, paged: bool) -> float:
-    """What one program alone needs per KV tile: a latency floor of 1 us, or its MMA work at one SM's rate
-    (3 TFLOP/s, with FLOPs counted at the MMA's 64-row minimum); three times that when paged, where each tile's
+    """What one program alone needs per KV tile: a latency floor of 1.5 us, or its MMA work at one SM's rate
+    (2 TFLOP/s, with FLOPs counted at the MMA's 64-row minimum); 3.5 times that when paged, where each tile's
     rows wait on block-table loads (fitted to the same sweep)."""
-    return max(1e-6, tile_flops / 3e12) * (3 if paged else 1)
+    return max(1.5e-6, tile_flops / 2e12) * (3.5 if paged else 1)
 
 
-def programs_per_sm(d_max: int, paged: bool) -> int:
-    """How many grouped-decode programs an SM holds at once with _launch_config's tiles (shared memory for the
-    pipelined K/V tiles is the limit). Paged launches count twice as many: with tile_seconds' slower paged tiles,
-    that is what matched the paged sweep (the mechanism was not profiled). Fitted with auto_num_splits on the
-    same H200 sweep."""
-    return (4 if d_max <= 64 else 2 if d_max <= 128 else 1) * (2 if paged else 1)
+SMEM_PER_SM = 228 * 1024  # Hopper: shared memory per SM (at most 227 KB of it for one program)
+_SMEM_PER_PROGRAM = 200 * 1024  # what the pipelined K/V tiles may take, leaving room for the rest of a program
+
+
+def _tile_config(d_qk: int, d_v: int, itemsize: int, paged: bool) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of a grouped-decode launch.
+
+    H200 sweeps (bench_decode.py --tune and the split sweep behind auto_num_splits, bf16, H_q 32): contiguous
+    caches stream 128-token tiles through three stages with four warps (at D=128 that is 192 KB of K/V in flight
+    per program, one program per SM). Against the earlier 64-token, four-stage tiles, at each shape's best split:
+    B128 S8k H_kv32 D64 1.008x SDPA vs 0.976x, B128 S8k H_kv1 D128 1.011x vs 0.940x; over the whole 68-shape grid
+    the median went from 0.992x to 1.003x. Paged caches keep 64-token tiles with two stages: a tile of small
+    pages is gathered token by token, and the 128-token tiles read 3-7% slower there. Heads wider than 128 take
+    32-token tiles. Stages (then tokens) shrink until the K/V tiles fit in shared memory (fp32 caches)."""
+    d_max = max(d_qk, d_v)
+    row_bytes = (_pow2(d_qk) + _pow2(d_v)) * itemsize  # one token of K and V in shared memory (padded dims)
+    if d_max > 128:
+        block_n, stages = 32, 3
+    elif paged:
+        block_n, stages = 64, 2
+    else:
+        block_n, stages = 128, 3
+    while stages * block_n * row_bytes > _SMEM_PER_PROGRAM:
+        if stages > 1:
+            stages -= 1
+        elif block_n > 16:
+            block_n //= 2
+        else:
+            break
+    return block_n, 4, stages
+
+
+def programs_per_sm(d_qk: int, d_v: int, itemsize: int, paged: bool) -> int:
+    """How many grouped-decode programs an SM holds at once: shared memory over the program's pipelined K/V tiles.
+    Paged launches count twice as many: with tile_seconds' slower paged tiles, that is what matched the paged sweep
+    (the mechanism was not profiled)."""
+    block_n, _, stages = _tile_config(d_qk, d_v, itemsize, paged)
+    row_bytes = (_pow2(d_qk) + _pow2(d_v)) * itemsize
+    return max(1, SMEM_PER_SM // (stages * block_n * row_bytes)) * (2 if paged else 1)
 
 
 def _block_h(group: int) -> int:
@@ -292,31 +327,17 @@ def _block_h(group: int) -> int:
 
 
 def grouped_num_splits(batch: int, h_q: int, h_kv: int, capacity: int, d_qk: int, d_v: int, itemsize: int,
-                       device: torch.device, paged: bool = False, block_n: int | None = None) -> int:
+                       device: torch.device, paged: bool = False) -> int:
     """The split count grouped and paged decode use with num_splits=None (d_qk includes a RoPE part)."""
     group = h_q // h_kv
     block_h = _block_h(group)
-    d_max = max(d_qk, d_v)
-    block_n = block_n or _block_n(d_max)
+    block_n = _tile_config(d_qk, d_v, itemsize, paged)[0]
     tile_bytes = block_n * (d_qk + d_v) * itemsize
     tile_flops = 2 * max(64, block_h) * block_n * (d_qk + d_v)
     partial_bytes = batch * h_q * (d_v + 1) * 4
-    slots = num_sms(device) * programs_per_sm(d_max, paged)
+    slots = num_sms(device) * programs_per_sm(d_qk, d_v, itemsize, paged)
     return auto_num_splits(batch * h_kv * triton.cdiv(group, block_h), triton.cdiv(capacity, block_n), tile_bytes,
                            tile_seconds(tile_flops, paged), partial_bytes, slots)
-
-
-def _block_n(d_max: int) -> int:
-    return 64 if d_max <= 128 else 32
-
-
-def _launch_config(d_max: int, device: torch.device) -> dict:
-    # H200 sweep (bench_decode.py --tune, B64/B8, S 8k/32k, H_kv 1/8, D 64/128): BLOCK_N 64, four warps and four
-    # stages (four 32 KB K+V tiles in flight per program at D=128) is within a few % of the best everywhere;
-    # eight warps lose 5-20%. Wider heads take 32-token tiles and fewer stages to stay inside shared memory.
-    if d_max <= 128:
-        return dict(num_warps=4, num_stages=4)
-    return dict(num_warps=4, num_stages=3 if d_max <= 256 else 2)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -327,7 +348,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 
 
 def _launch_decode(q, k, v, q_rope, k_rope, block_table, seq_lens, scale: float, num_splits, *, paged: bool,
-                   page_size: int, capacity: int, block_n: int | None = None, config: dict | None = None):
+                   page_size: int, capacity: int, config: dict | None = None):
     """Shared by the contiguous and the paged op. k/v/k_rope strides are passed as (page, slot, head, dim)."""
     batch, h_q, d_qk = q.shape
     h_kv = k.shape[2] if paged else k.shape[1]
@@ -337,12 +358,13 @@ def _launch_decode(q, k, v, q_rope, k_rope, block_table, seq_lens, scale: float,
     group = h_q // h_kv
     block_h = _block_h(group)
     head_tiles = h_kv * triton.cdiv(group, block_h)
-    d_max = max(d_qk + d_rope, d_v)
-    block_n = block_n or _block_n(d_max)
+    block_n, warps, stages = _tile_config(d_qk + d_rope, d_v, k.element_size(), paged)
+    if config is not None:  # the tuning sweeps (benchmarks/bench_decode.py --tune) pass their own
+        block_n, warps, stages = config["BLOCK_N"], config["num_warps"], config["num_stages"]
     n_tiles = triton.cdiv(capacity, block_n)
     if num_splits is None:
         num_splits = grouped_num_splits(batch, h_q, h_kv, capacity, d_qk + d_rope, d_v, k.element_size(), q.device,
-                                        paged, block_n)
+                                        paged)
     out = new_empty((batch, h_q, d_v), q.device, q.dtype)
     lse = new_empty((batch, h_q), q.device, torch.float32)
     if num_splits == 1:
@@ -371,7 +393,7 @@ def _launch_decode(q, k, v, q_rope, k_rope, block_table, seq_lens, scale: float,
         GROUP_SIZE=group, D_QK=d_qk, D_ROPE=d_rope, D_V=d_v,
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DQK=_pow2(d_qk), BLOCK_DR=_pow2(d_rope), BLOCK_DV=_pow2(d_v),
         PAGED=paged, PAGE_SIZE=page_size, NUM_SPLITS=num_splits, STATIC_ITERS=static_iters,
-        DOT_PRECISION=_dot_precision(q.dtype), **(config or _launch_config(d_max, q.device)),
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=warps, num_stages=stages,
     )
     if num_splits > 1:
         combine_splits(part_o, part_lse, out, lse)

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+import triton
 from conftest import DEVICE, KERNEL_DTYPES, assert_close, ragged_lens
 
 from kernels import decode, paged_grouped_decode
@@ -28,9 +29,11 @@ def _check(out, lse, ref_out, ref_lse, dtype, name):
 
 
 # (B, H_q, H_kv, S_max, D_qk, D_v, explicit splits): group sizes 1, 2, 3, 4, MQA (8 and 32 wide) and a group of
-# 80 (two head tiles); 9 splits over 2 tiles leaves splits with nothing to do; a one-token cache.
+# 80 (two head tiles); 9 splits of 65 tokens leave splits with nothing to do; a one-token cache; 300 tokens in
+# one split run the online softmax over several tiles in one program (tiles are 64 or 128 tokens).
 CASES = [
     (2, 4, 2, 1, 32, 32, 2),
+    (2, 4, 1, 300, 32, 32, 1),
     (2, 2, 2, 65, 32, 32, 9),
     (2, 8, 4, 63, 48, 48, 1),
     (2, 6, 2, 17, 80, 48, 2),
@@ -174,9 +177,11 @@ def test_combine_splits_over_column_blocks():
 
 
 # (B, S, H_kv, D) -> the split count that was fastest in an H200 sweep of every power of two (H_q 32, bf16).
-MEASURED_BEST_SPLITS = {(1, 65536, 1, 128): 128, (1, 8192, 8, 64): 32, (8, 65536, 1, 128): 32, (8, 1024, 8, 64): 4,
-                        (32, 65536, 1, 128): 8, (128, 8192, 1, 128): 2, (8, 8192, 32, 128): 1,
-                        (128, 1024, 8, 128): 1}
+# Fastest split count of every power of two, measured on an H200 (bf16, H_q 32, CUDA graphs, cold L2) in the sweep
+# behind auto_num_splits; a spread of regimes: one long sequence, few sequences, MQA, a full machine.
+MEASURED_BEST_SPLITS = {(1, 65536, 1, 128): 128, (8, 65536, 1, 128): 16, (32, 65536, 1, 128): 4,
+                        (128, 8192, 1, 64): 2, (1, 1024, 8, 64): 8, (8, 8192, 8, 128): 2, (8, 8192, 32, 128): 1,
+                        (128, 1024, 8, 128): 1, (1, 8192, 32, 64): 8, (32, 8192, 1, 64): 8}
 
 
 @pytest.mark.parametrize("shape", list(MEASURED_BEST_SPLITS), ids=lambda s: "B{}-S{}-Hkv{}-D{}".format(*s))
@@ -186,6 +191,17 @@ def test_auto_num_splits_matches_measured_best(shape, monkeypatch):
     monkeypatch.setattr(decode, "num_sms", lambda device: 132)
     b, s, h_kv, d = shape
     assert decode.grouped_num_splits(b, 32, h_kv, s, d, d, 2, torch.device("cuda")) == MEASURED_BEST_SPLITS[shape]
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
+def test_tile_config_fits_shared_memory(paged):
+    """Every head dim and dtype gets tiles whose pipelined K/V stages fit in one program's shared memory."""
+    for d_qk, d_v in [(16, 16), (64, 64), (96, 64), (128, 128), (192, 128), (256, 256), (576, 512)]:
+        for itemsize in (2, 4):
+            block_n, warps, stages = decode._tile_config(d_qk, d_v, itemsize, paged)
+            used = stages * block_n * (triton.next_power_of_2(d_qk) + triton.next_power_of_2(d_v)) * itemsize
+            assert stages >= 1 and block_n >= 16 and used <= 200 * 1024, (d_qk, d_v, itemsize, block_n, stages)
+            assert decode.programs_per_sm(d_qk, d_v, itemsize, paged) >= 1
 
 
 def test_auto_num_splits_limits():
