@@ -99,20 +99,12 @@ def _grouped_decode_kernel(
     m_i = tl.full([BLOCK_H], -float("inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
-    if STATIC_ITERS > 0:  # the interpreter: a compile-time trip count (see the module docstring)
-        for i in range(0, STATIC_ITERS):
-            m_i, l_i, acc = _attend_tile(
-                K, V, K_ROPE, BLOCK_TABLE, q, q_rope, m_i, l_i, acc, b, kv_head, start + i * BLOCK_N, end,
-                offs_d, offs_dr, offs_dv, stride_kp, stride_kn, stride_kh, stride_kd, stride_vp, stride_vn,
-                stride_vh, stride_vd, stride_krp, stride_krn, stride_krh, stride_krd, stride_tb, stride_tp,
-                scale_log2, D_QK, D_ROPE, D_V, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION)
-    else:  # the GPU: this chunk's own tiles (none for a split past the end of its sequence)
-        for i in range(0, tl.cdiv(end - start, BLOCK_N)):
-            m_i, l_i, acc = _attend_tile(
-                K, V, K_ROPE, BLOCK_TABLE, q, q_rope, m_i, l_i, acc, b, kv_head, start + i * BLOCK_N, end,
-                offs_d, offs_dr, offs_dv, stride_kp, stride_kn, stride_kh, stride_kd, stride_vp, stride_vn,
-                stride_vh, stride_vd, stride_krp, stride_krn, stride_krh, stride_krd, stride_tb, stride_tp,
-                scale_log2, D_QK, D_ROPE, D_V, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION)
+    for i in range(0, _tile_count(start, end, BLOCK_N, STATIC_ITERS)):
+        m_i, l_i, acc = _attend_tile(
+            K, V, K_ROPE, BLOCK_TABLE, q, q_rope, m_i, l_i, acc, b, kv_head, start + i * BLOCK_N, end,
+            offs_d, offs_dr, offs_dv, stride_kp, stride_kn, stride_kh, stride_kd, stride_vp, stride_vn,
+            stride_vh, stride_vd, stride_krp, stride_krn, stride_krh, stride_krd, stride_tb, stride_tp,
+            scale_log2, D_QK, D_ROPE, D_V, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION)
 
     _store_split(OUT, LSE, acc, m_i, l_i, b, heads, mask_h, split, offs_dv, D_V,
                  stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls, NUM_SPLITS)
@@ -139,6 +131,17 @@ def _attend_tile(K, V, K_ROPE, BLOCK_TABLE, q, q_rope, m_i, l_i, acc, b, kv_head
                          mask=mask_n[:, None] & (offs_dr[None, :] < D_ROPE), other=0.0, eviction_policy="evict_first")
         s += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
     return _online_softmax_step(s, mask_n, v, m_i, l_i, acc, scale_log2, DOT_PRECISION)
+
+
+@triton.jit
+def _tile_count(start, end, BLOCK_N: tl.constexpr, STATIC_ITERS: tl.constexpr):
+    """Tiles a program runs from start to end: on the GPU this chunk's own (none for a split past the end of its
+    sequence); under the interpreter (STATIC_ITERS > 0) a compile-time count, the most any split can need, whose
+    tiles past `end` the masks switch off (see the module docstring). It is returned, never assigned: the
+    interpreter turns every assigned value into a tensor, which `range` does not take."""
+    if STATIC_ITERS > 0:
+        return STATIC_ITERS
+    return tl.cdiv(end - start, BLOCK_N)
 
 
 @triton.jit

@@ -34,6 +34,7 @@ from kernels.decode import (
     _online_softmax_step,
     _pow2,
     _store_split,
+    _tile_count,
     _tile_rows,
     auto_num_splits,
     combine_splits,
@@ -96,18 +97,11 @@ def _mla_decode_kernel(
     m_i = tl.full([BLOCK_H], -float("inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DC], tl.float32)
-    if STATIC_ITERS > 0:  # the interpreter: a compile-time trip count (kernels/decode.py's docstring)
-        for i in range(0, STATIC_ITERS):
-            m_i, l_i, acc = _mla_tile(CKV, KR, BLOCK_TABLE, q, q_rope, m_i, l_i, acc, b, start + i * BLOCK_N, end,
-                                      offs_c, offs_r, stride_cp, stride_cn, stride_cd, stride_rp, stride_rn,
-                                      stride_rd, stride_tb, stride_tp, scale_log2, D_C, D_R, BLOCK_N, PAGED,
-                                      PAGE_SIZE, EVICT, DOT_PRECISION)
-    else:  # the GPU: this chunk's own tiles
-        for i in range(0, tl.cdiv(end - start, BLOCK_N)):
-            m_i, l_i, acc = _mla_tile(CKV, KR, BLOCK_TABLE, q, q_rope, m_i, l_i, acc, b, start + i * BLOCK_N, end,
-                                      offs_c, offs_r, stride_cp, stride_cn, stride_cd, stride_rp, stride_rn,
-                                      stride_rd, stride_tb, stride_tp, scale_log2, D_C, D_R, BLOCK_N, PAGED,
-                                      PAGE_SIZE, EVICT, DOT_PRECISION)
+    for i in range(0, _tile_count(start, end, BLOCK_N, STATIC_ITERS)):  # kernels/decode.py's trip count
+        m_i, l_i, acc = _mla_tile(CKV, KR, BLOCK_TABLE, q, q_rope, m_i, l_i, acc, b, start + i * BLOCK_N, end,
+                                  offs_c, offs_r, stride_cp, stride_cn, stride_cd, stride_rp, stride_rn,
+                                  stride_rd, stride_tb, stride_tp, scale_log2, D_C, D_R, BLOCK_N, PAGED,
+                                  PAGE_SIZE, EVICT, DOT_PRECISION)
     _store_split(OUT, LSE, acc, m_i, l_i, b, heads, mask_h, split, offs_c, D_C,
                  stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls, NUM_SPLITS)
 
