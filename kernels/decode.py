@@ -291,12 +291,14 @@ def _tile_config(d_qk: int, d_v: int, itemsize: int, paged: bool) -> tuple[int, 
     """(BLOCK_N, num_warps, num_stages) of a grouped-decode launch.
 
     H200 sweeps (bench_decode.py --tune and the split sweep behind auto_num_splits, bf16, H_q 32): contiguous
-    caches stream 128-token tiles through three stages with four warps (at D=128 that is 192 KB of K/V in flight
-    per program, one program per SM). Against the earlier 64-token, four-stage tiles, at each shape's best split:
-    B128 S8k H_kv32 D64 1.008x SDPA vs 0.976x, B128 S8k H_kv1 D128 1.011x vs 0.940x; over the whole 68-shape grid
-    the median went from 0.992x to 1.003x. Paged caches keep 64-token tiles with two stages: a tile of small
-    pages is gathered token by token, and the 128-token tiles read 3-7% slower there. Heads wider than 128 take
-    32-token tiles. Stages (then tokens) shrink until the K/V tiles fit in shared memory (fp32 caches)."""
+    caches stream 128-token tiles through three stages with four warps (at D=128 Triton keeps two 64 KB K+V
+    buffers, 139 KB of shared memory per program: one program per SM). Against the earlier 64-token, four-stage
+    tiles, each at its best split: B128 S8k H_kv32 D64 1.008x SDPA vs 0.997x, B128 S8k H_kv1 D128 1.011x vs
+    0.940x, B128 S1k H_kv1 D64 1.008x vs 0.929x; over the 68-shape grid at the automatic split the median went
+    from 0.992x to 1.00x (benchmarks/RESULTS.md). Paged caches keep 64-token tiles with two stages: a tile of
+    small pages is gathered token by token, and 128-token tiles read 1-4% slower there (at each shape's best
+    split). Heads wider than 128 take 32-token tiles. Stages (then tokens) shrink until `stages` K/V tiles fit in
+    200 KB (fp32 caches; Triton allocates one buffer fewer, so this errs on the safe side)."""
     d_max = max(d_qk, d_v)
     row_bytes = (_pow2(d_qk) + _pow2(d_v)) * itemsize  # one token of K and V in shared memory (padded dims)
     if d_max > 128:
@@ -316,9 +318,11 @@ def _tile_config(d_qk: int, d_v: int, itemsize: int, paged: bool) -> tuple[int, 
 
 
 def programs_per_sm(d_qk: int, d_v: int, itemsize: int, paged: bool) -> int:
-    """How many grouped-decode programs an SM holds at once: shared memory over the program's pipelined K/V tiles.
-    Paged launches count twice as many: with tile_seconds' slower paged tiles, that is what matched the paged sweep
-    (the mechanism was not profiled)."""
+    """How many grouped-decode programs the split model counts per SM: shared memory over `stages` K/V tiles. It is
+    a fitted count, not the exact occupancy: Triton allocates stages - 1 tile buffers, so at D=64 an SM holds three
+    contiguous programs, not two; on the sweep's grid either count gives the same picks. Paged launches count
+    twice as many: with tile_seconds' slower paged tiles, that is what matched the paged sweep (the compiled paged
+    loop waits for each tile before it starts the next, see benchmarks/RESULTS.md)."""
     block_n, _, stages = _tile_config(d_qk, d_v, itemsize, paged)
     row_bytes = (_pow2(d_qk) + _pow2(d_v)) * itemsize
     return max(1, SMEM_PER_SM // (stages * block_n * row_bytes)) * (2 if paged else 1)
