@@ -91,11 +91,7 @@ def _grouped_decode_kernel(
     else:
         q_rope = q  # unused
 
-    # This split's chunk of the sequence: whole tiles, the sequence's length cut evenly into NUM_SPLITS.
-    seq_len = tl.load(SEQ_LENS + b)
-    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.minimum(start + chunk, seq_len)
+    start, end = _split_range(SEQ_LENS, b, split, NUM_SPLITS, BLOCK_N)
     m_i = tl.full([BLOCK_H], -float("inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
@@ -131,6 +127,16 @@ def _attend_tile(K, V, K_ROPE, BLOCK_TABLE, q, q_rope, m_i, l_i, acc, b, kv_head
                          mask=mask_n[:, None] & (offs_dr[None, :] < D_ROPE), other=0.0, eviction_policy="evict_first")
         s += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
     return _online_softmax_step(s, mask_n, v, m_i, l_i, acc, scale_log2, DOT_PRECISION)
+
+
+@triton.jit
+def _split_range(SEQ_LENS, b, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The tokens [start, end) of sequence b that this split reduces: whole tiles, the sequence's own length cut
+    evenly into NUM_SPLITS (empty for a split past the end of a short sequence)."""
+    seq_len = tl.load(SEQ_LENS + b)
+    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    return start, tl.minimum(start + chunk, seq_len)
 
 
 @triton.jit

@@ -33,6 +33,7 @@ from kernels.decode import (
     _dot_precision,
     _online_softmax_step,
     _pow2,
+    _split_range,
     _store_split,
     _tile_count,
     _tile_rows,
@@ -90,10 +91,7 @@ def _mla_decode_kernel(
     q_rope = tl.load(QR + b * stride_qrb + heads[:, None] * stride_qrh + offs_r[None, :] * stride_qrd,
                      mask=mask_h[:, None] & (offs_r[None, :] < D_R), other=0.0)  # (BLOCK_H, BLOCK_DR)
 
-    seq_len = tl.load(SEQ_LENS + b)
-    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.minimum(start + chunk, seq_len)
+    start, end = _split_range(SEQ_LENS, b, split, NUM_SPLITS, BLOCK_N)
     m_i = tl.full([BLOCK_H], -float("inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DC], tl.float32)
