@@ -327,8 +327,11 @@ def programs_per_sm(d_qk: int, d_v: int, itemsize: int, paged: bool) -> int:
     """How many grouped-decode programs the split model counts per SM: shared memory over `stages` K/V tiles. It is
     a fitted count, not the exact occupancy: Triton allocates stages - 1 tile buffers, so at D=64 an SM holds three
     contiguous programs, not two; on the sweep's grid either count gives the same picks. Paged launches count
-    twice as many: with tile_seconds' slower paged tiles, that is what matched the paged sweep (the compiled paged
-    loop waits for each tile before it starts the next, see benchmarks/RESULTS.md)."""
+    twice as many, with tile_seconds' slower paged tiles: that is what fitted the paged sweep, and the compiled
+    code agrees. A paged tile's K/V addresses come from a block-table load inside the loop, so the pipeliner keeps
+    no tile in flight (it waits for each tile before it starts the next) and allocates a single K/V buffer: a
+    paged program is slower per tile but small (39 KB at D=128: five per SM, not three), and the SM hides its
+    latency with more programs instead of with stages."""
     block_n, _, stages = _tile_config(d_qk, d_v, itemsize, paged)
     row_bytes = (_pow2(d_qk) + _pow2(d_v)) * itemsize
     return max(1, SMEM_PER_SM // (stages * block_n * row_bytes)) * (2 if paged else 1)
