@@ -306,7 +306,7 @@ def _tile_config(d_qk: int, d_v: int, itemsize: int, paged: bool) -> tuple[int, 
     split). Heads wider than 128 take 32-token tiles. Stages (then tokens) shrink until `stages` K/V tiles fit in
     200 KB (fp32 caches; Triton allocates one buffer fewer, so this errs on the safe side)."""
     d_max = max(d_qk, d_v)
-    row_bytes = (_pow2(d_qk) + _pow2(d_v)) * itemsize  # one token of K and V in shared memory (padded dims)
+    row_bytes = _kv_row_bytes(d_qk, d_v, itemsize)
     if d_max > 128:
         block_n, stages = 32, 3
     elif paged:
@@ -333,8 +333,12 @@ def programs_per_sm(d_qk: int, d_v: int, itemsize: int, paged: bool) -> int:
     paged program is slower per tile but small (39 KB at D=128: five per SM, not three), and the SM hides its
     latency with more programs instead of with stages."""
     block_n, _, stages = _tile_config(d_qk, d_v, itemsize, paged)
-    row_bytes = (_pow2(d_qk) + _pow2(d_v)) * itemsize
-    return max(1, SMEM_PER_SM // (stages * block_n * row_bytes)) * (2 if paged else 1)
+    return max(1, SMEM_PER_SM // (stages * block_n * _kv_row_bytes(d_qk, d_v, itemsize))) * (2 if paged else 1)
+
+
+def _kv_row_bytes(d_qk: int, d_v: int, itemsize: int) -> int:
+    """Shared memory one token of K and V takes in a tile (head dims padded to the block's power of two)."""
+    return (_pow2(d_qk) + _pow2(d_v)) * itemsize
 
 
 def _block_h(group: int) -> int:

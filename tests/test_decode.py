@@ -176,9 +176,9 @@ def test_combine_splits_over_column_blocks():
     assert_close(lse, torch.logsumexp(part_lse * math.log(2), dim=-1), torch.float32, "combined lse")
 
 
-# (B, S, H_kv, D) -> the split count that was fastest in an H200 sweep of every power of two (H_q 32, bf16).
-# Fastest split count of every power of two, measured on an H200 (bf16, H_q 32, CUDA graphs, cold L2) in the sweep
-# behind auto_num_splits; a spread of regimes: one long sequence, few sequences, MQA, a full machine.
+# (B, S, H_kv, D) -> the fastest split count of every power of two, measured on an H200 (bf16, H_q 32, CUDA graphs,
+# cold L2) in the sweep behind auto_num_splits; a spread of regimes: one long sequence, few sequences, MQA, a full
+# machine.
 MEASURED_BEST_SPLITS = {(1, 65536, 1, 128): 128, (8, 65536, 1, 128): 16, (32, 65536, 1, 128): 4,
                         (128, 8192, 1, 64): 2, (1, 1024, 8, 64): 8, (8, 8192, 8, 128): 2, (8, 8192, 32, 128): 1,
                         (128, 1024, 8, 128): 1, (1, 8192, 32, 64): 8, (32, 8192, 1, 64): 8}
@@ -201,7 +201,6 @@ def test_tile_config_fits_shared_memory(paged):
             block_n, warps, stages = decode._tile_config(d_qk, d_v, itemsize, paged)
             used = stages * block_n * (triton.next_power_of_2(d_qk) + triton.next_power_of_2(d_v)) * itemsize
             assert stages >= 1 and block_n >= 16 and used <= 200 * 1024, (d_qk, d_v, itemsize, block_n, stages)
-            assert decode.programs_per_sm(d_qk, d_v, itemsize, paged) >= 1
 
 
 def test_auto_num_splits_limits():
