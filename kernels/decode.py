@@ -126,7 +126,7 @@ def _attend_tile(K, V, K_ROPE, BLOCK_TABLE, q, q_rope, m_i, l_i, acc, b, kv_head
                          + offs_dr[None, :] * stride_krd,
                          mask=mask_n[:, None] & (offs_dr[None, :] < D_ROPE), other=0.0, eviction_policy="evict_first")
         s += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
-    return _online_softmax_step(s, mask_n, v, m_i, l_i, acc, scale_log2, DOT_PRECISION)
+    return _online_softmax_step(s * scale_log2, mask_n, v, m_i, l_i, acc, DOT_PRECISION)
 
 
 @triton.jit
@@ -172,10 +172,11 @@ def _tile_rows(BLOCK_TABLE, b, tile_start, end, stride_tb, stride_tp, BLOCK_N: t
 
 
 @triton.jit
-def _online_softmax_step(s, mask_n, v, m_i, l_i, acc, scale_log2, DOT_PRECISION: tl.constexpr):
-    """Fold one tile of raw scores s (BLOCK_H, BLOCK_N) and values v (BLOCK_N, D_v) into the running max m_i,
-    normalizer l_i (both in the log2 domain) and unnormalized output acc."""
-    s = tl.where(mask_n[None, :], s * scale_log2, -float("inf"))  # exp2 with log2(e) folded into the scale
+def _online_softmax_step(s, mask_n, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
+    """Fold one tile of scores s (BLOCK_H, BLOCK_N), already scaled by scale * log2(e) (exp2 then gives e^x), and
+    values v (BLOCK_N, D_v) into the running max m_i, normalizer l_i (both in the log2 domain) and unnormalized
+    output acc."""
+    s = tl.where(mask_n[None, :], s, -float("inf"))
     m_new = tl.maximum(m_i, tl.max(s, axis=1))
     m_use = tl.where(m_new == -float("inf"), 0.0, m_new)  # a fully masked tile: exp2(-inf) = 0, not NaN
     alpha = tl.math.exp2(m_i - m_use)
