@@ -38,6 +38,8 @@ def _matmul_tflops(n: int = 8192) -> float:
 
 
 def print_table(rows: list[dict], columns: list[str]):
+    if not rows:  # a section that was not run
+        return
     widths = {c: max(len(c), *(len(_fmt(r.get(c))) for r in rows)) for c in columns}
     print(" | ".join(c.ljust(widths[c]) for c in columns))
     print("-|-".join("-" * widths[c] for c in columns))
