@@ -26,9 +26,16 @@ Structure (FlashAttention-2, Dao 2023; Triton's fused-attention tutorial):
   B4 H_q32 H_kv8 S4096, best config of each): forward D=128 causal 450 TFLOP/s with pointers vs 427 with
   descriptors, full 506 vs 484, D=64 causal 401 vs 362; backward D=128 causal 355 with descriptors vs 335.
   ZOO_FLASH_TMA=0/1 forces one path everywhere (1 also under the interpreter, where the tests use it).
-- tried and dropped, measured on the same H200: triton 3.6's automatic warp specialization of the KV loop
-  (`tl.range(..., warp_specialize=True)`: no change at eight warps, a compiler failure at four) and dQ
-  accumulated with fp32 atomics inside the dK/dV kernel instead of its own pass (265 TFLOP/s backward vs 355).
+- tried and dropped, measured on the same H200 (B4 H_q32 H_kv8 S4096 D128 causal unless noted, beside SDPA):
+  triton 3.6's automatic warp specialization of the KV loop (`tl.range(..., warp_specialize=True)`: no change at
+  eight warps, a compiler failure at four); dQ accumulated inside the dK/dV kernel instead of its own pass (five
+  products per tile instead of seven), with fp32 atomics (265 TFLOP/s backward vs 355) or with TMA reduce-adds
+  of whole (BLOCK_M, D) tiles into an fp32 buffer (261 vs 353; each of ten swept shapes lost 15-57%); the
+  forward's P V deferred by one key block so that it runs while the next block's softmax does (FlashAttention-3's
+  intra-warpgroup overlap, which the compiled loop does show: the P V wgmma stays in flight across the softmax):
+  412-415 TFLOP/s vs 456 at the best tile, slower on every shape. Issuing the next block's Q K^T ahead instead
+  does not compile to an overlap at all: triton waits for a wgmma whose result is not an accumulator right after
+  issuing it.
 
 The same kernels run on CPU tensors under TRITON_INTERPRET=1: loop bounds are computed from program ids and
 integer arguments, and `_bound` hands them to the interpreter as the Python ints its `range` needs.

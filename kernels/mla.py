@@ -129,8 +129,9 @@ def _mla_config(h: int, d_c: int) -> dict:
     """Heads per program and tile sizes; the (BLOCK_H, D_c) fp32 accumulator lives in registers. H200 sweeps at
     512 + 64 with the best split count each (B 1-128, N 4k-64k): 16 heads (memory-bound): 64-row tiles, four
     warps, three stages read 3.90 TB/s at B64 N8192 and 4.34 at N32768 (32-row tiles 3.84 / 4.20, two stages
-    3.77 / 4.27, eight warps 2.8). 128 heads (compute-bound): 64 heads x 64 rows, eight warps, two stages
-    294 TFLOP/s at B64 N8192; 32 heads x 64 rows, four warps 250; 64 x 32 rows 190-233; 64 x 16 rows 108."""
+    3.77 / 4.27, eight warps 2.8). 128 heads (compute-bound), swept again with _cut_chain (2026-11-30, B64
+    N8192): 64 heads x 64 rows, eight warps, two stages 353 TFLOP/s; 64 x 32 rows, three stages 312; one stage
+    270; 32 heads x 64 rows, four warps 248; 64 x 16 rows 142. Three stages of 64 rows do not fit."""
     block_h = _block_h(h)
     if d_c > 256:
         if block_h == 16:
