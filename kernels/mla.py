@@ -162,11 +162,6 @@ def _launch_mla(q_absorbed, q_rope, c_kv, k_rope, block_table, seq_lens, scale: 
         slots = _num_sms(q_absorbed.device) * (2 if smem_bound_paged else 1)
         num_splits = auto_num_splits(batch * head_tiles, n_tiles, tile_bytes,
                                      tile_seconds(tile_flops, smem_bound_paged), batch * h * (d_c + 1) * 4, slots)
-        if block_h < 64 and n_tiles > 1:
-            # Measured, not modelled: a one-split launch of the 16-head tile streams about a quarter slower per
-            # program than a split one (H200, 128 programs: B128 N4096 3.06 TB/s with one split, 3.82 with two;
-            # B128 N8192 3.18 vs 4.19). The cause was not profiled; two splits are never worse by much.
-            num_splits = max(2, num_splits)
     out = _decode.new_empty((batch, h, d_c), q_absorbed.device, q_absorbed.dtype)
     lse = _decode.new_empty((batch, h), q_absorbed.device, torch.float32)
     if num_splits == 1:
