@@ -101,12 +101,12 @@ def _rows_source(base, n_rows, stride_r, D: tl.constexpr, BLOCK_R: tl.constexpr,
 
 @triton.jit
 def _load_rows(src, start, n_rows, stride_r, tile_offs, offs_r, offs_c, D: tl.constexpr,
-               CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr, USE_TMA: tl.constexpr):
-    """Rows [start, start + BLOCK_R) of `src` (from _rows_source) as a (BLOCK_R, BLOCK_D) tile, zero outside the
-    matrix. The pointer path adds a precomputed tile offset (offs_r * stride_r + offs_c * stride_c) to the block
-    start and masks only the axes that can run out of bounds."""
+               CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr, USE_TMA: tl.constexpr, COL0: tl.constexpr = 0):
+    """Rows [start, start + BLOCK_R) of `src` (from _rows_source) as a (BLOCK_R, BLOCK_D) tile of the columns
+    from COL0 (offs_c holds them), zero outside the matrix. The pointer path adds a precomputed tile offset
+    (offs_r * stride_r + offs_c * stride_c) to the block start and masks only the axes that can run out of bounds."""
     if USE_TMA:
-        return src.load([start, 0])
+        return src.load([start, COL0])
     else:
         ptrs = src + start * stride_r + tile_offs
         if CHECK_ROWS:
@@ -123,17 +123,33 @@ def _load_rows(src, start, n_rows, stride_r, tile_offs, offs_r, offs_c, D: tl.co
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, k_src, v_src, k_offs, v_offs, stride_kn, stride_vn,
-               offs_m, offs_n, offs_dk, offs_dv, lo, hi, N, q_shift, qk_scale,
-               MASKED: tl.constexpr, CAUSAL: tl.constexpr, EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr,
+def _scores(a, a2, b, b2, SPLIT_DK: tl.constexpr, PRECISION: tl.constexpr):
+    """a b^T over the head dim, which comes in one block or, when SPLIT_DK, in two (a, b: the first BLOCK_DK
+    columns; a2, b2: the next BLOCK_DK2). Two blocks cover a head dim that is not a power of two with less padding:
+    192 = 128 + 64 instead of 256, 72 = 64 + 16 instead of 128."""
+    s = tl.dot(a, tl.trans(b), input_precision=PRECISION)
+    if SPLIT_DK:
+        s = tl.dot(a2, tl.trans(b2), s, input_precision=PRECISION)
+    return s
+
+
+@triton.jit
+def _fwd_inner(acc, l_i, m_i, q, q2, k_src, k2_src, v_src, k_offs, k2_offs, v_offs, stride_kn, stride_vn,
+               offs_m, offs_n, offs_dk, offs_dk2, offs_dv, lo, hi, N, q_shift, qk_scale,
+               MASKED: tl.constexpr, CAUSAL: tl.constexpr, EVEN_DK: tl.constexpr, EVEN_DK2: tl.constexpr,
+               EVEN_DV: tl.constexpr, SPLIT_DK: tl.constexpr, BLOCK_DK: tl.constexpr,
                D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                USE_TMA: tl.constexpr, INTERPRET: tl.constexpr):
     """Online softmax over key blocks [lo, hi). MASKED blocks check the causal diagonal and the sequence end;
     unmasked ones are known (by the caller's loop split) to be wholly visible to every query row."""
     for start_n in range(_bound(lo, INTERPRET), _bound(hi, INTERPRET), BLOCK_N):
         k = _load_rows(k_src, start_n, N, stride_kn, k_offs, offs_n, offs_dk, D_QK,
-                       MASKED, not EVEN_DK, USE_TMA)  # (BLOCK_N, D_qk)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+                       MASKED, not EVEN_DK, USE_TMA)  # (BLOCK_N, BLOCK_DK)
+        k2 = k
+        if SPLIT_DK:
+            k2 = _load_rows(k2_src, start_n, N, stride_kn, k2_offs, offs_n, offs_dk2, D_QK,
+                            MASKED, not EVEN_DK2, USE_TMA, BLOCK_DK)  # (BLOCK_N, BLOCK_DK2)
+        qk = _scores(q, q2, k, k2, SPLIT_DK, PRECISION)
         if MASKED:
             cols = start_n + offs_n
             visible = cols[None, :] < N
@@ -165,8 +181,8 @@ def _flash_fwd_kernel(
     stride_ob, stride_oh, stride_om, stride_od,
     stride_lb, stride_lh, stride_lm,
     M, N, qk_scale,
-    D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    GROUP_SIZE: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+    D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DK2: tl.constexpr, SPLIT_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr, GROUP_SIZE: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     # Causal programs are launched heaviest first (the last query blocks see the most keys), so the short ones
@@ -179,8 +195,10 @@ def _flash_fwd_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dk2 = BLOCK_DK + tl.arange(0, BLOCK_DK2)
     offs_dv = tl.arange(0, BLOCK_DV)
-    EVEN_DK: tl.constexpr = D_QK == BLOCK_DK
+    EVEN_DK: tl.constexpr = D_QK == BLOCK_DK or SPLIT_DK
+    EVEN_DK2: tl.constexpr = D_QK == BLOCK_DK + BLOCK_DK2
     EVEN_DV: tl.constexpr = D_V == BLOCK_DV
 
     q_base = Q + batch * stride_qb + head.to(tl.int64) * stride_qh
@@ -189,6 +207,12 @@ def _flash_fwd_kernel(
     # Q tile (BLOCK_M, D_qk); rows past M load zeros and are never stored.
     q = _load(q_base + offs_m[:, None] * stride_qm + offs_dk[None, :] * stride_qd,
               offs_m[:, None] < M, offs_dk[None, :] < D_QK, True, not EVEN_DK)
+    q2, k2_src, k2_offs = q, K, offs_dk  # placeholders when the head dim is one block
+    if SPLIT_DK:
+        q2 = _load(q_base + offs_m[:, None] * stride_qm + offs_dk2[None, :] * stride_qd,
+                   offs_m[:, None] < M, offs_dk2[None, :] < D_QK, True, not EVEN_DK2)
+        k2_src = _rows_source(k_base, N, stride_kn, D_QK, BLOCK_N, BLOCK_DK2, USE_TMA)
+        k2_offs = offs_n[:, None] * stride_kn + offs_dk2[None, :] * stride_kd
     k_src = _rows_source(k_base, N, stride_kn, D_QK, BLOCK_N, BLOCK_DK, USE_TMA)
     v_src = _rows_source(v_base, N, stride_vn, D_V, BLOCK_N, BLOCK_DV, USE_TMA)
     k_offs = offs_n[:, None] * stride_kn + offs_dk[None, :] * stride_kd
@@ -207,12 +231,14 @@ def _flash_fwd_kernel(
     else:
         n_end = N
         n_full = N // BLOCK_N * BLOCK_N
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, k_offs, v_offs, stride_kn, stride_vn,
-                               offs_m, offs_n, offs_dk, offs_dv, 0, n_full, N, q_shift, qk_scale,
-                               False, CAUSAL, EVEN_DK, EVEN_DV, D_QK, D_V, BLOCK_N, PRECISION, USE_TMA, INTERPRET)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, k_src, v_src, k_offs, v_offs, stride_kn, stride_vn,
-                               offs_m, offs_n, offs_dk, offs_dv, n_full, n_end, N, q_shift, qk_scale,
-                               True, CAUSAL, EVEN_DK, EVEN_DV, D_QK, D_V, BLOCK_N, PRECISION, USE_TMA, INTERPRET)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, q2, k_src, k2_src, v_src, k_offs, k2_offs, v_offs, stride_kn,
+                               stride_vn, offs_m, offs_n, offs_dk, offs_dk2, offs_dv, 0, n_full, N, q_shift, qk_scale,
+                               False, CAUSAL, EVEN_DK, EVEN_DK2, EVEN_DV, SPLIT_DK, BLOCK_DK, D_QK, D_V, BLOCK_N,
+                               PRECISION, USE_TMA, INTERPRET)
+    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, q2, k_src, k2_src, v_src, k_offs, k2_offs, v_offs, stride_kn,
+                               stride_vn, offs_m, offs_n, offs_dk, offs_dk2, offs_dv, n_full, n_end, N, q_shift,
+                               qk_scale, True, CAUSAL, EVEN_DK, EVEN_DK2, EVEN_DV, SPLIT_DK, BLOCK_DK, D_QK, D_V,
+                               BLOCK_N, PRECISION, USE_TMA, INTERPRET)
 
     # Every row sees at least key 0 (bottom-right alignment with S_q <= S_kv), so l_i > 0.
     out = acc / l_i[:, None]
@@ -253,10 +279,11 @@ def _flash_bwd_delta_kernel(
 
 
 @triton.jit
-def _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, q_offs, do_offs, lse_base, delta_base,
+def _bwd_dkdv_inner(dk, dk2, dv, k, k2, v, q_src, q2_src, do_src, q_offs, q2_offs, do_offs, lse_base, delta_base,
                     stride_qm, stride_dom, stride_lm,
-                    offs_m, offs_n, offs_dk, offs_dv, lo, hi, M, q_shift, qk_scale,
-                    MASKED: tl.constexpr, EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr,
+                    offs_m, offs_n, offs_dk, offs_dk2, offs_dv, lo, hi, M, q_shift, qk_scale,
+                    MASKED: tl.constexpr, EVEN_DK: tl.constexpr, EVEN_DK2: tl.constexpr, EVEN_DV: tl.constexpr,
+                    SPLIT_DK: tl.constexpr, BLOCK_DK: tl.constexpr,
                     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr,
                     USE_TMA: tl.constexpr, INTERPRET: tl.constexpr):
     """Accumulate dK, dV of one key block over query blocks [lo, hi) of one query head, in transposed form
@@ -266,9 +293,13 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, q_offs, do_offs, lse_base, delt
         rows = start_m + offs_m
         row_ok = rows < M
         q = _load_rows(q_src, start_m, M, stride_qm, q_offs, offs_m, offs_dk, D_QK,
-                       True, not EVEN_DK, USE_TMA)  # (BLOCK_M, D_qk)
+                       True, not EVEN_DK, USE_TMA)  # (BLOCK_M, BLOCK_DK)
+        q2 = q
+        if SPLIT_DK:
+            q2 = _load_rows(q2_src, start_m, M, stride_qm, q2_offs, offs_m, offs_dk2, D_QK,
+                            True, not EVEN_DK2, USE_TMA, BLOCK_DK)  # (BLOCK_M, BLOCK_DK2)
         lse = tl.load(lse_base + rows * stride_lm, mask=row_ok, other=0.0) * 1.4426950408889634
-        qk_t = tl.dot(k, tl.trans(q), input_precision=PRECISION)
+        qk_t = _scores(k, k2, q, q2, SPLIT_DK, PRECISION)
         p_t = tl.math.exp2(qk_t * qk_scale - lse[None, :])
         if MASKED:
             p_t = tl.where((q_shift + rows)[None, :] >= offs_n[:, None], p_t, 0.0)
@@ -277,9 +308,11 @@ def _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, q_offs, do_offs, lse_base, delt
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
         delta = tl.load(delta_base + rows, mask=row_ok, other=0.0)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-        ds_t = p_t * (dp_t - delta[None, :])
-        dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=PRECISION)
-    return dk, dv
+        ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+        dk = tl.dot(ds_t, q, dk, input_precision=PRECISION)
+        if SPLIT_DK:
+            dk2 = tl.dot(ds_t, q2, dk2, input_precision=PRECISION)
+    return dk, dk2, dv
 
 
 @triton.jit
@@ -293,8 +326,8 @@ def _flash_bwd_dkdv_kernel(
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
     M, N, H_Q, scale, qk_scale,
-    D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    GROUP_SIZE: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+    D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DK2: tl.constexpr, SPLIT_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr, GROUP_SIZE: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     """One program owns a KV block of one KV head and accumulates dK, dV over all GROUP_SIZE query heads that
@@ -306,18 +339,26 @@ def _flash_bwd_dkdv_kernel(
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
     offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dk2 = BLOCK_DK + tl.arange(0, BLOCK_DK2)
     offs_dv = tl.arange(0, BLOCK_DV)
-    EVEN_DK: tl.constexpr = D_QK == BLOCK_DK
+    EVEN_DK: tl.constexpr = D_QK == BLOCK_DK or SPLIT_DK
+    EVEN_DK2: tl.constexpr = D_QK == BLOCK_DK + BLOCK_DK2
     EVEN_DV: tl.constexpr = D_V == BLOCK_DV
 
     # K, V tiles (BLOCK_N, D); rows past N load zeros: their dK/dV rows are never stored.
-    k = _load(K + batch * stride_kb + kv_head.to(tl.int64) * stride_kh + offs_n[:, None] * stride_kn
-              + offs_dk[None, :] * stride_kd, offs_n[:, None] < N, offs_dk[None, :] < D_QK, True, not EVEN_DK)
+    k_base = K + batch * stride_kb + kv_head.to(tl.int64) * stride_kh + offs_n[:, None] * stride_kn
+    k = _load(k_base + offs_dk[None, :] * stride_kd, offs_n[:, None] < N, offs_dk[None, :] < D_QK, True, not EVEN_DK)
     v = _load(V + batch * stride_vb + kv_head.to(tl.int64) * stride_vh + offs_n[:, None] * stride_vn
               + offs_dv[None, :] * stride_vd, offs_n[:, None] < N, offs_dv[None, :] < D_V, True, not EVEN_DV)
     dk = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     q_offs = offs_m[:, None] * stride_qm + offs_dk[None, :] * stride_qd
+    k2, dk2, q2_offs = k, dk, q_offs  # placeholders when the head dim is one block
+    if SPLIT_DK:
+        k2 = _load(k_base + offs_dk2[None, :] * stride_kd, offs_n[:, None] < N, offs_dk2[None, :] < D_QK, True,
+                   not EVEN_DK2)
+        dk2 = tl.zeros([BLOCK_N, BLOCK_DK2], tl.float32)
+        q2_offs = offs_m[:, None] * stride_qm + offs_dk2[None, :] * stride_qd
     do_offs = offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod
 
     # Query rows [m_lo, m_mid) straddle the causal diagonal of this key block (masked); rows from m_mid on see
@@ -332,42 +373,55 @@ def _flash_bwd_dkdv_kernel(
         m_mid = 0
     for g in range(GROUP_SIZE):
         head = (kv_head * GROUP_SIZE + g).to(tl.int64)
-        q_src = _rows_source(Q + batch * stride_qb + head * stride_qh, M, stride_qm, D_QK, BLOCK_M, BLOCK_DK,
-                             USE_TMA)
+        q_base = Q + batch * stride_qb + head * stride_qh
+        q_src = _rows_source(q_base, M, stride_qm, D_QK, BLOCK_M, BLOCK_DK, USE_TMA)
+        q2_src = q_src
+        if SPLIT_DK:
+            q2_src = _rows_source(q_base, M, stride_qm, D_QK, BLOCK_M, BLOCK_DK2, USE_TMA)
         do_src = _rows_source(DO + batch * stride_dob + head * stride_doh, M, stride_dom, D_V, BLOCK_M, BLOCK_DV,
                               USE_TMA)
         lse_base = LSE + batch * stride_lb + head * stride_lh
         delta_base = DELTA + (batch * H_Q + head) * M
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, q_offs, do_offs, lse_base, delta_base,
-                                 stride_qm, stride_dom, stride_lm,
-                                 offs_m, offs_n, offs_dk, offs_dv, m_lo, m_mid, M, q_shift, qk_scale,
-                                 True, EVEN_DK, EVEN_DV, D_QK, D_V, BLOCK_M, PRECISION, USE_TMA, INTERPRET)
-        dk, dv = _bwd_dkdv_inner(dk, dv, k, v, q_src, do_src, q_offs, do_offs, lse_base, delta_base,
-                                 stride_qm, stride_dom, stride_lm,
-                                 offs_m, offs_n, offs_dk, offs_dv, m_mid, M, M, q_shift, qk_scale,
-                                 False, EVEN_DK, EVEN_DV, D_QK, D_V, BLOCK_M, PRECISION, USE_TMA, INTERPRET)
+        dk, dk2, dv = _bwd_dkdv_inner(dk, dk2, dv, k, k2, v, q_src, q2_src, do_src, q_offs, q2_offs, do_offs,
+                                      lse_base, delta_base, stride_qm, stride_dom, stride_lm,
+                                      offs_m, offs_n, offs_dk, offs_dk2, offs_dv, m_lo, m_mid, M, q_shift, qk_scale,
+                                      True, EVEN_DK, EVEN_DK2, EVEN_DV, SPLIT_DK, BLOCK_DK, D_QK, D_V, BLOCK_M,
+                                      PRECISION, USE_TMA, INTERPRET)
+        dk, dk2, dv = _bwd_dkdv_inner(dk, dk2, dv, k, k2, v, q_src, q2_src, do_src, q_offs, q2_offs, do_offs,
+                                      lse_base, delta_base, stride_qm, stride_dom, stride_lm,
+                                      offs_m, offs_n, offs_dk, offs_dk2, offs_dv, m_mid, M, M, q_shift, qk_scale,
+                                      False, EVEN_DK, EVEN_DK2, EVEN_DV, SPLIT_DK, BLOCK_DK, D_QK, D_V, BLOCK_M,
+                                      PRECISION, USE_TMA, INTERPRET)
 
-    dk = dk * scale
     mask_n = offs_n[:, None] < N
-    tl.store(DK + batch * stride_dkb + kv_head.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dkn
-             + offs_dk[None, :] * stride_dkd, dk.to(DK.dtype.element_ty), mask=mask_n & (offs_dk[None, :] < D_QK))
+    dk_ptrs = DK + batch * stride_dkb + kv_head.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dkn
+    tl.store(dk_ptrs + offs_dk[None, :] * stride_dkd, (dk * scale).to(DK.dtype.element_ty),
+             mask=mask_n & (offs_dk[None, :] < D_QK))
+    if SPLIT_DK:
+        tl.store(dk_ptrs + offs_dk2[None, :] * stride_dkd, (dk2 * scale).to(DK.dtype.element_ty),
+                 mask=mask_n & (offs_dk2[None, :] < D_QK))
     tl.store(DV + batch * stride_dvb + kv_head.to(tl.int64) * stride_dvh + offs_n[:, None] * stride_dvn
              + offs_dv[None, :] * stride_dvd, dv.to(DV.dtype.element_ty), mask=mask_n & (offs_dv[None, :] < D_V))
 
 
 @triton.jit
-def _bwd_dq_inner(dq, q, do, lse, delta, k_src, v_src, k_offs, v_offs, stride_kn, stride_vn,
-                  offs_m, offs_n, offs_dk, offs_dv, lo, hi, N, q_shift, qk_scale,
-                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, EVEN_DK: tl.constexpr, EVEN_DV: tl.constexpr,
+def _bwd_dq_inner(dq, dq2, q, q2, do, lse, delta, k_src, k2_src, v_src, k_offs, k2_offs, v_offs, stride_kn,
+                  stride_vn, offs_m, offs_n, offs_dk, offs_dk2, offs_dv, lo, hi, N, q_shift, qk_scale,
+                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, EVEN_DK: tl.constexpr, EVEN_DK2: tl.constexpr,
+                  EVEN_DV: tl.constexpr, SPLIT_DK: tl.constexpr, BLOCK_DK: tl.constexpr,
                   D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
                   USE_TMA: tl.constexpr, INTERPRET: tl.constexpr):
     """Accumulate dQ of one query block over key blocks [lo, hi); the mask split mirrors the forward."""
     for start_n in range(_bound(lo, INTERPRET), _bound(hi, INTERPRET), BLOCK_N):
         k = _load_rows(k_src, start_n, N, stride_kn, k_offs, offs_n, offs_dk, D_QK,
-                       MASKED, not EVEN_DK, USE_TMA)  # (BLOCK_N, D_qk)
+                       MASKED, not EVEN_DK, USE_TMA)  # (BLOCK_N, BLOCK_DK)
+        k2 = k
+        if SPLIT_DK:
+            k2 = _load_rows(k2_src, start_n, N, stride_kn, k2_offs, offs_n, offs_dk2, D_QK,
+                            MASKED, not EVEN_DK2, USE_TMA, BLOCK_DK)  # (BLOCK_N, BLOCK_DK2)
         v = _load_rows(v_src, start_n, N, stride_vn, v_offs, offs_n, offs_dv, D_V,
                        MASKED, not EVEN_DV, USE_TMA)  # (BLOCK_N, D_v)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        qk = _scores(q, q2, k, k2, SPLIT_DK, PRECISION)
         p = tl.math.exp2(qk * qk_scale - lse[:, None])
         if MASKED:
             cols = start_n + offs_n
@@ -376,9 +430,11 @@ def _bwd_dq_inner(dq, q, do, lse, delta, k_src, v_src, k_offs, v_offs, stride_kn
                 visible = visible & ((q_shift + offs_m)[:, None] >= cols[None, :])
             p = tl.where(visible, p, 0.0)
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        ds = p * (dp - delta[:, None])
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=PRECISION)
-    return dq
+        ds = (p * (dp - delta[:, None])).to(k.dtype)
+        dq = tl.dot(ds, k, dq, input_precision=PRECISION)
+        if SPLIT_DK:
+            dq2 = tl.dot(ds, k2, dq2, input_precision=PRECISION)
+    return dq, dq2
 
 
 @triton.jit
@@ -391,8 +447,8 @@ def _flash_bwd_dq_kernel(
     stride_lb, stride_lh, stride_lm,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     M, N, H_Q, scale, qk_scale,
-    D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DV: tl.constexpr,
-    GROUP_SIZE: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
+    D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DK2: tl.constexpr, SPLIT_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr, GROUP_SIZE: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0) if CAUSAL else tl.program_id(0)
@@ -404,13 +460,15 @@ def _flash_bwd_dq_kernel(
     offs_m = start_m + tl.arange(0, BLOCK_M)
     offs_n = tl.arange(0, BLOCK_N)
     offs_dk = tl.arange(0, BLOCK_DK)
+    offs_dk2 = BLOCK_DK + tl.arange(0, BLOCK_DK2)
     offs_dv = tl.arange(0, BLOCK_DV)
-    EVEN_DK: tl.constexpr = D_QK == BLOCK_DK
+    EVEN_DK: tl.constexpr = D_QK == BLOCK_DK or SPLIT_DK
+    EVEN_DK2: tl.constexpr = D_QK == BLOCK_DK + BLOCK_DK2
     EVEN_DV: tl.constexpr = D_V == BLOCK_DV
     row_ok = offs_m < M
 
-    q = _load(Q + batch * stride_qb + head * stride_qh + offs_m[:, None] * stride_qm + offs_dk[None, :] * stride_qd,
-              row_ok[:, None], offs_dk[None, :] < D_QK, True, not EVEN_DK)
+    q_rows = Q + batch * stride_qb + head * stride_qh + offs_m[:, None] * stride_qm
+    q = _load(q_rows + offs_dk[None, :] * stride_qd, row_ok[:, None], offs_dk[None, :] < D_QK, True, not EVEN_DK)
     do = _load(DO + batch * stride_dob + head * stride_doh + offs_m[:, None] * stride_dom
                + offs_dv[None, :] * stride_dod, row_ok[:, None], offs_dv[None, :] < D_V, True, not EVEN_DV)
     lse = tl.load(LSE + batch * stride_lb + head * stride_lh + offs_m * stride_lm, mask=row_ok, other=0.0)
@@ -423,6 +481,13 @@ def _flash_bwd_dq_kernel(
     v_src = _rows_source(v_base, N, stride_vn, D_V, BLOCK_N, BLOCK_DV, USE_TMA)
     k_offs = offs_n[:, None] * stride_kn + offs_dk[None, :] * stride_kd
     v_offs = offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
+    q2, dq2, k2_src, k2_offs = q, dq, k_src, k_offs  # placeholders when the head dim is one block
+    if SPLIT_DK:
+        q2 = _load(q_rows + offs_dk2[None, :] * stride_qd, row_ok[:, None], offs_dk2[None, :] < D_QK, True,
+                   not EVEN_DK2)
+        dq2 = tl.zeros([BLOCK_M, BLOCK_DK2], tl.float32)
+        k2_src = _rows_source(k_base, N, stride_kn, D_QK, BLOCK_N, BLOCK_DK2, USE_TMA)
+        k2_offs = offs_n[:, None] * stride_kn + offs_dk2[None, :] * stride_kd
 
     q_shift = N - M
     if CAUSAL:
@@ -431,16 +496,20 @@ def _flash_bwd_dq_kernel(
     else:
         n_end = N
         n_full = N // BLOCK_N * BLOCK_N
-    dq = _bwd_dq_inner(dq, q, do, lse, delta, k_src, v_src, k_offs, v_offs, stride_kn, stride_vn,
-                       offs_m, offs_n, offs_dk, offs_dv, 0, n_full, N, q_shift, qk_scale,
-                       False, CAUSAL, EVEN_DK, EVEN_DV, D_QK, D_V, BLOCK_N, PRECISION, USE_TMA, INTERPRET)
-    dq = _bwd_dq_inner(dq, q, do, lse, delta, k_src, v_src, k_offs, v_offs, stride_kn, stride_vn,
-                       offs_m, offs_n, offs_dk, offs_dv, n_full, n_end, N, q_shift, qk_scale,
-                       True, CAUSAL, EVEN_DK, EVEN_DV, D_QK, D_V, BLOCK_N, PRECISION, USE_TMA, INTERPRET)
-    dq = dq * scale
-    tl.store(DQ + batch * stride_dqb + head * stride_dqh + offs_m[:, None] * stride_dqm
-             + offs_dk[None, :] * stride_dqd, dq.to(DQ.dtype.element_ty),
+    dq, dq2 = _bwd_dq_inner(dq, dq2, q, q2, do, lse, delta, k_src, k2_src, v_src, k_offs, k2_offs, v_offs,
+                            stride_kn, stride_vn, offs_m, offs_n, offs_dk, offs_dk2, offs_dv, 0, n_full, N, q_shift,
+                            qk_scale, False, CAUSAL, EVEN_DK, EVEN_DK2, EVEN_DV, SPLIT_DK, BLOCK_DK, D_QK, D_V,
+                            BLOCK_N, PRECISION, USE_TMA, INTERPRET)
+    dq, dq2 = _bwd_dq_inner(dq, dq2, q, q2, do, lse, delta, k_src, k2_src, v_src, k_offs, k2_offs, v_offs,
+                            stride_kn, stride_vn, offs_m, offs_n, offs_dk, offs_dk2, offs_dv, n_full, n_end, N,
+                            q_shift, qk_scale, True, CAUSAL, EVEN_DK, EVEN_DK2, EVEN_DV, SPLIT_DK, BLOCK_DK, D_QK,
+                            D_V, BLOCK_N, PRECISION, USE_TMA, INTERPRET)
+    dq_ptrs = DQ + batch * stride_dqb + head * stride_dqh + offs_m[:, None] * stride_dqm
+    tl.store(dq_ptrs + offs_dk[None, :] * stride_dqd, (dq * scale).to(DQ.dtype.element_ty),
              mask=row_ok[:, None] & (offs_dk[None, :] < D_QK))
+    if SPLIT_DK:
+        tl.store(dq_ptrs + offs_dk2[None, :] * stride_dqd, (dq2 * scale).to(DQ.dtype.element_ty),
+                 mask=row_ok[:, None] & (offs_dk2[None, :] < D_QK))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -455,17 +524,17 @@ _CONFIGS = {
     "fwd": {
         64: [(128, 64, 8, 4), (128, 64, 4, 3), (128, 128, 4, 3), (64, 64, 4, 3)],
         128: [(128, 128, 8, 3), (128, 64, 8, 3), (128, 64, 8, 4), (64, 64, 4, 3)],
-        256: [(64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 8, 2)],
+        256: [(64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 3), (128, 32, 8, 2), (128, 64, 8, 3)],
     },
     "dkdv": {
         64: [(64, 128, 8, 3), (32, 128, 4, 3), (64, 64, 4, 3), (32, 64, 4, 4)],
         128: [(64, 128, 8, 2), (64, 128, 8, 3), (32, 128, 8, 3), (64, 64, 4, 3)],
-        256: [(32, 64, 4, 2), (32, 128, 8, 1), (16, 64, 4, 2), (32, 32, 4, 2)],
+        256: [(32, 64, 4, 2), (32, 128, 8, 1), (16, 64, 4, 2), (32, 32, 4, 2), (64, 64, 8, 2)],
     },
     "dq": {
         64: [(128, 64, 8, 3), (128, 32, 4, 3), (64, 64, 4, 3), (64, 32, 4, 4)],
         128: [(128, 64, 8, 3), (128, 128, 8, 2), (128, 32, 8, 3), (64, 64, 4, 3)],
-        256: [(64, 32, 4, 2), (128, 32, 8, 1), (64, 16, 4, 2), (32, 32, 4, 2)],
+        256: [(64, 32, 4, 2), (128, 32, 8, 1), (64, 16, 4, 2), (32, 32, 4, 2), (128, 64, 8, 2)],
     },
 }
 # A config that fits any head dim and dtype (fp32 at D=256 included) in shared memory.
@@ -560,6 +629,18 @@ def _head_block(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
+def _qk_blocks(d_qk: int) -> dict:
+    """How the kernels tile the Q/K head dim: one power-of-two block, or two (BLOCK_DK + BLOCK_DK2, SPLIT_DK) when
+    that pads less, e.g. MLA's 192 = 128 + 64 (one block: 256) and 72 = 64 + 16 (one block: 128). Tiles must be
+    powers of two; the second block's products go into the same scores and its own dQ/dK accumulator."""
+    one = _head_block(d_qk)
+    first = one // 2
+    second = _head_block(d_qk - first) if d_qk > first else 0
+    if first >= 16 and second and first + second < one:
+        return dict(BLOCK_DK=first, BLOCK_DK2=second, SPLIT_DK=True)
+    return dict(BLOCK_DK=one, BLOCK_DK2=16, SPLIT_DK=False)  # BLOCK_DK2 unused
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Launchers: validate, allocate, pass strides
 # --------------------------------------------------------------------------------------------------------------
@@ -634,7 +715,7 @@ def _forward(q, k, v, scale: float | None, causal: bool, out=None, lse=None):
         _flash_fwd_kernel[grid](
             q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
             s_q, s_kv, sm_scale * LOG2E,
-            D_QK=d_qk, D_V=d_v, BLOCK_DK=_head_block(d_qk), BLOCK_DV=_head_block(d_v),
+            D_QK=d_qk, D_V=d_v, **_qk_blocks(d_qk), BLOCK_DV=_head_block(d_v),
             GROUP_SIZE=h_q // h_kv, CAUSAL=causal, PRECISION=_precision(q.dtype), INTERPRET=_checks.interpreting(),
             BLOCK_M=block_m, BLOCK_N=block_n, USE_TMA=use_tma, num_warps=warps, num_stages=stages,
         )
@@ -659,7 +740,7 @@ def _backward(q, k, v, out, lse, do, scale: float | None, causal: bool, dlse=Non
     if s_q == 0 or b == 0 or h_q == 0:
         return dq, dk.zero_(), dv.zero_()
     delta = torch.empty((b, h_q, s_q), device=q.device, dtype=torch.float32)
-    common = dict(D_QK=d_qk, D_V=d_v, BLOCK_DK=_head_block(d_qk), BLOCK_DV=_head_block(d_v),
+    common = dict(D_QK=d_qk, D_V=d_v, **_qk_blocks(d_qk), BLOCK_DV=_head_block(d_v),
                   GROUP_SIZE=h_q // h_kv, CAUSAL=causal, PRECISION=_precision(q.dtype),
                   INTERPRET=_checks.interpreting())
     qkv_strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *lse.stride())
