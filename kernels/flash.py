@@ -18,6 +18,9 @@ Structure (FlashAttention-2, Dao 2023; Triton's fused-attention tutorial):
   every query head of its KV group and every query block, so GQA needs no per-query-head partial buffers
   (the KV gradient memory does not grow with the group size); dQ in a second kernel, one program per query
   block, streaming K/V like the forward.
+- a Q/K head dim that is not a power of two is tiled as two power-of-two column blocks when that pads less
+  (`_qk_blocks`: MLA's 192 = 128 + 64 instead of 256): two products into the same scores, two dQ/dK accumulators.
+  H200, B4 H16 S4096 D_qk 192 / D_v 128 causal: forward 341 -> 450 TFLOP/s, backward 225 -> 308.
 - block sizes, warps and pipeline stages come from a handful of configs per head dim, timed once per
   (kernel, head dims, causal, dtype, sequence-length bucket) on the GPU and cached for the process.
 - the tiles a loop streams (K/V in the forward and dQ, Q/dO in dK/dV) come through TMA tensor descriptors or
