@@ -86,6 +86,23 @@ def test_forward_backward_matches_reference(case, dtype):
     assert_close(dv, ref_dv, dtype, "dv", grad=True)
 
 
+def test_qk_head_dim_tiling():
+    """The Q/K head dim is tiled as one power-of-two block, or as two when that pads less (MLA's 192 = 128 + 64):
+    for every head dim the blocks cover every column, are powers of two from 16, and never pad more than the
+    one block would."""
+    from kernels.flash import _head_block, _qk_blocks
+
+    assert _qk_blocks(192) == dict(BLOCK_DK=128, BLOCK_DK2=64, SPLIT_DK=True)
+    for d_qk in range(16, 257):
+        blocks = _qk_blocks(d_qk)
+        first, second, split = blocks["BLOCK_DK"], blocks["BLOCK_DK2"], blocks["SPLIT_DK"]
+        width = first + second if split else first
+        assert all(b >= 16 and b & (b - 1) == 0 for b in (first, second)), (d_qk, blocks)
+        assert d_qk <= width <= _head_block(d_qk), (d_qk, blocks)
+        assert split == (width < _head_block(d_qk)), (d_qk, blocks, "two blocks only when they pad less")
+        assert not split or first < d_qk, (d_qk, blocks, "the second block must hold columns")
+
+
 @pytest.mark.parametrize("tma", ["0", "1"], ids=["pointers", "descriptors"])
 @pytest.mark.parametrize("case", [CASES[2], CASES[7], CASES[9]], ids=case_id)
 def test_pointer_and_descriptor_paths(case, tma, monkeypatch):
