@@ -17,7 +17,9 @@ Structure (FlashAttention-2, Dao 2023; Triton's fused-attention tutorial):
 - backward: `delta` in a small pre-pass; dK/dV in one kernel where a program owns a KV block and loops over
   every query head of its KV group and every query block, so GQA needs no per-query-head partial buffers
   (the KV gradient memory does not grow with the group size); dQ in a second kernel, one program per query
-  block, streaming K/V like the forward.
+  block, streaming K/V like the forward. A dK/dV launch with fewer than two programs per SM (MQA, small
+  batches) shares each group's heads among a few programs (`_head_splits`) whose fp32 partials are summed:
+  H200, H_q 32 / H_kv 1, S 4096, D 128 causal, backward 263 -> 307 TFLOP/s at B4 and 110 -> 279 at B1.
 - a Q/K head dim that is not a power of two is tiled as two power-of-two column blocks when that pads less
   (`_qk_blocks`: MLA's 192 = 128 + 64 instead of 256): two products into the same scores, two dQ/dK accumulators.
   H200, B4 H16 S4096 D_qk 192 / D_v 128 causal: forward 341 -> 450 TFLOP/s, backward 225 -> 308.
@@ -45,6 +47,7 @@ integer arguments, and `_bound` hands them to the interpreter as the Python ints
 """
 
 import contextlib
+import functools
 import math
 import os
 
@@ -53,6 +56,7 @@ import triton
 import triton.language as tl
 
 from kernels import _checks
+from kernels.decode import num_sms
 
 LOG2E = 1.4426950408889634
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
@@ -332,11 +336,15 @@ def _flash_bwd_dkdv_kernel(
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DK2: tl.constexpr, SPLIT_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, GROUP_SIZE: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, INTERPRET: tl.constexpr,
+    HEAD_SPLITS: tl.constexpr,
 ):
-    """One program owns a KV block of one KV head and accumulates dK, dV over all GROUP_SIZE query heads that
-    read it and over every query block that sees it; the result is written once, no partials, no atomics."""
+    """One program owns a KV block of one KV head and accumulates dK, dV over the GROUP_SIZE query heads that read
+    it and over every query block that sees it; written once, no atomics. With HEAD_SPLITS > 1 (a launch with too
+    few KV blocks to fill the GPU, e.g. MQA) the group's heads are shared out among HEAD_SPLITS programs, and each
+    writes an fp32 partial at head index kv_head * HEAD_SPLITS + part of DK/DV, which the launcher sums."""
     pid_n = tl.program_id(0)
-    kv_head = tl.program_id(1)
+    pid_h = tl.program_id(1)
+    kv_head = pid_h // HEAD_SPLITS
     batch = tl.program_id(2).to(tl.int64)
     start_n = pid_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
@@ -374,7 +382,13 @@ def _flash_bwd_dkdv_kernel(
     else:
         m_lo = 0
         m_mid = 0
-    for g in range(GROUP_SIZE):
+    if HEAD_SPLITS == 1:
+        g_lo, g_hi = 0, GROUP_SIZE
+    else:
+        HEADS_PER_SPLIT: tl.constexpr = (GROUP_SIZE + HEAD_SPLITS - 1) // HEAD_SPLITS
+        g_lo = pid_h % HEAD_SPLITS * HEADS_PER_SPLIT
+        g_hi = tl.minimum(g_lo + HEADS_PER_SPLIT, GROUP_SIZE)
+    for g in range(_bound(g_lo, INTERPRET), _bound(g_hi, INTERPRET)):
         head = (kv_head * GROUP_SIZE + g).to(tl.int64)
         q_base = Q + batch * stride_qb + head * stride_qh
         q_src = _rows_source(q_base, M, stride_qm, D_QK, BLOCK_M, BLOCK_DK, USE_TMA)
@@ -397,13 +411,13 @@ def _flash_bwd_dkdv_kernel(
                                       PRECISION, USE_TMA, INTERPRET)
 
     mask_n = offs_n[:, None] < N
-    dk_ptrs = DK + batch * stride_dkb + kv_head.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dkn
+    dk_ptrs = DK + batch * stride_dkb + pid_h.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dkn
     tl.store(dk_ptrs + offs_dk[None, :] * stride_dkd, (dk * scale).to(DK.dtype.element_ty),
              mask=mask_n & (offs_dk[None, :] < D_QK))
     if SPLIT_DK:
         tl.store(dk_ptrs + offs_dk2[None, :] * stride_dkd, (dk2 * scale).to(DK.dtype.element_ty),
                  mask=mask_n & (offs_dk2[None, :] < D_QK))
-    tl.store(DV + batch * stride_dvb + kv_head.to(tl.int64) * stride_dvh + offs_n[:, None] * stride_dvn
+    tl.store(DV + batch * stride_dvb + pid_h.to(tl.int64) * stride_dvh + offs_n[:, None] * stride_dvn
              + offs_dv[None, :] * stride_dvd, dv.to(DV.dtype.element_ty), mask=mask_n & (offs_dv[None, :] < D_V))
 
 
@@ -609,8 +623,7 @@ def _use_tma(backward: bool, *tensors: torch.Tensor) -> bool:
     address (each (batch, head) slice becomes one 2-d descriptor)."""
     mode = os.environ.get("ZOO_FLASH_TMA", "auto")
     t0 = tensors[0]
-    if mode == "0" or (mode != "1" and not (backward and t0.is_cuda
-                                             and torch.cuda.get_device_capability(t0.device)[0] >= 9)):
+    if mode == "0" or (mode != "1" and not (backward and t0.is_cuda and _capability(t0.device.index)[0] >= 9)):
         return False
     for t in tensors:
         size = t.element_size()
@@ -628,10 +641,25 @@ def _precision(dtype: torch.dtype):
     return "ieee" if dtype == torch.float32 else None
 
 
+@functools.cache
+def _capability(device_index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device_index)
+
+
+def _device_guard(t: torch.Tensor):
+    """Launch on t's GPU: a device switch only when it is not the current one (the switch costs microseconds on
+    every call, and a training step makes dozens)."""
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
+
+@functools.cache
 def _head_block(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
 
 
+@functools.cache
 def _qk_blocks(d_qk: int) -> dict:
     """How the kernels tile the Q/K head dim: one power-of-two block, or two (BLOCK_DK + BLOCK_DK2, SPLIT_DK) when
     that pads less, e.g. MLA's 192 = 128 + 64 (one block: 256) and 72 = 64 + 16 (one block: 128). Tiles must be
@@ -723,14 +751,28 @@ def _forward(q, k, v, scale: float | None, causal: bool, out=None, lse=None):
             BLOCK_M=block_m, BLOCK_N=block_n, USE_TMA=use_tma, num_warps=warps, num_stages=stages,
         )
 
-    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+    with _device_guard(q):
         cfg = _pick_config("fwd", q, d_qk, d_v, causal, s_q, s_kv, use_tma, launch)
         launch(cfg)
     return out, lse
 
 
-def _backward(q, k, v, out, lse, do, scale: float | None, causal: bool, dlse=None, grads=None):
-    """Launch delta, dK/dV and dQ. `grads` = (dq, dk, dv) may be preallocated (any strides)."""
+def _head_splits(programs: int, group: int, device: torch.device) -> int:
+    """Into how many shares the dK/dV kernel cuts a KV group's query heads. One (each program sums the whole group,
+    no partial buffers) unless the launch has fewer than two programs per SM: then enough shares to reach that,
+    each program summing about group / shares heads into an fp32 partial. MQA at B8 S1k H_q12: 64 programs for 132
+    SMs, four shares of three heads. The partials are at most 2 * SMs / programs times the KV gradient, and only
+    where the whole launch is small; the group size alone never multiplies the memory."""
+    sms = num_sms(device)
+    if group == 1 or programs >= 2 * sms:
+        return 1
+    per_split = triton.cdiv(group, min(group, triton.cdiv(2 * sms, programs)))
+    return triton.cdiv(group, per_split)
+
+
+def _backward(q, k, v, out, lse, do, scale: float | None, causal: bool, dlse=None, grads=None, head_splits=None):
+    """Launch delta, dK/dV and dQ. `grads` = (dq, dk, dv) may be preallocated (any strides); `head_splits` forces
+    the dK/dV kernel's share count (tests), else `_head_splits` picks it."""
     _check_backward(q, k, v, out, lse, do, causal, scale)
     b, h_q, s_q, d_qk = q.shape
     h_kv, s_kv, d_v = k.shape[1], k.shape[2], v.shape[3]
@@ -751,11 +793,20 @@ def _backward(q, k, v, out, lse, do, scale: float | None, causal: bool, dlse=Non
 
     def launch_dkdv(cfg):
         block_m, block_n, warps, stages = cfg
-        _flash_bwd_dkdv_kernel[(triton.cdiv(s_kv, block_n), h_kv, b)](
-            q, k, v, do, lse, delta, dk, dv, *qkv_strides, *dk.stride(), *dv.stride(),
+        splits = head_splits or _head_splits(triton.cdiv(s_kv, block_n) * h_kv * b, h_q // h_kv, q.device)
+        dk_out, dv_out = dk, dv
+        if splits > 1:  # fp32 partials, one per share of the group's heads: (B, H_kv * splits, S_kv, D)
+            dk_out = torch.empty((b, h_kv * splits, s_kv, d_qk), device=q.device, dtype=torch.float32)
+            dv_out = torch.empty((b, h_kv * splits, s_kv, d_v), device=q.device, dtype=torch.float32)
+        _flash_bwd_dkdv_kernel[(triton.cdiv(s_kv, block_n), h_kv * splits, b)](
+            q, k, v, do, lse, delta, dk_out, dv_out, *qkv_strides, *dk_out.stride(), *dv_out.stride(),
             s_q, s_kv, h_q, sm_scale, sm_scale * LOG2E, **common,
-            BLOCK_M=block_m, BLOCK_N=block_n, USE_TMA=tma_dkdv, num_warps=warps, num_stages=stages,
+            BLOCK_M=block_m, BLOCK_N=block_n, USE_TMA=tma_dkdv, HEAD_SPLITS=splits, num_warps=warps,
+            num_stages=stages,
         )
+        if splits > 1:
+            dk.copy_(dk_out.view(b, h_kv, splits, s_kv, d_qk).sum(2))
+            dv.copy_(dv_out.view(b, h_kv, splits, s_kv, d_v).sum(2))
 
     def launch_dq(cfg):
         block_m, block_n, warps, stages = cfg
@@ -765,7 +816,7 @@ def _backward(q, k, v, out, lse, do, scale: float | None, causal: bool, dlse=Non
             BLOCK_M=block_m, BLOCK_N=block_n, USE_TMA=tma_dq, num_warps=warps, num_stages=stages,
         )
 
-    with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+    with _device_guard(q):
         block = 64
         _flash_bwd_delta_kernel[(triton.cdiv(s_q, block), h_q, b)](
             out, do, dlse if dlse is not None else lse, delta, *out.stride(), *do.stride(),
@@ -778,7 +829,7 @@ def _backward(q, k, v, out, lse, do, scale: float | None, causal: bool, dlse=Non
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Custom ops (traceable by torch.compile with fullgraph=True) and their autograd
+# Custom ops (traceable by torch.compile with fullgraph=True), their autograd, and the eager autograd.Function
 # --------------------------------------------------------------------------------------------------------------
 
 
@@ -828,6 +879,27 @@ def _flash_fwd_backward(ctx, d_out, d_lse):
 _flash_fwd_op.register_autograd(_flash_fwd_backward, setup_context=_setup_context)
 
 
+class _FlashAttention(torch.autograd.Function):
+    """The eager path: the same launchers and autograd as the custom ops, without the custom-op dispatch. A small
+    launch is bound by CPU time, not the GPU: on the H200 host (B1 H_q 32/8 S128 D128, one run) a forward call
+    took 117 us through the custom op and 85 us here, forward + backward 1152 and 936 us (SDPA: 22 and 217).
+    torch.compile traces the custom ops instead."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, scale, causal):
+        out, lse = _forward(q, k, v, scale, causal)
+        _setup_context(ctx, (q, k, v, scale, causal), (out, lse))
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, d_out, d_lse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if d_out is None:
+            d_out = torch.zeros_like(out)
+        dq, dk, dv = _backward(q, k, v, out, lse, d_out, ctx.scale, ctx.causal, dlse=d_lse)
+        return dq, dk, dv, None, None
+
+
 # --------------------------------------------------------------------------------------------------------------
 # Public API
 # --------------------------------------------------------------------------------------------------------------
@@ -839,7 +911,9 @@ def flash_gqa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scal
     v (B, H_kv, S_kv, D_v), any strides. Returns out (B, H_q, S_q, D_v) in q's dtype and lse (B, H_q, S_q) fp32
     (natural log). Differentiable in both outputs."""
     _check_qkv(q, k, v, causal, scale)
-    return _flash_fwd_op(q, k, v, _scale(scale, q.shape[-1]), causal)
+    if torch.compiler.is_compiling():
+        return _flash_fwd_op(q, k, v, _scale(scale, q.shape[-1]), causal)
+    return _FlashAttention.apply(q, k, v, _scale(scale, q.shape[-1]), causal)
 
 
 def flash_gqa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
@@ -848,7 +922,9 @@ def flash_gqa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
     """Gradients (dq, dk, dv) of flash attention given the forward's out and lse and the output gradient do.
     dk and dv are summed over the query heads of each KV group."""
     _check_backward(q, k, v, out, lse, do, causal, scale)
-    return _flash_bwd_op(q, k, v, out, lse, do, None, _scale(scale, q.shape[-1]), causal)
+    if torch.compiler.is_compiling():
+        return _flash_bwd_op(q, k, v, out, lse, do, None, _scale(scale, q.shape[-1]), causal)
+    return _backward(q, k, v, out, lse, do, _scale(scale, q.shape[-1]), causal)
 
 
 def flash_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,

@@ -120,6 +120,38 @@ def test_pointer_and_descriptor_paths(case, tma, monkeypatch):
         assert_close(g, want, dtype, name, grad=name.startswith("d"))
 
 
+@pytest.mark.parametrize("head_splits", [2, 3])
+@pytest.mark.parametrize("case", [CASES[2], CASES[4], CASES[9]], ids=case_id)
+def test_dkdv_head_splits(case, head_splits):
+    """The dK/dV kernel with a KV group's query heads shared out among programs (what a launch too small to fill
+    the GPU gets, e.g. MQA): group 3 in shares of 2 + 1 or 1 + 1 + 1, group 4 in 2 + 2 or 2 + 2 + 0 (an empty
+    share writes a zero partial). The fp32 partials sum to the same gradients."""
+    dtype = KERNEL_DTYPES[-1]
+    causal = case[-1]
+    q, k, v, do = make_inputs(case, dtype)
+    out, lse = _forward(q, k, v, None, causal)
+    grads = tuple(poisoned(x.shape, dtype) for x in (q, k, v))
+    dq, dk, dv = _backward(q, k, v, out, lse, do, None, causal, grads=grads, head_splits=head_splits)
+    _, _, ref_dq, ref_dk, ref_dv = reference_grads(q, k, v, do, causal)
+    assert_close(dq, ref_dq, dtype, "dq", grad=True)
+    assert_close(dk, ref_dk, dtype, "dk", grad=True)
+    assert_close(dv, ref_dv, dtype, "dv", grad=True)
+
+
+def test_head_splits_rule(monkeypatch):
+    """Shares only when the dK/dV launch has fewer than two programs per SM, never more than the group, and about
+    the fewest that reach two programs per SM."""
+    from kernels import flash
+
+    monkeypatch.setattr(flash, "num_sms", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert flash._head_splits(64, 1, cuda) == 1  # MHA: nothing to share
+    assert flash._head_splits(264, 12, cuda) == 1  # two programs per SM already
+    assert flash._head_splits(64, 12, cuda) == 4  # MQA B8 S1k (BLOCK_N 128): 4 shares of 3 heads -> 256 programs
+    assert flash._head_splits(8, 4, cuda) == 4  # capped at the group
+    assert flash._head_splits(100, 3, cuda) == 3
+
+
 AUTOGRAD_CASES = [CASES[2], CASES[6], CASES[9]]
 
 
