@@ -40,7 +40,11 @@ Structure (FlashAttention-2, Dao 2023; Triton's fused-attention tutorial):
   intra-warpgroup overlap, which the compiled loop does show: the P V wgmma stays in flight across the softmax):
   412-415 TFLOP/s vs 456 at the best tile, slower on every shape. Issuing the next block's Q K^T ahead instead
   does not compile to an overlap at all: triton waits for a wgmma whose result is not an accumulator right after
-  issuing it.
+  issuing it. Also slower: a share of the forward's exp2 on the FMA units (FlashAttention-4's polynomial; D128
+  causal 461 -> 448 TFLOP/s at one element in four: the loop is issue-bound, not MUFU-bound). The Hopper warp
+  specialization above builds FlashAttention-3's producer/consumer structure only for a single loop with a
+  TMA-loaded Q (+4% at D128 full in a minimal kernel, NaN at 128 x 64 tiles); this kernel's two loops make it
+  assert.
 
 The same kernels run on CPU tensors under TRITON_INTERPRET=1: loop bounds are computed from program ids and
 integer arguments, and `_bound` hands them to the interpreter as the Python ints its `range` needs.
