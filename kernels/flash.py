@@ -14,11 +14,13 @@ Structure (FlashAttention-2, Dao 2023; Triton's fused-attention tutorial):
   log2 domain (exp2 with log2(e) folded into the scale). The KV loop is split in two: blocks every query of the
   program sees entirely run without any mask; only the blocks on the causal diagonal or past the end of the
   sequence run the masked variant, and blocks wholly above the diagonal are never visited.
-- backward: `delta` in a small pre-pass; dK/dV in one kernel where a program owns a KV block and loops over
+- backward: dQ first, one program per query block streaming K/V like the forward, which also writes
+  delta = rowsum(dO * Out) for its rows; then dK/dV in one kernel where a program owns a KV block and loops over
   every query head of its KV group and every query block, so GQA needs no per-query-head partial buffers
-  (the KV gradient memory does not grow with the group size); dQ in a second kernel, one program per query
-  block, streaming K/V like the forward. A dK/dV launch with fewer than two programs per SM (MQA, small
-  batches) shares each group's heads among a few programs (`_head_splits`) whose fp32 partials are summed:
+  (the KV gradient memory does not grow with the group size). Two launches, not three: delta has no pre-pass
+  of its own, which saves host time on every backward (see _FlashAttention). A dK/dV launch with fewer than
+  two programs per SM (MQA, small batches) shares each group's heads among a few programs (`_head_splits`)
+  whose fp32 partials are summed:
   H200, H_q 32 / H_kv 1, S 4096, D 128 causal, backward 263 -> 307 TFLOP/s at B4 and 110 -> 279 at B1.
 - a Q/K head dim that is not a power of two is tiled as two power-of-two column blocks when that pads less
   (`_qk_blocks`: MLA's 192 = 128 + 64 instead of 256): two products into the same scores, two dQ/dK accumulators.
@@ -262,34 +264,6 @@ def _flash_fwd_kernel(
 
 
 @triton.jit
-def _flash_bwd_delta_kernel(
-    Out, DO, DLSE, DELTA,
-    stride_ob, stride_oh, stride_om, stride_od,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_gb, stride_gh, stride_gm,
-    M,
-    D_V: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_DLSE: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    """delta = rowsum(dO * Out) - dlse, fp32, written to a contiguous (B, H_q, M) buffer. The lse gradient folds in
-    here because d lse / d S = P, so it adds P * dlse to dS, the same as subtracting dlse from delta."""
-    pid_m = tl.program_id(0)
-    head = tl.program_id(1).to(tl.int64)
-    batch = tl.program_id(2).to(tl.int64)
-    H = tl.num_programs(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    mask = (rows[:, None] < M) & (offs_dv[None, :] < D_V)
-    o = tl.load(Out + batch * stride_ob + head * stride_oh + rows[:, None] * stride_om + offs_dv[None, :] * stride_od,
-                mask=mask, other=0.0).to(tl.float32)
-    do = tl.load(DO + batch * stride_dob + head * stride_doh + rows[:, None] * stride_dom
-                 + offs_dv[None, :] * stride_dod, mask=mask, other=0.0).to(tl.float32)
-    delta = tl.sum(o * do, axis=1)
-    if HAS_DLSE:
-        delta -= tl.load(DLSE + batch * stride_gb + head * stride_gh + rows * stride_gm, mask=rows < M, other=0.0)
-    tl.store(DELTA + (batch * H + head) * M + rows, delta, mask=rows < M)
-
-
-@triton.jit
 def _bwd_dkdv_inner(dk, dk2, dv, k, k2, v, q_src, q2_src, do_src, q_offs, q2_offs, do_offs, lse_base, delta_base,
                     stride_qm, stride_dom, stride_lm,
                     offs_m, offs_n, offs_dk, offs_dk2, offs_dv, lo, hi, M, q_shift, qk_scale,
@@ -460,18 +434,25 @@ def _bwd_dq_inner(dq, dq2, q, q2, do, lse, delta, k_src, k2_src, v_src, k_offs, 
 
 @triton.jit
 def _flash_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ,
+    Q, K, V, DO, LSE, DELTA, DQ, Out, DLSE,
     stride_qb, stride_qh, stride_qm, stride_qd,
     stride_kb, stride_kh, stride_kn, stride_kd,
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_dob, stride_doh, stride_dom, stride_dod,
     stride_lb, stride_lh, stride_lm,
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
+    stride_ob, stride_oh, stride_om, stride_od,
+    stride_gb, stride_gh, stride_gm,
     M, N, H_Q, scale, qk_scale,
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DK2: tl.constexpr, SPLIT_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, GROUP_SIZE: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, INTERPRET: tl.constexpr,
+    HAS_DLSE: tl.constexpr,
 ):
+    """dQ of one query block, streaming K/V like the forward. It runs first and also writes the block's delta =
+    rowsum(dO * Out) - dlse (fp32, contiguous (B, H_q, M)), which the dK/dV kernel then reads: dO is loaded here
+    anyway, and one launch fewer is one host-side launch fewer per backward. The lse gradient folds in because
+    d lse / d S = P: it adds P * dlse to dS, the same as subtracting dlse from delta."""
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0) if CAUSAL else tl.program_id(0)
     head = tl.program_id(1)
     batch = tl.program_id(2).to(tl.int64)
@@ -494,7 +475,12 @@ def _flash_bwd_dq_kernel(
                + offs_dv[None, :] * stride_dod, row_ok[:, None], offs_dv[None, :] < D_V, True, not EVEN_DV)
     lse = tl.load(LSE + batch * stride_lb + head * stride_lh + offs_m * stride_lm, mask=row_ok, other=0.0)
     lse = lse * 1.4426950408889634
-    delta = tl.load(DELTA + (batch * H_Q + head) * M + offs_m, mask=row_ok, other=0.0)
+    o = _load(Out + batch * stride_ob + head * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od,
+              row_ok[:, None], offs_dv[None, :] < D_V, True, not EVEN_DV)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    if HAS_DLSE:
+        delta -= tl.load(DLSE + batch * stride_gb + head * stride_gh + offs_m * stride_gm, mask=row_ok, other=0.0)
+    tl.store(DELTA + (batch * H_Q + head) * M + offs_m, delta, mask=row_ok)
     dq = tl.zeros([BLOCK_M, BLOCK_DK], tl.float32)
     k_base = K + batch * stride_kb + kv_head.to(tl.int64) * stride_kh
     v_base = V + batch * stride_vb + kv_head.to(tl.int64) * stride_vh
@@ -775,8 +761,8 @@ def _head_splits(programs: int, group: int, device: torch.device) -> int:
 
 
 def _backward(q, k, v, out, lse, do, scale: float | None, causal: bool, dlse=None, grads=None, head_splits=None):
-    """Launch delta, dK/dV and dQ. `grads` = (dq, dk, dv) may be preallocated (any strides); `head_splits` forces
-    the dK/dV kernel's share count (tests), else `_head_splits` picks it."""
+    """Launch dQ (which also writes delta), then dK/dV. `grads` = (dq, dk, dv) may be preallocated (any strides);
+    `head_splits` forces the dK/dV kernel's share count (tests), else `_head_splits` picks it."""
     _check_backward(q, k, v, out, lse, do, causal, scale)
     b, h_q, s_q, d_qk = q.shape
     h_kv, s_kv, d_v = k.shape[1], k.shape[2], v.shape[3]
@@ -812,23 +798,20 @@ def _backward(q, k, v, out, lse, do, scale: float | None, causal: bool, dlse=Non
             dk.copy_(dk_out.view(b, h_kv, splits, s_kv, d_qk).sum(2))
             dv.copy_(dv_out.view(b, h_kv, splits, s_kv, d_v).sum(2))
 
+    g = dlse if dlse is not None else lse  # placeholder without an lse gradient (HAS_DLSE=False never reads it)
+
     def launch_dq(cfg):
         block_m, block_n, warps, stages = cfg
         _flash_bwd_dq_kernel[(triton.cdiv(s_q, block_m), h_q, b)](
-            q, k, v, do, lse, delta, dq, *qkv_strides, *dq.stride(),
+            q, k, v, do, lse, delta, dq, out, g, *qkv_strides, *dq.stride(), *out.stride(), *g.stride(),
             s_q, s_kv, h_q, sm_scale, sm_scale * LOG2E, **common,
-            BLOCK_M=block_m, BLOCK_N=block_n, USE_TMA=tma_dq, num_warps=warps, num_stages=stages,
+            BLOCK_M=block_m, BLOCK_N=block_n, USE_TMA=tma_dq, HAS_DLSE=dlse is not None, num_warps=warps,
+            num_stages=stages,
         )
 
     with _device_guard(q):
-        block = 64
-        _flash_bwd_delta_kernel[(triton.cdiv(s_q, block), h_q, b)](
-            out, do, dlse if dlse is not None else lse, delta, *out.stride(), *do.stride(),
-            *(dlse.stride() if dlse is not None else lse.stride()), s_q,
-            D_V=d_v, BLOCK_DV=_head_block(d_v), HAS_DLSE=dlse is not None, BLOCK_M=block, num_warps=4,
-        )
+        launch_dq(_pick_config("dq", q, d_qk, d_v, causal, s_q, s_kv, tma_dq, launch_dq))  # dQ and delta
         launch_dkdv(_pick_config("dkdv", q, d_qk, d_v, causal, s_q, s_kv, tma_dkdv, launch_dkdv))
-        launch_dq(_pick_config("dq", q, d_qk, d_v, causal, s_q, s_kv, tma_dq, launch_dq))
     return dq, dk, dv
 
 
