@@ -1,6 +1,7 @@
 """Triton attention kernels: differentiable flash attention for training, and grouped, paged and MLA decode.
 
-Every op is a `torch.library` custom op (traceable by torch.compile with fullgraph=True), validates its inputs
+Every op is a `torch.library` custom op (traceable by torch.compile with fullgraph=True; eager flash calls use
+an equivalent autograd.Function, which costs less host time), validates its inputs
 before launching (ValueError naming the argument, what it got and what is valid), and has a plain PyTorch
 reference in `kernels.reference`. On a machine without a GPU the same kernels run on CPU tensors under
 `TRITON_INTERPRET=1`.

@@ -851,7 +851,7 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, out, lse)
     ctx.scale, ctx.causal = scale, causal
     # An unused output's gradient stays None instead of a zero tensor: the usual loss never touches lse, and then
-    # the delta pre-pass skips reading it.
+    # the dQ kernel's delta skips reading it.
     ctx.set_materialize_grads(False)
 
 
