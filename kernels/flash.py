@@ -798,12 +798,12 @@ def _backward(q, k, v, out, lse, do, scale: float | None, causal: bool, dlse=Non
             dk.copy_(dk_out.view(b, h_kv, splits, s_kv, d_qk).sum(2))
             dv.copy_(dv_out.view(b, h_kv, splits, s_kv, d_v).sum(2))
 
-    g = dlse if dlse is not None else lse  # placeholder without an lse gradient (HAS_DLSE=False never reads it)
+    dlse_arg = dlse if dlse is not None else lse  # a placeholder without an lse gradient (HAS_DLSE=False: unread)
 
     def launch_dq(cfg):
         block_m, block_n, warps, stages = cfg
         _flash_bwd_dq_kernel[(triton.cdiv(s_q, block_m), h_q, b)](
-            q, k, v, do, lse, delta, dq, out, g, *qkv_strides, *dq.stride(), *out.stride(), *g.stride(),
+            q, k, v, do, lse, delta, dq, out, dlse_arg, *qkv_strides, *dq.stride(), *out.stride(), *dlse_arg.stride(),
             s_q, s_kv, h_q, sm_scale, sm_scale * LOG2E, **common,
             BLOCK_M=block_m, BLOCK_N=block_n, USE_TMA=tma_dq, HAS_DLSE=dlse is not None, num_warps=warps,
             num_stages=stages,
