@@ -64,6 +64,11 @@ import triton.language as tl
 from kernels import _checks
 from kernels.decode import num_sms
 
+try:
+    from kernels import flash_sm90
+except ImportError:  # a triton without Gluon's Hopper API: the Triton kernel runs on every GPU
+    flash_sm90 = None
+
 LOG2E = 1.4426950408889634
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 
@@ -727,6 +732,11 @@ def _forward(q, k, v, scale: float | None, causal: bool, out=None, lse=None):
     out = torch.empty((b, h_q, s_q, d_v), device=q.device, dtype=q.dtype) if out is None else out
     lse = torch.empty((b, h_q, s_q), device=q.device, dtype=torch.float32) if lse is None else lse
     if out.numel() == 0:
+        return out, lse
+    # Hopper, fp16/bf16, D = 128: the warp-specialized Gluon kernel (kernels/flash_sm90.py).
+    if flash_sm90 is not None and flash_sm90.supports(q, k, v):
+        with _device_guard(q):
+            flash_sm90.forward(q, k, v, out, lse, sm_scale * LOG2E, causal)
         return out, lse
     use_tma = _use_tma(False, k, v)
 

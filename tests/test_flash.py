@@ -35,6 +35,10 @@ CASES = [
     (1, 4, 4, 65, 130, 128, 64, True),
     (1, 2, 1, 130, 130, 16, 16, False),
     (1, 4, 2, 63, 63, 256, 256, True),
+    # D = 128 runs through the Hopper kernel (flash_sm90) on an H100/H200: several query tiles, a partial one, more
+    # key blocks than its ring has stages, the causal diagonal inside the sequence, S_q < S_kv.
+    (1, 4, 2, 200, 520, 128, 128, True),
+    (1, 2, 1, 130, 600, 128, 128, False),
 ]
 
 
@@ -291,3 +295,90 @@ def test_bad_backward_input_raises(name):
         flash_gqa_backward(args.pop("q"), args.pop("k"), args.pop("v"), args.pop("out"), args.pop("lse"),
                            args.pop("do"))
     assert message in str(err.value), str(err.value)
+
+
+_COMPILE_SM90 = """
+import glob, json, os, re, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+from kernels import flash_sm90
+
+d, causal = int(sys.argv[1]), sys.argv[2] == "causal"
+block_n, stages, pingpong = flash_sm90.CONFIGS[d]
+kernel = flash_sm90._flash_fwd_sm90_kernel
+def desc(rows):
+    layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, d], gl.bfloat16)
+    return f"tensordesc<bf16[1,1,{rows},{d}],{layout!r}>"
+const = dict(GROUP_SIZE=4, CAUSAL=causal, BLOCK_N=block_n, D=d, STAGES=stages, PINGPONG=pingpong)
+sig = {n: "constexpr" if n in const else "i32" for n in kernel.arg_names}
+sig.update(q_desc=desc(flash_sm90.ROWS_PER_CONSUMER), k_desc=desc(block_n), v_desc=desc(block_n),
+           out_ptr="*bf16", lse_ptr="*fp32", qk_scale="fp32")
+compiled = triton.compile(GluonASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4))
+ptxas = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))[0]
+with tempfile.TemporaryDirectory() as tmp:
+    open(os.path.join(tmp, "k.ptx"), "w").write(compiled.asm["ptx"])
+    run = subprocess.run([ptxas, "-arch=sm_90a", "-v", os.path.join(tmp, "k.ptx"), "-o", os.path.join(tmp, "k.cubin")],
+                         capture_output=True, text=True)
+print(json.dumps(dict(ptx=compiled.asm["ptx"], shared=compiled.metadata.shared, ptxas=run.stderr + run.stdout)))
+"""
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [128])
+def test_sm90_kernel_structure(d, causal):
+    """The Hopper forward (Gluon, which has no CPU interpreter; its numerics run in every forward test above on an
+    H100/H200) compiled for sm_90 on any machine: a loader warp that gives its registers to two consumer
+    warpgroups (setmaxnreg 24 / 240), TMA loads, asynchronous wgmma with the scores of the next key block in
+    flight while P V runs (wait_group 1), within the 227 KB of shared memory, and no register spills."""
+    import json
+    import os
+    import re
+    import subprocess
+    import sys
+
+    from kernels import flash_sm90
+
+    assert d in flash_sm90.CONFIGS
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    run = subprocess.run([sys.executable, "-c", _COMPILE_SM90, str(d), "causal" if causal else "full"],
+                         capture_output=True, text=True, env=env, cwd=root)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    ptx = result["ptx"]
+    regs = set(re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx))
+    assert {"24", "240"} <= regs, f"warp roles' register counts {sorted(regs)}"
+    assert "cp.async.bulk.tensor" in ptx, "no TMA load"
+    assert "wgmma.mma_async" in ptx and "wgmma.wait_group.sync.aligned 1;" in ptx, "no overlapped wgmma"
+    assert result["shared"] <= 232448, f"{result['shared']} bytes of shared memory"
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", result["ptxas"])
+    assert spills and all(a == "0" and b == "0" for a, b in spills), result["ptxas"]
+
+
+def test_sm90_eligibility():
+    """Which inputs the Hopper kernel takes (on an sm_90 GPU): fp16/bf16 with D_qk == D_v = 128 and TMA-readable
+    strides; everything else (fp32, other head dims, MLA's 192/128, a head dim that is not contiguous, a
+    misaligned stride) goes to the Triton kernel."""
+    from kernels.flash_sm90 import eligible
+
+    def qkv(d_qk=128, d_v=128, dtype=torch.bfloat16, h=4, s=64):
+        return (torch.zeros(1, h, s, d_qk, dtype=dtype), torch.zeros(1, 2, s, d_qk, dtype=dtype),
+                torch.zeros(1, 2, s, d_v, dtype=dtype))
+
+    assert eligible(*qkv())
+    assert eligible(*qkv(dtype=torch.float16))
+    q, k, v = (torch.zeros(1, 64, h, 128, dtype=torch.bfloat16).transpose(1, 2) for h in (4, 2, 2))
+    assert eligible(q, k, v), "the model's (B, S, H, D) layout seen as (B, H, S, D)"
+    assert not eligible(*qkv(dtype=torch.float32))
+    assert not eligible(*qkv(d_qk=64, d_v=64))
+    assert not eligible(*qkv(d_qk=192, d_v=128))
+    q, k, v = qkv()
+    assert not eligible(q.transpose(2, 3).contiguous().transpose(2, 3), k, v), "head dim not contiguous"
+    big = torch.zeros(1, 4, 64, 136, dtype=torch.bfloat16)
+    assert eligible(big[..., :128], k, v)
+    odd = torch.zeros(1, 4, 64, 129, dtype=torch.bfloat16)
+    assert not eligible(odd[..., :128], k, v), "row stride of 258 bytes is not 16-byte aligned"

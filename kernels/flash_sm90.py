@@ -1,0 +1,307 @@
+"""The flash-attention forward for Hopper (sm_90), warp-specialized, in Gluon: FlashAttention-3's structure.
+
+Same math, inputs and outputs as `flash._flash_fwd_kernel` (see kernels/flash.py); `flash._forward` launches this
+kernel instead on an sm_90 GPU for fp16/bf16 with D_qk == D_v in {64, 128} and TMA-compatible strides, and the
+portable Triton kernel everywhere else (other GPUs and head dims, fp32, the CPU interpreter).
+
+Why a second kernel: the Triton-language forward stops at 440-490 TFLOP/s at D=128 on an H200, while SDPA runs at
+530-690. Its warps issue their own loads and all run the same phase of the loop at the same time, so the tensor
+cores idle during every softmax. Triton 3.6's automatic warp specialization does not apply to that kernel (see
+flash.py). Gluon, Triton's lower-level language, states the layouts, shared memory, barriers and warp roles
+explicitly, so the kernel can have FlashAttention-3's structure (Shah et al. 2024):
+
+- one program per (128 query rows, query head, batch), in three warp roles (`gl.warp_specialize`):
+  - a loader warp streams Q once and K/V blocks through TMA into a ring of STAGES shared-memory buffers, waiting
+    on an mbarrier until the consumers have released a buffer before it refills it;
+  - two consumer warpgroups of four warps, each owning 64 query rows: Q K^T and P V on the tensor cores (wgmma),
+    the online softmax in registers. The loader warp gives its registers to them (setmaxnreg: 24 for the loader,
+    240 per consumer thread).
+- inside a consumer, the scores of key block j+1 are issued before P V of block j, and the softmax of block j+1
+  runs while that P V is on the tensor cores (FlashAttention-3's intra-warpgroup overlap); P stays in registers
+  as the A operand of the P V wgmma.
+- with PINGPONG, the consumers take turns issuing their products (an mbarrier token passed round-robin), so one
+  warpgroup's softmax runs while the other's matrix products do (FlashAttention-3's inter-warpgroup schedule).
+- causal masking: blocks wholly above the diagonal are never loaded; only blocks on the diagonal or past the
+  sequence end are masked (a runtime branch per block).
+
+Gluon has no CPU interpreter, so this kernel's numerics are tested on the GPU (every forward test in
+tests/test_flash.py runs through it on an H100/H200); on the CPU, tests/test_flash.py compiles it for sm_90 and
+checks its structure (warp roles, registers, shared memory).
+"""
+
+import functools
+import os
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+ROWS_PER_CONSUMER = 64  # query rows per consumer warpgroup: the M of one wgmma
+ROWS = gl.constexpr(ROWS_PER_CONSUMER)
+CONSUMERS = gl.constexpr(2)  # consumer warpgroups per program: BLOCK_M = 128 query rows
+LOADER_WARP_REGS = 24
+LOADER_REGS = gl.constexpr(LOADER_WARP_REGS)
+# The SM's 64K registers over three warpgroups once the loader's keeps 24 per thread: (512 - 24) / 2 = 244,
+# rounded down to setmaxnreg's multiple of 8.
+CONSUMER_REGS = gl.constexpr(240)
+
+# Per head dim: (BLOCK_N, STAGES, PINGPONG), measured on an H200 (see benchmarks/RESULTS.md).
+# D=64 stays on the Triton kernel: at B4 S4096 this kernel measured 390 TFLOP/s causal against 396, and at B16
+# S1024 240 against 313.
+CONFIGS = {
+    128: (128, 3, False),
+}
+
+
+@gluon.jit
+def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free,
+            batch, head, kv_head, start_m, n_blocks,
+            CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: each consumer's Q rows once, then K and V of every key block into the ring. Block j goes into
+    stage j % STAGES once every consumer has released that stage's previous block (j - STAGES) on kv_free."""
+    for c in gl.static_range(CONSUMERS):
+        mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [batch, head, start_m + c * ROWS, 0], q_ready.index(c),
+                                        q_smem.index(c))
+    for j in range(n_blocks):
+        s = j % STAGES
+        # The (j // STAGES)-th reuse of stage s waits for the release of the previous one (phase parity).
+        mbarrier.wait(kv_free.index(s), ((j // STAGES) & 1) ^ 1, pred=j >= STAGES)
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [batch, kv_head, j * BLOCK_N, 0], k_ready.index(s), k_smem.index(s))
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [batch, kv_head, j * BLOCK_N, 0], v_ready.index(s), v_smem.index(s))
+
+
+@gluon.jit
+def _mask(s, j, n_unmasked, start_m, q_shift, N, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+          s_layout: gl.constexpr):
+    """Scores of key block j with the causal diagonal and the sequence end masked; blocks before n_unmasked are
+    wholly visible to every row of the program and pass through untouched."""
+    if j >= n_unmasked:
+        cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        visible = (cols < N)[None, :]
+        if CAUSAL:
+            rows = q_shift + start_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+            visible = visible & (rows[:, None] >= cols[None, :])
+        s = gl.where(visible, s, -float("inf"))
+    return s
+
+
+@gluon.jit
+def _turn_wait(turn, WG: gl.constexpr, r, PINGPONG: gl.constexpr):
+    if PINGPONG:
+        mbarrier.wait(turn.index(WG), r & 1)
+
+
+@gluon.jit
+def _turn_pass(turn, WG: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr):
+    if PINGPONG:
+        mbarrier.arrive(turn.index((WG + 1) % CONSUMERS), count=1)
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, turn, out_ptr, lse_ptr,
+              stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
+              batch, head, start_m, M, N, n_blocks, n_unmasked, q_shift, qk_scale,
+              WG: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+              D: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+    """One warpgroup: online softmax over the key blocks for query rows [start_m + WG*64, +64)."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, D, 16])
+    p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
+    row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
+    dtype: gl.constexpr = q_smem.dtype
+    start_m = start_m + WG * ROWS
+    q = q_smem.index(WG).reshape([ROWS, D])
+
+    if PINGPONG:
+        if WG == CONSUMERS - 1:
+            mbarrier.arrive(turn.index(0), count=1)  # the first warpgroup takes the first turn
+    mbarrier.wait(q_ready.index(WG), 0)
+    m_i = gl.full([ROWS], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
+    acc = gl.zeros([ROWS, D], gl.float32, o_layout)
+    s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+
+    # Key block 0: its scores alone.
+    mbarrier.wait(k_ready.index(0), 0)
+    _turn_wait(turn, WG, 0, PINGPONG)
+    s = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, D]).permute((1, 0)), s, use_acc=False, is_async=True)
+    _turn_pass(turn, WG, CONSUMERS, PINGPONG)
+    s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
+    s = _mask(s, 0, n_unmasked, start_m, q_shift, N, CAUSAL, BLOCK_N, s_layout)
+    m_i = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    p = gl.exp2(s * qk_scale - m_i[:, None])
+    l_i = gl.sum(p, 1)
+    p_op = gl.convert_layout(p.to(dtype), p_layout)
+
+    for j in range(1, n_blocks):
+        st = j % STAGES
+        prev = (j - 1) % STAGES
+        mbarrier.wait(k_ready.index(st), (j // STAGES) & 1)
+        mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
+        _turn_wait(turn, WG, j, PINGPONG)
+        # Scores of block j go into the registers of block j-1's dead fp32 probabilities (use_acc=False).
+        s = warpgroup_mma(q, k_smem.index(st).reshape([BLOCK_N, D]).permute((1, 0)), p, use_acc=False,
+                          is_async=True)
+        acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, D]), acc, is_async=True)
+        _turn_pass(turn, WG, CONSUMERS, PINGPONG)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=[s])  # the scores are in; P V of block j-1 may still run
+        s = _mask(s, j, n_unmasked, start_m, q_shift, N, CAUSAL, BLOCK_N, s_layout)
+        m_ij = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        p = gl.exp2(s * qk_scale - m_ij[:, None])
+        alpha = gl.exp2(m_i - m_ij)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+        mbarrier.arrive(kv_free.index(prev), count=1)  # K and V of block j-1 are no longer read
+        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
+        m_i = m_ij
+        p_op = gl.convert_layout(p.to(dtype), p_layout)
+
+    last = (n_blocks - 1) % STAGES
+    mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
+    _turn_wait(turn, WG, n_blocks, PINGPONG)
+    acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, D]), acc, is_async=True)
+    _turn_pass(turn, WG, CONSUMERS, PINGPONG)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+    mbarrier.arrive(kv_free.index(last), count=1)
+
+    # Every row sees at least key 0 (bottom-right alignment, S_q <= S_kv), so l_i > 0; padding rows (past M,
+    # zero-filled by TMA) are finite too and never stored.
+    out = acc / gl.convert_layout(l_i, row_o)[:, None]
+    lse = (m_i + gl.log2(l_i)) * 0.6931471805599453  # natural log
+    offs_m = start_m + gl.arange(0, ROWS, layout=row_o)
+    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+    o_ptrs = out_ptr + batch.to(gl.int64) * stride_ob + head.to(gl.int64) * stride_oh \
+        + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
+    gl.store(o_ptrs, out.to(dtype), mask=(offs_m < M)[:, None])
+    offs_l = start_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+    l_ptrs = lse_ptr + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh + offs_l * stride_lm
+    gl.store(l_ptrs, lse, mask=offs_l < M)
+
+
+@gluon.jit
+def _flash_fwd_sm90_kernel(
+    q_desc, k_desc, v_desc, out_ptr, lse_ptr,
+    stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
+    M, N, qk_scale,
+    GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+    STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+):
+    BLOCK_M: gl.constexpr = CONSUMERS * ROWS
+    # Causal programs run heaviest first (the last query blocks see the most keys).
+    pid_m = gl.num_programs(0) - 1 - gl.program_id(0) if CAUSAL else gl.program_id(0)
+    head = gl.program_id(1)
+    batch = gl.program_id(2)
+    kv_head = head // GROUP_SIZE
+    start_m = pid_m * BLOCK_M
+    q_shift = N - M  # query row i sits at key position q_shift + i
+    if CAUSAL:
+        n_end = gl.minimum(N, q_shift + start_m + BLOCK_M)
+        n_unmasked = gl.minimum((q_shift + start_m + 1) // BLOCK_N, N // BLOCK_N)
+    else:
+        n_end = N
+        n_unmasked = N // BLOCK_N
+    n_blocks = gl.cdiv(n_end, BLOCK_N)
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for c in gl.static_range(CONSUMERS):
+        mbarrier.init(q_ready.index(c), count=1)
+        mbarrier.init(turn.index(c), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(kv_free.index(i), count=CONSUMERS)  # one arrival per consumer warpgroup
+    fence_async_shared()
+
+    # The default partition (this program's own four warps) is consumer 0; the others are worker partitions.
+    # Worker arguments cannot be constexprs computed here, so every value is passed explicitly.
+    gl.warp_specialize([
+        (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, turn, out_ptr, lse_ptr,
+                     stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
+                     batch, head, start_m, M, N, n_blocks, n_unmasked, q_shift, qk_scale,
+                     gl.constexpr(0), CONSUMERS, CAUSAL, BLOCK_N, D, STAGES, PINGPONG)),
+        (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, turn, out_ptr, lse_ptr,
+                     stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
+                     batch, head, start_m, M, N, n_blocks, n_unmasked, q_shift, qk_scale,
+                     gl.constexpr(1), CONSUMERS, CAUSAL, BLOCK_N, D, STAGES, PINGPONG)),
+        (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free,
+                   batch, head, kv_head, start_m, n_blocks, CONSUMERS, BLOCK_N, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Launcher
+# --------------------------------------------------------------------------------------------------------------
+
+
+def enabled() -> bool:
+    """ZOO_FLASH_SM90=0 turns this kernel off (flash._forward then uses the Triton kernel on Hopper too). Gluon is
+    experimental and its API moves between Triton releases, so the kernel runs only on the release it was written
+    and verified against (3.6); with another one the Triton kernel runs."""
+    return os.environ.get("ZOO_FLASH_SM90", "1") != "0" and triton.__version__.startswith("3.6")
+
+
+@functools.cache
+def _is_sm90(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """Does flash._forward launch this kernel for these inputs? On an sm_90 GPU, when `eligible`."""
+    return q.is_cuda and enabled() and _is_sm90(q.device.index) and eligible(q, k, v)
+
+
+def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+    """fp16/bf16, D_qk == D_v in CONFIGS, and strides TMA can read: unit stride along the head dim, the other
+    strides and the base address 16-byte aligned."""
+    if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] not in CONFIGS:
+        return False
+    if k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
+        return False
+    for t in (q, k, v):
+        size = t.element_size()
+        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * size % 16 for s in t.stride()[:-1]):
+            return False
+    return True
+
+
+def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """A 4-d descriptor over (B, H, S, D) with its own strides: one (rows, D) tile of one (batch, head) per copy,
+    zero-filled past the sequence end (so a tile never reads the next head's rows)."""
+    dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    block = [1, 1, rows, t.shape[-1]]
+    return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, dtype))
+
+
+def forward(q, k, v, out, lse, qk_scale: float, causal: bool, config=None):
+    """Launch on inputs `supports` accepted; out (B, H_q, S_q, D) and lse (B, H_q, S_q) fp32 any strides.
+    qk_scale is the softmax scale times log2(e). `config` overrides CONFIGS (benchmarks)."""
+    b, h_q, s_q, d = q.shape
+    h_kv, s_kv = k.shape[1], k.shape[2]
+    block_n, stages, pingpong = config or CONFIGS[d]
+    grid = (triton.cdiv(s_q, 2 * ROWS_PER_CONSUMER), h_q, b)
+    _flash_fwd_sm90_kernel[grid](
+        _descriptor(q, ROWS_PER_CONSUMER), _descriptor(k, block_n), _descriptor(v, block_n), out, lse,
+        *out.stride(), *lse.stride(), s_q, s_kv, qk_scale,
+        GROUP_SIZE=h_q // h_kv, CAUSAL=causal, BLOCK_N=block_n, D=d, STAGES=stages, PINGPONG=pingpong,
+        num_warps=4,
+    )
