@@ -6,8 +6,10 @@
 Per shape: our forward output and gradients are checked against SDPA (relative L2 error, bf16 budget) before
 anything is timed; then the forward and the backward alone (autograd.grad over a retained graph) are timed for
 ours, SDPA (`enable_gqa=True`, is_causal; MLA's D_v is padded to D_qk for it) and FlexAttention (compiled, causal
-block mask). FLOPs: 2*B*H_q*S_q*S_kv*(D_qk + D_v) for the forward (= 4*B*H*M*N*D for equal dims), half of it
-when causal; the backward counts 2.5x the forward. Ceilings (copy bandwidth, bf16 matmul) come from the same run.
+block mask). Where the forward runs on the Hopper kernel (kernels/flash_sm90.py), the portable Triton forward is
+timed too (`fwd_triton`, ZOO_FLASH_SM90=0), so the run shows that lever beside the peers. FLOPs:
+2*B*H_q*S_q*S_kv*(D_qk + D_v) for the forward (= 4*B*H*M*N*D for equal dims), half of it when causal; the
+backward counts 2.5x the forward. Ceilings (copy bandwidth, bf16 matmul) come from the same run.
 """
 
 import argparse
@@ -110,6 +112,18 @@ def run_ours(q, k, v, do, causal, tma: str):
             os.environ["ZOO_FLASH_TMA"] = saved
 
 
+def triton_forward_ms(q, k, v, causal):
+    """The portable Triton forward's time where the Hopper kernel would run, else None."""
+    if flash.flash_sm90 is None or not flash.flash_sm90.supports(q, k, v):
+        return None
+    os.environ["ZOO_FLASH_SM90"] = "0"
+    try:
+        with torch.no_grad():
+            return bench_ms(lambda: flash_gqa_attention(q, k, v, causal=causal))
+    finally:
+        os.environ.pop("ZOO_FLASH_SM90")
+
+
 def check(name, ours, ref):
     """Ours against SDPA, forward and every gradient (bf16 rounding of P and dS: ~1e-2 relative); returns the
     largest relative error."""
@@ -129,6 +143,7 @@ def run_shape(shape, dtype, with_flex=True, with_pointers=False):
     ref = time_fwd_bwd(lambda q, k, v: sdpa(q, k, v, causal), q, k, v, do)
     ours = run_ours(q, k, v, do, causal, "auto")
     err = check(name, ours, ref)
+    fwd_triton = triton_forward_ms(q, k, v, causal)
     ptr = None
     if with_pointers:
         ptr = run_ours(q, k, v, do, causal, "0")
@@ -143,7 +158,7 @@ def run_shape(shape, dtype, with_flex=True, with_pointers=False):
     f = flops(shape)
     tf = lambda ms, mult=1.0: None if ms is None else mult * f / ms / 1e9  # noqa: E731
     row = dict(shape=name, err=err,
-               fwd=tf(ours[0]), fwd_sdpa=tf(ref[0]), fwd_flex=tf(flex_fwd),
+               fwd=tf(ours[0]), fwd_triton=tf(fwd_triton), fwd_sdpa=tf(ref[0]), fwd_flex=tf(flex_fwd),
                bwd=tf(ours[1], 2.5), bwd_sdpa=tf(ref[1], 2.5), bwd_flex=tf(flex_bwd, 2.5))
     row["fwd/sdpa"] = ref[0] / ours[0]
     row["bwd/sdpa"] = ref[1] / ours[1]
@@ -176,7 +191,7 @@ def main():
     for key, cfg in flash._TUNED.items():
         print(f"  {key[0]:5s} D{key[1]}/{key[2]} causal={key[3]} {key[5]} tma={key[6]}: {cfg}")
     print(f"\n{args.dtype}, TFLOP/s (forward; backward alone = 2.5x forward FLOPs); ratio > 1: ours faster")
-    columns = ["shape", "fwd", "fwd_sdpa", "fwd_flex", "fwd/sdpa", "fwd/flex",
+    columns = ["shape", "fwd", "fwd_triton", "fwd_sdpa", "fwd_flex", "fwd/sdpa", "fwd/flex",
                "bwd", "bwd_sdpa", "bwd_flex", "bwd/sdpa", "bwd/flex", "err"]
     if args.pointers:
         columns[1:1] = ["fwd_ptr", "bwd_ptr"]

@@ -1,8 +1,8 @@
 """The flash-attention forward for Hopper (sm_90), warp-specialized, in Gluon: FlashAttention-3's structure.
 
 Same math, inputs and outputs as `flash._flash_fwd_kernel` (see kernels/flash.py); `flash._forward` launches this
-kernel instead on an sm_90 GPU for fp16/bf16 with D_qk == D_v in {64, 128} and TMA-compatible strides, and the
-portable Triton kernel everywhere else (other GPUs and head dims, fp32, the CPU interpreter).
+kernel instead on an sm_90 GPU for fp16/bf16 with D_qk == D_v in CONFIGS (128) and TMA-compatible strides, and
+the portable Triton kernel everywhere else (other GPUs and head dims, fp32, the CPU interpreter).
 
 Why a second kernel: the Triton-language forward stops at 440-490 TFLOP/s at D=128 on an H200, while SDPA runs at
 530-690. Its warps issue their own loads and all run the same phase of the loop at the same time, so the tensor
@@ -19,10 +19,18 @@ explicitly, so the kernel can have FlashAttention-3's structure (Shah et al. 202
 - inside a consumer, the scores of key block j+1 are issued before P V of block j, and the softmax of block j+1
   runs while that P V is on the tensor cores (FlashAttention-3's intra-warpgroup overlap); P stays in registers
   as the A operand of the P V wgmma.
-- with PINGPONG, the consumers take turns issuing their products (an mbarrier token passed round-robin), so one
-  warpgroup's softmax runs while the other's matrix products do (FlashAttention-3's inter-warpgroup schedule).
 - causal masking: blocks wholly above the diagonal are never loaded; only blocks on the diagonal or past the
-  sequence end are masked (a runtime branch per block).
+  sequence end are masked (a runtime branch per block), with one compare per score against a per-row limit.
+
+Measured on an H200 beside SDPA (bf16, H_q 32 / H_kv 8, D 128, TFLOP/s; benchmarks/RESULTS.md has the grid): B4
+S4096 causal 559 (Triton kernel 453, SDPA 611), full 605 (479, 624); B1 S16384 causal 614 (484, 584). Tried and
+dropped, each beside this kernel in one run: FlashAttention-3's ping-pong between the two consumers (an mbarrier
+token passed so that one warpgroup's products run during the other's softmax): within +-3%, no consistent gain; a
+persistent schedule (one program per SM walking the tiles, the loader streaming the next tile during the
+epilogue): +10-13% at S 1024 (B16 causal 404-409 vs 359-364) but -15% for MHA (B4 H32/32 causal 456-460 vs 527-547),
+as tiles that share K/V no longer run side by side, and its causal consumer spills registers; with the tiles
+ordered to share K/V it kept only the full-attention gains (B16 S1024 full 544 vs 491). The two-compare mask
+(causal and sequence end separately) measured 3% slower at B4 S4096 causal (539 vs 559).
 
 Gluon has no CPU interpreter, so this kernel's numerics are tested on the GPU (every forward test in
 tests/test_flash.py runs through it on an H100/H200); on the CPU, tests/test_flash.py compiles it for sm_90 and
@@ -54,11 +62,11 @@ LOADER_REGS = gl.constexpr(LOADER_WARP_REGS)
 # rounded down to setmaxnreg's multiple of 8.
 CONSUMER_REGS = gl.constexpr(240)
 
-# Per head dim: (BLOCK_N, STAGES, PINGPONG), measured on an H200 (see benchmarks/RESULTS.md).
+# Per head dim: (BLOCK_N, STAGES), measured on an H200 (see benchmarks/RESULTS.md).
 # D=64 stays on the Triton kernel: at B4 S4096 this kernel measured 390 TFLOP/s causal against 396, and at B16
 # S1024 240 against 313.
 CONFIGS = {
-    128: (128, 3, False),
+    128: (128, 3),
 }
 
 
@@ -88,33 +96,22 @@ def _mask(s, j, n_unmasked, start_m, q_shift, N, CAUSAL: gl.constexpr, BLOCK_N: 
     """Scores of key block j with the causal diagonal and the sequence end masked; blocks before n_unmasked are
     wholly visible to every row of the program and pass through untouched."""
     if j >= n_unmasked:
-        cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        visible = (cols < N)[None, :]
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+        limit = N - j * BLOCK_N
         if CAUSAL:
-            rows = q_shift + start_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-            visible = visible & (rows[:, None] >= cols[None, :])
-        s = gl.where(visible, s, -float("inf"))
+            rows = q_shift + start_m + 1 - j * BLOCK_N + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+            s = gl.where(offs_n[None, :] < gl.minimum(rows, limit)[:, None], s, -float("inf"))
+        else:
+            s = gl.where(offs_n[None, :] < limit, s, -float("inf"))
     return s
 
 
 @gluon.jit
-def _turn_wait(turn, WG: gl.constexpr, r, PINGPONG: gl.constexpr):
-    if PINGPONG:
-        mbarrier.wait(turn.index(WG), r & 1)
-
-
-@gluon.jit
-def _turn_pass(turn, WG: gl.constexpr, CONSUMERS: gl.constexpr, PINGPONG: gl.constexpr):
-    if PINGPONG:
-        mbarrier.arrive(turn.index((WG + 1) % CONSUMERS), count=1)
-
-
-@gluon.jit
-def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, turn, out_ptr, lse_ptr,
+def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, out_ptr, lse_ptr,
               stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
               batch, head, start_m, M, N, n_blocks, n_unmasked, q_shift, qk_scale,
-              WG: gl.constexpr, CONSUMERS: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
-              D: gl.constexpr, STAGES: gl.constexpr, PINGPONG: gl.constexpr):
+              WG: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+              STAGES: gl.constexpr):
     """One warpgroup: online softmax over the key blocks for query rows [start_m + WG*64, +64)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -126,9 +123,6 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, turn, 
     start_m = start_m + WG * ROWS
     q = q_smem.index(WG).reshape([ROWS, D])
 
-    if PINGPONG:
-        if WG == CONSUMERS - 1:
-            mbarrier.arrive(turn.index(0), count=1)  # the first warpgroup takes the first turn
     mbarrier.wait(q_ready.index(WG), 0)
     m_i = gl.full([ROWS], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
     acc = gl.zeros([ROWS, D], gl.float32, o_layout)
@@ -136,9 +130,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, turn, 
 
     # Key block 0: its scores alone.
     mbarrier.wait(k_ready.index(0), 0)
-    _turn_wait(turn, WG, 0, PINGPONG)
     s = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, D]).permute((1, 0)), s, use_acc=False, is_async=True)
-    _turn_pass(turn, WG, CONSUMERS, PINGPONG)
     s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
     s = _mask(s, 0, n_unmasked, start_m, q_shift, N, CAUSAL, BLOCK_N, s_layout)
     m_i = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
@@ -151,12 +143,10 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, turn, 
         prev = (j - 1) % STAGES
         mbarrier.wait(k_ready.index(st), (j // STAGES) & 1)
         mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
-        _turn_wait(turn, WG, j, PINGPONG)
         # Scores of block j go into the registers of block j-1's dead fp32 probabilities (use_acc=False).
         s = warpgroup_mma(q, k_smem.index(st).reshape([BLOCK_N, D]).permute((1, 0)), p, use_acc=False,
                           is_async=True)
         acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, D]), acc, is_async=True)
-        _turn_pass(turn, WG, CONSUMERS, PINGPONG)
         s = warpgroup_mma_wait(num_outstanding=1, deps=[s])  # the scores are in; P V of block j-1 may still run
         s = _mask(s, j, n_unmasked, start_m, q_shift, N, CAUSAL, BLOCK_N, s_layout)
         m_ij = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
@@ -171,9 +161,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, turn, 
 
     last = (n_blocks - 1) % STAGES
     mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
-    _turn_wait(turn, WG, n_blocks, PINGPONG)
     acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, D]), acc, is_async=True)
-    _turn_pass(turn, WG, CONSUMERS, PINGPONG)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
     mbarrier.arrive(kv_free.index(last), count=1)
 
@@ -197,7 +185,7 @@ def _flash_fwd_sm90_kernel(
     stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
     M, N, qk_scale,
     GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-    STAGES: gl.constexpr, PINGPONG: gl.constexpr,
+    STAGES: gl.constexpr,
 ):
     BLOCK_M: gl.constexpr = CONSUMERS * ROWS
     # Causal programs run heaviest first (the last query blocks see the most keys).
@@ -219,13 +207,11 @@ def _flash_fwd_sm90_kernel(
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
-    turn = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for c in gl.static_range(CONSUMERS):
         mbarrier.init(q_ready.index(c), count=1)
-        mbarrier.init(turn.index(c), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -235,14 +221,14 @@ def _flash_fwd_sm90_kernel(
     # The default partition (this program's own four warps) is consumer 0; the others are worker partitions.
     # Worker arguments cannot be constexprs computed here, so every value is passed explicitly.
     gl.warp_specialize([
-        (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, turn, out_ptr, lse_ptr,
+        (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, out_ptr, lse_ptr,
                      stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
                      batch, head, start_m, M, N, n_blocks, n_unmasked, q_shift, qk_scale,
-                     gl.constexpr(0), CONSUMERS, CAUSAL, BLOCK_N, D, STAGES, PINGPONG)),
-        (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, turn, out_ptr, lse_ptr,
+                     gl.constexpr(0), CAUSAL, BLOCK_N, D, STAGES)),
+        (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, out_ptr, lse_ptr,
                      stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
                      batch, head, start_m, M, N, n_blocks, n_unmasked, q_shift, qk_scale,
-                     gl.constexpr(1), CONSUMERS, CAUSAL, BLOCK_N, D, STAGES, PINGPONG)),
+                     gl.constexpr(1), CAUSAL, BLOCK_N, D, STAGES)),
         (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free,
                    batch, head, kv_head, start_m, n_blocks, CONSUMERS, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -297,11 +283,10 @@ def forward(q, k, v, out, lse, qk_scale: float, causal: bool, config=None):
     qk_scale is the softmax scale times log2(e). `config` overrides CONFIGS (benchmarks)."""
     b, h_q, s_q, d = q.shape
     h_kv, s_kv = k.shape[1], k.shape[2]
-    block_n, stages, pingpong = config or CONFIGS[d]
+    block_n, stages = config or CONFIGS[d]
     grid = (triton.cdiv(s_q, 2 * ROWS_PER_CONSUMER), h_q, b)
     _flash_fwd_sm90_kernel[grid](
         _descriptor(q, ROWS_PER_CONSUMER), _descriptor(k, block_n), _descriptor(v, block_n), out, lse,
         *out.stride(), *lse.stride(), s_q, s_kv, qk_scale,
-        GROUP_SIZE=h_q // h_kv, CAUSAL=causal, BLOCK_N=block_n, D=d, STAGES=stages, PINGPONG=pingpong,
-        num_warps=4,
+        GROUP_SIZE=h_q // h_kv, CAUSAL=causal, BLOCK_N=block_n, D=d, STAGES=stages, num_warps=4,
     )

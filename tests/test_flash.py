@@ -306,12 +306,12 @@ from triton.experimental.gluon._runtime import GluonASTSource
 from kernels import flash_sm90
 
 d, causal = int(sys.argv[1]), sys.argv[2] == "causal"
-block_n, stages, pingpong = flash_sm90.CONFIGS[d]
+block_n, stages = flash_sm90.CONFIGS[d]
 kernel = flash_sm90._flash_fwd_sm90_kernel
 def desc(rows):
     layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, d], gl.bfloat16)
     return f"tensordesc<bf16[1,1,{rows},{d}],{layout!r}>"
-const = dict(GROUP_SIZE=4, CAUSAL=causal, BLOCK_N=block_n, D=d, STAGES=stages, PINGPONG=pingpong)
+const = dict(GROUP_SIZE=4, CAUSAL=causal, BLOCK_N=block_n, D=d, STAGES=stages)
 sig = {n: "constexpr" if n in const else "i32" for n in kernel.arg_names}
 sig.update(q_desc=desc(flash_sm90.ROWS_PER_CONSUMER), k_desc=desc(block_n), v_desc=desc(block_n),
            out_ptr="*bf16", lse_ptr="*fp32", qk_scale="fp32")
