@@ -12,8 +12,9 @@ keys at positions <= its own (a cached prefix of S_kv - S_q tokens is visible to
 Structure (FlashAttention-2, Dao 2023; Triton's fused-attention tutorial):
 - forward on Hopper (sm_90, fp16/bf16, D = 128): a separate warp-specialized kernel written in Gluon
   (kernels/flash_sm90.py: a TMA loader warp and two consumer warpgroups, FlashAttention-3's structure); it takes
-  the forward from 440-490 to 540-630 TFLOP/s on an H200. Everything below describes the portable kernels, which
-  run the forward everywhere else and the backward everywhere.
+  the forward from 440-490 to 540-630 TFLOP/s on an H200. The same module has a dK/dV kernel, opt-in
+  (ZOO_FLASH_SM90_BWD=1). Everything below describes the portable kernels, which run the forward everywhere else
+  and the backward by default.
 - forward: one program per (query block, query head, batch) streams K/V blocks with an online softmax in the
   log2 domain (exp2 with log2(e) folded into the scale). The KV loop is split in two: blocks every query of the
   program sees entirely run without any mask; only the blocks on the causal diagonal or past the end of the
@@ -823,9 +824,17 @@ def _backward(q, k, v, out, lse, do, scale: float | None, causal: bool, dlse=Non
             num_stages=stages,
         )
 
+    # Opt-in (ZOO_FLASH_SM90_BWD, see flash_sm90.backward_mode): dK/dV in the warp-specialized Gluon kernel on
+    # Hopper, fp16/bf16, D = 128, when its 128-key programs fill the GPU ("1") or wherever it can run ("force").
+    mode = flash_sm90.backward_mode() if flash_sm90 is not None and head_splits is None else "0"
+    sm90_dkdv = mode != "0" and flash_sm90.supports_backward(q, k, v, do) and (
+        mode == "force" or _head_splits(triton.cdiv(s_kv, 128) * h_kv * b, h_q // h_kv, q.device) == 1)
     with _device_guard(q):
         launch_dq(_pick_config("dq", q, d_qk, d_v, causal, s_q, s_kv, tma_dq, launch_dq))  # dQ and delta
-        launch_dkdv(_pick_config("dkdv", q, d_qk, d_v, causal, s_q, s_kv, tma_dkdv, launch_dkdv))
+        if sm90_dkdv:
+            flash_sm90.backward_dkdv(q, k, v, do, lse, delta, dk, dv, sm_scale, causal)
+        else:
+            launch_dkdv(_pick_config("dkdv", q, d_qk, d_v, causal, s_q, s_kv, tma_dkdv, launch_dkdv))
     return dq, dk, dv
 
 

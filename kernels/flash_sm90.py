@@ -32,6 +32,16 @@ as tiles that share K/V no longer run side by side, and its causal consumer spil
 ordered to share K/V it kept only the full-attention gains (B16 S1024 full 544 vs 491). The two-compare mask
 (causal and sequence end separately) measured 3% slower at B4 S4096 causal (539 vs 559).
 
+The backward's dK/dV (`backward_dkdv`, opt-in with ZOO_FLASH_SM90_BWD=1) has the same roles: a loader warp
+streams the Q and dO blocks of every query head of the KV group through a two-stage ring, and two consumer
+warpgroups each own 64 key rows and compute transposed products (key rows as the wgmma's M): S^T = K Q^T, then
+dP^T = V dO^T issued together with dV += P^T dO, then dK += dS^T Q. dQ and delta stay in the Triton dQ kernel.
+Measured beside the Triton dK/dV in one run on an H200 (whole backward, TFLOP/s, H_q 32, D 128): B4 H_kv 8 S4096
+causal 373 vs 353 (SDPA 457), full 411 vs 414, B16 S1024 causal 276 vs 241, B1 S16384 causal 417 vs 414, MHA
+B4 S4096 causal 372 vs 361. At 64-query blocks the consumers spill a little (ptxas: 140-300 bytes); 32-query
+blocks do not spill but ran at 322-366, below the Triton kernel. It is off by default until the GPU test suite
+has run it on its small and ragged shapes (tests/test_flash.py::test_sm90_backward_dkdv forces it).
+
 Gluon has no CPU interpreter, so this kernel's numerics are tested on the GPU (every forward test in
 tests/test_flash.py runs through it on an H100/H200); on the CPU, tests/test_flash.py compiles it for sm_90 and
 checks its structure (warp roles, registers, shared memory).
@@ -256,6 +266,22 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     return q.is_cuda and enabled() and _is_sm90(q.device.index) and eligible(q, k, v)
 
 
+def backward_mode() -> str:
+    """ZOO_FLASH_SM90_BWD: "0" (default) keeps dK/dV on the Triton kernel; "1" runs `backward_dkdv` where its
+    launch fills the GPU; "force" wherever it can run (tests). Off by default: it was measured and checked against
+    the Triton kernel on the benchmark's shapes only (see benchmarks/RESULTS.md), not yet through the GPU test
+    suite's small and ragged shapes."""
+    mode = os.environ.get("ZOO_FLASH_SM90_BWD", "0")
+    if mode not in ("0", "1", "force"):
+        raise ValueError(f"ZOO_FLASH_SM90_BWD={mode!r}: expected 0 (off), 1 (on where it fills the GPU) or force")
+    return mode
+
+
+def supports_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) -> bool:
+    """Can `backward_dkdv` run these inputs? As `supports`, with dO TMA-readable too."""
+    return supports(q, k, v) and eligible(do, k, v)
+
+
 def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """fp16/bf16, D_qk == D_v in CONFIGS, and strides TMA can read: unit stride along the head dim, the other
     strides and the base address 16-byte aligned."""
@@ -289,4 +315,184 @@ def forward(q, k, v, out, lse, qk_scale: float, causal: bool, config=None):
         _descriptor(q, ROWS_PER_CONSUMER), _descriptor(k, block_n), _descriptor(v, block_n), out, lse,
         *out.stride(), *lse.stride(), s_q, s_kv, qk_scale,
         GROUP_SIZE=h_q // h_kv, CAUSAL=causal, BLOCK_N=block_n, D=d, STAGES=stages, num_warps=4,
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Backward: dK and dV
+# --------------------------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _bwd_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready, do_ready,
+                qdo_free, batch, kv_head, start_n, m_start, n_m,
+                GROUP_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: the program's K and V block once, then Q and dO of every (query head of the group, query block)
+    into a ring of STAGES buffers, in the consumers' order."""
+    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [batch, kv_head, start_n, 0], kv_ready, k_smem)
+    tma.async_copy_global_to_shared(v_desc, [batch, kv_head, start_n, 0], kv_ready, v_smem)
+    it = 0
+    for hh in range(GROUP_SIZE):
+        head = kv_head * GROUP_SIZE + hh
+        for m in range(m_start, n_m):
+            s = it % STAGES
+            mbarrier.wait(qdo_free.index(s), ((it // STAGES) & 1) ^ 1, pred=it >= STAGES)
+            mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [batch, head, m * BLOCK_M, 0], q_ready.index(s), q_smem.index(s))
+            mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(do_desc, [batch, head, m * BLOCK_M, 0], do_ready.index(s),
+                                            do_smem.index(s))
+            it += 1
+
+
+@gluon.jit
+def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready, do_ready, qdo_free,
+                  lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+                  stride_lb, stride_lh, stride_lm, stride_db, stride_dh, stride_dm,
+                  stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
+                  batch, kv_head, start_n, m_start, n_m, M, N, sm_scale, qk_scale,
+                  WG: gl.constexpr, GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                  D: gl.constexpr, STAGES: gl.constexpr):
+    """One warpgroup: dK and dV of key rows [start_n + WG*64, +64), summed over every query head of the KV group
+    and every query block. Transposed products, so the key rows are the M of every wgmma:
+    S^T = K Q^T, P^T = exp2(S^T - lse), dP^T = V dO^T, dS^T = P^T (dP^T - delta), dV += P^T dO, dK += dS^T Q."""
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, D, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    cols: gl.constexpr = gl.SliceLayout(0, st_layout)  # one value per query row of the block
+    vec: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    dtype: gl.constexpr = q_smem.dtype
+    k_wg = k_smem.reshape([CONSUMERS * ROWS, D]).slice(WG * ROWS, ROWS)
+    v_wg = v_smem.reshape([CONSUMERS * ROWS, D]).slice(WG * ROWS, ROWS)
+    kv0 = start_n + WG * ROWS
+    kv_pos = kv0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, st_layout))
+    q_shift = N - M  # query row i sits at key position q_shift + i
+    dk = gl.zeros([ROWS, D], gl.float32, acc_layout)
+    dv = gl.zeros([ROWS, D], gl.float32, acc_layout)
+    scratch = gl.zeros([ROWS, BLOCK_M], gl.float32, st_layout)
+    mbarrier.wait(kv_ready, 0)
+    it = 0
+    for hh in range(GROUP_SIZE):
+        head = kv_head * GROUP_SIZE + hh
+        lse_base = lse_ptr + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
+        delta_base = delta_ptr + batch.to(gl.int64) * stride_db + head.to(gl.int64) * stride_dh
+        for m in range(m_start, n_m):
+            s = it % STAGES
+            phase = (it // STAGES) & 1
+            # lse and delta of the block's query rows, loaded one per thread and then spread to the columns of the
+            # score tile (a load in the tile's own layout needs a 64-bit address per element: 32 registers more).
+            # Rows past the sequence get lse = +inf, so their P is 0 (their Q and dO tiles are zero-filled).
+            offs_q = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=vec)
+            lse = gl.load(lse_base + offs_q * stride_lm, mask=offs_q < M, other=float("inf")) * 1.4426950408889634
+            delta = gl.load(delta_base + offs_q * stride_dm, mask=offs_q < M, other=0.0)
+            lse = gl.convert_layout(lse, cols)
+            delta = gl.convert_layout(delta, cols)
+            mbarrier.wait(q_ready.index(s), phase)
+            q_t = q_smem.index(s).reshape([BLOCK_M, D])
+            # S^T goes into the registers of the previous step's dead dP^T (use_acc=False), and dP^T below into
+            # those of S^T, dead once P is out: one 64 x BLOCK_M fp32 tile serves both.
+            st = warpgroup_mma(k_wg, q_t.permute((1, 0)), scratch, use_acc=False, is_async=True)
+            st = warpgroup_mma_wait(num_outstanding=0, deps=[st])
+            pt = gl.exp2(st * qk_scale - lse[None, :])
+            if CAUSAL:
+                if q_shift + m * BLOCK_M < start_n + CONSUMERS * ROWS - 1:  # the block crosses the diagonal
+                    # key row r is visible to query column c of the block when c >= first[r]
+                    first = kv_pos - q_shift - m * BLOCK_M
+                    pt = gl.where(gl.arange(0, BLOCK_M, layout=cols)[None, :] >= first[:, None], pt, 0.0)
+            pt = pt.to(dtype)
+            mbarrier.wait(do_ready.index(s), phase)
+            do_t = do_smem.index(s).reshape([BLOCK_M, D])
+            # dP^T first: wgmma groups complete in order, so waiting for all but the newest (dV) waits for dP^T.
+            dpt = warpgroup_mma(v_wg, do_t.permute((1, 0)), st, use_acc=False, is_async=True)
+            dv = warpgroup_mma(gl.convert_layout(pt, op_layout), do_t, dv, is_async=True)
+            dpt = warpgroup_mma_wait(num_outstanding=1, deps=[dpt])  # dP^T in; dV may still run
+            dst = pt.to(gl.float32) * (dpt - delta[None, :])
+            dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), q_t, dk, is_async=True)
+            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=[dv, dk])
+            mbarrier.arrive(qdo_free.index(s), count=1)  # Q and dO of this step are no longer read
+            scratch = dpt
+            it += 1
+
+    offs_n = kv0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
+    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
+    rows_ok = (offs_n < N)[:, None]
+    dk_ptrs = dk_ptr + batch.to(gl.int64) * stride_kb + kv_head.to(gl.int64) * stride_kh \
+        + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+    gl.store(dk_ptrs, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=rows_ok)
+    dv_ptrs = dv_ptr + batch.to(gl.int64) * stride_vb + kv_head.to(gl.int64) * stride_vh \
+        + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+    gl.store(dv_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=rows_ok)
+
+
+@gluon.jit
+def _flash_bwd_dkdv_sm90_kernel(
+    q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+    stride_lb, stride_lh, stride_lm, stride_db, stride_dh, stride_dm,
+    stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
+    M, N, sm_scale, qk_scale,
+    GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr,
+    STAGES: gl.constexpr,
+):
+    """One program per (128 key rows, KV head, batch)."""
+    start_n = gl.program_id(0) * (CONSUMERS * ROWS)
+    kv_head = gl.program_id(1)
+    batch = gl.program_id(2)
+    n_m = gl.cdiv(M, BLOCK_M)
+    if CAUSAL:  # query blocks wholly before the program's first key see none of its keys
+        m_start = gl.maximum(start_n - (N - M), 0) // BLOCK_M
+    else:
+        m_start = 0
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    qdo_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(qdo_free.index(i), count=CONSUMERS)
+    fence_async_shared()
+
+    gl.warp_specialize([
+        (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready, do_ready, qdo_free,
+                         lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+                         stride_lb, stride_lh, stride_lm, stride_db, stride_dh, stride_dm,
+                         stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
+                         batch, kv_head, start_n, m_start, n_m, M, N, sm_scale, qk_scale,
+                         gl.constexpr(0), GROUP_SIZE, CAUSAL, BLOCK_M, D, STAGES)),
+        (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready, do_ready, qdo_free,
+                         lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+                         stride_lb, stride_lh, stride_lm, stride_db, stride_dh, stride_dm,
+                         stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
+                         batch, kv_head, start_n, m_start, n_m, M, N, sm_scale, qk_scale,
+                         gl.constexpr(1), GROUP_SIZE, CAUSAL, BLOCK_M, D, STAGES)),
+        (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready,
+                       do_ready, qdo_free, batch, kv_head, start_n, m_start, n_m, GROUP_SIZE, BLOCK_M, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+BWD_BLOCK_M, BWD_STAGES = 64, 2
+
+
+def backward_dkdv(q, k, v, do, lse, delta, dk, dv, sm_scale: float, causal: bool, config=None):
+    """dK and dV into dk (B, H_kv, S_kv, D) and dv; q, k, v, do as `supports` accepted them (and do too), lse and
+    delta (B, H_q, S_q) fp32, delta = rowsum(dO * Out) - dlse as the dQ kernel wrote it."""
+    b, h_q, s_q, d = q.shape
+    h_kv, s_kv = k.shape[1], k.shape[2]
+    block_m, stages = config or (BWD_BLOCK_M, BWD_STAGES)
+    grid = (triton.cdiv(s_kv, 2 * ROWS_PER_CONSUMER), h_kv, b)
+    _flash_bwd_dkdv_sm90_kernel[grid](
+        _descriptor(q, block_m), _descriptor(do, block_m), _descriptor(k, 2 * ROWS_PER_CONSUMER),
+        _descriptor(v, 2 * ROWS_PER_CONSUMER), lse, delta, dk, dv,
+        *lse.stride(), *delta.stride(), *dk.stride(), *dv.stride(),
+        s_q, s_kv, sm_scale, sm_scale * 1.4426950408889634,
+        GROUP_SIZE=h_q // h_kv, CAUSAL=causal, BLOCK_M=block_m, D=d, STAGES=stages, num_warps=4,
     )

@@ -305,16 +305,24 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 from kernels import flash_sm90
 
-d, causal = int(sys.argv[1]), sys.argv[2] == "causal"
-block_n, stages = flash_sm90.CONFIGS[d]
-kernel = flash_sm90._flash_fwd_sm90_kernel
+d, causal, which = int(sys.argv[1]), sys.argv[2] == "causal", sys.argv[3]
 def desc(rows):
     layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, d], gl.bfloat16)
     return f"tensordesc<bf16[1,1,{rows},{d}],{layout!r}>"
-const = dict(GROUP_SIZE=4, CAUSAL=causal, BLOCK_N=block_n, D=d, STAGES=stages)
-sig = {n: "constexpr" if n in const else "i32" for n in kernel.arg_names}
-sig.update(q_desc=desc(flash_sm90.ROWS_PER_CONSUMER), k_desc=desc(block_n), v_desc=desc(block_n),
-           out_ptr="*bf16", lse_ptr="*fp32", qk_scale="fp32")
+if which == "forward":
+    kernel = flash_sm90._flash_fwd_sm90_kernel
+    block_n, stages = flash_sm90.CONFIGS[d]
+    const = dict(GROUP_SIZE=4, CAUSAL=causal, BLOCK_N=block_n, D=d, STAGES=stages)
+    types = dict(q_desc=desc(flash_sm90.ROWS_PER_CONSUMER), k_desc=desc(block_n), v_desc=desc(block_n),
+                 out_ptr="*bf16", lse_ptr="*fp32", qk_scale="fp32")
+else:
+    kernel = flash_sm90._flash_bwd_dkdv_sm90_kernel
+    block_m, block_n = flash_sm90.BWD_BLOCK_M, 2 * flash_sm90.ROWS_PER_CONSUMER
+    const = dict(GROUP_SIZE=4, CAUSAL=causal, BLOCK_M=block_m, D=d, STAGES=flash_sm90.BWD_STAGES)
+    types = dict(q_desc=desc(block_m), do_desc=desc(block_m), k_desc=desc(block_n), v_desc=desc(block_n),
+                 lse_ptr="*fp32", delta_ptr="*fp32", dk_ptr="*bf16", dv_ptr="*bf16", sm_scale="fp32",
+                 qk_scale="fp32")
+sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in kernel.arg_names}
 compiled = triton.compile(GluonASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=4))
 ptxas = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))[0]
@@ -326,6 +334,21 @@ print(json.dumps(dict(ptx=compiled.asm["ptx"], shared=compiled.metadata.shared, 
 """
 
 
+def _compile_sm90(d, causal, which):
+    import json
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    run = subprocess.run([sys.executable, "-c", _COMPILE_SM90, str(d), "causal" if causal else "full", which],
+                         capture_output=True, text=True, env=env, cwd=root)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [128])
 def test_sm90_kernel_structure(d, causal):
@@ -333,22 +356,12 @@ def test_sm90_kernel_structure(d, causal):
     H100/H200) compiled for sm_90 on any machine: a loader warp that gives its registers to two consumer
     warpgroups (setmaxnreg 24 / 240), TMA loads, asynchronous wgmma with the scores of the next key block in
     flight while P V runs (wait_group 1), within the 227 KB of shared memory, and no register spills."""
-    import json
-    import os
     import re
-    import subprocess
-    import sys
 
     from kernels import flash_sm90
 
     assert d in flash_sm90.CONFIGS
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    run = subprocess.run([sys.executable, "-c", _COMPILE_SM90, str(d), "causal" if causal else "full"],
-                         capture_output=True, text=True, env=env, cwd=root)
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    result = _compile_sm90(d, causal, "forward")
     ptx = result["ptx"]
     regs = set(re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx))
     assert {"24", "240"} <= regs, f"warp roles' register counts {sorted(regs)}"
@@ -357,6 +370,55 @@ def test_sm90_kernel_structure(d, causal):
     assert result["shared"] <= 232448, f"{result['shared']} bytes of shared memory"
     spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", result["ptxas"])
     assert spills and all(a == "0" and b == "0" for a, b in spills), result["ptxas"]
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sm90_backward_kernel_structure(causal):
+    """The Hopper dK/dV kernel compiled for sm_90 on any machine: a loader warp and two consumer warpgroups
+    (setmaxnreg 24 / 240), TMA loads, within the 227 KB of shared memory, and ptxas does not serialize its wgmma
+    (it does, with a warning, when a product's registers are read before the wait that covers it: the kernel must
+    issue dP^T before dV so that waiting for all but the newest group covers dP^T)."""
+    import re
+
+    result = _compile_sm90(128, causal, "backward")
+    regs = set(re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", result["ptx"]))
+    assert {"24", "240"} <= regs, f"warp roles' register counts {sorted(regs)}"
+    assert "cp.async.bulk.tensor" in result["ptx"] and "wgmma.mma_async" in result["ptx"]
+    assert result["shared"] <= 232448, f"{result['shared']} bytes of shared memory"
+    assert "serialized" not in result["ptxas"], result["ptxas"]
+
+
+@pytest.mark.parametrize("case", [c for c in CASES if c[5] == c[6] == 128] + [(1, 2, 2, 200, 200, 128, 128, True)],
+                         ids=case_id)
+def test_sm90_backward_dkdv(case, monkeypatch):
+    """dK/dV through the Hopper kernel wherever it can run (ZOO_FLASH_SM90_BWD=force: on an H100/H200 in fp16 and
+    bf16; on other machines the same call runs the Triton kernel, which is what the check then covers), into
+    NaN-poisoned buffers, against the reference: several key blocks, ragged ends, S_q < S_kv, GQA and MHA."""
+    monkeypatch.setenv("ZOO_FLASH_SM90_BWD", "force")
+    causal = case[-1]
+    for dtype in KERNEL_DTYPES:
+        q, k, v, do = make_inputs(case, dtype)
+        out, lse = _forward(q, k, v, None, causal)
+        grads = tuple(poisoned(x.shape, dtype) for x in (q, k, v))
+        dq, dk, dv = _backward(q, k, v, out, lse, do, None, causal, grads=grads)
+        _, _, ref_dq, ref_dk, ref_dv = reference_grads(q, k, v, do, causal)
+        assert_close(dq, ref_dq, dtype, "dq", grad=True)
+        assert_close(dk, ref_dk, dtype, "dk", grad=True)
+        assert_close(dv, ref_dv, dtype, "dv", grad=True)
+
+
+def test_sm90_backward_mode(monkeypatch):
+    """ZOO_FLASH_SM90_BWD is 0 (default), 1 or force; anything else is an error that says what is valid."""
+    from kernels.flash_sm90 import backward_mode
+
+    monkeypatch.delenv("ZOO_FLASH_SM90_BWD", raising=False)
+    assert backward_mode() == "0"
+    for mode in ("0", "1", "force"):
+        monkeypatch.setenv("ZOO_FLASH_SM90_BWD", mode)
+        assert backward_mode() == mode
+    monkeypatch.setenv("ZOO_FLASH_SM90_BWD", "yes")
+    with pytest.raises(ValueError, match="expected 0"):
+        backward_mode()
 
 
 def test_sm90_eligibility():
