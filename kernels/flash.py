@@ -878,12 +878,22 @@ def _setup_context(ctx, inputs, output):
     ctx.set_materialize_grads(False)
 
 
-def _flash_fwd_backward(ctx, d_out, d_lse):
+def _grads(ctx, d_out, d_lse, backward):
+    """The gradients of (q, k, v, scale, causal) from the saved tensors, through `backward` (the custom op, or the
+    launcher directly on the eager path)."""
     q, k, v, out, lse = ctx.saved_tensors
     if d_out is None:
         d_out = torch.zeros_like(out)
-    dq, dk, dv = _flash_bwd_op(q, k, v, out, lse, d_out, d_lse, ctx.scale, ctx.causal)
+    dq, dk, dv = backward(q, k, v, out, lse, d_out, d_lse, ctx.scale, ctx.causal)
     return dq, dk, dv, None, None
+
+
+def _flash_fwd_backward(ctx, d_out, d_lse):
+    return _grads(ctx, d_out, d_lse, _flash_bwd_op)
+
+
+def _eager_backward(q, k, v, out, lse, do, dlse, scale, causal):
+    return _backward(q, k, v, out, lse, do, scale, causal, dlse=dlse)
 
 
 _flash_fwd_op.register_autograd(_flash_fwd_backward, setup_context=_setup_context)
@@ -903,11 +913,7 @@ class _FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, d_out, d_lse):
-        q, k, v, out, lse = ctx.saved_tensors
-        if d_out is None:
-            d_out = torch.zeros_like(out)
-        dq, dk, dv = _backward(q, k, v, out, lse, d_out, ctx.scale, ctx.causal, dlse=d_lse)
-        return dq, dk, dv, None, None
+        return _grads(ctx, d_out, d_lse, _eager_backward)
 
 
 # --------------------------------------------------------------------------------------------------------------
