@@ -12,9 +12,9 @@ keys at positions <= its own (a cached prefix of S_kv - S_q tokens is visible to
 Structure (FlashAttention-2, Dao 2023; Triton's fused-attention tutorial):
 - forward on Hopper (sm_90, fp16/bf16, D = 128): a separate warp-specialized kernel written in Gluon
   (kernels/flash_sm90.py: a TMA loader warp and two consumer warpgroups, FlashAttention-3's structure); it takes
-  the forward from 440-490 to 540-630 TFLOP/s on an H200. The same module has a dK/dV kernel, opt-in
-  (ZOO_FLASH_SM90_BWD=1). Everything below describes the portable kernels, which run the forward everywhere else
-  and the backward by default.
+  the forward from 396-515 to 514-620 TFLOP/s on an H200 at S >= 4096 (S 1024: 343 -> 369 causal). The same
+  module has a dK/dV kernel, opt-in (ZOO_FLASH_SM90_BWD=1). Everything below describes the portable kernels,
+  which run the forward everywhere else and the backward by default.
 - forward: one program per (query block, query head, batch) streams K/V blocks with an online softmax in the
   log2 domain (exp2 with log2(e) folded into the scale). The KV loop is split in two: blocks every query of the
   program sees entirely run without any mask; only the blocks on the causal diagonal or past the end of the
