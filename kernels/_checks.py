@@ -56,6 +56,13 @@ def check_int32(name: str, x: torch.Tensor, shape: tuple[int, ...], layout: str)
         fail(name, f"shape {tuple(x.shape)}", f"{layout} = {tuple(shape)}")
 
 
+def tma_readable(t: torch.Tensor) -> bool:
+    """Can a TMA tensor descriptor read t as it is? A unit stride along the last dim, the other strides and the
+    base address 16-byte aligned."""
+    size = t.element_size()
+    return t.stride(-1) == 1 and t.data_ptr() % 16 == 0 and all(s * size % 16 == 0 for s in t.stride()[:-1])
+
+
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 

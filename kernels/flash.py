@@ -625,10 +625,8 @@ def _use_tma(backward: bool, *tensors: torch.Tensor) -> bool:
     t0 = tensors[0]
     if mode == "0" or (mode != "1" and not (backward and t0.is_cuda and _capability(t0.device.index)[0] >= 9)):
         return False
-    for t in tensors:
-        size = t.element_size()
-        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * size % 16 for s in t.stride()[:-1]):
-            return False
+    if not all(_checks.tma_readable(t) for t in tensors):
+        return False
     if t0.is_cuda:
         # Descriptors built inside a kernel need a little global scratch memory, which triton asks this allocator
         # for. It is a context variable, so it is set on every call: the backward runs on autograd's own thread.
@@ -825,10 +823,11 @@ def _backward(q, k, v, out, lse, do, scale: float | None, causal: bool, dlse=Non
         )
 
     # Opt-in (ZOO_FLASH_SM90_BWD, see flash_sm90.backward_mode): dK/dV in the warp-specialized Gluon kernel on
-    # Hopper, fp16/bf16, D = 128, when its 128-key programs fill the GPU ("1") or wherever it can run ("force").
+    # Hopper, fp16/bf16, D = 128, when its programs (128 keys each) fill the GPU ("1") or wherever it can run ("force").
     mode = flash_sm90.backward_mode() if flash_sm90 is not None and head_splits is None else "0"
     sm90_dkdv = mode != "0" and flash_sm90.supports_backward(q, k, v, do) and (
-        mode == "force" or _head_splits(triton.cdiv(s_kv, 128) * h_kv * b, h_q // h_kv, q.device) == 1)
+        mode == "force"
+        or _head_splits(triton.cdiv(s_kv, flash_sm90.PROGRAM_ROWS) * h_kv * b, h_q // h_kv, q.device) == 1)
     with _device_guard(q):
         launch_dq(_pick_config("dq", q, d_qk, d_v, causal, s_q, s_kv, tma_dq, launch_dq))  # dQ and delta
         if sm90_dkdv:

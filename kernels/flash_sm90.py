@@ -63,11 +63,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+from kernels import _checks
+
 ROWS_PER_CONSUMER = 64  # query rows per consumer warpgroup: the M of one wgmma
 ROWS = gl.constexpr(ROWS_PER_CONSUMER)
-CONSUMERS = gl.constexpr(2)  # consumer warpgroups per program: BLOCK_M = 128 query rows
-LOADER_WARP_REGS = 24
-LOADER_REGS = gl.constexpr(LOADER_WARP_REGS)
+CONSUMERS = gl.constexpr(2)  # consumer warpgroups per program
+PROGRAM_ROWS = 2 * ROWS_PER_CONSUMER  # rows a program owns: query rows in the forward, key rows in dK/dV
+LOADER_REGS = gl.constexpr(24)
 # The SM's 64K registers over three warpgroups once the loader's keeps 24 per thread: (512 - 24) / 2 = 244,
 # rounded down to setmaxnreg's multiple of 8.
 CONSUMER_REGS = gl.constexpr(240)
@@ -82,8 +84,7 @@ CONFIGS = {
 
 @gluon.jit
 def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free,
-            batch, head, kv_head, start_m, n_blocks,
-            CONSUMERS: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+            batch, head, kv_head, start_m, n_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
     """One warp: each consumer's Q rows once, then K and V of every key block into the ring. Block j goes into
     stage j % STAGES once every consumer has released that stage's previous block (j - STAGES) on kv_free."""
     for c in gl.static_range(CONSUMERS):
@@ -240,7 +241,7 @@ def _flash_fwd_sm90_kernel(
                      batch, head, start_m, M, N, n_blocks, n_unmasked, q_shift, qk_scale,
                      gl.constexpr(1), CAUSAL, BLOCK_N, D, STAGES)),
         (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free,
-                   batch, head, kv_head, start_m, n_blocks, CONSUMERS, BLOCK_N, STAGES)),
+                   batch, head, kv_head, start_m, n_blocks, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -278,22 +279,18 @@ def backward_mode() -> str:
 
 
 def supports_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) -> bool:
-    """Can `backward_dkdv` run these inputs? As `supports`, with dO TMA-readable too."""
-    return supports(q, k, v) and eligible(do, k, v)
+    """Can `backward_dkdv` run these inputs? As `supports`, with dO TMA-readable too (its shape and dtype are q's,
+    checked by the caller)."""
+    return supports(q, k, v) and _checks.tma_readable(do)
 
 
 def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """fp16/bf16, D_qk == D_v in CONFIGS, and strides TMA can read: unit stride along the head dim, the other
-    strides and the base address 16-byte aligned."""
+    """fp16/bf16, D_qk == D_v in CONFIGS, and strides TMA can read (`_checks.tma_readable`)."""
     if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] not in CONFIGS:
         return False
     if k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
         return False
-    for t in (q, k, v):
-        size = t.element_size()
-        if t.stride(-1) != 1 or t.data_ptr() % 16 or any(s * size % 16 for s in t.stride()[:-1]):
-            return False
-    return True
+    return all(_checks.tma_readable(t) for t in (q, k, v))
 
 
 def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
@@ -310,7 +307,7 @@ def forward(q, k, v, out, lse, qk_scale: float, causal: bool, config=None):
     b, h_q, s_q, d = q.shape
     h_kv, s_kv = k.shape[1], k.shape[2]
     block_n, stages = config or CONFIGS[d]
-    grid = (triton.cdiv(s_q, 2 * ROWS_PER_CONSUMER), h_q, b)
+    grid = (triton.cdiv(s_q, PROGRAM_ROWS), h_q, b)
     _flash_fwd_sm90_kernel[grid](
         _descriptor(q, ROWS_PER_CONSUMER), _descriptor(k, block_n), _descriptor(v, block_n), out, lse,
         *out.stride(), *lse.stride(), s_q, s_kv, qk_scale,
@@ -479,7 +476,7 @@ def _flash_bwd_dkdv_sm90_kernel(
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
-BWD_BLOCK_M, BWD_STAGES = 64, 2
+BWD_BLOCK_M, BWD_STAGES = 64, 2  # query rows per streamed block, ring stages
 
 
 def backward_dkdv(q, k, v, do, lse, delta, dk, dv, sm_scale: float, causal: bool, config=None):
@@ -488,10 +485,10 @@ def backward_dkdv(q, k, v, do, lse, delta, dk, dv, sm_scale: float, causal: bool
     b, h_q, s_q, d = q.shape
     h_kv, s_kv = k.shape[1], k.shape[2]
     block_m, stages = config or (BWD_BLOCK_M, BWD_STAGES)
-    grid = (triton.cdiv(s_kv, 2 * ROWS_PER_CONSUMER), h_kv, b)
+    grid = (triton.cdiv(s_kv, PROGRAM_ROWS), h_kv, b)
     _flash_bwd_dkdv_sm90_kernel[grid](
-        _descriptor(q, block_m), _descriptor(do, block_m), _descriptor(k, 2 * ROWS_PER_CONSUMER),
-        _descriptor(v, 2 * ROWS_PER_CONSUMER), lse, delta, dk, dv,
+        _descriptor(q, block_m), _descriptor(do, block_m), _descriptor(k, PROGRAM_ROWS), _descriptor(v, PROGRAM_ROWS),
+        lse, delta, dk, dv,
         *lse.stride(), *delta.stride(), *dk.stride(), *dv.stride(),
         s_q, s_kv, sm_scale, sm_scale * 1.4426950408889634,
         GROUP_SIZE=h_q // h_kv, CAUSAL=causal, BLOCK_M=block_m, D=d, STAGES=stages, num_warps=4,
