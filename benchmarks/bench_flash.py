@@ -6,8 +6,9 @@
 Per shape: our forward output and gradients are checked against SDPA (relative L2 error, bf16 budget) before
 anything is timed; then the forward and the backward alone (autograd.grad over a retained graph) are timed for
 ours, SDPA (`enable_gqa=True`, is_causal; MLA's D_v is padded to D_qk for it) and FlexAttention (compiled, causal
-block mask). Where the forward runs on the Hopper kernel (kernels/flash_sm90.py), the portable Triton forward is
-timed too (`fwd_triton`, ZOO_FLASH_SM90=0), so the run shows that lever beside the peers. FLOPs:
+block mask). Where the forward or the backward runs on the Hopper kernels (kernels/flash_sm90.py), the portable
+Triton one is timed too (`fwd_triton` with ZOO_FLASH_SM90=0, `bwd_triton` with ZOO_FLASH_SM90_BWD=0), so the run
+shows that lever beside the peers. FLOPs:
 2*B*H_q*S_q*S_kv*(D_qk + D_v) for the forward (= 4*B*H*M*N*D for equal dims), half of it when causal; the
 backward counts 2.5x the forward. Ceilings (copy bandwidth, bf16 matmul) come from the same run.
 """
@@ -112,16 +113,30 @@ def run_ours(q, k, v, do, causal, tma: str):
             os.environ["ZOO_FLASH_TMA"] = saved
 
 
-def triton_forward_ms(q, k, v, causal):
-    """The portable Triton forward's time where the Hopper kernel would run, else None."""
-    if flash.flash_sm90 is None or not flash.flash_sm90.supports(q, k, v):
-        return None
-    os.environ["ZOO_FLASH_SM90"] = "0"
-    try:
-        with torch.no_grad():
-            return bench_ms(lambda: flash_gqa_attention(q, k, v, causal=causal))
-    finally:
-        os.environ.pop("ZOO_FLASH_SM90")
+def triton_ms(q, k, v, do, causal):
+    """(forward ms, backward-alone ms) of the portable Triton kernels, each where the Hopper kernel would run
+    instead, else None."""
+    hopper = flash.flash_sm90
+    fwd_ms = bwd_ms = None
+    if hopper is not None and hopper.supports(q, k, v):
+        os.environ["ZOO_FLASH_SM90"] = "0"
+        try:
+            with torch.no_grad():
+                fwd_ms = bench_ms(lambda: flash_gqa_attention(q, k, v, causal=causal))
+        finally:
+            os.environ.pop("ZOO_FLASH_SM90")
+    if hopper is not None and hopper.supports_backward(q, k, v, do):
+        saved = os.environ.get("ZOO_FLASH_SM90_BWD")
+        os.environ["ZOO_FLASH_SM90_BWD"] = "0"
+        try:
+            leaves = [x.detach().requires_grad_() for x in (q, k, v)]
+            out = flash_gqa_attention(*leaves, causal=causal)
+            bwd_ms = bench_ms(lambda: torch.autograd.grad(out, leaves, do, retain_graph=True))
+        finally:
+            os.environ.pop("ZOO_FLASH_SM90_BWD")
+            if saved is not None:
+                os.environ["ZOO_FLASH_SM90_BWD"] = saved
+    return fwd_ms, bwd_ms
 
 
 def check(name, ours, ref):
@@ -143,7 +158,7 @@ def run_shape(shape, dtype, with_flex=True, with_pointers=False):
     ref = time_fwd_bwd(lambda q, k, v: sdpa(q, k, v, causal), q, k, v, do)
     ours = run_ours(q, k, v, do, causal, "auto")
     err = check(name, ours, ref)
-    fwd_triton = triton_forward_ms(q, k, v, causal)
+    fwd_triton, bwd_triton = triton_ms(q, k, v, do, causal)
     ptr = None
     if with_pointers:
         ptr = run_ours(q, k, v, do, causal, "0")
@@ -159,7 +174,8 @@ def run_shape(shape, dtype, with_flex=True, with_pointers=False):
     tf = lambda ms, mult=1.0: None if ms is None else mult * f / ms / 1e9  # noqa: E731
     row = dict(shape=name, err=err,
                fwd=tf(ours[0]), fwd_triton=tf(fwd_triton), fwd_sdpa=tf(ref[0]), fwd_flex=tf(flex_fwd),
-               bwd=tf(ours[1], 2.5), bwd_sdpa=tf(ref[1], 2.5), bwd_flex=tf(flex_bwd, 2.5))
+               bwd=tf(ours[1], 2.5), bwd_triton=tf(bwd_triton, 2.5), bwd_sdpa=tf(ref[1], 2.5),
+               bwd_flex=tf(flex_bwd, 2.5))
     row["fwd/sdpa"] = ref[0] / ours[0]
     row["bwd/sdpa"] = ref[1] / ours[1]
     row["fwd/flex"] = None if flex_fwd is None else flex_fwd / ours[0]
@@ -192,7 +208,7 @@ def main():
         print(f"  {key[0]:5s} D{key[1]}/{key[2]} causal={key[3]} {key[5]} tma={key[6]}: {cfg}")
     print(f"\n{args.dtype}, TFLOP/s (forward; backward alone = 2.5x forward FLOPs); ratio > 1: ours faster")
     columns = ["shape", "fwd", "fwd_triton", "fwd_sdpa", "fwd_flex", "fwd/sdpa", "fwd/flex",
-               "bwd", "bwd_sdpa", "bwd_flex", "bwd/sdpa", "bwd/flex", "err"]
+               "bwd", "bwd_triton", "bwd_sdpa", "bwd_flex", "bwd/sdpa", "bwd/flex", "err"]
     if args.pointers:
         columns[1:1] = ["fwd_ptr", "bwd_ptr"]
     print_table(rows, columns)

@@ -10,11 +10,11 @@ Causal masking is bottom-right aligned: with S_q <= S_kv, query row i sits at po
 keys at positions <= its own (a cached prefix of S_kv - S_q tokens is visible to every query).
 
 Structure (FlashAttention-2, Dao 2023; Triton's fused-attention tutorial):
-- forward on Hopper (sm_90, fp16/bf16, D = 128): a separate warp-specialized kernel written in Gluon
-  (kernels/flash_sm90.py: a TMA loader warp and two consumer warpgroups, FlashAttention-3's structure); it takes
-  the forward from 396-515 to 514-620 TFLOP/s on an H200 at S >= 4096 (S 1024: 343 -> 369 causal). The same
-  module has a dK/dV kernel, opt-in (ZOO_FLASH_SM90_BWD=1). Everything below describes the portable kernels,
-  which run the forward everywhere else and the backward by default.
+- on Hopper (sm_90, fp16/bf16): separate warp-specialized kernels written in Gluon (kernels/flash_sm90.py: a TMA
+  loader warp and two consumer warpgroups, FlashAttention-3's structure) run the forward at D = 128 (and at D = 64
+  from 2048 keys) and the backward at D = 128. On an H200 they take the forward from 337-520 to 419-623 TFLOP/s
+  and the backward from 245-416 to 303-454 at D = 128 (benchmarks/RESULTS.md). Everything below describes the
+  portable kernels, which run everywhere else.
 - forward: one program per (query block, query head, batch) streams K/V blocks with an online softmax in the
   log2 domain (exp2 with log2(e) folded into the scale). The KV loop is split in two: blocks every query of the
   program sees entirely run without any mask; only the blocks on the causal diagonal or past the end of the
@@ -822,14 +822,19 @@ def _backward(q, k, v, out, lse, do, scale: float | None, causal: bool, dlse=Non
             num_stages=stages,
         )
 
-    # Opt-in (ZOO_FLASH_SM90_BWD, see flash_sm90.backward_mode): dK/dV in the warp-specialized Gluon kernel on
-    # Hopper, fp16/bf16, D = 128, when its programs (128 keys each) fill the GPU ("1") or wherever it can run ("force").
+    # Hopper, fp16/bf16, D = 128 (ZOO_FLASH_SM90_BWD, see flash_sm90.backward_mode): dQ and delta in the Gluon
+    # kernel; dK/dV too when its programs (128 keys each) fill the GPU, else the Triton kernel, which can split a KV
+    # group's heads over programs ("force": the Gluon kernel regardless).
     mode = flash_sm90.backward_mode() if flash_sm90 is not None and head_splits is None else "0"
-    sm90_dkdv = mode != "0" and flash_sm90.supports_backward(q, k, v, do) and (
+    sm90 = mode != "0" and flash_sm90.supports_backward(q, k, v, do)
+    sm90_dkdv = sm90 and (
         mode == "force"
         or _head_splits(triton.cdiv(s_kv, flash_sm90.PROGRAM_ROWS) * h_kv * b, h_q // h_kv, q.device) == 1)
     with _device_guard(q):
-        launch_dq(_pick_config("dq", q, d_qk, d_v, causal, s_q, s_kv, tma_dq, launch_dq))  # dQ and delta
+        if sm90:
+            flash_sm90.backward_dq(q, k, v, out, do, lse, dlse, delta, dq, sm_scale, causal)
+        else:
+            launch_dq(_pick_config("dq", q, d_qk, d_v, causal, s_q, s_kv, tma_dq, launch_dq))  # dQ and delta
         if sm90_dkdv:
             flash_sm90.backward_dkdv(q, k, v, do, lse, delta, dk, dv, sm_scale, causal)
         else:

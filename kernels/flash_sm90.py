@@ -1,50 +1,58 @@
-"""The flash-attention forward for Hopper (sm_90), warp-specialized, in Gluon: FlashAttention-3's structure.
+"""Flash attention for Hopper (sm_90), warp-specialized, in Gluon: FlashAttention-3's structure.
 
-Same math, inputs and outputs as `flash._flash_fwd_kernel` (see kernels/flash.py); `flash._forward` launches this
-kernel instead on an sm_90 GPU for fp16/bf16 with D_qk == D_v in CONFIGS (128) and TMA-compatible strides, and
-the portable Triton kernel everywhere else (other GPUs and head dims, fp32, the CPU interpreter).
+Same math, inputs and outputs as the Triton kernels in kernels/flash.py, which launches these instead on an sm_90
+GPU for fp16/bf16 with TMA-compatible strides: the forward for D_qk == D_v = 128, and 64 from MIN_KEYS keys up;
+the backward (dQ and dK/dV) for D = 128. The portable Triton kernels run everywhere else (other GPUs and head
+dims, MLA's 192/128, fp32, the CPU interpreter, other Triton releases).
 
-Why a second kernel: the Triton-language forward stops at 440-490 TFLOP/s at D=128 on an H200, while SDPA runs at
-530-690. Its warps issue their own loads and all run the same phase of the loop at the same time, so the tensor
-cores idle during every softmax. Triton 3.6's automatic warp specialization does not apply to that kernel (see
-flash.py). Gluon, Triton's lower-level language, states the layouts, shared memory, barriers and warp roles
-explicitly, so the kernel can have FlashAttention-3's structure (Shah et al. 2024):
+Why a second set of kernels: the Triton-language forward stops at 440-490 TFLOP/s at D=128 on an H200, while SDPA
+runs at 530-690. Its warps issue their own loads and all run the same phase of the loop at the same time, so the
+tensor cores idle during every softmax. Triton 3.6's automatic warp specialization does not apply to those kernels
+(see flash.py). Gluon, Triton's lower-level language, states the layouts, shared memory, barriers and warp roles
+explicitly, so the kernels can have FlashAttention-3's structure (Shah et al. 2024).
 
-- one program per (128 query rows, query head, batch), in three warp roles (`gl.warp_specialize`):
-  - a loader warp streams Q once and K/V blocks through TMA into a ring of STAGES shared-memory buffers, waiting
-    on an mbarrier until the consumers have released a buffer before it refills it;
+Forward (`forward`):
+- persistent: one program per SM takes tiles of 128 query rows of one (query head, batch) from a global counter,
+  so programs that drew light causal tiles take more of them; while the consumers finish a tile (its last P V,
+  the output store) the loader already streams the next tile's Q and K/V.
+- three warp roles per program (`gl.warp_specialize`):
+  - a loader warp streams Q and K/V blocks through TMA into a ring of STAGES shared-memory buffers, waiting on an
+    mbarrier until the consumers have released a buffer before it refills it;
   - two consumer warpgroups of four warps, each owning 64 query rows: Q K^T and P V on the tensor cores (wgmma),
-    the online softmax in registers. The loader warp gives its registers to them (setmaxnreg: 24 for the loader,
-    240 per consumer thread).
+    the online softmax in registers. The loader warp gives its registers to them (setmaxnreg: 24 for the
+    loader, 240 per consumer thread).
 - inside a consumer, the scores of key block j+1 are issued before P V of block j, and the softmax of block j+1
   runs while that P V is on the tensor cores (FlashAttention-3's intra-warpgroup overlap); P stays in registers
   as the A operand of the P V wgmma.
 - causal masking: blocks wholly above the diagonal are never loaded; only blocks on the diagonal or past the
   sequence end are masked (a runtime branch per block), with one compare per score against a per-row limit.
 
-Measured on an H200 beside SDPA (bf16, H_q 32 / H_kv 8, D 128, TFLOP/s; benchmarks/RESULTS.md has the grid): B4
-S4096 causal 559 (Triton kernel 453, SDPA 611), full 605 (479, 624); B1 S16384 causal 614 (484, 584). Tried and
-dropped, each beside this kernel in one run: FlashAttention-3's ping-pong between the two consumers (an mbarrier
-token passed so that one warpgroup's products run during the other's softmax): within +-3%, no consistent gain; a
-persistent schedule (one program per SM walking the tiles, the loader streaming the next tile during the
-epilogue): +10-13% at S 1024 (B16 causal 404-409 vs 359-364) but -15% for MHA (B4 H32/32 causal 456-460 vs 527-547),
-as tiles that share K/V no longer run side by side, and its causal consumer spills registers; with the tiles
-ordered to share K/V it kept only the full-attention gains (B16 S1024 full 544 vs 491). The two-compare mask
-(causal and sequence end separately) measured 3% slower at B4 S4096 causal (539 vs 559).
+Backward, two launches with the same roles (a loader warp, two consumer warpgroups of 64 rows):
+- `backward_dq`: per 128 query rows, delta = rowsum(dO * Out) - dlse first (for the dK/dV kernel), then per
+  64-key block S = Q K^T and dP = dO V^T issued together, dS = P (dP - delta), dQ += dS K.
+- `backward_dkdv`: per 128 key rows of a KV head, Q and dO blocks of every query head of the group stream through
+  a two-stage ring (no per-query-head partials), with transposed products so that the key rows are the wgmma's M:
+  S^T = K Q^T, then dP^T = V dO^T issued with dV += P^T dO, then dK += dS^T Q; the steps (query head, query block)
+  are software-pipelined: S^T of the next step is issued right after dK of this one.
 
-The backward's dK/dV (`backward_dkdv`, opt-in with ZOO_FLASH_SM90_BWD=1) has the same roles: a loader warp
-streams the Q and dO blocks of every query head of the KV group through a two-stage ring, and two consumer
-warpgroups each own 64 key rows and compute transposed products (key rows as the wgmma's M): S^T = K Q^T, then
-dP^T = V dO^T issued together with dV += P^T dO, then dK += dS^T Q. dQ and delta stay in the Triton dQ kernel.
-Measured beside the Triton dK/dV in one run on an H200 (whole backward, TFLOP/s, H_q 32, D 128): B4 H_kv 8 S4096
-causal 373 vs 353 (SDPA 457), full 411 vs 414, B16 S1024 causal 276 vs 241, B1 S16384 causal 417 vs 414, MHA
-B4 S4096 causal 372 vs 361. At 64-query blocks the consumers spill a little (ptxas: 140-300 bytes); 32-query
-blocks do not spill but ran at 322-366, below the Triton kernel. It is off by default until the GPU test suite
-has run it on its small and ragged shapes (tests/test_flash.py::test_sm90_backward_dkdv forces it).
+Measured on an H200 beside SDPA and the Triton kernels in one run (bf16, H_q 32, TFLOP/s; benchmarks/RESULTS.md
+has the grid and the history). Forward, persistent vs the previous one-program-per-tile version: B4 H_kv 8 S4096
+D128 causal 558 vs 538 (SDPA 603), B16 S1024 causal 409 vs 359 (SDPA 455), MHA B4 S4096 causal 578 vs 530 (SDPA
+555); D64 B4 S4096 causal 421 vs the Triton kernel's 387 (SDPA 426). Backward, whole (dQ + dK/dV), Gluon vs
+Triton: B4 H_kv 8 S4096 causal 397 vs 353 (SDPA 460), full 436 vs 415 (514), B16 S1024 causal 300 vs 219 (304),
+B1 S16384 causal 439 vs 372 (521), MHA B4 S4096 causal 394 vs 367 (466).
 
-Gluon has no CPU interpreter, so this kernel's numerics are tested on the GPU (every forward test in
-tests/test_flash.py runs through it on an H100/H200); on the CPU, tests/test_flash.py compiles it for sm_90 and
-checks its structure (warp roles, registers, shared memory).
+Tried and dropped, each beside the kept version in one run: FlashAttention-3's ping-pong between the two forward
+consumers (within +-3%); a static persistent schedule (tile p, p + programs, ...: -15% for MHA, as tiles sharing
+K/V no longer ran side by side); the two-compare mask (3% slower); dK/dV with 32-query blocks (no spills, but
+322-366 TFLOP/s) and without the step pipelining (140-300 bytes of spills, 0-3% slower).
+
+The persistent forward holds a tile's state across its key loop, and ptxas spills some of it (32 bytes full, 284
+causal; the test bounds it); the backward kernels do not spill.
+
+Gluon has no CPU interpreter, so these kernels' numerics are tested on the GPU (every forward and backward test in
+tests/test_flash.py runs through them on an H100/H200); on the CPU, tests/test_flash.py compiles them for sm_90
+and checks their structure (warp roles, registers, shared memory, spills).
 """
 
 import functools
@@ -75,38 +83,105 @@ LOADER_REGS = gl.constexpr(24)
 CONSUMER_REGS = gl.constexpr(240)
 
 # Per head dim: (BLOCK_N, STAGES), measured on an H200 (see benchmarks/RESULTS.md).
-# D=64 stays on the Triton kernel: at B4 S4096 this kernel measured 390 TFLOP/s causal against 396, and at B16
-# S1024 240 against 313.
 CONFIGS = {
+    64: (128, 3),
     128: (128, 3),
+}
+# Fewest keys for which flash._forward prefers this kernel, per head dim. At D=64 and S=1024 a tile has too few key
+# blocks to hide its start and end: B16 H32/8 causal measured 300 TFLOP/s against the Triton kernel's 317 (full
+# 400 vs 397), while at S=4096 it is ahead by 9% (causal 421 vs 387, full 466 vs 426).
+MIN_KEYS = {
+    64: 2048,
+    128: 0,
 }
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free,
-            batch, head, kv_head, start_m, n_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
-    """One warp: each consumer's Q rows once, then K and V of every key block into the ring. Block j goes into
-    stage j % STAGES once every consumer has released that stage's previous block (j - STAGES) on kv_free."""
-    for c in gl.static_range(CONSUMERS):
-        mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [batch, head, start_m + c * ROWS, 0], q_ready.index(c),
-                                        q_smem.index(c))
-    for j in range(n_blocks):
-        s = j % STAGES
-        # The (j // STAGES)-th reuse of stage s waits for the release of the previous one (phase parity).
-        mbarrier.wait(kv_free.index(s), ((j // STAGES) & 1) ^ 1, pred=j >= STAGES)
-        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [batch, kv_head, j * BLOCK_N, 0], k_ready.index(s), k_smem.index(s))
-        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [batch, kv_head, j * BLOCK_N, 0], v_ready.index(s), v_smem.index(s))
+def _tile(t, n_m, H, M, N, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Tile t of the persistent schedule: (batch, head, first query row, key blocks, unmasked key blocks). Tiles
+    are numbered query block fastest within each (head, batch), so tiles that run side by side read the same K/V
+    (from L2); causal ones from the last query block (which sees the most keys) down, so the lightest tiles of the
+    last heads fill the tail."""
+    BLOCK_M: gl.constexpr = CONSUMERS * ROWS
+    hb = t // n_m
+    head = hb % H
+    batch = hb // H
+    pid_m = t % n_m
+    if CAUSAL:
+        pid_m = n_m - 1 - pid_m
+    start_m = pid_m * BLOCK_M
+    q_shift = N - M  # query row i sits at key position q_shift + i
+    if CAUSAL:
+        n_end = gl.minimum(N, q_shift + start_m + BLOCK_M)
+        n_unmasked = gl.minimum((q_shift + start_m + 1) // BLOCK_N, N // BLOCK_N)
+    else:
+        n_end = N
+        n_unmasked = N // BLOCK_N
+    return batch, head, start_m, gl.cdiv(n_end, BLOCK_N), n_unmasked
+
+
+@gluon.jit
+def _publish(tile_smem, tile_ready, tile_free, tc, t):
+    """Loader: hand tile t (the tc-th of this program; t >= n_tiles means stop) to the consumers."""
+    slot = tc % 2
+    mbarrier.wait(tile_free.index(slot), ((tc // 2) & 1) ^ 1, pred=tc >= 2)
+    tile_smem.index(slot).store(gl.full([1], t, gl.int32, gl.BlockedLayout([1], [32], [1], [0])))
+    mbarrier.arrive(tile_ready.index(slot), count=1)
+
+
+@gluon.jit
+def _receive(tile_smem, tile_ready, tile_free, tc):
+    """Consumer: the tc-th tile the loader published."""
+    slot = tc % 2
+    mbarrier.wait(tile_ready.index(slot), (tc // 2) & 1)
+    t = gl.max(tile_smem.index(slot).load(gl.BlockedLayout([1], [32], [4], [0])), 0)
+    mbarrier.arrive(tile_free.index(slot), count=1)
+    return t
+
+
+@gluon.jit
+def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, kv_free,
+            tile_smem, tile_ready, tile_free, counter_ptr,
+            n_tiles, n_m, H, M, N, GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+            STAGES: gl.constexpr):
+    """One warp: for each tile, each consumer's Q rows, then K and V of every key block into the ring. Key block
+    number g (counted over all of the program's tiles) goes into stage g % STAGES once every consumer has released
+    block g - STAGES on kv_free; a tile's Q waits until the consumers are done with the previous tile's."""
+    g = 0
+    tc = 0
+    t = gl.program_id(0)
+    while t < n_tiles:
+        _publish(tile_smem, tile_ready, tile_free, tc, t)
+        batch, head, start_m, n_blocks, n_unmasked = _tile(t, n_m, H, M, N, CAUSAL, BLOCK_N)
+        kv_head = head // GROUP_SIZE
+        for c in gl.static_range(CONSUMERS):
+            mbarrier.wait(q_free.index(c), (tc & 1) ^ 1, pred=tc > 0)
+            mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [batch, head, start_m + c * ROWS, 0], q_ready.index(c),
+                                            q_smem.index(c))
+        for j in range(n_blocks):
+            s = g % STAGES
+            # The (g // STAGES)-th use of stage s waits for the release of the previous one (phase parity).
+            mbarrier.wait(kv_free.index(s), ((g // STAGES) & 1) ^ 1, pred=g >= STAGES)
+            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(k_desc, [batch, kv_head, j * BLOCK_N, 0], k_ready.index(s),
+                                            k_smem.index(s))
+            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(v_desc, [batch, kv_head, j * BLOCK_N, 0], v_ready.index(s),
+                                            v_smem.index(s))
+            g += 1
+        tc += 1
+        t = gl.num_programs(0) + gl.atomic_add(counter_ptr, 1)  # the next tile nobody has taken
+    _publish(tile_smem, tile_ready, tile_free, tc, t)
 
 
 @gluon.jit
 def _mask(s, j, n_unmasked, start_m, q_shift, N, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
           s_layout: gl.constexpr):
     """Scores of key block j with the causal diagonal and the sequence end masked; blocks before n_unmasked are
-    wholly visible to every row of the program and pass through untouched."""
+    wholly visible to every row of the tile and pass through untouched."""
     if j >= n_unmasked:
+        # Column c of the block is visible to a row when c < limit for that row: one compare per score.
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
         limit = N - j * BLOCK_N
         if CAUSAL:
@@ -118,12 +193,40 @@ def _mask(s, j, n_unmasked, start_m, q_shift, N, CAUSAL: gl.constexpr, BLOCK_N: 
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, out_ptr, lse_ptr,
+def _step(q, k_smem, v_smem, k_ready, v_ready, kv_free, p, p_op, acc, m_i, l_i, gj, j, n_unmasked, start_m,
+          q_shift, N, qk_scale, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
+          s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+    """Key block j (the program's gj-th): its scores and block j-1's P V on the tensor cores together, then block
+    j's softmax while that P V runs."""
+    st = gj % STAGES
+    prev = (gj - 1) % STAGES
+    mbarrier.wait(k_ready.index(st), (gj // STAGES) & 1)
+    mbarrier.wait(v_ready.index(prev), ((gj - 1) // STAGES) & 1)
+    # The scores go into the registers of block j-1's dead fp32 probabilities (use_acc=False).
+    s = warpgroup_mma(q, k_smem.index(st).reshape([BLOCK_N, D]).permute((1, 0)), p, use_acc=False, is_async=True)
+    acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, D]), acc, is_async=True)
+    s = warpgroup_mma_wait(num_outstanding=1, deps=[s])  # scores in; P V of block j-1 may still run
+    s = _mask(s, j, n_unmasked, start_m, q_shift, N, CAUSAL, BLOCK_N, s_layout)
+    m_ij = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+    p = gl.exp2(s * qk_scale - m_ij[:, None])
+    alpha = gl.exp2(m_i - m_ij)
+    l_i = l_i * alpha + gl.sum(p, 1)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+    mbarrier.arrive(kv_free.index(prev), count=1)  # K and V of block j-1 are no longer read
+    acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+    p_op = gl.convert_layout(p.to(p_op.dtype), p_layout)
+    return p, p_op, acc, m_ij, l_i
+
+
+@gluon.jit
+def _consumer(q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, kv_free, tile_smem, tile_ready, tile_free,
+              out_ptr, lse_ptr,
               stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
-              batch, head, start_m, M, N, n_blocks, n_unmasked, q_shift, qk_scale,
+              n_tiles, n_m, H, M, N, qk_scale,
               WG: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
               STAGES: gl.constexpr):
-    """One warpgroup: online softmax over the key blocks for query rows [start_m + WG*64, +64)."""
+    """One warpgroup: for each tile, the online softmax over its key blocks for query rows
+    [start_m + WG*64, +64), then its rows of out and lse."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -131,98 +234,90 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, out_pt
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     dtype: gl.constexpr = q_smem.dtype
-    start_m = start_m + WG * ROWS
     q = q_smem.index(WG).reshape([ROWS, D])
+    q_shift = N - M
+    g = 0
+    tc = 0
+    t = _receive(tile_smem, tile_ready, tile_free, 0)
+    while t < n_tiles:
+        batch, head, start_m, n_blocks, n_unmasked = _tile(t, n_m, H, M, N, CAUSAL, BLOCK_N)
+        start_m = start_m + WG * ROWS
+        mbarrier.wait(q_ready.index(WG), tc & 1)
+        m_i = gl.full([ROWS], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
+        acc = gl.zeros([ROWS, D], gl.float32, o_layout)
+        p = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
 
-    mbarrier.wait(q_ready.index(WG), 0)
-    m_i = gl.full([ROWS], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
-    acc = gl.zeros([ROWS, D], gl.float32, o_layout)
-    s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-
-    # Key block 0: its scores alone.
-    mbarrier.wait(k_ready.index(0), 0)
-    s = warpgroup_mma(q, k_smem.index(0).reshape([BLOCK_N, D]).permute((1, 0)), s, use_acc=False, is_async=True)
-    s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
-    s = _mask(s, 0, n_unmasked, start_m, q_shift, N, CAUSAL, BLOCK_N, s_layout)
-    m_i = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-    p = gl.exp2(s * qk_scale - m_i[:, None])
-    l_i = gl.sum(p, 1)
-    p_op = gl.convert_layout(p.to(dtype), p_layout)
-
-    for j in range(1, n_blocks):
-        st = j % STAGES
-        prev = (j - 1) % STAGES
-        mbarrier.wait(k_ready.index(st), (j // STAGES) & 1)
-        mbarrier.wait(v_ready.index(prev), ((j - 1) // STAGES) & 1)
-        # Scores of block j go into the registers of block j-1's dead fp32 probabilities (use_acc=False).
+        # Key block 0: its scores alone.
+        st = g % STAGES
+        mbarrier.wait(k_ready.index(st), (g // STAGES) & 1)
         s = warpgroup_mma(q, k_smem.index(st).reshape([BLOCK_N, D]).permute((1, 0)), p, use_acc=False,
                           is_async=True)
-        acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, D]), acc, is_async=True)
-        s = warpgroup_mma_wait(num_outstanding=1, deps=[s])  # the scores are in; P V of block j-1 may still run
-        s = _mask(s, j, n_unmasked, start_m, q_shift, N, CAUSAL, BLOCK_N, s_layout)
-        m_ij = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
-        p = gl.exp2(s * qk_scale - m_ij[:, None])
-        alpha = gl.exp2(m_i - m_ij)
-        l_i = l_i * alpha + gl.sum(p, 1)
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-        mbarrier.arrive(kv_free.index(prev), count=1)  # K and V of block j-1 are no longer read
-        acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        m_i = m_ij
+        s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
+        s = _mask(s, 0, n_unmasked, start_m, q_shift, N, CAUSAL, BLOCK_N, s_layout)
+        m_i = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
+        p = gl.exp2(s * qk_scale - m_i[:, None])
+        l_i = gl.sum(p, 1)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
 
-    last = (n_blocks - 1) % STAGES
-    mbarrier.wait(v_ready.index(last), ((n_blocks - 1) // STAGES) & 1)
-    acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, D]), acc, is_async=True)
-    acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-    mbarrier.arrive(kv_free.index(last), count=1)
+        # Key blocks 1..: each step issues the scores of block j and P V of block j-1 together.
+        for j in range(1, n_blocks):
+            p, p_op, acc, m_i, l_i = _step(q, k_smem, v_smem, k_ready, v_ready, kv_free, p, p_op, acc, m_i, l_i,
+                                           g + j, j, n_unmasked, start_m, q_shift, N, qk_scale, CAUSAL,
+                                           BLOCK_N, D, STAGES, s_layout, o_layout, p_layout)
 
-    # Every row sees at least key 0 (bottom-right alignment, S_q <= S_kv), so l_i > 0; padding rows (past M,
-    # zero-filled by TMA) are finite too and never stored.
-    out = acc / gl.convert_layout(l_i, row_o)[:, None]
-    lse = (m_i + gl.log2(l_i)) * 0.6931471805599453  # natural log
-    offs_m = start_m + gl.arange(0, ROWS, layout=row_o)
-    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-    o_ptrs = out_ptr + batch.to(gl.int64) * stride_ob + head.to(gl.int64) * stride_oh \
-        + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
-    gl.store(o_ptrs, out.to(dtype), mask=(offs_m < M)[:, None])
-    offs_l = start_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-    l_ptrs = lse_ptr + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh + offs_l * stride_lm
-    gl.store(l_ptrs, lse, mask=offs_l < M)
+        mbarrier.arrive(q_free.index(WG), count=1)  # every Q K^T of the tile has completed
+        last = (g + n_blocks - 1) % STAGES
+        mbarrier.wait(v_ready.index(last), ((g + n_blocks - 1) // STAGES) & 1)
+        acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, D]), acc, is_async=True)
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
+        mbarrier.arrive(kv_free.index(last), count=1)
+        g += n_blocks
+        tc += 1
+
+        # Every row sees at least key 0 (bottom-right alignment, S_q <= S_kv), so l_i > 0; padding rows (past M,
+        # zero-filled by TMA) are finite too and never stored. The loader is already streaming the next tile.
+        out = acc / gl.convert_layout(l_i, row_o)[:, None]
+        lse = (m_i + gl.log2(l_i)) * 0.6931471805599453  # natural log
+        offs_m = start_m + gl.arange(0, ROWS, layout=row_o)
+        offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+        o_ptrs = out_ptr + batch.to(gl.int64) * stride_ob + head.to(gl.int64) * stride_oh \
+            + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
+        gl.store(o_ptrs, out.to(dtype), mask=(offs_m < M)[:, None])
+        offs_l = start_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+        l_ptrs = lse_ptr + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh + offs_l * stride_lm
+        gl.store(l_ptrs, lse, mask=offs_l < M)
+        t = _receive(tile_smem, tile_ready, tile_free, tc)
 
 
 @gluon.jit
 def _flash_fwd_sm90_kernel(
-    q_desc, k_desc, v_desc, out_ptr, lse_ptr,
+    q_desc, k_desc, v_desc, out_ptr, lse_ptr, counter_ptr,
     stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
-    M, N, qk_scale,
+    n_tiles, n_m, H, M, N, qk_scale,
     GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
     STAGES: gl.constexpr,
 ):
-    BLOCK_M: gl.constexpr = CONSUMERS * ROWS
-    # Causal programs run heaviest first (the last query blocks see the most keys).
-    pid_m = gl.num_programs(0) - 1 - gl.program_id(0) if CAUSAL else gl.program_id(0)
-    head = gl.program_id(1)
-    batch = gl.program_id(2)
-    kv_head = head // GROUP_SIZE
-    start_m = pid_m * BLOCK_M
-    q_shift = N - M  # query row i sits at key position q_shift + i
-    if CAUSAL:
-        n_end = gl.minimum(N, q_shift + start_m + BLOCK_M)
-        n_unmasked = gl.minimum((q_shift + start_m + 1) // BLOCK_N, N // BLOCK_N)
-    else:
-        n_end = N
-        n_unmasked = N // BLOCK_N
-    n_blocks = gl.cdiv(n_end, BLOCK_N)
-
+    """Persistent: one program per SM (or per tile, when fewer). Program p starts with tile p; its loader then takes
+    the next tile nobody has taken from a global counter (an atomic add), so programs that drew light causal tiles
+    take more of them. The loader hands each tile number to the consumers through shared memory (tile_ready /
+    tile_free, two slots), and streams the next tile's Q and K/V while they finish the previous one."""
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    q_free = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    tile_smem = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    tile_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(tile_ready.index(i), count=1)
+        mbarrier.init(tile_free.index(i), count=CONSUMERS)
     for c in gl.static_range(CONSUMERS):
         mbarrier.init(q_ready.index(c), count=1)
+        mbarrier.init(q_free.index(c), count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(k_ready.index(i), count=1)
         mbarrier.init(v_ready.index(i), count=1)
@@ -232,16 +327,17 @@ def _flash_fwd_sm90_kernel(
     # The default partition (this program's own four warps) is consumer 0; the others are worker partitions.
     # Worker arguments cannot be constexprs computed here, so every value is passed explicitly.
     gl.warp_specialize([
-        (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, out_ptr, lse_ptr,
+        (_consumer, (q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, kv_free, tile_smem, tile_ready,
+                     tile_free, out_ptr, lse_ptr,
                      stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
-                     batch, head, start_m, M, N, n_blocks, n_unmasked, q_shift, qk_scale,
-                     gl.constexpr(0), CAUSAL, BLOCK_N, D, STAGES)),
-        (_consumer, (q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free, out_ptr, lse_ptr,
+                     n_tiles, n_m, H, M, N, qk_scale, gl.constexpr(0), CAUSAL, BLOCK_N, D, STAGES)),
+        (_consumer, (q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, kv_free, tile_smem, tile_ready,
+                     tile_free, out_ptr, lse_ptr,
                      stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
-                     batch, head, start_m, M, N, n_blocks, n_unmasked, q_shift, qk_scale,
-                     gl.constexpr(1), CAUSAL, BLOCK_N, D, STAGES)),
-        (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free,
-                   batch, head, kv_head, start_m, n_blocks, BLOCK_N, STAGES)),
+                     n_tiles, n_m, H, M, N, qk_scale, gl.constexpr(1), CAUSAL, BLOCK_N, D, STAGES)),
+        (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, kv_free,
+                   tile_smem, tile_ready, tile_free, counter_ptr, n_tiles, n_m, H, M, N, GROUP_SIZE, CAUSAL,
+                   BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -251,7 +347,7 @@ def _flash_fwd_sm90_kernel(
 
 
 def enabled() -> bool:
-    """ZOO_FLASH_SM90=0 turns this kernel off (flash._forward then uses the Triton kernel on Hopper too). Gluon is
+    """ZOO_FLASH_SM90=0 turns these kernels off (flash.py then uses the Triton kernels on Hopper too). Gluon is
     experimental and its API moves between Triton releases, so the kernel runs only on the release it was written
     and verified against (3.6); with another one the Triton kernel runs."""
     return os.environ.get("ZOO_FLASH_SM90", "1") != "0" and triton.__version__.startswith("3.6")
@@ -263,25 +359,31 @@ def _is_sm90(device_index: int) -> bool:
 
 
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """Does flash._forward launch this kernel for these inputs? On an sm_90 GPU, when `eligible`."""
-    return q.is_cuda and enabled() and _is_sm90(q.device.index) and eligible(q, k, v)
+    """Does flash._forward launch this kernel for these inputs? On an sm_90 GPU, when `eligible` and there are at
+    least MIN_KEYS keys."""
+    return (q.is_cuda and enabled() and _is_sm90(q.device.index) and eligible(q, k, v)
+            and k.shape[2] >= MIN_KEYS[q.shape[-1]])
+
+
+BACKWARD_HEAD_DIMS = (128,)  # the backward kernels were tuned and measured at D = 128 only
 
 
 def backward_mode() -> str:
-    """ZOO_FLASH_SM90_BWD: "0" (default) keeps dK/dV on the Triton kernel; "1" runs `backward_dkdv` where its
-    launch fills the GPU; "force" wherever it can run (tests). Off by default: it was measured and checked against
-    the Triton kernel on the benchmark's shapes only (see benchmarks/RESULTS.md), not yet through the GPU test
-    suite's small and ragged shapes."""
-    mode = os.environ.get("ZOO_FLASH_SM90_BWD", "0")
+    """ZOO_FLASH_SM90_BWD: "1" (default) runs dQ in `backward_dq` and dK/dV in `backward_dkdv` where the latter's
+    launch fills the GPU (else the Triton dK/dV kernel, which can split a KV group's heads over programs); "force"
+    runs both Gluon kernels wherever they can (tests); "0" keeps the whole backward on the Triton kernels."""
+    mode = os.environ.get("ZOO_FLASH_SM90_BWD", "1")
     if mode not in ("0", "1", "force"):
-        raise ValueError(f"ZOO_FLASH_SM90_BWD={mode!r}: expected 0 (off), 1 (on where it fills the GPU) or force")
+        raise ValueError(f"ZOO_FLASH_SM90_BWD={mode!r}: expected 0 (off), 1 (on; dK/dV where it fills the GPU) "
+                         "or force")
     return mode
 
 
 def supports_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) -> bool:
-    """Can `backward_dkdv` run these inputs? As `supports`, with dO TMA-readable too (its shape and dtype are q's,
-    checked by the caller)."""
-    return supports(q, k, v) and _checks.tma_readable(do)
+    """Can `backward_dq` and `backward_dkdv` run these inputs? On an sm_90 GPU, `eligible` with D in
+    BACKWARD_HEAD_DIMS and dO TMA-readable too (its shape and dtype are q's, checked by the caller)."""
+    return (q.is_cuda and enabled() and _is_sm90(q.device.index) and q.shape[-1] in BACKWARD_HEAD_DIMS
+            and eligible(q, k, v) and _checks.tma_readable(do))
 
 
 def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -307,12 +409,20 @@ def forward(q, k, v, out, lse, qk_scale: float, causal: bool, config=None):
     b, h_q, s_q, d = q.shape
     h_kv, s_kv = k.shape[1], k.shape[2]
     block_n, stages = config or CONFIGS[d]
-    grid = (triton.cdiv(s_q, PROGRAM_ROWS), h_q, b)
+    n_m = triton.cdiv(s_q, PROGRAM_ROWS)
+    n_tiles = n_m * h_q * b
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device)  # tiles taken past the first wave
+    grid = (min(n_tiles, _num_sms(q.device.index)),)
     _flash_fwd_sm90_kernel[grid](
-        _descriptor(q, ROWS_PER_CONSUMER), _descriptor(k, block_n), _descriptor(v, block_n), out, lse,
-        *out.stride(), *lse.stride(), s_q, s_kv, qk_scale,
+        _descriptor(q, ROWS_PER_CONSUMER), _descriptor(k, block_n), _descriptor(v, block_n), out, lse, counter,
+        *out.stride(), *lse.stride(), n_tiles, n_m, h_q, s_q, s_kv, qk_scale,
         GROUP_SIZE=h_q // h_kv, CAUSAL=causal, BLOCK_N=block_n, D=d, STAGES=stages, num_warps=4,
     )
+
+
+@functools.cache
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -369,49 +479,47 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready, do_ready, 
     q_shift = N - M  # query row i sits at key position q_shift + i
     dk = gl.zeros([ROWS, D], gl.float32, acc_layout)
     dv = gl.zeros([ROWS, D], gl.float32, acc_layout)
-    scratch = gl.zeros([ROWS, BLOCK_M], gl.float32, st_layout)
+    nb = n_m - m_start
+    total = GROUP_SIZE * nb
     mbarrier.wait(kv_ready, 0)
-    it = 0
-    for hh in range(GROUP_SIZE):
-        head = kv_head * GROUP_SIZE + hh
-        lse_base = lse_ptr + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh
-        delta_base = delta_ptr + batch.to(gl.int64) * stride_db + head.to(gl.int64) * stride_dh
-        for m in range(m_start, n_m):
-            s = it % STAGES
-            phase = (it // STAGES) & 1
-            # lse and delta of the block's query rows, loaded one per thread and then spread to the columns of the
-            # score tile (a load in the tile's own layout needs a 64-bit address per element: 32 registers more).
-            # Rows past the sequence get lse = +inf, so their P is 0 (their Q and dO tiles are zero-filled).
-            offs_q = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=vec)
-            lse = gl.load(lse_base + offs_q * stride_lm, mask=offs_q < M, other=float("inf")) * 1.4426950408889634
-            delta = gl.load(delta_base + offs_q * stride_dm, mask=offs_q < M, other=0.0)
-            lse = gl.convert_layout(lse, cols)
-            delta = gl.convert_layout(delta, cols)
-            mbarrier.wait(q_ready.index(s), phase)
-            q_t = q_smem.index(s).reshape([BLOCK_M, D])
-            # S^T goes into the registers of the previous step's dead dP^T (use_acc=False), and dP^T below into
-            # those of S^T, dead once P is out: one 64 x BLOCK_M fp32 tile serves both.
-            st = warpgroup_mma(k_wg, q_t.permute((1, 0)), scratch, use_acc=False, is_async=True)
-            st = warpgroup_mma_wait(num_outstanding=0, deps=[st])
-            pt = gl.exp2(st * qk_scale - lse[None, :])
-            if CAUSAL:
-                if q_shift + m * BLOCK_M < start_n + CONSUMERS * ROWS - 1:  # the block crosses the diagonal
-                    # key row r is visible to query column c of the block when c >= first[r]
-                    first = kv_pos - q_shift - m * BLOCK_M
-                    pt = gl.where(gl.arange(0, BLOCK_M, layout=cols)[None, :] >= first[:, None], pt, 0.0)
-            pt = pt.to(dtype)
-            mbarrier.wait(do_ready.index(s), phase)
-            do_t = do_smem.index(s).reshape([BLOCK_M, D])
-            # dP^T first: wgmma groups complete in order, so waiting for all but the newest (dV) waits for dP^T.
-            dpt = warpgroup_mma(v_wg, do_t.permute((1, 0)), st, use_acc=False, is_async=True)
-            dv = warpgroup_mma(gl.convert_layout(pt, op_layout), do_t, dv, is_async=True)
-            dpt = warpgroup_mma_wait(num_outstanding=1, deps=[dpt])  # dP^T in; dV may still run
-            dst = pt.to(gl.float32) * (dpt - delta[None, :])
-            dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), q_t, dk, is_async=True)
-            dv, dk = warpgroup_mma_wait(num_outstanding=0, deps=[dv, dk])
-            mbarrier.arrive(qdo_free.index(s), count=1)  # Q and dO of this step are no longer read
-            scratch = dpt
-            it += 1
+    # Software pipeline over the steps (query head, query block): S^T of step t+1 is issued right after dK of step t,
+    # so it runs while step t's products finish.
+    mbarrier.wait(q_ready.index(0), 0)
+    st = warpgroup_mma(k_wg, q_smem.index(0).reshape([BLOCK_M, D]).permute((1, 0)),
+                       gl.zeros([ROWS, BLOCK_M], gl.float32, st_layout), use_acc=False, is_async=True)
+    for t in range(total):
+        s = t % STAGES
+        phase = (t // STAGES) & 1
+        head = kv_head * GROUP_SIZE + t // nb
+        m = m_start + t % nb
+        offs_q = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=vec)
+        lse = gl.load(lse_ptr + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh + offs_q * stride_lm,
+                      mask=offs_q < M, other=float("inf")) * 1.4426950408889634
+        delta = gl.load(delta_ptr + batch.to(gl.int64) * stride_db + head.to(gl.int64) * stride_dh
+                        + offs_q * stride_dm, mask=offs_q < M, other=0.0)
+        st = warpgroup_mma_wait(num_outstanding=0, deps=[st])
+        q_t = q_smem.index(s).reshape([BLOCK_M, D])
+        pt = gl.exp2(st * qk_scale - gl.convert_layout(lse, cols)[None, :])
+        if CAUSAL:
+            if q_shift + m * BLOCK_M < start_n + CONSUMERS * ROWS - 1:  # the block crosses the diagonal
+                first = kv_pos - q_shift - m * BLOCK_M
+                pt = gl.where(gl.arange(0, BLOCK_M, layout=cols)[None, :] >= first[:, None], pt, 0.0)
+        pt = pt.to(dtype)
+        mbarrier.wait(do_ready.index(s), phase)
+        do_t = do_smem.index(s).reshape([BLOCK_M, D])
+        dpt = warpgroup_mma(v_wg, do_t.permute((1, 0)), st, use_acc=False, is_async=True)
+        dv = warpgroup_mma(gl.convert_layout(pt, op_layout), do_t, dv, is_async=True)
+        dpt = warpgroup_mma_wait(num_outstanding=1, deps=[dpt])
+        dst = pt.to(gl.float32) * (dpt - gl.convert_layout(delta, cols)[None, :])
+        dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), q_t, dk, is_async=True)
+        # S^T of the next step (past the last one it reads a stale stage; its result is drained, never used).
+        s1 = (t + 1) % STAGES
+        mbarrier.wait(q_ready.index(s1), ((t + 1) // STAGES) & 1, pred=t + 1 < total)
+        st = warpgroup_mma(k_wg, q_smem.index(s1).reshape([BLOCK_M, D]).permute((1, 0)), dpt, use_acc=False,
+                           is_async=True)
+        dv, dk = warpgroup_mma_wait(num_outstanding=1, deps=[dv, dk])  # all but the next S^T
+        mbarrier.arrive(qdo_free.index(s), count=1)  # Q and dO of step t are no longer read
+    st = warpgroup_mma_wait(num_outstanding=0, deps=[st])
 
     offs_n = kv0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
     offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
@@ -492,4 +600,184 @@ def backward_dkdv(q, k, v, do, lse, delta, dk, dv, sm_scale: float, causal: bool
         *lse.stride(), *delta.stride(), *dk.stride(), *dv.stride(),
         s_q, s_kv, sm_scale, sm_scale * 1.4426950408889634,
         GROUP_SIZE=h_q // h_kv, CAUSAL=causal, BLOCK_M=block_m, D=d, STAGES=stages, num_warps=4,
+    )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Backward: dQ and delta
+# --------------------------------------------------------------------------------------------------------------
+
+
+@gluon.jit
+def _dq_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free,
+               batch, head, kv_head, start_m, n_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: each consumer's Q and dO rows once (one barrier for both), then K and V of every key block into
+    the ring, as the forward's loader."""
+    for c in gl.static_range(CONSUMERS):
+        mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [batch, head, start_m + c * ROWS, 0], q_ready.index(c),
+                                        q_smem.index(c))
+        tma.async_copy_global_to_shared(do_desc, [batch, head, start_m + c * ROWS, 0], q_ready.index(c),
+                                        do_smem.index(c))
+    for j in range(n_blocks):
+        s = j % STAGES
+        mbarrier.wait(kv_free.index(s), ((j // STAGES) & 1) ^ 1, pred=j >= STAGES)
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [batch, kv_head, j * BLOCK_N, 0], k_ready.index(s), k_smem.index(s))
+        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(v_desc, [batch, kv_head, j * BLOCK_N, 0], v_ready.index(s), v_smem.index(s))
+
+
+@gluon.jit
+def _dq_consumer(q_smem, do_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free,
+                 out_ptr, lse_ptr, dlse_ptr, delta_ptr, dq_ptr,
+                 stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
+                 stride_gb, stride_gh, stride_gm, stride_qb, stride_qh, stride_qm, stride_qd,
+                 batch, head, H, start_m, M, N, n_blocks, n_unmasked, sm_scale, qk_scale,
+                 WG: gl.constexpr, CAUSAL: gl.constexpr, HAS_DLSE: gl.constexpr, BLOCK_N: gl.constexpr,
+                 D: gl.constexpr, STAGES: gl.constexpr):
+    """One warpgroup, query rows [start_m + WG*64, +64): first delta = rowsum(dO * Out) - dlse (stored for the
+    dK/dV kernel), then per key block S = Q K^T and dP = dO V^T issued together, P = exp2(S - lse),
+    dS = P (dP - delta), dQ += dS K."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, D, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
+    dtype: gl.constexpr = q_smem.dtype
+    start_m = start_m + WG * ROWS
+    q_shift = N - M
+    q = q_smem.index(WG).reshape([ROWS, D])
+    do = do_smem.index(WG).reshape([ROWS, D])
+    b64 = batch.to(gl.int64)
+    h64 = head.to(gl.int64)
+
+    # delta = rowsum(dO * Out) - dlse for the 64 rows, written for the dK/dV kernel (contiguous (B, H, M)).
+    offs_mb = start_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, blk))
+    offs_db = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
+    rows_ok = offs_mb < M
+    o_ptrs = out_ptr + b64 * stride_ob + h64 * stride_oh + offs_mb[:, None] * stride_om + offs_db[None, :] * stride_od
+    o = gl.load(o_ptrs, mask=rows_ok[:, None], other=0.0)
+    mbarrier.wait(q_ready.index(WG), 0)
+    delta = gl.sum(o.to(gl.float32) * do.load(blk).to(gl.float32), axis=1)
+    if HAS_DLSE:
+        delta -= gl.load(dlse_ptr + b64 * stride_gb + h64 * stride_gh + offs_mb * stride_gm, mask=rows_ok, other=0.0)
+    gl.store(delta_ptr + (b64 * H + h64) * M + offs_mb, delta, mask=rows_ok)
+    delta = gl.convert_layout(delta, rows_s)
+    offs_ms = start_m + gl.arange(0, ROWS, layout=rows_s)
+    lse = gl.load(lse_ptr + b64 * stride_lb + h64 * stride_lh + offs_ms * stride_lm, mask=offs_ms < M,
+                  other=0.0) * 1.4426950408889634
+
+    dq = gl.zeros([ROWS, D], gl.float32, acc_layout)
+    s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    dp = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
+    for j in range(n_blocks):
+        st = j % STAGES
+        phase = (j // STAGES) & 1
+        mbarrier.wait(k_ready.index(st), phase)
+        k_t = k_smem.index(st).reshape([BLOCK_N, D])
+        s = warpgroup_mma(q, k_t.permute((1, 0)), s, use_acc=False, is_async=True)
+        mbarrier.wait(v_ready.index(st), phase)
+        dp = warpgroup_mma(do, v_smem.index(st).reshape([BLOCK_N, D]).permute((1, 0)), dp, use_acc=False,
+                           is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
+        p = gl.exp2(s * qk_scale - lse[:, None])
+        if j >= n_unmasked:
+            offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            limit = N - j * BLOCK_N
+            if CAUSAL:
+                lim = gl.minimum(q_shift + start_m + 1 - j * BLOCK_N + gl.arange(0, ROWS, layout=rows_s), limit)
+                p = gl.where(offs_n[None, :] < lim[:, None], p, 0.0)
+            else:
+                p = gl.where(offs_n[None, :] < limit, p, 0.0)
+        dp = warpgroup_mma_wait(num_outstanding=0, deps=[dp])
+        ds = (p * (dp - delta[:, None])).to(dtype)
+        dq = warpgroup_mma(gl.convert_layout(ds, op_layout), k_t, dq, is_async=True)
+        dq = warpgroup_mma_wait(num_outstanding=0, deps=[dq])
+        mbarrier.arrive(kv_free.index(st), count=1)
+
+    offs_m = start_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
+    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
+    gl.store(dq_ptr + b64 * stride_qb + h64 * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+             (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=(offs_m < M)[:, None])
+
+
+@gluon.jit
+def _flash_bwd_dq_sm90_kernel(
+    q_desc, do_desc, k_desc, v_desc, out_ptr, lse_ptr, dlse_ptr, delta_ptr, dq_ptr,
+    stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
+    stride_gb, stride_gh, stride_gm, stride_qb, stride_qh, stride_qm, stride_qd,
+    M, N, H, sm_scale, qk_scale,
+    GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, HAS_DLSE: gl.constexpr, BLOCK_N: gl.constexpr,
+    D: gl.constexpr, STAGES: gl.constexpr,
+):
+    """One program per (128 query rows, query head, batch); causal programs heaviest first."""
+    BLOCK_M: gl.constexpr = CONSUMERS * ROWS
+    pid_m = gl.num_programs(0) - 1 - gl.program_id(0) if CAUSAL else gl.program_id(0)
+    head = gl.program_id(1)
+    batch = gl.program_id(2)
+    kv_head = head // GROUP_SIZE
+    start_m = pid_m * BLOCK_M
+    q_shift = N - M
+    if CAUSAL:
+        n_end = gl.minimum(N, q_shift + start_m + BLOCK_M)
+        n_unmasked = gl.minimum((q_shift + start_m + 1) // BLOCK_N, N // BLOCK_N)
+    else:
+        n_end = N
+        n_unmasked = N // BLOCK_N
+    n_blocks = gl.cdiv(n_end, BLOCK_N)
+
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [CONSUMERS] + do_desc.block_type.shape, do_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
+    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for c in gl.static_range(CONSUMERS):
+        mbarrier.init(q_ready.index(c), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(v_ready.index(i), count=1)
+        mbarrier.init(kv_free.index(i), count=CONSUMERS)
+    fence_async_shared()
+    gl.warp_specialize([
+        (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free,
+                        out_ptr, lse_ptr, dlse_ptr, delta_ptr, dq_ptr,
+                        stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
+                        stride_gb, stride_gh, stride_gm, stride_qb, stride_qh, stride_qm, stride_qd,
+                        batch, head, H, start_m, M, N, n_blocks, n_unmasked, sm_scale, qk_scale,
+                        gl.constexpr(0), CAUSAL, HAS_DLSE, BLOCK_N, D, STAGES)),
+        (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free,
+                        out_ptr, lse_ptr, dlse_ptr, delta_ptr, dq_ptr,
+                        stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
+                        stride_gb, stride_gh, stride_gm, stride_qb, stride_qh, stride_qm, stride_qd,
+                        batch, head, H, start_m, M, N, n_blocks, n_unmasked, sm_scale, qk_scale,
+                        gl.constexpr(1), CAUSAL, HAS_DLSE, BLOCK_N, D, STAGES)),
+        (_dq_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
+                      kv_free, batch, head, kv_head, start_m, n_blocks, BLOCK_N, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+DQ_BLOCK_N, DQ_STAGES = 64, 2  # keys per streamed block, ring stages (no register spills; 128-key blocks spill)
+
+
+def backward_dq(q, k, v, out, do, lse, dlse, delta, dq, sm_scale: float, causal: bool):
+    """dQ into dq (B, H_q, S_q, D, any strides) and delta = rowsum(dO * Out) - dlse into delta (B, H_q, S_q) fp32,
+    contiguous; q, k, v, do as `supports_backward` accepted them, dlse None or (B, H_q, S_q) fp32."""
+    assert delta.is_contiguous()
+    b, h_q, s_q, d = q.shape
+    h_kv, s_kv = k.shape[1], k.shape[2]
+    dlse_arg = dlse if dlse is not None else lse
+    grid = (triton.cdiv(s_q, PROGRAM_ROWS), h_q, b)
+    _flash_bwd_dq_sm90_kernel[grid](
+        _descriptor(q, ROWS_PER_CONSUMER), _descriptor(do, ROWS_PER_CONSUMER), _descriptor(k, DQ_BLOCK_N),
+        _descriptor(v, DQ_BLOCK_N), out, lse, dlse_arg, delta, dq,
+        *out.stride(), *lse.stride(), *dlse_arg.stride(), *dq.stride(),
+        s_q, s_kv, h_q, sm_scale, sm_scale * 1.4426950408889634,
+        GROUP_SIZE=h_q // h_kv, CAUSAL=causal, HAS_DLSE=dlse is not None, BLOCK_N=DQ_BLOCK_N, D=d,
+        STAGES=DQ_STAGES, num_warps=4,
     )
