@@ -190,6 +190,15 @@ def bench_mla(shapes, fixed_splits: bool) -> list[dict]:
         if fixed_splits:
             best = min((graph_ms(lambda: run(sp)), sp) for sp in (1, 2, 4, 8, 16))
             row.update(best_fixed=best[1], auto_vs_best=best[0] / t)
+        if not page_size and mla_mod.mla_sm90 is not None and mla_mod.mla_sm90.supports(q_abs, q_rope, c_kv, k_rope):
+            # The Hopper kernel ran: the Triton kernel beside it, each at its automatic split (the lever).
+            os.environ["ZOO_MLA_SM90"] = "0"
+            try:
+                check(f"mla B{b} H{h} N{n} (Triton)", run()[0][picks],
+                      ref_mla_rows(q_abs, q_rope, c_kv, k_rope, lens, scale, picks))
+                row["triton_TFLOPs"] = flops / graph_ms(run) / 1e9
+            finally:
+                os.environ.pop("ZOO_MLA_SM90")
         rows.append(row)
         print(row, flush=True)
     return rows
@@ -295,7 +304,8 @@ def main():
         print_table(p_rows, ["B", "S", "H_kv", "D", "page", "lens", "us", "GBps", "contig_GBps", "x_contig"])
     if m_rows:
         print()
-        print_table(m_rows, ["B", "H", "N", "page", "us", "TBps", "TFLOPs", "best_fixed", "auto_vs_best"])
+        print_table(m_rows, ["B", "H", "N", "page", "us", "TBps", "TFLOPs", "triton_TFLOPs", "best_fixed",
+                             "auto_vs_best"])
 
 
 if __name__ == "__main__":

@@ -16,6 +16,10 @@ Layouts:
                 maps token n of sequence b to page block_table[b, n // page_size], slot n % page_size, and the
                 same (page, slot) indexes both pools.
 Outputs: latent (B, H, D_c) in q_absorbed's dtype, lse (B, H) fp32, natural log.
+
+On Hopper, a contiguous cache with 64 or 128 heads (512 + 64, fp16/bf16) runs the warp-specialized Gluon kernel
+of kernels/mla_sm90.py instead (1.5x this kernel at 128 heads on an H200); everything else runs the Triton kernel
+below.
 """
 
 from __future__ import annotations
@@ -42,6 +46,11 @@ from kernels.decode import (
     tile_seconds,
 )
 from kernels.decode import num_sms as _num_sms
+
+try:  # Gluon (triton.experimental) is missing from some Triton builds; the Triton kernel then runs everywhere.
+    from kernels import mla_sm90
+except ImportError:  # pragma: no cover
+    mla_sm90 = None
 
 
 @triton.jit
@@ -151,8 +160,14 @@ def _launch_mla(q_absorbed, q_rope, c_kv, k_rope, block_table, seq_lens, scale: 
     batch, h, d_c = q_absorbed.shape
     d_r = q_rope.shape[-1]
     seq_lens = seq_lens.contiguous()  # the kernel reads seq_lens[b] at SEQ_LENS + b (no stride)
+    # Hopper, fp16/bf16, 512 + 64, heads in tiles of 64, contiguous cache: the warp-specialized Gluon kernel
+    # (kernels/mla_sm90.py). `config` (benchmark sweeps) always means the Triton kernel.
+    sm90 = not paged and config is None and mla_sm90 is not None and mla_sm90.supports(q_absorbed, q_rope, c_kv,
+                                                                                        k_rope)
     cfg = dict(_mla_config(h, d_c), **(config or {}))
     block_h, block_n = cfg.pop("BLOCK_H"), cfg.pop("BLOCK_N")
+    if sm90:
+        block_h, block_n = mla_sm90.HEADS_PER_PROGRAM, mla_sm90.BLOCK_N
     head_tiles = triton.cdiv(h, block_h)
     n_tiles = triton.cdiv(capacity, block_n)
     if num_splits is None:
@@ -163,8 +178,9 @@ def _launch_mla(q_absorbed, q_rope, c_kv, k_rope, block_table, seq_lens, scale: 
         # paged rule (slower tiles, twice the programs), which matched their best measured splits.
         smem_bound_paged = paged and block_h < 64
         slots = _num_sms(q_absorbed.device) * (2 if smem_bound_paged else 1)
-        num_splits = auto_num_splits(batch * head_tiles, n_tiles, tile_bytes,
-                                     tile_seconds(tile_flops, smem_bound_paged), batch * h * (d_c + 1) * 4, slots)
+        tile_time = mla_sm90.tile_seconds(tile_flops) if sm90 else tile_seconds(tile_flops, smem_bound_paged)
+        num_splits = auto_num_splits(batch * head_tiles, n_tiles, tile_bytes, tile_time,
+                                     batch * h * (d_c + 1) * 4, slots)
     out = _decode.new_empty((batch, h, d_c), q_absorbed.device, q_absorbed.dtype)
     lse = _decode.new_empty((batch, h), q_absorbed.device, torch.float32)
     if num_splits == 1:
@@ -172,19 +188,23 @@ def _launch_mla(q_absorbed, q_rope, c_kv, k_rope, block_table, seq_lens, scale: 
     else:
         part_o = _decode.new_empty((batch, h, num_splits, d_c), out.device, torch.float32)
         part_lse = _decode.new_empty((batch, h, num_splits), out.device, torch.float32)
-    table = block_table if paged else seq_lens  # unused when contiguous
-    table_strides = block_table.stride() if paged else (0, 0)
-    static_iters = triton.cdiv(n_tiles, num_splits) if _checks.interpreting() else 0
-    _mla_decode_kernel[(head_tiles, num_splits, batch)](
-        q_absorbed, q_rope, c_kv, k_rope, table, seq_lens, part_o, part_lse,
-        *q_absorbed.stride(), *q_rope.stride(), *c_kv.stride(), *k_rope.stride(), *table_strides,
-        *part_o.stride(), *part_lse.stride(),
-        float(scale) * LOG2E,
-        H=h, D_C=d_c, D_R=d_r, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DC=_pow2(d_c), BLOCK_DR=_pow2(d_r),
-        PAGED=paged, PAGE_SIZE=page_size, NUM_SPLITS=num_splits, STATIC_ITERS=static_iters,
-        # One head tile: each latent tile is read once, so stream it past L2. Several: they share it through L2.
-        EVICT="evict_first" if head_tiles == 1 else "", DOT_PRECISION=_dot_precision(q_absorbed.dtype), **cfg,
-    )
+    if sm90:
+        with torch.cuda.device(q_absorbed.device):
+            mla_sm90.launch(q_absorbed, q_rope, c_kv, k_rope, seq_lens, part_o, part_lse, scale, num_splits)
+    else:
+        table = block_table if paged else seq_lens  # unused when contiguous
+        table_strides = block_table.stride() if paged else (0, 0)
+        static_iters = triton.cdiv(n_tiles, num_splits) if _checks.interpreting() else 0
+        _mla_decode_kernel[(head_tiles, num_splits, batch)](
+            q_absorbed, q_rope, c_kv, k_rope, table, seq_lens, part_o, part_lse,
+            *q_absorbed.stride(), *q_rope.stride(), *c_kv.stride(), *k_rope.stride(), *table_strides,
+            *part_o.stride(), *part_lse.stride(),
+            float(scale) * LOG2E,
+            H=h, D_C=d_c, D_R=d_r, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DC=_pow2(d_c), BLOCK_DR=_pow2(d_r),
+            PAGED=paged, PAGE_SIZE=page_size, NUM_SPLITS=num_splits, STATIC_ITERS=static_iters,
+            # One head tile: each latent tile is read once, so stream it past L2. Several: they share it through L2.
+            EVICT="evict_first" if head_tiles == 1 else "", DOT_PRECISION=_dot_precision(q_absorbed.dtype), **cfg,
+        )
     if num_splits > 1:
         combine_splits(part_o, part_lse, out, lse)
     return out, lse

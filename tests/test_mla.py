@@ -40,8 +40,11 @@ def _check(out, lse, ref_out, ref_lse, dtype, name):
     assert_close(lse, ref_lse, dtype, f"{name} lse")
 
 
-# (B, H, S_max, D_c, D_r, explicit splits): 512 + 64 at 16 and 128 heads, 5 heads (masked rows) and non-powers of 2.
-CASES = [(2, 16, 33, 512, 64, 3), (1, 128, 20, 512, 64, 1), (3, 5, 70, 80, 16, 7), (2, 20, 40, 96, 48, 2)]
+# (B, H, S_max, D_c, D_r, explicit splits): 512 + 64 at 16, 64 and 128 heads, 5 heads (masked rows) and
+# non-powers of 2. On an H100/H200 the 64- and 128-head 512 + 64 cases run the Gluon kernel (kernels/mla_sm90.py):
+# a sequence shorter than one 64-token block, ragged last blocks, several blocks per split, empty splits.
+CASES = [(2, 16, 33, 512, 64, 3), (1, 128, 20, 512, 64, 1), (3, 64, 300, 512, 64, 3), (3, 5, 70, 80, 16, 7),
+         (2, 20, 40, 96, 48, 2)]
 
 
 @pytest.mark.parametrize("auto", [True, False], ids=["splitsAuto", "splitsFixed"])
@@ -291,3 +294,86 @@ def test_128_head_tile_computes_each_score_once(paged):
     assert layouts, "no Hopper tensor-core (wgmma) layout in the compiled kernel"
     assert all(w == ("4", "2") for w in layouts), f"warp grids {layouts}: a score tile is computed twice"
     assert result["shared"] <= 232448, f"{result['shared']} bytes of shared memory"
+
+
+_COMPILE_MLA_SM90 = """
+import json, os, re, subprocess, sys, tempfile, glob
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+from kernels import mla_sm90
+
+splits = int(sys.argv[1])
+def desc(rows, cols):
+    layout = gl.NVMMASharedLayout.get_default_for([1, rows, cols], gl.bfloat16)
+    return f"tensordesc<bf16[1,{rows},{cols}],{layout!r}>"
+kernel = mla_sm90._mla_decode_sm90_kernel
+heads, half, n = mla_sm90.HEADS_PER_PROGRAM, mla_sm90.HALF_COLUMNS, mla_sm90.BLOCK_N
+const = dict(BLOCK_N=n, STAGES=mla_sm90.STAGES, NUM_SPLITS=splits)
+types = dict(qc_desc=desc(heads, half), qr_desc=desc(heads, mla_sm90.ROPE_DIM), c_desc=desc(n, half),
+             r_desc=desc(n, mla_sm90.ROPE_DIM), seq_lens_ptr="*i32", out_ptr="*bf16" if splits == 1 else "*fp32",
+             lse_ptr="*fp32", scale_log2="fp32")
+sig = {k: "constexpr" if k in const else types.get(k, "i32") for k in kernel.arg_names}
+compiled = triton.compile(GluonASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4))
+ptxas = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))[0]
+with tempfile.TemporaryDirectory() as tmp:
+    open(os.path.join(tmp, "k.ptx"), "w").write(compiled.asm["ptx"])
+    run = subprocess.run([ptxas, "-arch=sm_90a", "-v", os.path.join(tmp, "k.ptx"), "-o", os.path.join(tmp, "k.cubin")],
+                         capture_output=True, text=True)
+print(json.dumps(dict(ptx=compiled.asm["ptx"], shared=compiled.metadata.shared, ptxas=run.stderr + run.stdout)))
+"""
+
+
+@pytest.mark.parametrize("splits", [1, 4], ids=["oneSplit", "partials"])
+def test_sm90_kernel_structure(splits):
+    """The Hopper MLA kernel (Gluon, no CPU interpreter; its numerics run in the 64- and 128-head cases above on an
+    H100/H200) compiled for sm_90 on any machine: a loader warp that gives its registers to two consumer
+    warpgroups (setmaxnreg 24 / 240), TMA loads, the scores of each block computed once (576 / 16 = 36 m64n64k16
+    wgmma, by consumer 0 only) and P times each latent half once per consumer (2 x 4 m64n256k16), within the 227 KB
+    of shared memory, no register spills and no serialized wgmma."""
+    import json
+    import os
+    import re
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    run = subprocess.run([sys.executable, "-c", _COMPILE_MLA_SM90, str(splits)], capture_output=True, text=True,
+                         env=env, cwd=root)
+    assert run.returncode == 0, run.stderr[-3000:]
+    result = json.loads(run.stdout.strip().splitlines()[-1])
+    ptx = result["ptx"]
+    regs = set(re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx))
+    assert {"24", "240"} <= regs, f"warp roles' register counts {sorted(regs)}"
+    assert "cp.async.bulk.tensor" in ptx, "no TMA load"
+    shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)
+    assert shapes.count("m64n64k16") == 36 and shapes.count("m64n256k16") == 8, sorted(set(shapes))
+    assert result["shared"] <= 232448, f"{result['shared']} bytes of shared memory"
+    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", result["ptxas"])
+    assert spills and all(a == "0" and b == "0" for a, b in spills), result["ptxas"]
+    assert "serialized" not in result["ptxas"], result["ptxas"]
+
+
+def test_sm90_eligibility():
+    """Which inputs the Hopper MLA kernel takes (on an sm_90 GPU, contiguous caches): fp16/bf16, 512 + 64, a
+    multiple of 64 heads, TMA-readable strides (the model's slices of one (B, H, 576) tensor are); everything else
+    runs the Triton kernel."""
+    from kernels.mla_sm90 import eligible
+
+    def inputs(h=128, d_c=512, d_r=64, dtype=torch.bfloat16):
+        return (torch.zeros(2, h, d_c, dtype=dtype), torch.zeros(2, h, d_r, dtype=dtype),
+                torch.zeros(2, 40, d_c, dtype=dtype), torch.zeros(2, 40, d_r, dtype=dtype))
+
+    assert eligible(*inputs()) and eligible(*inputs(h=64)) and eligible(*inputs(dtype=torch.float16))
+    assert not eligible(*inputs(h=16)) and not eligible(*inputs(h=96))
+    assert not eligible(*inputs(dtype=torch.float32))
+    assert not eligible(*inputs(d_c=256)) and not eligible(*inputs(d_r=32))
+    q = torch.zeros(2, 128, 576, dtype=torch.bfloat16)
+    cache = torch.zeros(2, 40, 576, dtype=torch.bfloat16)
+    assert eligible(q[..., :512], q[..., 512:], cache[..., :512], cache[..., 512:])
+    odd = torch.zeros(2, 40, 577, dtype=torch.bfloat16)
+    assert not eligible(q[..., :512], q[..., 512:], odd[..., :512], cache[..., 512:]), "unaligned row stride"

@@ -1,0 +1,294 @@
+"""Absorbed MLA decode for Hopper (sm_90) in Gluon, 64 heads per program: the compute-bound case (many heads).
+
+Same math, inputs and outputs as `mla._mla_decode_kernel` (see kernels/mla.py, whose launcher runs this kernel
+instead for a contiguous latent cache on an sm_90 GPU, fp16/bf16, D_c = 512, D_r = 64, a head count that is a
+multiple of 64 and TMA-readable strides; everything else keeps the Triton kernel).
+
+Why: at 128 heads the Triton kernel reaches 350-370 TFLOP/s on an H200. Its eight warps share one program and
+run each phase together, and the latent tile, used both as K (in the scores) and as V (in the output), is
+reloaded from shared memory by both warpgroups for every product. Here each role has its own warps
+(`gl.warp_specialize`), FlashMLA's division of the work:
+- a loader warp streams each 64-token block of the latent cache (as two 256-column halves) and of the RoPE keys
+  through TMA into a two-stage ring;
+- consumer 0 (a warpgroup) computes the scores of the 64 heads, S = Qc C^T + Qr R^T (k = 576, one score tile,
+  never duplicated), the online softmax, writes P (bf16) and the rescale factor to shared memory, and
+  accumulates the left half of the output, O0 += P C[:, :256];
+- consumer 1 waits for P and accumulates the right half, O1 += P C[:, 256:]. Each consumer's (64, 256) fp32
+  accumulator takes 128 of its 240 registers.
+The last block of a split is loaded ending at the split's last token (rows end-64 .. end-1, TMA zero-fills rows
+before 0), and its columns that the previous block already covered are masked: no row past the sequence is read,
+so whatever a cache holds past seq_len (NaN in the tests' poisoned caches) never meets a zero probability.
+
+Measured on an H200 beside the Triton kernel in one run (bf16, 128 heads, TFLOP/s, each at its best of 1-8
+splits): B64 N8192 536 vs 353, B64 N32768 541 vs 365, B128 N4096 513 vs 348, B16 N8192 472 vs 302.
+
+Gluon has no CPU interpreter: the GPU test suite runs every 128-head (and 64-head) 512 + 64 case of
+tests/test_mla.py through this kernel; on the CPU, tests/test_mla.py compiles it for sm_90 and checks its
+structure (warp roles, one score tile per block, shared memory, no spills).
+"""
+
+import functools
+import os
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+from kernels import _checks
+
+HEADS_PER_PROGRAM = 64  # the M of every wgmma
+HALF_COLUMNS = 256  # latent columns per half: each consumer's share of the output
+ROPE_DIM = 64
+BLOCK_N, STAGES = 64, 2  # tokens per block, ring stages: 224 KB of shared memory with Q and P
+HEADS = gl.constexpr(HEADS_PER_PROGRAM)
+HALF = gl.constexpr(HALF_COLUMNS)
+LOADER_REGS = gl.constexpr(24)
+CONSUMER_REGS = gl.constexpr(240)
+
+
+@gluon.jit
+def _block_rows(j, n_blocks, start, end, BLOCK_N: gl.constexpr):
+    """First cache row loaded for block j: start + j*BLOCK_N, except the last block, which ends at `end`."""
+    row0 = start + j * BLOCK_N
+    if j == n_blocks - 1:
+        row0 = end - BLOCK_N
+    return row0
+
+
+@gluon.jit
+def _mla_loader(qc_desc, qr_desc, c_desc, r_desc, qc0_smem, qc1_smem, qr_smem, c0_smem, c1_smem, r_smem,
+                q_ready, kv_ready, kv_free, b, h0, start, end, n_blocks,
+                BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: the program's 64 query heads once, then each block's latent halves and RoPE keys into the ring,
+    block j into stage j % STAGES once both consumers have released block j - STAGES."""
+    mbarrier.expect(q_ready, 2 * qc_desc.block_type.nbytes + qr_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(qc_desc, [b, h0, 0], q_ready, qc0_smem)
+    tma.async_copy_global_to_shared(qc_desc, [b, h0, HALF], q_ready, qc1_smem)
+    tma.async_copy_global_to_shared(qr_desc, [b, h0, 0], q_ready, qr_smem)
+    for j in range(n_blocks):
+        s = j % STAGES
+        mbarrier.wait(kv_free.index(s), ((j // STAGES) & 1) ^ 1, pred=j >= STAGES)
+        row0 = _block_rows(j, n_blocks, start, end, BLOCK_N)
+        mbarrier.expect(kv_ready.index(s), 2 * c_desc.block_type.nbytes + r_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(c_desc, [b, row0, 0], kv_ready.index(s), c0_smem.index(s))
+        tma.async_copy_global_to_shared(c_desc, [b, row0, HALF], kv_ready.index(s), c1_smem.index(s))
+        tma.async_copy_global_to_shared(r_desc, [b, row0, 0], kv_ready.index(s), r_smem.index(s))
+
+
+@gluon.jit
+def _store_half(o, l_o, out_ptr, b, h0, split, col0, stride_ob, stride_oh, stride_os, stride_od,
+                o_layout: gl.constexpr):
+    """O / l for 64 heads and 256 columns: the final output for one split, else a partial in fp32; a split that
+    saw no token (l = 0) writes zeros (as kernels.decode)."""
+    rows: gl.constexpr = gl.SliceLayout(1, o_layout)
+    l_o = gl.convert_layout(l_o, rows)
+    out = o / gl.where(l_o > 0.0, l_o, 1.0)[:, None]
+    heads = h0 + gl.arange(0, HEADS, layout=rows)
+    cols = col0 + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
+    ptrs = out_ptr + b.to(gl.int64) * stride_ob + heads[:, None] * stride_oh + split * stride_os \
+        + cols[None, :] * stride_od
+    gl.store(ptrs, out.to(out_ptr.dtype.element_ty))
+
+
+@gluon.jit
+def _mla_softmax_consumer(qc0_smem, qc1_smem, qr_smem, c0_smem, c1_smem, r_smem, p_smem, stat_smem,
+                          q_ready, kv_ready, kv_free, p_ready, p_free, l_ready,
+                          out_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_od,
+                          stride_lb, stride_lh, stride_ls,
+                          b, h0, split, start, end, n_blocks, scale_log2,
+                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr):
+    """Warpgroup 0: scores, softmax, P for both consumers, the left half of the output, and the lse."""
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, BLOCK_N, 16])
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HALF, 16])
+    rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
+    vec: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    qc0 = qc0_smem.reshape([HEADS, HALF])
+    qc1 = qc1_smem.reshape([HEADS, HALF])
+    qr = qr_smem.reshape([HEADS, qr_smem.shape[2]])
+    m_i = gl.full([HEADS], -float("inf"), gl.float32, rows_s)
+    l_i = gl.zeros([HEADS], gl.float32, rows_s)
+    o = gl.zeros([HEADS, HALF], gl.float32, o_layout)
+    s = gl.zeros([HEADS, BLOCK_N], gl.float32, s_layout)
+    mbarrier.wait(q_ready, 0)
+    for j in range(n_blocks):
+        st = j % STAGES
+        mbarrier.wait(kv_ready.index(st), (j // STAGES) & 1)
+        c0 = c0_smem.index(st).reshape([BLOCK_N, HALF])
+        s = warpgroup_mma(qc0, c0.permute((1, 0)), s, use_acc=False, is_async=True)
+        s = warpgroup_mma(qc1, c1_smem.index(st).reshape([BLOCK_N, HALF]).permute((1, 0)), s, is_async=True)
+        s = warpgroup_mma(qr, r_smem.index(st).reshape([BLOCK_N, qr_smem.shape[2]]).permute((1, 0)), s,
+                          is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
+        if j == n_blocks - 1:  # the last block ends at `end`; its columns before block j's own start are done
+            first = start + j * BLOCK_N - (end - BLOCK_N)
+            offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+            s = gl.where(offs_n[None, :] >= first, s, -float("inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 1) * scale_log2)
+        p = gl.exp2(s * scale_log2 - m_new[:, None])
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, 1)
+        m_i = m_new
+        # P and alpha go to shared memory once consumer 1 has finished P C1 of block j-1.
+        mbarrier.wait(p_free, (j & 1) ^ 1, pred=j > 0)
+        p_smem.store(p.to(p_smem.dtype))
+        stat_smem.store(gl.convert_layout(alpha, vec))
+        fence_async_shared()
+        mbarrier.arrive(p_ready, count=1)
+        o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        o = warpgroup_mma(p_smem, c0, o, is_async=True)
+        o = warpgroup_mma_wait(num_outstanding=0, deps=[o])
+        mbarrier.arrive(kv_free.index(st), count=1)
+    # The row sums for consumer 1, once it has read the last alpha (it arrives on p_free after its last P C1).
+    mbarrier.wait(p_free, (n_blocks - 1) & 1, pred=n_blocks > 0)
+    stat_smem.store(gl.convert_layout(l_i, vec))
+    mbarrier.arrive(l_ready, count=1)
+    _store_half(o, l_i, out_ptr, b, h0, split, 0, stride_ob, stride_oh, stride_os, stride_od, o_layout)
+    lse = gl.where(l_i > 0.0, m_i + gl.log2(gl.where(l_i > 0.0, l_i, 1.0)), -float("inf"))
+    if NUM_SPLITS == 1:
+        lse = lse * 0.6931471805599453  # the final lse is natural-log; partial ones stay in log2 units
+    heads = h0 + gl.arange(0, HEADS, layout=rows_s)
+    gl.store(lse_ptr + b.to(gl.int64) * stride_lb + heads * stride_lh + split * stride_ls, lse)
+
+
+@gluon.jit
+def _mla_pv_consumer(c1_smem, p_smem, stat_smem, kv_ready, kv_free, p_ready, p_free, l_ready,
+                     out_ptr, stride_ob, stride_oh, stride_os, stride_od,
+                     b, h0, split, n_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+    """Warpgroup 1: the right half of the output, O1 = alpha O1 + P C1 per block."""
+    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, HALF, 16])
+    vec: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+    o = gl.zeros([HEADS, HALF], gl.float32, o_layout)
+    for j in range(n_blocks):
+        st = j % STAGES
+        mbarrier.wait(p_ready, j & 1)
+        alpha = stat_smem.load(vec)
+        o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
+        o = warpgroup_mma(p_smem, c1_smem.index(st).reshape([BLOCK_N, HALF]), o, is_async=True)
+        o = warpgroup_mma_wait(num_outstanding=0, deps=[o])
+        mbarrier.arrive(p_free, count=1)
+        mbarrier.arrive(kv_free.index(st), count=1)
+    mbarrier.wait(l_ready, 0)
+    _store_half(o, stat_smem.load(vec), out_ptr, b, h0, split, HALF, stride_ob, stride_oh, stride_os, stride_od,
+                o_layout)
+
+
+@gluon.jit
+def _mla_decode_sm90_kernel(
+    qc_desc, qr_desc, c_desc, r_desc, seq_lens_ptr, out_ptr, lse_ptr,
+    stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls,
+    scale_log2,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr,
+):
+    """grid (head tiles, splits, B)."""
+    h0 = gl.program_id(0) * HEADS
+    split = gl.program_id(1)
+    b = gl.program_id(2)
+    seq_len = gl.load(seq_lens_ptr + b)
+    chunk = gl.cdiv(gl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = gl.minimum(start + chunk, seq_len)
+    n_blocks = gl.maximum(gl.cdiv(end - start, BLOCK_N), 0)
+
+    dtype: gl.constexpr = qc_desc.dtype
+    qc0_smem = gl.allocate_shared_memory(dtype, qc_desc.block_type.shape, qc_desc.layout)
+    qc1_smem = gl.allocate_shared_memory(dtype, qc_desc.block_type.shape, qc_desc.layout)
+    qr_smem = gl.allocate_shared_memory(dtype, qr_desc.block_type.shape, qr_desc.layout)
+    c0_smem = gl.allocate_shared_memory(dtype, [STAGES] + c_desc.block_type.shape, c_desc.layout)
+    c1_smem = gl.allocate_shared_memory(dtype, [STAGES] + c_desc.block_type.shape, c_desc.layout)
+    r_smem = gl.allocate_shared_memory(dtype, [STAGES] + r_desc.block_type.shape, r_desc.layout)
+    p_smem = gl.allocate_shared_memory(dtype, [HEADS, BLOCK_N],
+                                       gl.NVMMASharedLayout.get_default_for([HEADS, BLOCK_N], dtype))
+    stat_smem = gl.allocate_shared_memory(gl.float32, [HEADS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    kv_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    l_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    mbarrier.init(q_ready, count=1)
+    mbarrier.init(p_ready, count=1)
+    mbarrier.init(p_free, count=1)
+    mbarrier.init(l_ready, count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(kv_ready.index(i), count=1)
+        mbarrier.init(kv_free.index(i), count=2)
+    fence_async_shared()
+
+    gl.warp_specialize([
+        (_mla_softmax_consumer, (qc0_smem, qc1_smem, qr_smem, c0_smem, c1_smem, r_smem, p_smem, stat_smem,
+                                 q_ready, kv_ready, kv_free, p_ready, p_free, l_ready,
+                                 out_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_od,
+                                 stride_lb, stride_lh, stride_ls,
+                                 b, h0, split, start, end, n_blocks, scale_log2, BLOCK_N, STAGES, NUM_SPLITS)),
+        (_mla_pv_consumer, (c1_smem, p_smem, stat_smem, kv_ready, kv_free, p_ready, p_free, l_ready,
+                            out_ptr, stride_ob, stride_oh, stride_os, stride_od,
+                            b, h0, split, n_blocks, BLOCK_N, STAGES)),
+        (_mla_loader, (qc_desc, qr_desc, c_desc, r_desc, qc0_smem, qc1_smem, qr_smem, c0_smem, c1_smem, r_smem,
+                       q_ready, kv_ready, kv_free, b, h0, start, end, n_blocks, BLOCK_N, STAGES)),
+    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+
+
+def enabled() -> bool:
+    """ZOO_MLA_SM90=0 turns this kernel off; it runs only on the Triton release it was written against (3.6),
+    as kernels/flash_sm90.py."""
+    return os.environ.get("ZOO_MLA_SM90", "1") != "0" and triton.__version__.startswith("3.6")
+
+
+@functools.cache
+def _is_sm90(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index) == (9, 0)
+
+
+def supports(q_absorbed, q_rope, c_kv, k_rope) -> bool:
+    """Does mla_decode launch this kernel for these (contiguous-cache) inputs?"""
+    return (q_absorbed.is_cuda and enabled() and _is_sm90(q_absorbed.device.index) and eligible(q_absorbed, q_rope,
+                                                                                                  c_kv, k_rope))
+
+
+def eligible(q_absorbed, q_rope, c_kv, k_rope) -> bool:
+    """fp16/bf16, D_c = 512, D_r = 64, heads a multiple of 64, and strides TMA can read."""
+    if q_absorbed.dtype not in (torch.float16, torch.bfloat16) or q_absorbed.shape[1] % HEADS_PER_PROGRAM:
+        return False
+    if q_absorbed.shape[2] != 2 * HALF_COLUMNS or q_rope.shape[2] != ROPE_DIM:
+        return False
+    return all(_checks.tma_readable(t) for t in (q_absorbed, q_rope, c_kv, k_rope))
+
+
+def tile_seconds(tile_flops: int) -> float:
+    """Per-tile time of one program alone for the split model (`decode.auto_num_splits`): the FLOPs at 4 TFLOP/s,
+    one SM's share of the 513-541 TFLOP/s measured at 128 heads. With it the model picks the measured best split
+    count on the four shapes of that run (one split at B64 N8k/N32k and B128 N4k, four at B16 N8k)."""
+    return max(1.5e-6, tile_flops / 4e12)
+
+
+def _descriptor(t: torch.Tensor, rows: int, cols: int) -> TensorDescriptor:
+    """A 3-d descriptor over (B, rows, D) with its own strides, one (rows, cols) tile per copy, zero-filled
+    outside the tensor."""
+    dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    block = [1, rows, cols]
+    return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, dtype))
+
+
+def launch(q_absorbed, q_rope, c_kv, k_rope, seq_lens, part_o, part_lse, scale: float, num_splits: int):
+    """On inputs `supports` accepted, seq_lens (B,) int32 contiguous: each split's output into part_o (B, H,
+    splits, D_c) (the final output, in q's dtype, for one split; fp32 partials otherwise) and its lse into
+    part_lse (B, H, splits) (natural log for one split, log2 units for partials), as kernels.decode's splits."""
+    batch, h, _ = q_absorbed.shape
+    _mla_decode_sm90_kernel[(h // HEADS_PER_PROGRAM, num_splits, batch)](
+        _descriptor(q_absorbed, HEADS_PER_PROGRAM, HALF_COLUMNS), _descriptor(q_rope, HEADS_PER_PROGRAM, ROPE_DIM),
+        _descriptor(c_kv, BLOCK_N, HALF_COLUMNS), _descriptor(k_rope, BLOCK_N, ROPE_DIM),
+        seq_lens, part_o, part_lse, *part_o.stride(), *part_lse.stride(), float(scale) * 1.4426950408889634,
+        BLOCK_N=BLOCK_N, STAGES=STAGES, NUM_SPLITS=num_splits, num_warps=4,
+    )
