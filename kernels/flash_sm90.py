@@ -140,6 +140,19 @@ def _receive(tile_smem, tile_ready, tile_free, tc):
 
 
 @gluon.jit
+def _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, g, batch, kv_head, row,
+             STAGES: gl.constexpr):
+    """Loader: the program's g-th K/V block (rows row.. of one KV head) into stage g % STAGES of the ring, once
+    every consumer has released that stage's previous block (g - STAGES) on kv_free (phase parity)."""
+    s = g % STAGES
+    mbarrier.wait(kv_free.index(s), ((g // STAGES) & 1) ^ 1, pred=g >= STAGES)
+    mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [batch, kv_head, row, 0], k_ready.index(s), k_smem.index(s))
+    mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(v_desc, [batch, kv_head, row, 0], v_ready.index(s), v_smem.index(s))
+
+
+@gluon.jit
 def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, kv_free,
             tile_smem, tile_ready, tile_free, counter_ptr,
             n_tiles, n_m, H, M, N, GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
@@ -160,15 +173,8 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_r
             tma.async_copy_global_to_shared(q_desc, [batch, head, start_m + c * ROWS, 0], q_ready.index(c),
                                             q_smem.index(c))
         for j in range(n_blocks):
-            s = g % STAGES
-            # The (g // STAGES)-th use of stage s waits for the release of the previous one (phase parity).
-            mbarrier.wait(kv_free.index(s), ((g // STAGES) & 1) ^ 1, pred=g >= STAGES)
-            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [batch, kv_head, j * BLOCK_N, 0], k_ready.index(s),
-                                            k_smem.index(s))
-            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [batch, kv_head, j * BLOCK_N, 0], v_ready.index(s),
-                                            v_smem.index(s))
+            _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, g, batch, kv_head, j * BLOCK_N,
+                     STAGES)
             g += 1
         tc += 1
         t = gl.num_programs(0) + gl.atomic_add(counter_ptr, 1)  # the next tile nobody has taken
@@ -620,12 +626,7 @@ def _dq_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
         tma.async_copy_global_to_shared(do_desc, [batch, head, start_m + c * ROWS, 0], q_ready.index(c),
                                         do_smem.index(c))
     for j in range(n_blocks):
-        s = j % STAGES
-        mbarrier.wait(kv_free.index(s), ((j // STAGES) & 1) ^ 1, pred=j >= STAGES)
-        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(k_desc, [batch, kv_head, j * BLOCK_N, 0], k_ready.index(s), k_smem.index(s))
-        mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(v_desc, [batch, kv_head, j * BLOCK_N, 0], v_ready.index(s), v_smem.index(s))
+        _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, j, batch, kv_head, j * BLOCK_N, STAGES)
 
 
 @gluon.jit

@@ -74,3 +74,65 @@ def ragged_lens(batch: int, s_max: int) -> torch.Tensor:
     if batch > 1:
         lens[1] = 1
     return lens.to(torch.int32).to(DEVICE)
+
+
+_COMPILE_GLUON_SM90 = """
+import glob, json, os, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon._runtime import GluonASTSource
+
+spec = json.loads(sys.argv[1])
+module = __import__(spec["module"], fromlist=["_"])
+kernel = getattr(module, spec["kernel"])
+def descriptor(block, dtype):
+    layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, dtype))
+    short = dict(bfloat16="bf16", float16="fp16", float32="fp32")[dtype]
+    return f"tensordesc<{short}[{','.join(map(str, block))}],{layout!r}>"
+types = {k: descriptor(**v) if isinstance(v, dict) else v for k, v in spec["types"].items()}
+const = spec["constants"]
+sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in kernel.arg_names}
+compiled = triton.compile(GluonASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32),
+                          options=dict(num_warps=4))
+ptxas = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))[0]
+with tempfile.TemporaryDirectory() as tmp:
+    open(os.path.join(tmp, "k.ptx"), "w").write(compiled.asm["ptx"])
+    run = subprocess.run([ptxas, "-arch=sm_90a", "-v", os.path.join(tmp, "k.ptx"), "-o", os.path.join(tmp, "k.cubin")],
+                         capture_output=True, text=True)
+print(json.dumps(dict(ptx=compiled.asm["ptx"], shared=compiled.metadata.shared, ptxas=run.stderr + run.stdout)))
+"""
+
+
+def compile_gluon_sm90(module: str, kernel: str, types: dict, constants: dict) -> dict:
+    """Compile a Gluon kernel for sm_90 on any machine (a subprocess without the interpreter; Gluon has none) and
+    assemble it with ptxas: {"ptx", "shared" (bytes), "ptxas" (its -v report: registers, spills, warnings)}.
+    `types` maps argument names to Triton signature strings, or a TMA descriptor as {"block": [...], "dtype":
+    "bfloat16"} (its NVMMA layout is the default for that block); arguments not named are i32."""
+    import json
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    spec = json.dumps(dict(module=module, kernel=kernel, types=types, constants=constants))
+    run = subprocess.run([sys.executable, "-c", _COMPILE_GLUON_SM90, spec], capture_output=True, text=True, env=env,
+                         cwd=root)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+def setmaxnreg_counts(ptx: str) -> set[str]:
+    """The register counts the warp roles of a warp-specialized kernel ask for (setmaxnreg)."""
+    import re
+
+    return set(re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx))
+
+
+def spill_bytes(ptxas_report: str) -> list[tuple[int, int]]:
+    """(store, load) spill bytes per function from ptxas -v."""
+    import re
+
+    return [(int(a), int(b)) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads",
+                                                    ptxas_report)]

@@ -10,7 +10,7 @@ import math
 
 import pytest
 import torch
-from conftest import DEVICE, KERNEL_DTYPES, assert_close
+from conftest import DEVICE, KERNEL_DTYPES, assert_close, compile_gluon_sm90, setmaxnreg_counts, spill_bytes
 
 from kernels import flash_gqa_attention, flash_gqa_backward, flash_gqa_forward
 from kernels.flash import _backward, _forward
@@ -297,65 +297,34 @@ def test_bad_backward_input_raises(name):
     assert message in str(err.value), str(err.value)
 
 
-_COMPILE_SM90 = """
-import glob, json, os, re, subprocess, sys, tempfile
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon._runtime import GluonASTSource
-from kernels import flash_sm90
-
-d, causal, which = int(sys.argv[1]), sys.argv[2] == "causal", sys.argv[3]
-def desc(rows):
-    layout = gl.NVMMASharedLayout.get_default_for([1, 1, rows, d], gl.bfloat16)
-    return f"tensordesc<bf16[1,1,{rows},{d}],{layout!r}>"
-if which == "forward":
-    kernel = flash_sm90._flash_fwd_sm90_kernel
-    block_n, stages = flash_sm90.CONFIGS[d]
-    const = dict(GROUP_SIZE=4, CAUSAL=causal, BLOCK_N=block_n, D=d, STAGES=stages)
-    types = dict(q_desc=desc(flash_sm90.ROWS_PER_CONSUMER), k_desc=desc(block_n), v_desc=desc(block_n),
-                 out_ptr="*bf16", lse_ptr="*fp32", counter_ptr="*i32", qk_scale="fp32")
-elif which == "dq":
-    kernel = flash_sm90._flash_bwd_dq_sm90_kernel
-    rows, block_n = flash_sm90.ROWS_PER_CONSUMER, flash_sm90.DQ_BLOCK_N
-    const = dict(GROUP_SIZE=4, CAUSAL=causal, HAS_DLSE=False, BLOCK_N=block_n, D=d, STAGES=flash_sm90.DQ_STAGES)
-    types = dict(q_desc=desc(rows), do_desc=desc(rows), k_desc=desc(block_n), v_desc=desc(block_n),
-                 out_ptr="*bf16", lse_ptr="*fp32", dlse_ptr="*fp32", delta_ptr="*fp32", dq_ptr="*bf16",
-                 sm_scale="fp32", qk_scale="fp32")
-else:
-    kernel = flash_sm90._flash_bwd_dkdv_sm90_kernel
-    block_m, block_n = flash_sm90.BWD_BLOCK_M, flash_sm90.PROGRAM_ROWS
-    const = dict(GROUP_SIZE=4, CAUSAL=causal, BLOCK_M=block_m, D=d, STAGES=flash_sm90.BWD_STAGES)
-    types = dict(q_desc=desc(block_m), do_desc=desc(block_m), k_desc=desc(block_n), v_desc=desc(block_n),
-                 lse_ptr="*fp32", delta_ptr="*fp32", dk_ptr="*bf16", dv_ptr="*bf16", sm_scale="fp32",
-                 qk_scale="fp32")
-sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in kernel.arg_names}
-compiled = triton.compile(GluonASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4))
-ptxas = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))[0]
-with tempfile.TemporaryDirectory() as tmp:
-    open(os.path.join(tmp, "k.ptx"), "w").write(compiled.asm["ptx"])
-    run = subprocess.run([ptxas, "-arch=sm_90a", "-v", os.path.join(tmp, "k.ptx"), "-o", os.path.join(tmp, "k.cubin")],
-                         capture_output=True, text=True)
-    if len(sys.argv) > 4:  # keep the cubin (for reading its SASS by hand)
-        import shutil; shutil.copy(os.path.join(tmp, "k.cubin"), sys.argv[4])
-print(json.dumps(dict(ptx=compiled.asm["ptx"], shared=compiled.metadata.shared, ptxas=run.stderr + run.stdout)))
-"""
-
-
 def _compile_sm90(d, causal, which):
-    import json
-    import os
-    import subprocess
-    import sys
+    """One of the Hopper kernels of kernels/flash_sm90.py compiled for sm_90 (conftest.compile_gluon_sm90)."""
+    from kernels import flash_sm90
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    run = subprocess.run([sys.executable, "-c", _COMPILE_SM90, str(d), "causal" if causal else "full", which],
-                         capture_output=True, text=True, env=env, cwd=root)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    def desc(rows):
+        return dict(block=[1, 1, rows, d], dtype="bfloat16")
+
+    if which == "forward":
+        block_n, stages = flash_sm90.CONFIGS[d]
+        const = dict(GROUP_SIZE=4, CAUSAL=causal, BLOCK_N=block_n, D=d, STAGES=stages)
+        types = dict(q_desc=desc(flash_sm90.ROWS_PER_CONSUMER), k_desc=desc(block_n), v_desc=desc(block_n),
+                     out_ptr="*bf16", lse_ptr="*fp32", counter_ptr="*i32", qk_scale="fp32")
+        kernel = "_flash_fwd_sm90_kernel"
+    elif which == "dq":
+        rows, block_n = flash_sm90.ROWS_PER_CONSUMER, flash_sm90.DQ_BLOCK_N
+        const = dict(GROUP_SIZE=4, CAUSAL=causal, HAS_DLSE=False, BLOCK_N=block_n, D=d, STAGES=flash_sm90.DQ_STAGES)
+        types = dict(q_desc=desc(rows), do_desc=desc(rows), k_desc=desc(block_n), v_desc=desc(block_n),
+                     out_ptr="*bf16", lse_ptr="*fp32", dlse_ptr="*fp32", delta_ptr="*fp32", dq_ptr="*bf16",
+                     sm_scale="fp32", qk_scale="fp32")
+        kernel = "_flash_bwd_dq_sm90_kernel"
+    else:
+        block_m, block_n = flash_sm90.BWD_BLOCK_M, flash_sm90.PROGRAM_ROWS
+        const = dict(GROUP_SIZE=4, CAUSAL=causal, BLOCK_M=block_m, D=d, STAGES=flash_sm90.BWD_STAGES)
+        types = dict(q_desc=desc(block_m), do_desc=desc(block_m), k_desc=desc(block_n), v_desc=desc(block_n),
+                     lse_ptr="*fp32", delta_ptr="*fp32", dk_ptr="*bf16", dv_ptr="*bf16", sm_scale="fp32",
+                     qk_scale="fp32")
+        kernel = "_flash_bwd_dkdv_sm90_kernel"
+    return compile_gluon_sm90("kernels.flash_sm90", kernel, types, const)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -368,21 +337,19 @@ def test_sm90_kernel_structure(d, causal):
     227 KB of shared memory, and few register spills. The persistent kernel keeps a tile's state live across its
     key loop; ptxas spills 32 bytes of it at D=128 full and 284 causal (0 at D=64). That version measured 4-14%
     faster than the one-program-per-tile kernel, which did not spill; the bound catches growth."""
-    import re
-
     from kernels import flash_sm90
 
     assert d in flash_sm90.CONFIGS
     result = _compile_sm90(d, causal, "forward")
     ptx = result["ptx"]
-    regs = set(re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx))
+    regs = setmaxnreg_counts(ptx)
     assert {"24", "240"} <= regs, f"warp roles' register counts {sorted(regs)}"
     assert "cp.async.bulk.tensor" in ptx, "no TMA load"
     assert "wgmma.mma_async" in ptx and "wgmma.wait_group.sync.aligned 1;" in ptx, "no overlapped wgmma"
     assert ptx.count("atom.global") == 1, "the tile counter: one atomic add per tile, by one thread"
     assert result["shared"] <= 232448, f"{result['shared']} bytes of shared memory"
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", result["ptxas"])
-    assert spills and all(int(a) <= 320 and int(b) <= 320 for a, b in spills), result["ptxas"]
+    spills = spill_bytes(result["ptxas"])
+    assert spills and all(a <= 320 and b <= 320 for a, b in spills), result["ptxas"]
 
 
 @pytest.mark.parametrize("which", ["dq", "dkdv"])
@@ -393,16 +360,14 @@ def test_sm90_backward_kernel_structure(causal, which):
     ptxas does not serialize their wgmma (it does, with a warning, when a product's registers are read before the
     wait that covers it: dK/dV must issue dP^T before dV so that waiting for all but the newest group covers
     dP^T)."""
-    import re
-
     result = _compile_sm90(128, causal, which)
-    regs = set(re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", result["ptx"]))
+    regs = setmaxnreg_counts(result["ptx"])
     assert {"24", "240"} <= regs, f"warp roles' register counts {sorted(regs)}"
     assert "cp.async.bulk.tensor" in result["ptx"] and "wgmma.mma_async" in result["ptx"]
     assert result["shared"] <= 232448, f"{result['shared']} bytes of shared memory"
     assert "serialized" not in result["ptxas"], result["ptxas"]
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", result["ptxas"])
-    assert spills and all(a == "0" and b == "0" for a, b in spills), result["ptxas"]
+    spills = spill_bytes(result["ptxas"])
+    assert spills and all(a == b == 0 for a, b in spills), result["ptxas"]
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c[5] == c[6] == 128] + [(1, 2, 2, 200, 200, 128, 128, True)],

@@ -6,7 +6,16 @@ torch.compile."""
 
 import pytest
 import torch
-from conftest import DEVICE, KERNEL_DTYPES, TOLERANCES, assert_close, ragged_lens
+from conftest import (
+    DEVICE,
+    KERNEL_DTYPES,
+    TOLERANCES,
+    assert_close,
+    compile_gluon_sm90,
+    ragged_lens,
+    setmaxnreg_counts,
+    spill_bytes,
+)
 
 from kernels import mla_decode, paged_mla_decode
 from kernels.reference import (
@@ -296,36 +305,6 @@ def test_128_head_tile_computes_each_score_once(paged):
     assert result["shared"] <= 232448, f"{result['shared']} bytes of shared memory"
 
 
-_COMPILE_MLA_SM90 = """
-import json, os, re, subprocess, sys, tempfile, glob
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon import language as gl
-from triton.experimental.gluon._runtime import GluonASTSource
-from kernels import mla_sm90
-
-splits = int(sys.argv[1])
-def desc(rows, cols):
-    layout = gl.NVMMASharedLayout.get_default_for([1, rows, cols], gl.bfloat16)
-    return f"tensordesc<bf16[1,{rows},{cols}],{layout!r}>"
-kernel = mla_sm90._mla_decode_sm90_kernel
-heads, half, n = mla_sm90.HEADS_PER_PROGRAM, mla_sm90.HALF_COLUMNS, mla_sm90.BLOCK_N
-const = dict(BLOCK_N=n, STAGES=mla_sm90.STAGES, NUM_SPLITS=splits)
-types = dict(qc_desc=desc(heads, half), qr_desc=desc(heads, mla_sm90.ROPE_DIM), c_desc=desc(n, half),
-             r_desc=desc(n, mla_sm90.ROPE_DIM), seq_lens_ptr="*i32", out_ptr="*bf16" if splits == 1 else "*fp32",
-             lse_ptr="*fp32", scale_log2="fp32")
-sig = {k: "constexpr" if k in const else types.get(k, "i32") for k in kernel.arg_names}
-compiled = triton.compile(GluonASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4))
-ptxas = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))[0]
-with tempfile.TemporaryDirectory() as tmp:
-    open(os.path.join(tmp, "k.ptx"), "w").write(compiled.asm["ptx"])
-    run = subprocess.run([ptxas, "-arch=sm_90a", "-v", os.path.join(tmp, "k.ptx"), "-o", os.path.join(tmp, "k.cubin")],
-                         capture_output=True, text=True)
-print(json.dumps(dict(ptx=compiled.asm["ptx"], shared=compiled.metadata.shared, ptxas=run.stderr + run.stdout)))
-"""
-
-
 @pytest.mark.parametrize("splits", [1, 4], ids=["oneSplit", "partials"])
 def test_sm90_kernel_structure(splits):
     """The Hopper MLA kernel (Gluon, no CPU interpreter; its numerics run in the 64- and 128-head cases above on an
@@ -333,28 +312,27 @@ def test_sm90_kernel_structure(splits):
     warpgroups (setmaxnreg 24 / 240), TMA loads, the scores of each block computed once (576 / 16 = 36 m64n64k16
     wgmma, by consumer 0 only) and P times each latent half once per consumer (2 x 4 m64n256k16), within the 227 KB
     of shared memory, no register spills and no serialized wgmma."""
-    import json
-    import os
     import re
-    import subprocess
-    import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    run = subprocess.run([sys.executable, "-c", _COMPILE_MLA_SM90, str(splits)], capture_output=True, text=True,
-                         env=env, cwd=root)
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
+    from kernels import mla_sm90
+
+    heads, half, n, rope = mla_sm90.HEADS_PER_PROGRAM, mla_sm90.HALF_COLUMNS, mla_sm90.BLOCK_N, mla_sm90.ROPE_DIM
+    types = dict(qc_desc=dict(block=[1, heads, half], dtype="bfloat16"),
+                 qr_desc=dict(block=[1, heads, rope], dtype="bfloat16"),
+                 c_desc=dict(block=[1, n, half], dtype="bfloat16"), r_desc=dict(block=[1, n, rope], dtype="bfloat16"),
+                 seq_lens_ptr="*i32", out_ptr="*bf16" if splits == 1 else "*fp32", lse_ptr="*fp32",
+                 scale_log2="fp32")
+    const = dict(BLOCK_N=n, STAGES=mla_sm90.STAGES, NUM_SPLITS=splits)
+    result = compile_gluon_sm90("kernels.mla_sm90", "_mla_decode_sm90_kernel", types, const)
     ptx = result["ptx"]
-    regs = set(re.findall(r"setmaxnreg\.(?:inc|dec)\.sync\.aligned\.u32\s+(\d+)", ptx))
+    regs = setmaxnreg_counts(ptx)
     assert {"24", "240"} <= regs, f"warp roles' register counts {sorted(regs)}"
     assert "cp.async.bulk.tensor" in ptx, "no TMA load"
     shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)
     assert shapes.count("m64n64k16") == 36 and shapes.count("m64n256k16") == 8, sorted(set(shapes))
     assert result["shared"] <= 232448, f"{result['shared']} bytes of shared memory"
-    spills = re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", result["ptxas"])
-    assert spills and all(a == "0" and b == "0" for a, b in spills), result["ptxas"]
+    spills = spill_bytes(result["ptxas"])
+    assert spills and all(a == b == 0 for a, b in spills), result["ptxas"]
     assert "serialized" not in result["ptxas"], result["ptxas"]
 
 
