@@ -72,6 +72,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernels import _checks
+from kernels.decode import num_sms
 
 ROWS_PER_CONSUMER = 64  # query rows per consumer warpgroup: the M of one wgmma
 ROWS = gl.constexpr(ROWS_PER_CONSUMER)
@@ -352,11 +353,16 @@ def _flash_fwd_sm90_kernel(
 # --------------------------------------------------------------------------------------------------------------
 
 
+def on_hopper(t: torch.Tensor) -> bool:
+    """Can Gluon's Hopper kernels (this module's and kernels/mla_sm90.py's) run on t's device? An sm_90 GPU, and
+    the Triton release they were written and verified against (3.6): Gluon is experimental and its API moves
+    between releases, so with another one the Triton kernels run."""
+    return t.is_cuda and triton.__version__.startswith("3.6") and _is_sm90(t.device.index)
+
+
 def enabled() -> bool:
-    """ZOO_FLASH_SM90=0 turns these kernels off (flash.py then uses the Triton kernels on Hopper too). Gluon is
-    experimental and its API moves between Triton releases, so the kernel runs only on the release it was written
-    and verified against (3.6); with another one the Triton kernel runs."""
-    return os.environ.get("ZOO_FLASH_SM90", "1") != "0" and triton.__version__.startswith("3.6")
+    """ZOO_FLASH_SM90=0 turns these kernels off (flash.py then uses the Triton kernels on Hopper too)."""
+    return os.environ.get("ZOO_FLASH_SM90", "1") != "0"
 
 
 @functools.cache
@@ -367,8 +373,7 @@ def _is_sm90(device_index: int) -> bool:
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     """Does flash._forward launch this kernel for these inputs? On an sm_90 GPU, when `eligible` and there are at
     least MIN_KEYS keys."""
-    return (q.is_cuda and enabled() and _is_sm90(q.device.index) and eligible(q, k, v)
-            and k.shape[2] >= MIN_KEYS[q.shape[-1]])
+    return enabled() and on_hopper(q) and eligible(q, k, v) and k.shape[2] >= MIN_KEYS[q.shape[-1]]
 
 
 BACKWARD_HEAD_DIMS = (128,)  # the backward kernels were tuned and measured at D = 128 only
@@ -388,8 +393,8 @@ def backward_mode() -> str:
 def supports_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) -> bool:
     """Can `backward_dq` and `backward_dkdv` run these inputs? On an sm_90 GPU, `eligible` with D in
     BACKWARD_HEAD_DIMS and dO TMA-readable too (its shape and dtype are q's, checked by the caller)."""
-    return (q.is_cuda and enabled() and _is_sm90(q.device.index) and q.shape[-1] in BACKWARD_HEAD_DIMS
-            and eligible(q, k, v) and _checks.tma_readable(do))
+    return (enabled() and on_hopper(q) and q.shape[-1] in BACKWARD_HEAD_DIMS and eligible(q, k, v)
+            and _checks.tma_readable(do))
 
 
 def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -401,12 +406,16 @@ def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
     return all(_checks.tma_readable(t) for t in (q, k, v))
 
 
-def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    """A 4-d descriptor over (B, H, S, D) with its own strides: one (rows, D) tile of one (batch, head) per copy,
-    zero-filled past the sequence end (so a tile never reads the next head's rows)."""
+def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
+    """A TMA descriptor over t with its own strides, one `block` tile per copy, zero-filled outside the tensor
+    (so a tile never reads the next head's or sequence's rows), in the NVMMA layout wgmma reads."""
     dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
-    block = [1, 1, rows, t.shape[-1]]
     return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, dtype))
+
+
+def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """Over (B, H, S, D): one (rows, D) tile of one (batch, head) per copy."""
+    return descriptor(t, [1, 1, rows, t.shape[-1]])
 
 
 def forward(q, k, v, out, lse, qk_scale: float, causal: bool, config=None):
@@ -418,17 +427,12 @@ def forward(q, k, v, out, lse, qk_scale: float, causal: bool, config=None):
     n_m = triton.cdiv(s_q, PROGRAM_ROWS)
     n_tiles = n_m * h_q * b
     counter = torch.zeros(1, dtype=torch.int32, device=q.device)  # tiles taken past the first wave
-    grid = (min(n_tiles, _num_sms(q.device.index)),)
+    grid = (min(n_tiles, num_sms(q.device)),)
     _flash_fwd_sm90_kernel[grid](
         _descriptor(q, ROWS_PER_CONSUMER), _descriptor(k, block_n), _descriptor(v, block_n), out, lse, counter,
         *out.stride(), *lse.stride(), n_tiles, n_m, h_q, s_q, s_kv, qk_scale,
         GROUP_SIZE=h_q // h_kv, CAUSAL=causal, BLOCK_N=block_n, D=d, STAGES=stages, num_warps=4,
     )
-
-
-@functools.cache
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
 
 
 # --------------------------------------------------------------------------------------------------------------

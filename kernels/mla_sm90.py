@@ -27,11 +27,9 @@ tests/test_mla.py through this kernel; on the CPU, tests/test_mla.py compiles it
 structure (warp roles, one score tile per block, shared memory, no spills).
 """
 
-import functools
 import os
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -41,9 +39,9 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma,
     warpgroup_mma_wait,
 )
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernels import _checks
+from kernels.flash_sm90 import descriptor, on_hopper
 
 HEADS_PER_PROGRAM = 64  # the M of every wgmma
 HALF_COLUMNS = 256  # latent columns per half: each consumer's share of the output
@@ -241,20 +239,14 @@ def _mla_decode_sm90_kernel(
 
 
 def enabled() -> bool:
-    """ZOO_MLA_SM90=0 turns this kernel off; it runs only on the Triton release it was written against (3.6),
-    as kernels/flash_sm90.py."""
-    return os.environ.get("ZOO_MLA_SM90", "1") != "0" and triton.__version__.startswith("3.6")
-
-
-@functools.cache
-def _is_sm90(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index) == (9, 0)
+    """ZOO_MLA_SM90=0 turns this kernel off."""
+    return os.environ.get("ZOO_MLA_SM90", "1") != "0"
 
 
 def supports(q_absorbed, q_rope, c_kv, k_rope) -> bool:
-    """Does mla_decode launch this kernel for these (contiguous-cache) inputs?"""
-    return (q_absorbed.is_cuda and enabled() and _is_sm90(q_absorbed.device.index) and eligible(q_absorbed, q_rope,
-                                                                                                  c_kv, k_rope))
+    """Does mla_decode launch this kernel for these (contiguous-cache) inputs? On an sm_90 GPU with the Triton
+    release Gluon's kernels were verified against (`flash_sm90.on_hopper`), when `eligible`."""
+    return enabled() and on_hopper(q_absorbed) and eligible(q_absorbed, q_rope, c_kv, k_rope)
 
 
 def eligible(q_absorbed, q_rope, c_kv, k_rope) -> bool:
@@ -273,22 +265,15 @@ def tile_seconds(tile_flops: int) -> float:
     return max(1.5e-6, tile_flops / 4e12)
 
 
-def _descriptor(t: torch.Tensor, rows: int, cols: int) -> TensorDescriptor:
-    """A 3-d descriptor over (B, rows, D) with its own strides, one (rows, cols) tile per copy, zero-filled
-    outside the tensor."""
-    dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
-    block = [1, rows, cols]
-    return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, dtype))
-
-
 def launch(q_absorbed, q_rope, c_kv, k_rope, seq_lens, part_o, part_lse, scale: float, num_splits: int):
     """On inputs `supports` accepted, seq_lens (B,) int32 contiguous: each split's output into part_o (B, H,
     splits, D_c) (the final output, in q's dtype, for one split; fp32 partials otherwise) and its lse into
     part_lse (B, H, splits) (natural log for one split, log2 units for partials), as kernels.decode's splits."""
     batch, h, _ = q_absorbed.shape
     _mla_decode_sm90_kernel[(h // HEADS_PER_PROGRAM, num_splits, batch)](
-        _descriptor(q_absorbed, HEADS_PER_PROGRAM, HALF_COLUMNS), _descriptor(q_rope, HEADS_PER_PROGRAM, ROPE_DIM),
-        _descriptor(c_kv, BLOCK_N, HALF_COLUMNS), _descriptor(k_rope, BLOCK_N, ROPE_DIM),
+        descriptor(q_absorbed, [1, HEADS_PER_PROGRAM, HALF_COLUMNS]),
+        descriptor(q_rope, [1, HEADS_PER_PROGRAM, ROPE_DIM]),
+        descriptor(c_kv, [1, BLOCK_N, HALF_COLUMNS]), descriptor(k_rope, [1, BLOCK_N, ROPE_DIM]),
         seq_lens, part_o, part_lse, *part_o.stride(), *part_lse.stride(), float(scale) * 1.4426950408889634,
         BLOCK_N=BLOCK_N, STAGES=STAGES, NUM_SPLITS=num_splits, num_warps=4,
     )
