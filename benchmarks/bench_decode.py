@@ -190,13 +190,14 @@ def bench_mla(shapes, fixed_splits: bool) -> list[dict]:
         if fixed_splits:
             best = min((graph_ms(lambda: run(sp)), sp) for sp in (1, 2, 4, 8, 16))
             row.update(best_fixed=best[1], auto_vs_best=best[0] / t)
-        if not page_size and mla_mod.mla_sm90 is not None and mla_mod.mla_sm90.supports(q_abs, q_rope, c_kv, k_rope):
+        if mla_mod.mla_sm90 is not None and mla_mod.mla_sm90.supports(q_abs, q_rope, c_kv, k_rope, bool(page_size)):
             # The Hopper kernel ran: the Triton kernel beside it, each at its automatic split (the lever).
             os.environ["ZOO_MLA_SM90"] = "0"
             try:
                 check(f"mla B{b} H{h} N{n} (Triton)", run()[0][picks],
                       ref_mla_rows(q_abs, q_rope, c_kv, k_rope, lens, scale, picks))
-                row["triton_TFLOPs"] = flops / graph_ms(run) / 1e9
+                t_triton = graph_ms(run)
+                row.update(triton_TBps=read / t_triton / 1e9, triton_TFLOPs=flops / t_triton / 1e9)
             finally:
                 os.environ.pop("ZOO_MLA_SM90")
         rows.append(row)
@@ -287,7 +288,7 @@ def main():
         paged = [(b, s, 8, 128, p, r) for b, s in ((1, 65536), (64, 8192), (8, 32768), (128, 4096))
                  for p in (16, 64) for r in (False, True)]
         mla = [(b, h, n, p) for h in (16, 128) for b, n in ((16, 8192), (64, 8192), (64, 32768), (128, 4096))
-               for p in (0, 64)]
+               for p in (0, 16, 64)]
     sections = args.sections.split(",")
     g_rows = bench_grouped(grouped, fixed_splits=True, copy_tbps=ceil["copy_TBps"]) if "grouped" in sections else []
     p_rows = bench_paged(paged, ceil["copy_TBps"]) if "paged" in sections else []
@@ -304,8 +305,8 @@ def main():
         print_table(p_rows, ["B", "S", "H_kv", "D", "page", "lens", "us", "GBps", "contig_GBps", "x_contig"])
     if m_rows:
         print()
-        print_table(m_rows, ["B", "H", "N", "page", "us", "TBps", "TFLOPs", "triton_TFLOPs", "best_fixed",
-                             "auto_vs_best"])
+        print_table(m_rows, ["B", "H", "N", "page", "us", "TBps", "TFLOPs", "triton_TBps", "triton_TFLOPs",
+                             "best_fixed", "auto_vs_best"])
 
 
 if __name__ == "__main__":

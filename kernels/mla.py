@@ -17,9 +17,9 @@ Layouts:
                 same (page, slot) indexes both pools.
 Outputs: latent (B, H, D_c) in q_absorbed's dtype, lse (B, H) fp32, natural log.
 
-On Hopper, a contiguous cache with 64 or 128 heads (512 + 64, fp16/bf16) runs the warp-specialized Gluon kernel
-of kernels/mla_sm90.py instead (1.5x this kernel at 128 heads on an H200); everything else runs the Triton kernel
-below.
+On Hopper, 512 + 64 in fp16/bf16 with heads in multiples of 64 (and paged caches with up to 64 heads) run the
+warp-specialized Gluon kernel of kernels/mla_sm90.py instead (1.5x this kernel at 128 heads on an H200, 1.7-1.9x
+paged); everything else runs the Triton kernel below.
 """
 
 from __future__ import annotations
@@ -160,10 +160,9 @@ def _launch_mla(q_absorbed, q_rope, c_kv, k_rope, block_table, seq_lens, scale: 
     batch, h, d_c = q_absorbed.shape
     d_r = q_rope.shape[-1]
     seq_lens = seq_lens.contiguous()  # the kernel reads seq_lens[b] at SEQ_LENS + b (no stride)
-    # Hopper, fp16/bf16, 512 + 64, heads in tiles of 64, contiguous cache: the warp-specialized Gluon kernel
-    # (kernels/mla_sm90.py). `config` (benchmark sweeps) always means the Triton kernel.
-    sm90 = not paged and config is None and mla_sm90 is not None and mla_sm90.supports(q_absorbed, q_rope, c_kv,
-                                                                                        k_rope)
+    # Hopper, fp16/bf16, 512 + 64, heads in tiles of 64: the warp-specialized Gluon kernel (kernels/mla_sm90.py).
+    # `config` (benchmark sweeps) always means the Triton kernel.
+    sm90 = config is None and mla_sm90 is not None and mla_sm90.supports(q_absorbed, q_rope, c_kv, k_rope, paged)
     cfg = dict(_mla_config(h, d_c), **(config or {}))
     block_h, block_n = cfg.pop("BLOCK_H"), cfg.pop("BLOCK_N")
     if sm90:
@@ -190,7 +189,8 @@ def _launch_mla(q_absorbed, q_rope, c_kv, k_rope, block_table, seq_lens, scale: 
         part_lse = _decode.new_empty((batch, h, num_splits), out.device, torch.float32)
     if sm90:
         with torch.cuda.device(q_absorbed.device):
-            mla_sm90.launch(q_absorbed, q_rope, c_kv, k_rope, seq_lens, part_o, part_lse, scale, num_splits)
+            mla_sm90.launch(q_absorbed, q_rope, c_kv, k_rope, seq_lens, part_o, part_lse, scale, num_splits,
+                            block_table=block_table if paged else None)
     else:
         table = block_table if paged else seq_lens  # unused when contiguous
         table_strides = block_table.stride() if paged else (0, 0)

@@ -1,8 +1,8 @@
 """Absorbed MLA decode for Hopper (sm_90) in Gluon, 64 heads per program: the compute-bound case (many heads).
 
 Same math, inputs and outputs as `mla._mla_decode_kernel` (see kernels/mla.py, whose launcher runs this kernel
-instead for a contiguous latent cache on an sm_90 GPU, fp16/bf16, D_c = 512, D_r = 64, a head count that is a
-multiple of 64 and TMA-readable strides; everything else keeps the Triton kernel).
+instead on an sm_90 GPU for fp16/bf16, D_c = 512, D_r = 64, a head count that is a multiple of 64 and
+TMA-readable strides, contiguous or paged; everything else keeps the Triton kernel).
 
 Why: at 128 heads the Triton kernel reaches 350-370 TFLOP/s on an H200. Its eight warps share one program and
 run each phase together, and the latent tile, used both as K (in the scores) and as V (in the output), is
@@ -15,12 +15,19 @@ reloaded from shared memory by both warpgroups for every product. Here each role
   accumulates the left half of the output, O0 += P C[:, :256];
 - consumer 1 waits for P and accumulates the right half, O1 += P C[:, 256:]. Each consumer's (64, 256) fp32
   accumulator takes 128 of its 240 registers.
-The last block of a split is loaded ending at the split's last token (rows end-64 .. end-1, TMA zero-fills rows
-before 0), and its columns that the previous block already covered are masked: no row past the sequence is read,
-so whatever a cache holds past seq_len (NaN in the tests' poisoned caches) never meets a zero probability.
+No row past a sequence's end ever meets a zero probability (the tests' poisoned caches hold NaN there):
+- contiguous: the last block of a split is loaded ending at the split's last token (rows end-64 .. end-1, TMA
+  zero-fills rows before 0), and its columns that the previous block already covered are masked;
+- paged: the loader reads the block table and copies each block as 64 // min(page_size, 64) copies of whole
+  pages (or 64-row slices of larger pages), each into its own 8-row-aligned rows of the tile. A copy wholly past
+  the end re-reads the last valid page, so every block moves the same bytes (the mbarrier expects a constant).
+  The last block is not shifted (it could straddle pages): its rows past the end are masked in the scores and
+  zeroed in the shared-memory latent tile before P C (`_zero_rows`).
 
 Measured on an H200 beside the Triton kernel in one run (bf16, 128 heads, TFLOP/s, each at its best of 1-8
-splits): B64 N8192 536 vs 353, B64 N32768 541 vs 365, B128 N4096 513 vs 348, B16 N8192 472 vs 302.
+splits): B64 N8192 536 vs 353, B64 N32768 541 vs 365, B128 N4096 513 vs 348, B16 N8192 472 vs 302. Paged
+(2026-11-30, its best split beside the Triton paged kernel): 64-token pages 533-537 vs 303-319 at B64/B128,
+16-token pages 471-510 vs 265-277; B16 N8192 463 / 435 vs 265 / 236.
 
 Gluon has no CPU interpreter: the GPU test suite runs every 128-head (and 64-head) 512 + 64 case of
 tests/test_mla.py through this kernel; on the CPU, tests/test_mla.py compiles it for sm_90 and checks its
@@ -30,6 +37,7 @@ structure (warp roles, one score tile per block, shared memory, no spills).
 import os
 
 import torch
+import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -49,7 +57,7 @@ ROPE_DIM = 64
 BLOCK_N, STAGES = 64, 2  # tokens per block, ring stages: 224 KB of shared memory with Q and P
 HEADS = gl.constexpr(HEADS_PER_PROGRAM)
 HALF = gl.constexpr(HALF_COLUMNS)
-LOADER_REGS = gl.constexpr(24)
+LOADER_REGS = gl.constexpr(40)  # 24 spilled the paged loader's block-table arithmetic
 CONSUMER_REGS = gl.constexpr(240)
 
 
@@ -64,26 +72,59 @@ def _block_rows(j, n_blocks, start, end, BLOCK_N: gl.constexpr):
 
 @gluon.jit
 def _mla_loader(qc_desc, qr_desc, c_desc, r_desc, qc0_smem, qc1_smem, qr_smem, c0_smem, c1_smem, r_smem,
-                q_ready, kv_ready, kv_free, b, h0, start, end, n_blocks,
-                BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                q_ready, kv_ready, kv_free, table_ptr, stride_tb, stride_tp, b, h0, start, end, n_blocks,
+                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr,
+                PAGE_ROWS: gl.constexpr):
     """One warp: the program's 64 query heads once, then each block's latent halves and RoPE keys into the ring,
     block j into stage j % STAGES once both consumers have released block j - STAGES."""
     mbarrier.expect(q_ready, 2 * qc_desc.block_type.nbytes + qr_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(qc_desc, [b, h0, 0], q_ready, qc0_smem)
     tma.async_copy_global_to_shared(qc_desc, [b, h0, HALF], q_ready, qc1_smem)
     tma.async_copy_global_to_shared(qr_desc, [b, h0, 0], q_ready, qr_smem)
+    copy_bytes: gl.constexpr = 2 * c_desc.block_type.nbytes + r_desc.block_type.nbytes
     for j in range(n_blocks):
         s = j % STAGES
         mbarrier.wait(kv_free.index(s), ((j // STAGES) & 1) ^ 1, pred=j >= STAGES)
-        row0 = _block_rows(j, n_blocks, start, end, BLOCK_N)
-        mbarrier.expect(kv_ready.index(s), 2 * c_desc.block_type.nbytes + r_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(c_desc, [b, row0, 0], kv_ready.index(s), c0_smem.index(s))
-        tma.async_copy_global_to_shared(c_desc, [b, row0, HALF], kv_ready.index(s), c1_smem.index(s))
-        tma.async_copy_global_to_shared(r_desc, [b, row0, 0], kv_ready.index(s), r_smem.index(s))
+        if PAGED:
+            # Block j's rows start + j*BLOCK_N.. as BLOCK_N // PAGE_ROWS copies of PAGE_ROWS rows, each inside one
+            # page. A copy wholly past `end` reads the last valid page instead (its block-table entry is valid;
+            # the rows are zeroed by the consumers), so every block moves the same bytes.
+            row0 = start + j * BLOCK_N
+            mbarrier.expect(kv_ready.index(s), (BLOCK_N // PAGE_ROWS) * copy_bytes)
+            for k in gl.static_range(BLOCK_N // PAGE_ROWS):
+                rk = gl.minimum(row0 + k * PAGE_ROWS, end - 1)
+                page = gl.load(table_ptr + b.to(gl.int64) * stride_tb + (rk // PAGE_SIZE) * stride_tp)
+                slot = (rk % PAGE_SIZE) // PAGE_ROWS * PAGE_ROWS
+                tma.async_copy_global_to_shared(c_desc, [page, slot, 0], kv_ready.index(s),
+                                                c0_smem.index(s).slice(k * PAGE_ROWS, PAGE_ROWS, dim=1))
+                tma.async_copy_global_to_shared(c_desc, [page, slot, HALF], kv_ready.index(s),
+                                                c1_smem.index(s).slice(k * PAGE_ROWS, PAGE_ROWS, dim=1))
+                tma.async_copy_global_to_shared(r_desc, [page, slot, 0], kv_ready.index(s),
+                                                r_smem.index(s).slice(k * PAGE_ROWS, PAGE_ROWS, dim=1))
+        else:
+            row0 = _block_rows(j, n_blocks, start, end, BLOCK_N)
+            mbarrier.expect(kv_ready.index(s), copy_bytes)
+            tma.async_copy_global_to_shared(c_desc, [b, row0, 0], kv_ready.index(s), c0_smem.index(s))
+            tma.async_copy_global_to_shared(c_desc, [b, row0, HALF], kv_ready.index(s), c1_smem.index(s))
+            tma.async_copy_global_to_shared(r_desc, [b, row0, 0], kv_ready.index(s), r_smem.index(s))
 
 
 @gluon.jit
-def _store_half(o, l_o, out_ptr, b, h0, split, col0, stride_ob, stride_oh, stride_os, stride_od,
+def _zero_rows(tile, n_valid, BLOCK_N: gl.constexpr):
+    """Rows n_valid.. of a (BLOCK_N, 256) shared-memory tile set to zero, eight rows at a time (a slice of the
+    swizzled tile must start at a multiple of its 8-row swizzle period), then fenced for the tensor cores."""
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
+    for c in gl.static_range(BLOCK_N // 8):
+        if (c + 1) * 8 > n_valid:
+            part = tile.slice(c * 8, 8)
+            x = part.load(blk)
+            rows = c * 8 + gl.arange(0, 8, layout=gl.SliceLayout(1, blk))
+            part.store(gl.where(rows[:, None] < n_valid, x, gl.zeros_like(x)))
+    fence_async_shared()
+
+
+@gluon.jit
+def _store_half(o, l_o, out_ptr, b, h0, num_heads, split, col0, stride_ob, stride_oh, stride_os, stride_od,
                 o_layout: gl.constexpr):
     """O / l for 64 heads and 256 columns: the final output for one split, else a partial in fp32; a split that
     saw no token (l = 0) writes zeros (as kernels.decode)."""
@@ -94,7 +135,7 @@ def _store_half(o, l_o, out_ptr, b, h0, split, col0, stride_ob, stride_oh, strid
     cols = col0 + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
     ptrs = out_ptr + b.to(gl.int64) * stride_ob + heads[:, None] * stride_oh + split * stride_os \
         + cols[None, :] * stride_od
-    gl.store(ptrs, out.to(out_ptr.dtype.element_ty))
+    gl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=(heads < num_heads)[:, None])
 
 
 @gluon.jit
@@ -102,8 +143,9 @@ def _mla_softmax_consumer(qc0_smem, qc1_smem, qr_smem, c0_smem, c1_smem, r_smem,
                           q_ready, kv_ready, kv_free, p_ready, p_free, l_ready,
                           out_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_od,
                           stride_lb, stride_lh, stride_ls,
-                          b, h0, split, start, end, n_blocks, scale_log2,
-                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr):
+                          b, h0, num_heads, split, start, end, n_blocks, scale_log2,
+                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr,
+                          PAGED: gl.constexpr):
     """Warpgroup 0: scores, softmax, P for both consumers, the left half of the output, and the lse."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
@@ -128,10 +170,15 @@ def _mla_softmax_consumer(qc0_smem, qc1_smem, qr_smem, c0_smem, c1_smem, r_smem,
         s = warpgroup_mma(qr, r_smem.index(st).reshape([BLOCK_N, qr_smem.shape[2]]).permute((1, 0)), s,
                           is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
-        if j == n_blocks - 1:  # the last block ends at `end`; its columns before block j's own start are done
-            first = start + j * BLOCK_N - (end - BLOCK_N)
+        if j == n_blocks - 1:
             offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            s = gl.where(offs_n[None, :] >= first, s, -float("inf"))
+            if PAGED:  # the last block's rows past `end` are masked, and zeroed in the latent tile below
+                n_valid = end - start - j * BLOCK_N
+                s = gl.where(offs_n[None, :] < n_valid, s, -float("inf"))
+                _zero_rows(c0, n_valid, BLOCK_N)
+            else:  # the last block ends at `end`; its columns before block j's own start are done
+                first = start + j * BLOCK_N - (end - BLOCK_N)
+                s = gl.where(offs_n[None, :] >= first, s, -float("inf"))
         m_new = gl.maximum(m_i, gl.max(s, 1) * scale_log2)
         p = gl.exp2(s * scale_log2 - m_new[:, None])
         alpha = gl.exp2(m_i - m_new)
@@ -151,18 +198,20 @@ def _mla_softmax_consumer(qc0_smem, qc1_smem, qr_smem, c0_smem, c1_smem, r_smem,
     mbarrier.wait(p_free, (n_blocks - 1) & 1, pred=n_blocks > 0)
     stat_smem.store(gl.convert_layout(l_i, vec))
     mbarrier.arrive(l_ready, count=1)
-    _store_half(o, l_i, out_ptr, b, h0, split, 0, stride_ob, stride_oh, stride_os, stride_od, o_layout)
+    _store_half(o, l_i, out_ptr, b, h0, num_heads, split, 0, stride_ob, stride_oh, stride_os, stride_od, o_layout)
     lse = gl.where(l_i > 0.0, m_i + gl.log2(gl.where(l_i > 0.0, l_i, 1.0)), -float("inf"))
     if NUM_SPLITS == 1:
         lse = lse * 0.6931471805599453  # the final lse is natural-log; partial ones stay in log2 units
     heads = h0 + gl.arange(0, HEADS, layout=rows_s)
-    gl.store(lse_ptr + b.to(gl.int64) * stride_lb + heads * stride_lh + split * stride_ls, lse)
+    gl.store(lse_ptr + b.to(gl.int64) * stride_lb + heads * stride_lh + split * stride_ls, lse,
+             mask=heads < num_heads)
 
 
 @gluon.jit
 def _mla_pv_consumer(c1_smem, p_smem, stat_smem, kv_ready, kv_free, p_ready, p_free, l_ready,
                      out_ptr, stride_ob, stride_oh, stride_os, stride_od,
-                     b, h0, split, n_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr):
+                     b, h0, num_heads, split, start, end, n_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
+                     PAGED: gl.constexpr):
     """Warpgroup 1: the right half of the output, O1 = alpha O1 + P C1 per block."""
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, HALF, 16])
@@ -172,22 +221,27 @@ def _mla_pv_consumer(c1_smem, p_smem, stat_smem, kv_ready, kv_free, p_ready, p_f
         st = j % STAGES
         mbarrier.wait(p_ready, j & 1)
         alpha = stat_smem.load(vec)
+        c1 = c1_smem.index(st).reshape([BLOCK_N, HALF])
+        if PAGED:
+            if j == n_blocks - 1:
+                _zero_rows(c1, end - start - j * BLOCK_N, BLOCK_N)
         o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
-        o = warpgroup_mma(p_smem, c1_smem.index(st).reshape([BLOCK_N, HALF]), o, is_async=True)
+        o = warpgroup_mma(p_smem, c1, o, is_async=True)
         o = warpgroup_mma_wait(num_outstanding=0, deps=[o])
         mbarrier.arrive(p_free, count=1)
         mbarrier.arrive(kv_free.index(st), count=1)
     mbarrier.wait(l_ready, 0)
-    _store_half(o, stat_smem.load(vec), out_ptr, b, h0, split, HALF, stride_ob, stride_oh, stride_os, stride_od,
-                o_layout)
+    _store_half(o, stat_smem.load(vec), out_ptr, b, h0, num_heads, split, HALF, stride_ob, stride_oh, stride_os,
+                stride_od, o_layout)
 
 
 @gluon.jit
 def _mla_decode_sm90_kernel(
-    qc_desc, qr_desc, c_desc, r_desc, seq_lens_ptr, out_ptr, lse_ptr,
-    stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls,
+    qc_desc, qr_desc, c_desc, r_desc, seq_lens_ptr, table_ptr, out_ptr, lse_ptr, num_heads,
+    stride_tb, stride_tp, stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls,
     scale_log2,
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr,
+    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr, PAGED: gl.constexpr,
+    PAGE_SIZE: gl.constexpr, PAGE_ROWS: gl.constexpr,
 ):
     """grid (head tiles, splits, B)."""
     h0 = gl.program_id(0) * HEADS
@@ -203,9 +257,10 @@ def _mla_decode_sm90_kernel(
     qc0_smem = gl.allocate_shared_memory(dtype, qc_desc.block_type.shape, qc_desc.layout)
     qc1_smem = gl.allocate_shared_memory(dtype, qc_desc.block_type.shape, qc_desc.layout)
     qr_smem = gl.allocate_shared_memory(dtype, qr_desc.block_type.shape, qr_desc.layout)
-    c0_smem = gl.allocate_shared_memory(dtype, [STAGES] + c_desc.block_type.shape, c_desc.layout)
-    c1_smem = gl.allocate_shared_memory(dtype, [STAGES] + c_desc.block_type.shape, c_desc.layout)
-    r_smem = gl.allocate_shared_memory(dtype, [STAGES] + r_desc.block_type.shape, r_desc.layout)
+    # [stage, 1, BLOCK_N, columns]: one contiguous copy per block, or BLOCK_N // PAGE_ROWS row slices when paged.
+    c0_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, HALF], c_desc.layout)
+    c1_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, HALF], c_desc.layout)
+    r_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, r_desc.block_type.shape[2]], r_desc.layout)
     p_smem = gl.allocate_shared_memory(dtype, [HEADS, BLOCK_N],
                                        gl.NVMMASharedLayout.get_default_for([HEADS, BLOCK_N], dtype))
     stat_smem = gl.allocate_shared_memory(gl.float32, [HEADS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
@@ -229,12 +284,14 @@ def _mla_decode_sm90_kernel(
                                  q_ready, kv_ready, kv_free, p_ready, p_free, l_ready,
                                  out_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_od,
                                  stride_lb, stride_lh, stride_ls,
-                                 b, h0, split, start, end, n_blocks, scale_log2, BLOCK_N, STAGES, NUM_SPLITS)),
+                                 b, h0, num_heads, split, start, end, n_blocks, scale_log2, BLOCK_N, STAGES, NUM_SPLITS,
+                                 PAGED)),
         (_mla_pv_consumer, (c1_smem, p_smem, stat_smem, kv_ready, kv_free, p_ready, p_free, l_ready,
                             out_ptr, stride_ob, stride_oh, stride_os, stride_od,
-                            b, h0, split, n_blocks, BLOCK_N, STAGES)),
+                            b, h0, num_heads, split, start, end, n_blocks, BLOCK_N, STAGES, PAGED)),
         (_mla_loader, (qc_desc, qr_desc, c_desc, r_desc, qc0_smem, qc1_smem, qr_smem, c0_smem, c1_smem, r_smem,
-                       q_ready, kv_ready, kv_free, b, h0, start, end, n_blocks, BLOCK_N, STAGES)),
+                       q_ready, kv_ready, kv_free, table_ptr, stride_tb, stride_tp, b, h0, start, end, n_blocks,
+                       BLOCK_N, STAGES, PAGED, PAGE_SIZE, PAGE_ROWS)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -243,15 +300,26 @@ def enabled() -> bool:
     return os.environ.get("ZOO_MLA_SM90", "1") != "0"
 
 
-def supports(q_absorbed, q_rope, c_kv, k_rope) -> bool:
-    """Does mla_decode launch this kernel for these (contiguous-cache) inputs? On an sm_90 GPU with the Triton
-    release Gluon's kernels were verified against (`flash_sm90.on_hopper`), when `eligible`."""
-    return enabled() and on_hopper(q_absorbed) and eligible(q_absorbed, q_rope, c_kv, k_rope)
+def supports(q_absorbed, q_rope, c_kv, k_rope, paged: bool = False) -> bool:
+    """Do mla_decode (paged=False) and paged_mla_decode (paged=True; c_kv and k_rope are then the page pools)
+    launch this kernel for these inputs? On an sm_90 GPU with the Triton release Gluon's kernels were verified
+    against (`flash_sm90.on_hopper`), when `eligible`."""
+    return enabled() and on_hopper(q_absorbed) and eligible(q_absorbed, q_rope, c_kv, k_rope, paged)
 
 
-def eligible(q_absorbed, q_rope, c_kv, k_rope) -> bool:
-    """fp16/bf16, D_c = 512, D_r = 64, heads a multiple of 64, and strides TMA can read."""
-    if q_absorbed.dtype not in (torch.float16, torch.bfloat16) or q_absorbed.shape[1] % HEADS_PER_PROGRAM:
+def eligible(q_absorbed, q_rope, c_kv, k_rope, paged: bool = False) -> bool:
+    """fp16/bf16, D_c = 512, D_r = 64, strides TMA can read, and a head count that is a multiple of 64 or, for a
+    paged cache, at most 64 (one tile whose missing heads TMA fills with zeros and the stores skip).
+
+    Fewer than 64 heads are memory-bound, and the padding costs only idle tensor-core time. Measured on an H200
+    at 16 heads (bf16, TB/s, each kernel at its best split, 2026-11-30): paged with 16-token pages this kernel
+    reads 3.59-3.83 TB/s against the Triton kernel's 3.19-3.52 (B64 N8k/N32k, B128 N4k); 64-token pages
+    3.77-4.13 against 3.67-4.12. A contiguous cache stays on the Triton kernel, which is ahead there (3.92-4.33
+    against 3.89-4.13)."""
+    h = q_absorbed.shape[1]
+    if q_absorbed.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if h % HEADS_PER_PROGRAM and not (paged and h < HEADS_PER_PROGRAM):
         return False
     if q_absorbed.shape[2] != 2 * HALF_COLUMNS or q_rope.shape[2] != ROPE_DIM:
         return False
@@ -261,19 +329,30 @@ def eligible(q_absorbed, q_rope, c_kv, k_rope) -> bool:
 def tile_seconds(tile_flops: int) -> float:
     """Per-tile time of one program alone for the split model (`decode.auto_num_splits`): the FLOPs at 4 TFLOP/s,
     one SM's share of the 513-541 TFLOP/s measured at 128 heads. With it the model picks the measured best split
-    count on the four shapes of that run (one split at B64 N8k/N32k and B128 N4k, four at B16 N8k)."""
+    count on the four shapes of that run (one split at B64 N8k/N32k and B128 N4k, four at B16 N8k), and at 16
+    paged heads, where a program's tile is memory-bound, too (two at B64 N8k/N32k, one at B128 N4k, eight at B16
+    N8k)."""
     return max(1.5e-6, tile_flops / 4e12)
 
 
-def launch(q_absorbed, q_rope, c_kv, k_rope, seq_lens, part_o, part_lse, scale: float, num_splits: int):
+def launch(q_absorbed, q_rope, c_kv, k_rope, seq_lens, part_o, part_lse, scale: float, num_splits: int,
+           block_table=None):
     """On inputs `supports` accepted, seq_lens (B,) int32 contiguous: each split's output into part_o (B, H,
     splits, D_c) (the final output, in q's dtype, for one split; fp32 partials otherwise) and its lse into
-    part_lse (B, H, splits) (natural log for one split, log2 units for partials), as kernels.decode's splits."""
+    part_lse (B, H, splits) (natural log for one split, log2 units for partials), as kernels.decode's splits.
+    With block_table (B, max_pages) int32, c_kv and k_rope are the page pools (num_pages, page_size, D), page_size
+    a power of two from 8 to 256."""
     batch, h, _ = q_absorbed.shape
-    _mla_decode_sm90_kernel[(h // HEADS_PER_PROGRAM, num_splits, batch)](
+    paged = block_table is not None
+    page_size = c_kv.shape[1] if paged else 1
+    rows = min(page_size, BLOCK_N) if paged else BLOCK_N  # rows per TMA copy: one page (or block) at most
+    table = block_table if paged else seq_lens  # unused when contiguous
+    _mla_decode_sm90_kernel[(triton.cdiv(h, HEADS_PER_PROGRAM), num_splits, batch)](
         descriptor(q_absorbed, [1, HEADS_PER_PROGRAM, HALF_COLUMNS]),
         descriptor(q_rope, [1, HEADS_PER_PROGRAM, ROPE_DIM]),
-        descriptor(c_kv, [1, BLOCK_N, HALF_COLUMNS]), descriptor(k_rope, [1, BLOCK_N, ROPE_DIM]),
-        seq_lens, part_o, part_lse, *part_o.stride(), *part_lse.stride(), float(scale) * 1.4426950408889634,
-        BLOCK_N=BLOCK_N, STAGES=STAGES, NUM_SPLITS=num_splits, num_warps=4,
+        descriptor(c_kv, [1, rows, HALF_COLUMNS]), descriptor(k_rope, [1, rows, ROPE_DIM]),
+        seq_lens, table, part_o, part_lse, h, *(block_table.stride() if paged else (0, 0)), *part_o.stride(),
+        *part_lse.stride(), float(scale) * 1.4426950408889634,
+        BLOCK_N=BLOCK_N, STAGES=STAGES, NUM_SPLITS=num_splits, PAGED=paged, PAGE_SIZE=page_size, PAGE_ROWS=rows,
+        num_warps=4,
     )
