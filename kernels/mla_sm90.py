@@ -26,7 +26,7 @@ No row past a sequence's end ever meets a zero probability (the tests' poisoned 
 
 Measured on an H200 beside the Triton kernel in one run (bf16, 128 heads, TFLOP/s, each at its best of 1-8
 splits): B64 N8192 536 vs 353, B64 N32768 541 vs 365, B128 N4096 513 vs 348, B16 N8192 472 vs 302. Paged
-(2026-11-30, its best split beside the Triton paged kernel): 64-token pages 533-537 vs 303-319 at B64/B128,
+(2026-11-30, its best split beside the Triton paged kernel): 64-token pages 527-537 vs 303-319 at B64/B128,
 16-token pages 471-510 vs 265-277; B16 N8192 463 / 435 vs 265 / 236.
 
 Gluon has no CPU interpreter: the GPU test suite runs every 128-head (and 64-head) 512 + 64 case of
