@@ -71,6 +71,20 @@ def _block_rows(j, n_blocks, start, end, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
+def _block_pages(table_row, stride_tp, start, end, j, copy_idx, BLOCK_N: gl.constexpr,
+                 PAGE_SIZE: gl.constexpr, PAGE_ROWS: gl.constexpr):
+    """Pool page and first slot of each of block j's BLOCK_N // PAGE_ROWS copies (one vector load of the block
+    table; scalars for one copy). A copy wholly past `end` reads the last valid page instead (its entry is valid;
+    the consumers zero those rows), so every block moves the same bytes."""
+    first = start + j * BLOCK_N
+    if BLOCK_N // PAGE_ROWS > 1:
+        first = first + copy_idx * PAGE_ROWS
+    rows = gl.maximum(gl.minimum(first, end - 1), 0)
+    pages = gl.load(table_row + (rows // PAGE_SIZE) * stride_tp)
+    return pages, (rows % PAGE_SIZE) // PAGE_ROWS * PAGE_ROWS
+
+
+@gluon.jit
 def _mla_loader(qc_desc, qr_desc, c_desc, r_desc, qc0_smem, qc1_smem, qr_smem, c0_smem, c1_smem, r_smem,
                 q_ready, kv_ready, kv_free, table_ptr, stride_tb, stride_tp, b, h0, start, end, n_blocks,
                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr,
@@ -82,25 +96,32 @@ def _mla_loader(qc_desc, qr_desc, c_desc, r_desc, qc0_smem, qc1_smem, qr_smem, c
     tma.async_copy_global_to_shared(qc_desc, [b, h0, HALF], q_ready, qc1_smem)
     tma.async_copy_global_to_shared(qr_desc, [b, h0, 0], q_ready, qr_smem)
     copy_bytes: gl.constexpr = 2 * c_desc.block_type.nbytes + r_desc.block_type.nbytes
+    copies: gl.constexpr = BLOCK_N // PAGE_ROWS
+    if PAGED:
+        # Block j's rows as `copies` TMA copies of PAGE_ROWS rows, each inside one page. The block-table entries
+        # of block j + 1 are loaded while block j's copies fly and the loader waits for a free stage: loaded just
+        # before use, each entry's latency (one L2 round trip per page) stalled the copies behind it.
+        copy_idx = gl.arange(0, copies, layout=gl.BlockedLayout([1], [32], [1], [0]))
+        table_row = table_ptr + b.to(gl.int64) * stride_tb  # this sequence's block-table row
+        pages, slots = _block_pages(table_row, stride_tp, start, end, 0, copy_idx, BLOCK_N, PAGE_SIZE, PAGE_ROWS)
     for j in range(n_blocks):
         s = j % STAGES
         mbarrier.wait(kv_free.index(s), ((j // STAGES) & 1) ^ 1, pred=j >= STAGES)
         if PAGED:
-            # Block j's rows start + j*BLOCK_N.. as BLOCK_N // PAGE_ROWS copies of PAGE_ROWS rows, each inside one
-            # page. A copy wholly past `end` reads the last valid page instead (its block-table entry is valid;
-            # the rows are zeroed by the consumers), so every block moves the same bytes.
-            row0 = start + j * BLOCK_N
-            mbarrier.expect(kv_ready.index(s), (BLOCK_N // PAGE_ROWS) * copy_bytes)
-            for k in gl.static_range(BLOCK_N // PAGE_ROWS):
-                rk = gl.minimum(row0 + k * PAGE_ROWS, end - 1)
-                page = gl.load(table_ptr + b.to(gl.int64) * stride_tb + (rk // PAGE_SIZE) * stride_tp)
-                slot = (rk % PAGE_SIZE) // PAGE_ROWS * PAGE_ROWS
+            mbarrier.expect(kv_ready.index(s), copies * copy_bytes)
+            for k in gl.static_range(copies):
+                page, slot = pages, slots  # scalars for one copy per block, else this copy's entries
+                if copies > 1:
+                    page = gl.sum(gl.where(copy_idx == k, pages, 0), axis=0)
+                    slot = gl.sum(gl.where(copy_idx == k, slots, 0), axis=0)
                 tma.async_copy_global_to_shared(c_desc, [page, slot, 0], kv_ready.index(s),
                                                 c0_smem.index(s).slice(k * PAGE_ROWS, PAGE_ROWS, dim=1))
                 tma.async_copy_global_to_shared(c_desc, [page, slot, HALF], kv_ready.index(s),
                                                 c1_smem.index(s).slice(k * PAGE_ROWS, PAGE_ROWS, dim=1))
                 tma.async_copy_global_to_shared(r_desc, [page, slot, 0], kv_ready.index(s),
                                                 r_smem.index(s).slice(k * PAGE_ROWS, PAGE_ROWS, dim=1))
+            pages, slots = _block_pages(table_row, stride_tp, start, end, j + 1, copy_idx, BLOCK_N, PAGE_SIZE,
+                                        PAGE_ROWS)
         else:
             row0 = _block_rows(j, n_blocks, start, end, BLOCK_N)
             mbarrier.expect(kv_ready.index(s), copy_bytes)
