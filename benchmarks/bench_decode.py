@@ -25,7 +25,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import bench_ms, ceilings, header, print_table  # noqa: E402
+from common import bench_ms, ceilings, env, header, print_table  # noqa: E402
 
 from kernels import decode as decode_mod  # noqa: E402
 from kernels import mla as mla_mod  # noqa: E402
@@ -195,14 +195,11 @@ def bench_mla(shapes, fixed_splits: bool) -> list[dict]:
             row.update(best_fixed=best[1], auto_vs_best=best[0] / t)
         if mla_mod.mla_sm90 is not None and mla_mod.mla_sm90.supports(q_abs, q_rope, c_kv, k_rope, bool(page_size)):
             # The Hopper kernel ran: the Triton kernel beside it, each at its automatic split (the lever).
-            os.environ["ZOO_MLA_SM90"] = "0"
-            try:
+            with env("ZOO_MLA_SM90", "0"):
                 check(f"mla B{b} H{h} N{n} (Triton)", run()[0][picks],
                       ref_mla_rows(q_abs, q_rope, c_kv, k_rope, lens, scale, picks))
                 t_triton = graph_ms(run)
-                row.update(triton_TBps=read / t_triton / 1e9, triton_TFLOPs=flops / t_triton / 1e9)
-            finally:
-                os.environ.pop("ZOO_MLA_SM90")
+            row.update(triton_TBps=read / t_triton / 1e9, triton_TFLOPs=flops / t_triton / 1e9)
         rows.append(row)
         print(row, flush=True)
     return rows

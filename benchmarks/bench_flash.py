@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import bench_ms, ceilings, header, print_table  # noqa: E402
+from benchmarks.common import bench_ms, ceilings, env, header, print_table  # noqa: E402
 from kernels import flash, flash_gqa_attention  # noqa: E402
 
 # (B, H_q, H_kv, S, D_qk, D_v, causal); B * S = 16k tokens per shape.
@@ -102,15 +102,8 @@ def time_fwd_bwd(fn, q, k, v, do):
 def run_ours(q, k, v, do, causal, tma: str):
     """Time our kernels with ZOO_FLASH_TMA set to `tma` ("auto": descriptors for the backward on Hopper; "0":
     plain pointers everywhere)."""
-    saved = os.environ.get("ZOO_FLASH_TMA")
-    os.environ["ZOO_FLASH_TMA"] = tma
-    try:
+    with env("ZOO_FLASH_TMA", tma):
         return time_fwd_bwd(lambda q, k, v: flash_gqa_attention(q, k, v, causal=causal), q, k, v, do)
-    finally:
-        if saved is None:
-            os.environ.pop("ZOO_FLASH_TMA")
-        else:
-            os.environ["ZOO_FLASH_TMA"] = saved
 
 
 def triton_ms(q, k, v, do, causal):
@@ -119,23 +112,13 @@ def triton_ms(q, k, v, do, causal):
     hopper = flash.flash_sm90
     fwd_ms = bwd_ms = None
     if hopper is not None and hopper.supports(q, k, v):
-        os.environ["ZOO_FLASH_SM90"] = "0"
-        try:
-            with torch.no_grad():
-                fwd_ms = bench_ms(lambda: flash_gqa_attention(q, k, v, causal=causal))
-        finally:
-            os.environ.pop("ZOO_FLASH_SM90")
+        with env("ZOO_FLASH_SM90", "0"), torch.no_grad():
+            fwd_ms = bench_ms(lambda: flash_gqa_attention(q, k, v, causal=causal))
     if hopper is not None and hopper.supports_backward(q, k, v, do):
-        saved = os.environ.get("ZOO_FLASH_SM90_BWD")
-        os.environ["ZOO_FLASH_SM90_BWD"] = "0"
-        try:
+        with env("ZOO_FLASH_SM90_BWD", "0"):
             leaves = [x.detach().requires_grad_() for x in (q, k, v)]
             out = flash_gqa_attention(*leaves, causal=causal)
             bwd_ms = bench_ms(lambda: torch.autograd.grad(out, leaves, do, retain_graph=True))
-        finally:
-            os.environ.pop("ZOO_FLASH_SM90_BWD")
-            if saved is not None:
-                os.environ["ZOO_FLASH_SM90_BWD"] = saved
     return fwd_ms, bwd_ms
 
 

@@ -3,7 +3,9 @@ and a header that records date, GPU, torch and triton versions beside the number
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import os
 
 import torch
 import triton
@@ -13,6 +15,21 @@ def header() -> str:
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     return (f"date {datetime.date.today().isoformat()} | gpu {gpu} | torch {torch.__version__} | "
             f"triton {triton.__version__}")
+
+
+@contextlib.contextmanager
+def env(name: str, value: str):
+    """Environment variable `name` set to `value` inside the block (the kernels' switches, e.g. ZOO_MLA_SM90=0 to
+    time the portable kernel beside the Hopper one), restored to what it was after."""
+    saved = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop(name, None)
+        else:
+            os.environ[name] = saved
 
 
 def bench_ms(fn, warmup_ms: int = 25, rep_ms: int = 100) -> float:

@@ -72,7 +72,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernels import _checks
-from kernels.decode import num_sms
+from kernels.decode import LOG2E, num_sms
 
 ROWS_PER_CONSUMER = 64  # query rows per consumer warpgroup: the M of one wgmma
 ROWS = gl.constexpr(ROWS_PER_CONSUMER)
@@ -111,14 +111,22 @@ def _tile(t, n_m, H, M, N, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
     if CAUSAL:
         pid_m = n_m - 1 - pid_m
     start_m = pid_m * BLOCK_M
-    q_shift = N - M  # query row i sits at key position q_shift + i
+    n_blocks, n_unmasked = _key_blocks(start_m, M, N, CAUSAL, BLOCK_M, BLOCK_N)
+    return batch, head, start_m, n_blocks, n_unmasked
+
+
+@gluon.jit
+def _key_blocks(start_m, M, N, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Key blocks that query rows [start_m, +BLOCK_M) read, and how many of the first ones every row of them sees
+    whole (no mask). Query row i sits at key position N - M + i."""
+    q_shift = N - M
     if CAUSAL:
         n_end = gl.minimum(N, q_shift + start_m + BLOCK_M)
         n_unmasked = gl.minimum((q_shift + start_m + 1) // BLOCK_N, N // BLOCK_N)
     else:
         n_end = N
         n_unmasked = N // BLOCK_N
-    return batch, head, start_m, gl.cdiv(n_end, BLOCK_N), n_unmasked
+    return gl.cdiv(n_end, BLOCK_N), n_unmasked
 
 
 @gluon.jit
@@ -183,19 +191,25 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_r
 
 
 @gluon.jit
+def _visible(j, start_m, q_shift, N, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
+    """Which (row, column) of key block j a consumer's 64 query rows from start_m see: the causal diagonal and the
+    sequence end. Column c is visible to a row when c < that row's limit: one compare per score."""
+    offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+    limit = N - j * BLOCK_N
+    if CAUSAL:
+        rows = q_shift + start_m + 1 - j * BLOCK_N + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
+        return offs_n[None, :] < gl.minimum(rows, limit)[:, None]
+    else:
+        return offs_n[None, :] < limit
+
+
+@gluon.jit
 def _mask(s, j, n_unmasked, start_m, q_shift, N, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
           s_layout: gl.constexpr):
     """Scores of key block j with the causal diagonal and the sequence end masked; blocks before n_unmasked are
     wholly visible to every row of the tile and pass through untouched."""
     if j >= n_unmasked:
-        # Column c of the block is visible to a row when c < limit for that row: one compare per score.
-        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-        limit = N - j * BLOCK_N
-        if CAUSAL:
-            rows = q_shift + start_m + 1 - j * BLOCK_N + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-            s = gl.where(offs_n[None, :] < gl.minimum(rows, limit)[:, None], s, -float("inf"))
-        else:
-            s = gl.where(offs_n[None, :] < limit, s, -float("inf"))
+        s = gl.where(_visible(j, start_m, q_shift, N, CAUSAL, BLOCK_N, s_layout), s, -float("inf"))
     return s
 
 
@@ -608,7 +622,7 @@ def backward_dkdv(q, k, v, do, lse, delta, dk, dv, sm_scale: float, causal: bool
         _descriptor(q, block_m), _descriptor(do, block_m), _descriptor(k, PROGRAM_ROWS), _descriptor(v, PROGRAM_ROWS),
         lse, delta, dk, dv,
         *lse.stride(), *delta.stride(), *dk.stride(), *dv.stride(),
-        s_q, s_kv, sm_scale, sm_scale * 1.4426950408889634,
+        s_q, s_kv, sm_scale, sm_scale * LOG2E,
         GROUP_SIZE=h_q // h_kv, CAUSAL=causal, BLOCK_M=block_m, D=d, STAGES=stages, num_warps=4,
     )
 
@@ -690,13 +704,7 @@ def _dq_consumer(q_smem, do_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_
         s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
         p = gl.exp2(s * qk_scale - lse[:, None])
         if j >= n_unmasked:
-            offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            limit = N - j * BLOCK_N
-            if CAUSAL:
-                lim = gl.minimum(q_shift + start_m + 1 - j * BLOCK_N + gl.arange(0, ROWS, layout=rows_s), limit)
-                p = gl.where(offs_n[None, :] < lim[:, None], p, 0.0)
-            else:
-                p = gl.where(offs_n[None, :] < limit, p, 0.0)
+            p = gl.where(_visible(j, start_m, q_shift, N, CAUSAL, BLOCK_N, s_layout), p, 0.0)
         dp = warpgroup_mma_wait(num_outstanding=0, deps=[dp])
         ds = (p * (dp - delta[:, None])).to(dtype)
         dq = warpgroup_mma(gl.convert_layout(ds, op_layout), k_t, dq, is_async=True)
@@ -725,14 +733,7 @@ def _flash_bwd_dq_sm90_kernel(
     batch = gl.program_id(2)
     kv_head = head // GROUP_SIZE
     start_m = pid_m * BLOCK_M
-    q_shift = N - M
-    if CAUSAL:
-        n_end = gl.minimum(N, q_shift + start_m + BLOCK_M)
-        n_unmasked = gl.minimum((q_shift + start_m + 1) // BLOCK_N, N // BLOCK_N)
-    else:
-        n_end = N
-        n_unmasked = N // BLOCK_N
-    n_blocks = gl.cdiv(n_end, BLOCK_N)
+    n_blocks, n_unmasked = _key_blocks(start_m, M, N, CAUSAL, BLOCK_M, BLOCK_N)
 
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [CONSUMERS] + do_desc.block_type.shape, do_desc.layout)
@@ -782,7 +783,7 @@ def backward_dq(q, k, v, out, do, lse, dlse, delta, dq, sm_scale: float, causal:
         _descriptor(q, ROWS_PER_CONSUMER), _descriptor(do, ROWS_PER_CONSUMER), _descriptor(k, DQ_BLOCK_N),
         _descriptor(v, DQ_BLOCK_N), out, lse, dlse_arg, delta, dq,
         *out.stride(), *lse.stride(), *dlse_arg.stride(), *dq.stride(),
-        s_q, s_kv, h_q, sm_scale, sm_scale * 1.4426950408889634,
+        s_q, s_kv, h_q, sm_scale, sm_scale * LOG2E,
         GROUP_SIZE=h_q // h_kv, CAUSAL=causal, HAS_DLSE=dlse is not None, BLOCK_N=DQ_BLOCK_N, D=d,
         STAGES=DQ_STAGES, num_warps=4,
     )

@@ -49,6 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from kernels import _checks
+from kernels.decode import LOG2E
 from kernels.flash_sm90 import descriptor, on_hopper
 
 HEADS_PER_PROGRAM = 64  # the M of every wgmma
@@ -373,7 +374,7 @@ def launch(q_absorbed, q_rope, c_kv, k_rope, seq_lens, part_o, part_lse, scale: 
         descriptor(q_rope, [1, HEADS_PER_PROGRAM, ROPE_DIM]),
         descriptor(c_kv, [1, rows, HALF_COLUMNS]), descriptor(k_rope, [1, rows, ROPE_DIM]),
         seq_lens, table, part_o, part_lse, h, *(block_table.stride() if paged else (0, 0)), *part_o.stride(),
-        *part_lse.stride(), float(scale) * 1.4426950408889634,
+        *part_lse.stride(), float(scale) * LOG2E,
         BLOCK_N=BLOCK_N, STAGES=STAGES, NUM_SPLITS=num_splits, PAGED=paged, PAGE_SIZE=page_size, PAGE_ROWS=rows,
         num_warps=4,
     )
