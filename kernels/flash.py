@@ -68,6 +68,7 @@ import triton.language as tl
 
 from kernels import _checks
 from kernels.decode import num_sms
+from kernels.schedule import bucket_size, ranked
 
 try:
     from kernels import flash_sm90
@@ -203,16 +204,20 @@ def _flash_fwd_kernel(
     stride_vb, stride_vh, stride_vn, stride_vd,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_lb, stride_lh, stride_lm,
-    M, N, qk_scale,
+    M, N, H_Q, bucket, qk_scale,
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DK2: tl.constexpr, SPLIT_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, GROUP_SIZE: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, INTERPRET: tl.constexpr,
 ):
-    # Causal programs are launched heaviest first (the last query blocks see the most keys), so the short ones
-    # fill the tail of the grid instead of a long one starting last.
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0) if CAUSAL else tl.program_id(0)
-    head = tl.program_id(1)
-    batch = tl.program_id(2).to(tl.int64)
+    # One program per (query block, head, batch) in schedule.ranked order: causal ones heaviest first (the last
+    # query blocks see the most keys), so the short ones fill the tail of the grid instead of a long one starting
+    # last.
+    n_m = tl.cdiv(M, BLOCK_M)
+    pid_m, hb = ranked(tl.program_id(0), n_m, tl.num_programs(0) // n_m, bucket)
+    if CAUSAL:
+        pid_m = n_m - 1 - pid_m
+    head = hb % H_Q
+    batch = (hb // H_Q).to(tl.int64)
     kv_head = head // GROUP_SIZE
     start_m = pid_m * BLOCK_M
     offs_m = start_m + tl.arange(0, BLOCK_M)
@@ -320,7 +325,7 @@ def _flash_bwd_dkdv_kernel(
     stride_lb, stride_lh, stride_lm,
     stride_dkb, stride_dkh, stride_dkn, stride_dkd,
     stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    M, N, H_Q, scale, qk_scale,
+    M, N, H_Q, bucket, scale, qk_scale,
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DK2: tl.constexpr, SPLIT_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, GROUP_SIZE: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, INTERPRET: tl.constexpr,
@@ -330,10 +335,14 @@ def _flash_bwd_dkdv_kernel(
     it and over every query block that sees it; written once, no atomics. With HEAD_SPLITS > 1 (a launch with too
     few KV blocks to fill the GPU, e.g. MQA) the group's heads are shared out among HEAD_SPLITS programs, and each
     writes an fp32 partial at head index kv_head * HEAD_SPLITS + part of DK/DV, which the launcher sums."""
-    pid_n = tl.program_id(0)
-    pid_h = tl.program_id(1)
+    # One program per (KV block, KV head share, batch) in schedule.ranked order: causal ones heaviest first (the
+    # first KV blocks are seen by the most queries).
+    n_kb = tl.cdiv(N, BLOCK_N)
+    pid_n, hb = ranked(tl.program_id(0), n_kb, tl.num_programs(0) // n_kb, bucket)
+    shares = H_Q // GROUP_SIZE * HEAD_SPLITS  # (KV head, share of its group) pairs per sequence
+    pid_h = hb % shares
     kv_head = pid_h // HEAD_SPLITS
-    batch = tl.program_id(2).to(tl.int64)
+    batch = (hb // shares).to(tl.int64)
     start_n = pid_n * BLOCK_N
     offs_n = start_n + tl.arange(0, BLOCK_N)
     offs_m = tl.arange(0, BLOCK_M)
@@ -453,7 +462,7 @@ def _flash_bwd_dq_kernel(
     stride_dqb, stride_dqh, stride_dqm, stride_dqd,
     stride_ob, stride_oh, stride_om, stride_od,
     stride_gb, stride_gh, stride_gm,
-    M, N, H_Q, scale, qk_scale,
+    M, N, H_Q, bucket, scale, qk_scale,
     D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DK2: tl.constexpr, SPLIT_DK: tl.constexpr,
     BLOCK_DV: tl.constexpr, GROUP_SIZE: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, INTERPRET: tl.constexpr,
@@ -463,9 +472,12 @@ def _flash_bwd_dq_kernel(
     rowsum(dO * Out) - dlse (fp32, contiguous (B, H_q, M)), which the dK/dV kernel then reads: dO is loaded here
     anyway, and one launch fewer is one host-side launch fewer per backward. The lse gradient folds in because
     d lse / d S = P: it adds P * dlse to dS, the same as subtracting dlse from delta."""
-    pid_m = tl.num_programs(0) - 1 - tl.program_id(0) if CAUSAL else tl.program_id(0)
-    head = tl.program_id(1)
-    batch = tl.program_id(2).to(tl.int64)
+    n_m = tl.cdiv(M, BLOCK_M)
+    pid_m, hb = ranked(tl.program_id(0), n_m, tl.num_programs(0) // n_m, bucket)  # as the forward
+    if CAUSAL:
+        pid_m = n_m - 1 - pid_m
+    head = hb % H_Q
+    batch = (hb // H_Q).to(tl.int64)
     kv_head = head // GROUP_SIZE
     head = head.to(tl.int64)
     start_m = pid_m * BLOCK_M
@@ -745,10 +757,10 @@ def _forward(q, k, v, scale: float | None, causal: bool, out=None, lse=None):
 
     def launch(cfg):
         block_m, block_n, warps, stages = cfg
-        grid = (triton.cdiv(s_q, block_m), h_q, b)
-        _flash_fwd_kernel[grid](
+        n_m = triton.cdiv(s_q, block_m)
+        _flash_fwd_kernel[(n_m * h_q * b,)](
             q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
-            s_q, s_kv, sm_scale * LOG2E,
+            s_q, s_kv, h_q, bucket_size(n_m, h_q // h_kv, causal), sm_scale * LOG2E,
             D_QK=d_qk, D_V=d_v, **_qk_blocks(d_qk), BLOCK_DV=_head_block(d_v),
             GROUP_SIZE=h_q // h_kv, CAUSAL=causal, PRECISION=_precision(q.dtype), INTERPRET=_checks.interpreting(),
             BLOCK_M=block_m, BLOCK_N=block_n, USE_TMA=use_tma, num_warps=warps, num_stages=stages,
@@ -801,9 +813,10 @@ def _backward(q, k, v, out, lse, do, scale: float | None, causal: bool, dlse=Non
         if splits > 1:  # fp32 partials, one per share of the group's heads: (B, H_kv * splits, S_kv, D)
             dk_out = torch.empty((b, h_kv * splits, s_kv, d_qk), device=q.device, dtype=torch.float32)
             dv_out = torch.empty((b, h_kv * splits, s_kv, d_v), device=q.device, dtype=torch.float32)
-        _flash_bwd_dkdv_kernel[(triton.cdiv(s_kv, block_n), h_kv * splits, b)](
+        n_kb = triton.cdiv(s_kv, block_n)
+        _flash_bwd_dkdv_kernel[(n_kb * h_kv * splits * b,)](
             q, k, v, do, lse, delta, dk_out, dv_out, *qkv_strides, *dk_out.stride(), *dv_out.stride(),
-            s_q, s_kv, h_q, sm_scale, sm_scale * LOG2E, **common,
+            s_q, s_kv, h_q, bucket_size(n_kb, h_q // h_kv, causal), sm_scale, sm_scale * LOG2E, **common,
             BLOCK_M=block_m, BLOCK_N=block_n, USE_TMA=tma_dkdv, HEAD_SPLITS=splits, num_warps=warps,
             num_stages=stages,
         )
@@ -815,9 +828,10 @@ def _backward(q, k, v, out, lse, do, scale: float | None, causal: bool, dlse=Non
 
     def launch_dq(cfg):
         block_m, block_n, warps, stages = cfg
-        _flash_bwd_dq_kernel[(triton.cdiv(s_q, block_m), h_q, b)](
+        n_m = triton.cdiv(s_q, block_m)
+        _flash_bwd_dq_kernel[(n_m * h_q * b,)](
             q, k, v, do, lse, delta, dq, out, dlse_arg, *qkv_strides, *dq.stride(), *out.stride(), *dlse_arg.stride(),
-            s_q, s_kv, h_q, sm_scale, sm_scale * LOG2E, **common,
+            s_q, s_kv, h_q, bucket_size(n_m, h_q // h_kv, causal), sm_scale, sm_scale * LOG2E, **common,
             BLOCK_M=block_m, BLOCK_N=block_n, USE_TMA=tma_dq, HAS_DLSE=dlse is not None, num_warps=warps,
             num_stages=stages,
         )

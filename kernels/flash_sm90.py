@@ -73,6 +73,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernels import _checks
 from kernels.decode import LOG2E, num_sms
+from kernels.schedule import bucket_size, ranked
 
 ROWS_PER_CONSUMER = 64  # query rows per consumer warpgroup: the M of one wgmma
 ROWS = gl.constexpr(ROWS_PER_CONSUMER)
@@ -98,16 +99,14 @@ MIN_KEYS = {
 
 
 @gluon.jit
-def _tile(t, n_m, H, M, N, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
-    """Tile t of the persistent schedule: (batch, head, first query row, key blocks, unmasked key blocks). Tiles
-    are numbered query block fastest within each (head, batch), so tiles that run side by side read the same K/V
-    (from L2); causal ones from the last query block (which sees the most keys) down, so the lightest tiles of the
-    last heads fill the tail."""
+def _tile(t, n_tiles, n_m, bucket, H, M, N, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Tile t of the persistent schedule: (batch, head, first query row, key blocks, unmasked key blocks), in
+    `schedule.ranked` order with query blocks as ranks. Causal ranks count from the last query block (which sees
+    the most keys) down, so the lightest tiles fill the tail; heads of a KV group are neighbouring pairs."""
     BLOCK_M: gl.constexpr = CONSUMERS * ROWS
-    hb = t // n_m
+    pid_m, hb = ranked(t, n_m, n_tiles // n_m, bucket)
     head = hb % H
     batch = hb // H
-    pid_m = t % n_m
     if CAUSAL:
         pid_m = n_m - 1 - pid_m
     start_m = pid_m * BLOCK_M
@@ -164,7 +163,7 @@ def _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, g, batch
 @gluon.jit
 def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, kv_free,
             tile_smem, tile_ready, tile_free, counter_ptr,
-            n_tiles, n_m, H, M, N, GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+            n_tiles, n_m, bucket, H, M, N, GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
             STAGES: gl.constexpr):
     """One warp: for each tile, each consumer's Q rows, then K and V of every key block into the ring. Key block
     number g (counted over all of the program's tiles) goes into stage g % STAGES once every consumer has released
@@ -174,7 +173,7 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_r
     t = gl.program_id(0)
     while t < n_tiles:
         _publish(tile_smem, tile_ready, tile_free, tc, t)
-        batch, head, start_m, n_blocks, n_unmasked = _tile(t, n_m, H, M, N, CAUSAL, BLOCK_N)
+        batch, head, start_m, n_blocks, n_unmasked = _tile(t, n_tiles, n_m, bucket, H, M, N, CAUSAL, BLOCK_N)
         kv_head = head // GROUP_SIZE
         for c in gl.static_range(CONSUMERS):
             mbarrier.wait(q_free.index(c), (tc & 1) ^ 1, pred=tc > 0)
@@ -243,7 +242,7 @@ def _step(q, k_smem, v_smem, k_ready, v_ready, kv_free, p, p_op, acc, m_i, l_i, 
 def _consumer(q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, kv_free, tile_smem, tile_ready, tile_free,
               out_ptr, lse_ptr,
               stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
-              n_tiles, n_m, H, M, N, qk_scale,
+              n_tiles, n_m, bucket, H, M, N, qk_scale,
               WG: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
               STAGES: gl.constexpr):
     """One warpgroup: for each tile, the online softmax over its key blocks for query rows
@@ -261,7 +260,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, kv_free
     tc = 0
     t = _receive(tile_smem, tile_ready, tile_free, 0)
     while t < n_tiles:
-        batch, head, start_m, n_blocks, n_unmasked = _tile(t, n_m, H, M, N, CAUSAL, BLOCK_N)
+        batch, head, start_m, n_blocks, n_unmasked = _tile(t, n_tiles, n_m, bucket, H, M, N, CAUSAL, BLOCK_N)
         start_m = start_m + WG * ROWS
         mbarrier.wait(q_ready.index(WG), tc & 1)
         m_i = gl.full([ROWS], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
@@ -314,7 +313,7 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, kv_free
 def _flash_fwd_sm90_kernel(
     q_desc, k_desc, v_desc, out_ptr, lse_ptr, counter_ptr,
     stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
-    n_tiles, n_m, H, M, N, qk_scale,
+    n_tiles, n_m, bucket, H, M, N, qk_scale,
     GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
     STAGES: gl.constexpr,
 ):
@@ -351,13 +350,13 @@ def _flash_fwd_sm90_kernel(
         (_consumer, (q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, kv_free, tile_smem, tile_ready,
                      tile_free, out_ptr, lse_ptr,
                      stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
-                     n_tiles, n_m, H, M, N, qk_scale, gl.constexpr(0), CAUSAL, BLOCK_N, D, STAGES)),
+                     n_tiles, n_m, bucket, H, M, N, qk_scale, gl.constexpr(0), CAUSAL, BLOCK_N, D, STAGES)),
         (_consumer, (q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, kv_free, tile_smem, tile_ready,
                      tile_free, out_ptr, lse_ptr,
                      stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
-                     n_tiles, n_m, H, M, N, qk_scale, gl.constexpr(1), CAUSAL, BLOCK_N, D, STAGES)),
+                     n_tiles, n_m, bucket, H, M, N, qk_scale, gl.constexpr(1), CAUSAL, BLOCK_N, D, STAGES)),
         (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, kv_free,
-                   tile_smem, tile_ready, tile_free, counter_ptr, n_tiles, n_m, H, M, N, GROUP_SIZE, CAUSAL,
+                   tile_smem, tile_ready, tile_free, counter_ptr, n_tiles, n_m, bucket, H, M, N, GROUP_SIZE, CAUSAL,
                    BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
@@ -444,7 +443,7 @@ def forward(q, k, v, out, lse, qk_scale: float, causal: bool, config=None):
     grid = (min(n_tiles, num_sms(q.device)),)
     _flash_fwd_sm90_kernel[grid](
         _descriptor(q, ROWS_PER_CONSUMER), _descriptor(k, block_n), _descriptor(v, block_n), out, lse, counter,
-        *out.stride(), *lse.stride(), n_tiles, n_m, h_q, s_q, s_kv, qk_scale,
+        *out.stride(), *lse.stride(), n_tiles, n_m, bucket_size(n_m, h_q // h_kv, causal), h_q, s_q, s_kv, qk_scale,
         GROUP_SIZE=h_q // h_kv, CAUSAL=causal, BLOCK_N=block_n, D=d, STAGES=stages, num_warps=4,
     )
 
@@ -561,14 +560,17 @@ def _flash_bwd_dkdv_sm90_kernel(
     q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
     stride_lb, stride_lh, stride_lm, stride_db, stride_dh, stride_dm,
     stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
-    M, N, sm_scale, qk_scale,
+    M, N, H_KV, bucket, sm_scale, qk_scale,
     GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr,
     STAGES: gl.constexpr,
 ):
-    """One program per (128 key rows, KV head, batch)."""
-    start_n = gl.program_id(0) * (CONSUMERS * ROWS)
-    kv_head = gl.program_id(1)
-    batch = gl.program_id(2)
+    """One program per (128 key rows, KV head, batch), in `schedule.ranked` order (causal: the first key blocks,
+    which every later query reads, are the heaviest)."""
+    n_kb = gl.cdiv(N, CONSUMERS * ROWS)
+    r, hb = ranked(gl.program_id(0), n_kb, gl.num_programs(0) // n_kb, bucket)
+    start_n = r * (CONSUMERS * ROWS)
+    kv_head = hb % H_KV
+    batch = hb // H_KV
     n_m = gl.cdiv(M, BLOCK_M)
     if CAUSAL:  # query blocks wholly before the program's first key see none of its keys
         m_start = gl.maximum(start_n - (N - M), 0) // BLOCK_M
@@ -617,12 +619,12 @@ def backward_dkdv(q, k, v, do, lse, delta, dk, dv, sm_scale: float, causal: bool
     b, h_q, s_q, d = q.shape
     h_kv, s_kv = k.shape[1], k.shape[2]
     block_m, stages = config or (BWD_BLOCK_M, BWD_STAGES)
-    grid = (triton.cdiv(s_kv, PROGRAM_ROWS), h_kv, b)
-    _flash_bwd_dkdv_sm90_kernel[grid](
+    n_kb = triton.cdiv(s_kv, PROGRAM_ROWS)
+    _flash_bwd_dkdv_sm90_kernel[(n_kb * h_kv * b,)](
         _descriptor(q, block_m), _descriptor(do, block_m), _descriptor(k, PROGRAM_ROWS), _descriptor(v, PROGRAM_ROWS),
         lse, delta, dk, dv,
         *lse.stride(), *delta.stride(), *dk.stride(), *dv.stride(),
-        s_q, s_kv, sm_scale, sm_scale * LOG2E,
+        s_q, s_kv, h_kv, bucket_size(n_kb, h_q // h_kv, causal), sm_scale, sm_scale * LOG2E,
         GROUP_SIZE=h_q // h_kv, CAUSAL=causal, BLOCK_M=block_m, D=d, STAGES=stages, num_warps=4,
     )
 
@@ -722,15 +724,19 @@ def _flash_bwd_dq_sm90_kernel(
     q_desc, do_desc, k_desc, v_desc, out_ptr, lse_ptr, dlse_ptr, delta_ptr, dq_ptr,
     stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
     stride_gb, stride_gh, stride_gm, stride_qb, stride_qh, stride_qm, stride_qd,
-    M, N, H, sm_scale, qk_scale,
+    M, N, H, bucket, sm_scale, qk_scale,
     GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, HAS_DLSE: gl.constexpr, BLOCK_N: gl.constexpr,
     D: gl.constexpr, STAGES: gl.constexpr,
 ):
-    """One program per (128 query rows, query head, batch); causal programs heaviest first."""
+    """One program per (128 query rows, query head, batch), in `schedule.ranked` order (causal: the last query
+    blocks, which read the most keys, are the heaviest)."""
     BLOCK_M: gl.constexpr = CONSUMERS * ROWS
-    pid_m = gl.num_programs(0) - 1 - gl.program_id(0) if CAUSAL else gl.program_id(0)
-    head = gl.program_id(1)
-    batch = gl.program_id(2)
+    n_m = gl.cdiv(M, BLOCK_M)
+    pid_m, hb = ranked(gl.program_id(0), n_m, gl.num_programs(0) // n_m, bucket)
+    if CAUSAL:
+        pid_m = n_m - 1 - pid_m
+    head = hb % H
+    batch = hb // H
     kv_head = head // GROUP_SIZE
     start_m = pid_m * BLOCK_M
     n_blocks, n_unmasked = _key_blocks(start_m, M, N, CAUSAL, BLOCK_M, BLOCK_N)
@@ -778,12 +784,12 @@ def backward_dq(q, k, v, out, do, lse, dlse, delta, dq, sm_scale: float, causal:
     b, h_q, s_q, d = q.shape
     h_kv, s_kv = k.shape[1], k.shape[2]
     dlse_arg = dlse if dlse is not None else lse
-    grid = (triton.cdiv(s_q, PROGRAM_ROWS), h_q, b)
-    _flash_bwd_dq_sm90_kernel[grid](
+    n_m = triton.cdiv(s_q, PROGRAM_ROWS)
+    _flash_bwd_dq_sm90_kernel[(n_m * h_q * b,)](
         _descriptor(q, ROWS_PER_CONSUMER), _descriptor(do, ROWS_PER_CONSUMER), _descriptor(k, DQ_BLOCK_N),
         _descriptor(v, DQ_BLOCK_N), out, lse, dlse_arg, delta, dq,
         *out.stride(), *lse.stride(), *dlse_arg.stride(), *dq.stride(),
-        s_q, s_kv, h_q, sm_scale, sm_scale * LOG2E,
+        s_q, s_kv, h_q, bucket_size(n_m, h_q // h_kv, causal), sm_scale, sm_scale * LOG2E,
         GROUP_SIZE=h_q // h_kv, CAUSAL=causal, HAS_DLSE=dlse is not None, BLOCK_N=DQ_BLOCK_N, D=d,
         STAGES=DQ_STAGES, num_warps=4,
     )

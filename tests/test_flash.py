@@ -10,11 +10,14 @@ import math
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 from conftest import DEVICE, KERNEL_DTYPES, assert_close, compile_gluon_sm90, setmaxnreg_counts, spill_bytes
 
 from kernels import flash_gqa_attention, flash_gqa_backward, flash_gqa_forward
 from kernels.flash import _backward, _forward
 from kernels.reference import attention_reference
+from kernels.schedule import bucket_size, ranked
 
 # (B, H_q, H_kv, S_q, S_kv, D_qk, D_v, causal). Every S in {1, 17, 63, 65, 130}, D in {32, 48, 64, 80, 128},
 # group sizes 1, 2, 3, 4 and MQA, D_qk != D_v (MLA's 192/128 included), S_q < S_kv, causal and not appear.
@@ -39,6 +42,8 @@ CASES = [
     # key blocks than its ring has stages, the causal diagonal inside the sequence, S_q < S_kv.
     (1, 4, 2, 200, 520, 128, 128, True),
     (1, 2, 1, 130, 600, 128, 128, False),
+    # Group 8, causal: the launch order puts every pair's heaviest blocks first (kernels/schedule.py, buckets of one).
+    (2, 8, 1, 130, 130, 128, 128, True),
 ]
 
 
@@ -88,6 +93,34 @@ def test_forward_backward_matches_reference(case, dtype):
     assert_close(dq, ref_dq, dtype, "dq", grad=True)
     assert_close(dk, ref_dk, dtype, "dk", grad=True)
     assert_close(dv, ref_dv, dtype, "dv", grad=True)
+
+
+@triton.jit
+def _ranked_probe(out_ptr, n_r, n_pairs, bucket):
+    r, pair = ranked(tl.program_id(0), n_r, n_pairs, bucket)
+    tl.store(out_ptr + 2 * tl.program_id(0), r)
+    tl.store(out_ptr + 2 * tl.program_id(0) + 1, pair)
+
+
+@pytest.mark.parametrize("n_r,n_pairs,bucket", [(8, 3, 8), (8, 3, 1), (7, 5, 2), (32, 4, 3), (5, 6, 8)])
+def test_launch_order(n_r, n_pairs, bucket):
+    """schedule.ranked numbers every (rank, pair) once; buckets of ranks in increasing order, each pair's ranks of
+    a bucket side by side; one bucket of n_r (or more) is the plain rank-fastest order."""
+    got = torch.full((n_r * n_pairs, 2), -1, device=DEVICE, dtype=torch.int32)
+    _ranked_probe[(n_r * n_pairs,)](got, n_r, n_pairs, bucket)
+    order = [tuple(x) for x in got.tolist()]
+    assert sorted(order) == [(r, p) for r in range(n_r) for p in range(n_pairs)], "not a permutation"
+    buckets = [r // bucket for r, _ in order]
+    assert buckets == sorted(buckets), "buckets out of order"
+    for i in range(1, len(order)):  # inside a bucket: pair-major, rank fastest
+        (r0, p0), (r1, p1) = order[i - 1], order[i]
+        if r0 // bucket == r1 // bucket:
+            assert (p1, r1) > (p0, r0), (i, order[i - 1], order[i])
+    if bucket >= n_r:
+        assert order == [(r, p) for p in range(n_pairs) for r in range(n_r)]
+    assert bucket_size(10, 4, causal=False) == 10
+    assert [bucket_size(10, g, causal=True) for g in (1, 2, 4, 8, 16)] == [10, 4, 2, 1, 1]
+    assert bucket_size(3, 2, causal=True) == 3
 
 
 def test_qk_head_dim_tiling():
