@@ -287,6 +287,7 @@ def main():
                    for s in (1024, 8192, 65536)]
         paged = [(b, s, 8, 128, p, r) for b, s in ((1, 65536), (64, 8192), (8, 32768), (128, 4096))
                  for p in (16, 64) for r in (False, True)]
+        paged += [(64, 8192, 1, 128, p, r) for p in (16, 64) for r in (False, True)]  # MQA: the widest head tile
         mla = [(b, h, n, p) for h in (16, 128) for b, n in ((16, 8192), (64, 8192), (64, 32768), (128, 4096))
                for p in (0, 16, 64)]
     sections = args.sections.split(",")
