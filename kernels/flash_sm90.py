@@ -26,6 +26,8 @@ Forward (`forward`):
   as the A operand of the P V wgmma.
 - causal masking: blocks wholly above the diagonal are never loaded; only blocks on the diagonal or past the
   sequence end are masked (a runtime branch per block), with one compare per score against a per-row limit.
+- launch order (forward tiles and both backward grids): kernels/schedule.py, causal blocks heaviest first in
+  buckets that keep a KV group's programs together.
 
 Backward, two launches with the same roles (a loader warp, two consumer warpgroups of 64 rows):
 - `backward_dq`: per 128 query rows, delta = rowsum(dO * Out) - dlse first (for the dK/dV kernel), then per

@@ -118,6 +118,10 @@ def test_launch_order(n_r, n_pairs, bucket):
             assert (p1, r1) > (p0, r0), (i, order[i - 1], order[i])
     if bucket >= n_r:
         assert order == [(r, p) for p in range(n_pairs) for r in range(n_r)]
+
+
+def test_launch_bucket_rule():
+    """Full attention and MHA keep one bucket; a KV group of g heads gets buckets of 8 // g ranks, at most n_r."""
     assert bucket_size(10, 4, causal=False) == 10
     assert [bucket_size(10, g, causal=True) for g in (1, 2, 4, 8, 16)] == [10, 4, 2, 1, 1]
     assert bucket_size(3, 2, causal=True) == 3
