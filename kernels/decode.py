@@ -39,6 +39,7 @@ the arithmetic are the same in both places.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 
@@ -240,6 +241,14 @@ def _combine_splits_kernel(
 @functools.cache
 def _sm_count(device_index: int) -> int:
     return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def device_guard(t: torch.Tensor):
+    """Launch on t's GPU: a device switch only when it is not the current one (the switch costs microseconds on
+    every call, and a training step makes dozens)."""
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
 
 
 def num_sms(device: torch.device) -> int:

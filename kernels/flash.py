@@ -57,7 +57,6 @@ The same kernels run on CPU tensors under TRITON_INTERPRET=1: loop bounds are co
 integer arguments, and `_bound` hands them to the interpreter as the Python ints its `range` needs.
 """
 
-import contextlib
 import functools
 import math
 import os
@@ -67,7 +66,7 @@ import triton
 import triton.language as tl
 
 from kernels import _checks
-from kernels.decode import num_sms
+from kernels.decode import device_guard, num_sms
 from kernels.schedule import bucket_size, ranked
 
 try:
@@ -656,14 +655,6 @@ def _capability(device_index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(device_index)
 
 
-def _device_guard(t: torch.Tensor):
-    """Launch on t's GPU: a device switch only when it is not the current one (the switch costs microseconds on
-    every call, and a training step makes dozens)."""
-    if t.is_cuda and t.device.index != torch.cuda.current_device():
-        return torch.cuda.device(t.device)
-    return contextlib.nullcontext()
-
-
 @functools.cache
 def _head_block(d: int) -> int:
     return max(16, triton.next_power_of_2(d))
@@ -750,7 +741,7 @@ def _forward(q, k, v, scale: float | None, causal: bool, out=None, lse=None):
         return out, lse
     # Hopper, fp16/bf16, D = 128: the warp-specialized Gluon kernel (kernels/flash_sm90.py).
     if flash_sm90 is not None and flash_sm90.supports(q, k, v):
-        with _device_guard(q):
+        with device_guard(q):
             flash_sm90.forward(q, k, v, out, lse, sm_scale * LOG2E, causal)
         return out, lse
     use_tma = _use_tma(False, k, v)
@@ -766,7 +757,7 @@ def _forward(q, k, v, scale: float | None, causal: bool, out=None, lse=None):
             BLOCK_M=block_m, BLOCK_N=block_n, USE_TMA=use_tma, num_warps=warps, num_stages=stages,
         )
 
-    with _device_guard(q):
+    with device_guard(q):
         cfg = _pick_config("fwd", q, d_qk, d_v, causal, s_q, s_kv, use_tma, launch)
         launch(cfg)
     return out, lse
@@ -844,7 +835,7 @@ def _backward(q, k, v, out, lse, do, scale: float | None, causal: bool, dlse=Non
     sm90_dkdv = sm90 and (
         mode == "force"
         or _head_splits(triton.cdiv(s_kv, flash_sm90.PROGRAM_ROWS) * h_kv * b, h_q // h_kv, q.device) == 1)
-    with _device_guard(q):
+    with device_guard(q):
         if sm90:
             flash_sm90.backward_dq(q, k, v, out, do, lse, dlse, delta, dq, sm_scale, causal)
         else:

@@ -188,7 +188,7 @@ def _launch_mla(q_absorbed, q_rope, c_kv, k_rope, block_table, seq_lens, scale: 
         part_o = _decode.new_empty((batch, h, num_splits, d_c), out.device, torch.float32)
         part_lse = _decode.new_empty((batch, h, num_splits), out.device, torch.float32)
     if sm90:
-        with torch.cuda.device(q_absorbed.device):
+        with _decode.device_guard(q_absorbed):
             mla_sm90.launch(q_absorbed, q_rope, c_kv, k_rope, seq_lens, part_o, part_lse, scale, num_splits,
                             block_table=block_table if paged else None)
     else:
