@@ -140,15 +140,27 @@ def bench_paged(shapes, copy_tbps: float) -> list[dict]:
         v_pages = torch.empty_like(k_pages)
         v_pages[table.long()] = v.reshape(b, h_kv, s // page_size, page_size, d).permute(0, 2, 3, 1, 4)
         out, _ = paged_grouped_decode(q, k_pages, v_pages, table, lens, scale=scale)
+        hopper = decode_mod._sm90_supports(q, k_pages, v_pages, None)
         picks = sample_rows(b)
         check(f"paged B{b} S{s} page{page_size}", out[picks], ref_decode_rows(q, k, v, lens, scale, picks))
         t_paged = graph_ms(lambda: paged_grouped_decode(q, k_pages, v_pages, table, lens, scale=scale,
                                                         validate=False))
         t_contig = graph_ms(lambda: grouped_decode(q, k, v, lens, scale=scale, validate=False))
         read = 2 * int(lens.sum()) * h_kv * d * DTYPE.itemsize
-        rows.append(dict(B=b, S=s, H_kv=h_kv, D=d, page=page_size, lens="ragged" if ragged else "full",
-                         us=1e3 * t_paged, GBps=read / t_paged / 1e6, contig_GBps=read / t_contig / 1e6,
-                         x_contig=t_contig / t_paged))
+        row = dict(B=b, S=s, H_kv=h_kv, D=d, page=page_size, lens="ragged" if ragged else "full",
+                   splits=decode_mod.grouped_num_splits(b, h_q, h_kv, s, d, d, DTYPE.itemsize, q.device, True,
+                                                        hopper),
+                   us=1e3 * t_paged, GBps=read / t_paged / 1e6, contig_GBps=read / t_contig / 1e6,
+                   x_contig=t_contig / t_paged)
+        if hopper:  # the Hopper kernel ran: the Triton paged kernel beside it, at its own automatic split (the lever)
+            with env("ZOO_DECODE_SM90", "0"):
+                check(f"paged B{b} S{s} page{page_size} (Triton)", paged_grouped_decode(
+                    q, k_pages, v_pages, table, lens, scale=scale)[0][picks], ref_decode_rows(q, k, v, lens, scale,
+                                                                                              picks))
+                t_triton = graph_ms(lambda: paged_grouped_decode(q, k_pages, v_pages, table, lens, scale=scale,
+                                                                 validate=False))
+            row.update(triton_GBps=read / t_triton / 1e6, triton_x_contig=t_contig / t_triton)
+        rows.append(row)
         print(rows[-1], flush=True)
     return rows
 
@@ -303,7 +315,8 @@ def main():
                              "best_fixed", "auto_vs_best"])
     if p_rows:
         print()
-        print_table(p_rows, ["B", "S", "H_kv", "D", "page", "lens", "us", "GBps", "contig_GBps", "x_contig"])
+        print_table(p_rows, ["B", "S", "H_kv", "D", "page", "lens", "splits", "us", "GBps", "contig_GBps", "x_contig",
+                             "triton_GBps", "triton_x_contig"])
     if m_rows:
         print()
         print_table(m_rows, ["B", "H", "N", "page", "us", "TBps", "TFLOPs", "triton_TBps", "triton_TFLOPs",

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import heapq
 import math
 
 import torch
@@ -358,10 +359,18 @@ def _block_h(group: int) -> int:
 
 
 def grouped_num_splits(batch: int, h_q: int, h_kv: int, capacity: int, d_qk: int, d_v: int, itemsize: int,
-                       device: torch.device, paged: bool = False) -> int:
-    """The split count grouped and paged decode use with num_splits=None (d_qk includes a RoPE part)."""
+                       device: torch.device, paged: bool = False, sm90: bool = False) -> int:
+    """The split count grouped and paged decode use with num_splits=None (d_qk includes a RoPE part); sm90: a
+    paged launch of the Hopper kernel (kernels/decode_sm90.py), which `ragged_num_splits` models."""
     group = h_q // h_kv
     block_h = _block_h(group)
+    if sm90:
+        block_n = _sm90().CONFIGS[d_qk][0]
+        tile_flops = 2 * max(64, block_h) * block_n * (d_qk + d_v)
+        return ragged_num_splits(batch, h_kv * triton.cdiv(group, block_h), capacity, block_n,
+                                 block_n * (d_qk + d_v) * itemsize, max(1e-6, tile_flops / 2e12),
+                                 batch * h_q * (d_v + 1) * 4,
+                                 num_sms(device) * max(1, SMEM_PER_SM // _sm90().shared_bytes(d_qk, itemsize)))
     block_n = _tile_config(d_qk, d_v, itemsize, paged)[0]
     tile_bytes = block_n * (d_qk + d_v) * itemsize
     tile_flops = 2 * max(64, block_h) * block_n * (d_qk + d_v)
@@ -369,6 +378,79 @@ def grouped_num_splits(batch: int, h_q: int, h_kv: int, capacity: int, d_qk: int
     slots = num_sms(device) * programs_per_sm(d_qk, d_v, itemsize, paged)
     return auto_num_splits(batch * h_kv * triton.cdiv(group, block_h), triton.cdiv(capacity, block_n), tile_bytes,
                            tile_seconds(tile_flops, paged), partial_bytes, slots)
+
+
+@functools.lru_cache(maxsize=256)  # a pure function of the shapes; the simulation takes milliseconds
+def ragged_num_splits(batch: int, heads: int, capacity: int, block_n: int, tile_bytes: int, tile_time: float,
+                      partial_bytes: int, slots: int) -> int:
+    """Split count for a paged launch of the Hopper kernel: the one whose launch time, simulated for a full-length
+    batch and for a ragged one, is worst off against the best split of each by the least (minimax regret).
+
+    A paged cache is what a server uses for ragged batches, and the lengths' values never enter (the launch can be
+    captured in a CUDA graph), so the split must serve both kinds: on the H200 a full-length batch of 64 x 8K
+    tokens (H_kv 8) runs fastest unsplit, the same batch with lengths spread over [S/8, S] with four splits, 8%
+    ahead of one. The simulation (`_simulate`) runs the launch's programs (heads per sequence x splits, in grid
+    order) on `slots` at once, sharing the bandwidth; the ragged batch spreads its lengths evenly over
+    [capacity/8, capacity] in a scrambled order. Each split adds the combine: a launch and the partials' traffic
+    (partial_bytes per split, written and read). Fitted to an H200 sweep of every power-of-two split on 20 paged
+    shapes (2026-11-30, benchmarks/RESULTS.md): within 4% of the best split on 18, and 5-6% on the other two (MQA
+    B64 S8K full-length, where two splits are best and the ragged batch needs four: one of the two loses 5-8%
+    whichever is picked)."""
+    bandwidth, combine_latency = 4e12, 4e-6
+    full = [capacity] * batch
+    ragged = [int(capacity / 8 + capacity * 7 / 8 * ((i * 0.6180339887) % 1.0)) for i in range(batch)]
+    times = {}
+    for splits in SPLIT_CHOICES:
+        if splits > 1 and (splits > triton.cdiv(capacity, block_n) or batch * heads * splits > 64 * slots):
+            break  # never more splits than tiles, nor more than 64 waves of programs
+        combine = combine_latency + 2 * partial_bytes * splits / bandwidth if splits > 1 else 0.0
+        times[splits] = [_simulate(lens, heads, splits, block_n, tile_bytes, tile_time, slots, bandwidth) + combine
+                         for lens in (full, ragged)]
+    best = [min(t[i] for t in times.values()) for i in range(2)]
+    return min(times, key=lambda n: max(times[n][i] / best[i] for i in range(2)))
+
+
+def _simulate(lengths: list[int], heads: int, splits: int, block_n: int, tile_bytes: int, tile_time: float,
+              slots: int, bandwidth: float) -> float:
+    """Seconds one decode launch takes, as processor sharing: `slots` programs run at once, started in grid order
+    as others finish; n running programs each read min(1 / tile_time, bandwidth / (n * tile_bytes)) tiles per
+    second, and each program costs one tile more than it reads (its start and its stores)."""
+    work = []
+    for n in lengths:
+        chunk = triton.cdiv(triton.cdiv(n, splits), block_n) * block_n
+        for split in range(splits):
+            tiles = triton.cdiv(max(0, min(chunk, n - split * chunk)), block_n)
+            work += [tiles + 1] * heads
+    # All running programs advance at the same rate, so each one's finish is a point on a shared progress axis.
+    now, progress, started, running = 0.0, 0.0, 0, []
+    while started < len(work) and len(running) < slots:
+        heapq.heappush(running, progress + work[started])
+        started += 1
+    while running:
+        rate = min(1 / tile_time, bandwidth / (len(running) * tile_bytes))
+        done = heapq.heappop(running)
+        now += (done - progress) / rate
+        progress = done
+        if started < len(work):
+            heapq.heappush(running, progress + work[started])
+            started += 1
+    return now
+
+
+@functools.cache
+def _sm90():
+    """kernels/decode_sm90.py (the Hopper paged kernel), imported on first use: it imports flash_sm90, which
+    imports this module."""
+    from kernels import decode_sm90
+
+    return decode_sm90
+
+
+def _sm90_supports(q, k_pages, v_pages, q_rope) -> bool:
+    try:
+        return _sm90().supports(q, k_pages, v_pages, q_rope)
+    except ImportError:  # pragma: no cover  (a Triton build without Gluon: the Triton kernel runs everywhere)
+        return False
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -389,13 +471,20 @@ def _launch_decode(q, k, v, q_rope, k_rope, block_table, seq_lens, scale: float,
     group = h_q // h_kv
     block_h = _block_h(group)
     head_tiles = h_kv * triton.cdiv(group, block_h)
-    block_n, warps, stages = _tile_config(d_qk + d_rope, d_v, k.element_size(), paged)
-    if config is not None:  # the tuning sweeps (benchmarks/bench_decode.py --tune) pass their own
-        block_n, warps, stages = config["BLOCK_N"], config["num_warps"], config["num_stages"]
+    # Paged on Hopper, fp16/bf16, D 64 or 128 without RoPE: the TMA-fed Gluon kernel (kernels/decode_sm90.py). The
+    # tuning sweeps pass their own config: {"sm90": (BLOCK_N, STAGES)} for it, else the Triton kernel's BLOCK_N,
+    # num_warps and num_stages.
+    sm90 = paged and (config is None or "sm90" in config) and _sm90_supports(q, k, v, q_rope)
+    if sm90:
+        block_n = (config or {}).get("sm90", _sm90().CONFIGS[d_qk])[0]
+    else:
+        block_n, warps, stages = _tile_config(d_qk + d_rope, d_v, k.element_size(), paged)
+        if config is not None:
+            block_n, warps, stages = config["BLOCK_N"], config["num_warps"], config["num_stages"]
     n_tiles = triton.cdiv(capacity, block_n)
     if num_splits is None:
         num_splits = grouped_num_splits(batch, h_q, h_kv, capacity, d_qk + d_rope, d_v, k.element_size(), q.device,
-                                        paged)
+                                        paged, sm90)
     out = new_empty((batch, h_q, d_v), q.device, q.dtype)
     lse = new_empty((batch, h_q), q.device, torch.float32)
     if num_splits == 1:
@@ -403,6 +492,12 @@ def _launch_decode(q, k, v, q_rope, k_rope, block_table, seq_lens, scale: float,
     else:
         part_o = new_empty((batch, h_q, num_splits, d_v), q.device, torch.float32)
         part_lse = new_empty((batch, h_q, num_splits), q.device, torch.float32)
+    if sm90:
+        _sm90().launch(q, k, v, block_table, seq_lens, part_o, part_lse, float(scale) * LOG2E, num_splits, block_h,
+                       (config or {}).get("sm90"))
+        if num_splits > 1:
+            combine_splits(part_o, part_lse, out, lse)
+        return out, lse
     if paged:
         k_strides, v_strides = k.stride(), v.stride()  # (page, slot, head, dim)
         kr_strides = k_rope.stride() if k_rope is not None else (0, 0, 0, 0)

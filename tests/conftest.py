@@ -94,7 +94,7 @@ types = {k: descriptor(**v) if isinstance(v, dict) else v for k, v in spec["type
 const = spec["constants"]
 sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in kernel.arg_names}
 compiled = triton.compile(GluonASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4))
+                          options=dict(num_warps=4, **spec["options"]))
 ptxas = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))[0]
 with tempfile.TemporaryDirectory() as tmp:
     open(os.path.join(tmp, "k.ptx"), "w").write(compiled.asm["ptx"])
@@ -104,11 +104,12 @@ print(json.dumps(dict(ptx=compiled.asm["ptx"], shared=compiled.metadata.shared, 
 """
 
 
-def compile_gluon_sm90(module: str, kernel: str, types: dict, constants: dict) -> dict:
+def compile_gluon_sm90(module: str, kernel: str, types: dict, constants: dict, options: dict | None = None) -> dict:
     """Compile a Gluon kernel for sm_90 on any machine (a subprocess without the interpreter; Gluon has none) and
     assemble it with ptxas: {"ptx", "shared" (bytes), "ptxas" (its -v report: registers, spills, warnings)}.
     `types` maps argument names to Triton signature strings, or a TMA descriptor as {"block": [...], "dtype":
-    "bfloat16"} (its NVMMA layout is the default for that block); arguments not named are i32."""
+    "bfloat16"} (its NVMMA layout is the default for that block); arguments not named are i32. `options` adds
+    compile options (maxnreg) to num_warps=4."""
     import json
     import subprocess
     import sys
@@ -116,7 +117,7 @@ def compile_gluon_sm90(module: str, kernel: str, types: dict, constants: dict) -
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    spec = json.dumps(dict(module=module, kernel=kernel, types=types, constants=constants))
+    spec = json.dumps(dict(module=module, kernel=kernel, types=types, constants=constants, options=options or {}))
     run = subprocess.run([sys.executable, "-c", _COMPILE_GLUON_SM90, spec], capture_output=True, text=True, env=env,
                          cwd=root)
     assert run.returncode == 0, run.stderr[-3000:]

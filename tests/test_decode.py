@@ -161,6 +161,147 @@ def test_paged_matches_contiguous_on_ragged_batch():
     assert_close(lse_p, lse_a, dtype, "paged vs contiguous lse")
 
 
+# The inputs the Hopper kernel (kernels/decode_sm90.py) takes on an H100/H200 in fp16/bf16: D 64 or 128, no RoPE;
+# (B, H_q, H_kv, S_max, D, page_size (0: contiguous), splits (None: automatic)). Group sizes 4, 32 (MQA), 1 and 80
+# (two head tiles, the second one of 16 heads); pages smaller than, equal to and larger than a tile; 300 tokens in
+# one split run several tiles per program. On the CPU the Triton kernel runs them (the interpreter), and on the GPU
+# also with ZOO_DECODE_SM90=0.
+SM90_CASES = [
+    (3, 8, 2, 200, 128, 0, None),
+    (2, 32, 1, 300, 64, 0, 3),
+    (2, 4, 4, 70, 128, 0, 2),
+    (1, 80, 1, 150, 64, 0, None),
+    (3, 8, 2, 200, 128, 8, None),
+    (2, 32, 1, 300, 64, 16, 3),
+    (3, 8, 2, 200, 128, 64, 4),
+    (2, 8, 2, 300, 64, 256, None),
+]
+SM90_KERNELS = ["default", "triton"] if DEVICE == "cuda" else ["default"]
+
+
+def _nan_past_end(pools, table, seq_lens, page_size):
+    """Copies of page pools (num_pages, page_size, H_kv, D) with NaN in every row no sequence uses: unused pages, and
+    each sequence's slots past its length."""
+    used = torch.zeros(pools[0].shape[:2], dtype=torch.bool, device=DEVICE)
+    for b, n in enumerate(seq_lens.tolist()):
+        rows = torch.arange(n, device=DEVICE)
+        used[table[b, rows // page_size].long(), rows % page_size] = True
+    return [p.masked_fill(~used[:, :, None, None], float("nan")) for p in pools]
+
+
+@pytest.mark.parametrize("kernel", SM90_KERNELS)
+@pytest.mark.parametrize("case", SM90_CASES, ids=[f"B{b}-Hq{hq}-Hkv{hkv}-S{s}-D{d}-" + (f"page{p}" if p else "contig")
+                                                  + f"-splits{n or 'Auto'}" for b, hq, hkv, s, d, p, n in SM90_CASES])
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
+def test_decode_never_reads_past_the_end(dtype, case, kernel, monkeypatch):
+    """Every cache row past a sequence's end (and every unused page) holds NaN: a kernel that reads such a row and
+    gives it zero weight returns NaN (0 * NaN), so the output must come from the valid rows alone."""
+    if kernel == "triton":
+        monkeypatch.setenv("ZOO_DECODE_SM90", "0")
+    b, hq, hkv, s, d, page_size, splits = case
+    q = torch.randn(b, hq, d, device=DEVICE, dtype=dtype)
+    k, v = (torch.randn(b, hkv, s, d, device=DEVICE, dtype=dtype) for _ in range(2))
+    seq_lens = ragged_lens(b, s)
+    ref_out, ref_lse = decode_reference(q, k, v, seq_lens, scale=0.1)
+    if page_size:
+        k_pages, v_pages, table = _paged(k, v, page_size)
+        k_pages, v_pages = _nan_past_end((k_pages, v_pages), table, seq_lens, page_size)
+        out, lse = paged_grouped_decode(q, k_pages, v_pages, table, seq_lens, scale=0.1, num_splits=splits)
+    else:
+        past_end = torch.arange(s, device=DEVICE)[None, :] >= seq_lens[:, None]  # (B, S)
+        k, v = (x.masked_fill(past_end[:, None, :, None], float("nan")) for x in (k, v))
+        out, lse = grouped_decode(q, k, v, seq_lens, scale=0.1, num_splits=splits)
+    _check(out, lse, ref_out, ref_lse, dtype, "decode" + (f" page {page_size}" if page_size else ""))
+    if DEVICE == "cuda" and kernel == "default" and page_size:  # the Hopper kernel's inputs on an H100/H200
+        from kernels import decode_sm90
+        assert decode._sm90_supports(q, k_pages, v_pages, None) == decode_sm90.on_hopper(q)
+
+
+def test_sm90_eligibility():
+    """Which paged inputs the Hopper decode kernel takes (on an sm_90 GPU): fp16/bf16, D_qk == D_v in {64, 128}, no
+    RoPE, pools whose slots hold their heads side by side (TMA reads them as (pages, page_size, H_kv * D)).
+    Everything else, and every contiguous cache, runs the Triton kernel."""
+    from kernels.decode_sm90 import eligible
+
+    def inputs(d=128, dv=None, dtype=torch.bfloat16):
+        return (torch.zeros(2, 8, d, dtype=dtype), torch.zeros(6, 16, 2, d, dtype=dtype),
+                torch.zeros(6, 16, 2, dv or d, dtype=dtype))
+
+    assert eligible(*inputs(), None) and eligible(*inputs(64), None)
+    assert eligible(*inputs(dtype=torch.float16), None)
+    assert not eligible(*inputs(dtype=torch.float32), None)
+    assert not eligible(*inputs(96), None) and not eligible(*inputs(128, 64), None)
+    q, k, v = inputs()
+    assert not eligible(q, k, v, torch.zeros(2, 8, 16, dtype=q.dtype)), "a RoPE term"
+    both = torch.zeros(6, 16, 2, 2, 128, dtype=q.dtype)  # K and V interleaved per slot: each pool's heads packed
+    assert eligible(q, both[:, :, 0], both[:, :, 1], None)
+    spread = torch.zeros(6, 16, 2, 256, dtype=q.dtype)[..., :128]  # heads 256 apart: not one row of H_kv * D
+    assert not eligible(q, spread, spread, None)
+    odd = torch.zeros(6, 16, 2 * 128 + 1, dtype=q.dtype)[..., :256].unflatten(2, (2, 128))  # slots 514 bytes apart
+    assert not eligible(q, odd, odd, None)
+
+
+SM90_STRUCTURE = [(128, 8, 1), (128, 16, 4), (128, 64, 2), (128, 256, 1), (64, 16, 1), (64, 128, 4)]
+
+
+@pytest.mark.parametrize("d,page_size,splits", SM90_STRUCTURE,
+                         ids=[f"D{d}-page{p}-splits{n}" for d, p, n in SM90_STRUCTURE])
+def test_sm90_kernel_structure(d, page_size, splits):
+    """The Hopper paged decode kernel (Gluon, no CPU interpreter; its numerics run in the paged cases above on an
+    H100/H200) compiled for sm_90 on any machine, with pages smaller than, equal to and larger than a tile: a
+    loader warp (setmaxnreg 40) with TMA loads, one Q K^T and one P V per tile (m64nBLOCK_N and m64nD wgmma), 128
+    registers per thread at launch and shared memory for two programs per SM, no spills."""
+    import re
+
+    from conftest import compile_gluon_sm90, setmaxnreg_counts, spill_bytes
+
+    from kernels import decode_sm90
+
+    block_n, stages = decode_sm90.CONFIGS[d]
+    rows = min(page_size, block_n)
+    block = [1, rows, d]
+    types = dict(q_ptr="*bf16", k_desc=dict(block=block, dtype="bfloat16"), v_desc=dict(block=block, dtype="bfloat16"),
+                 seq_lens_ptr="*i32", table_ptr="*i32", out_ptr="*bf16" if splits == 1 else "*fp32", lse_ptr="*fp32",
+                 scale_log2="fp32")
+    const = dict(BLOCK_N=block_n, D=d, STAGES=stages, PAGE_SIZE=page_size, PAGE_ROWS=rows)
+    result = compile_gluon_sm90("kernels.decode_sm90", "_grouped_decode_sm90_kernel", types, const,
+                                options=dict(maxnreg=decode_sm90.MAX_REGS))
+    ptx = result["ptx"]
+    assert "40" in setmaxnreg_counts(ptx), setmaxnreg_counts(ptx)
+    assert "cp.async.bulk.tensor" in ptx, "no TMA load"
+    shapes = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)", ptx)
+    assert sorted(shapes) == sorted([f"m64n{block_n}k16"] * (d // 16) + [f"m64n{d}k16"] * (block_n // 16)), shapes
+    assert 2 * result["shared"] <= 228 * 1024 - 2048, f"{result['shared']} bytes: two programs per SM must fit"
+    assert re.search(r"Used (\d+) registers", result["ptxas"]).group(1) == str(decode_sm90.MAX_REGS)
+    spills = spill_bytes(result["ptxas"])
+    assert spills and all(a == 0 and b == 0 for a, b in spills), result["ptxas"]
+
+
+# (B, S, H_kv) -> the split count `ragged_num_splits` must pick for the Hopper paged kernel (D 128, H_q 32, 132
+# SMs): from an H200 sweep of every power-of-two split on full-length and ragged batches (2026-11-30), the pick that
+# is worst off against each batch's best split by the least (benchmarks/RESULTS.md).
+MEASURED_PAGED_SPLITS = {(1, 65536, 8): 16, (64, 8192, 8): 2, (8, 32768, 8): 16, (128, 4096, 8): 1,
+                         (64, 8192, 1): 4}
+
+
+@pytest.mark.parametrize("shape", list(MEASURED_PAGED_SPLITS), ids=lambda s: "B{}-S{}-Hkv{}".format(*s))
+def test_ragged_num_splits_matches_measured(shape, monkeypatch):
+    """The paged Hopper kernel's split model, from shapes only: many splits for few long sequences, some for a
+    batch whose ragged tail would otherwise run alone, none once the programs fill the machine."""
+    monkeypatch.setattr(decode, "num_sms", lambda device: 132)
+    b, s, h_kv = shape
+    assert decode.grouped_num_splits(b, 32, h_kv, s, 128, 128, 2, torch.device("cuda"), paged=True,
+                                     sm90=True) == MEASURED_PAGED_SPLITS[shape]
+
+
+def test_ragged_num_splits_limits():
+    """Never more splits than tiles, never past the cap, a power of two; a single sequence's work is spread."""
+    for batch, capacity in [(1, 64), (1, 200), (3, 1000), (1, 10**6), (512, 4096)]:
+        n = decode.ragged_num_splits(batch, 8, capacity, 64, 64 * 512, 1e-6, batch * 32 * 129 * 4, 264)
+        assert n & (n - 1) == 0 and n <= max(1, -(-capacity // 64)) and n <= decode.MAX_SPLITS, (batch, capacity, n)
+    assert decode.ragged_num_splits(1, 1, 10**6, 64, 64 * 512, 1e-6, 32 * 129 * 4, 264) == decode.MAX_SPLITS
+
+
 def test_combine_splits_over_column_blocks():
     """64 splits of an 80-wide output: the combine cuts the columns into two programs (the second one masked past
     column 80), and only the first writes lse. Empty splits (lse = -inf) weigh nothing."""
