@@ -4,9 +4,9 @@ Every op is a `torch.library` custom op (traceable by torch.compile with fullgra
 an equivalent autograd.Function, which costs less host time), validates its inputs
 before launching (ValueError naming the argument, what it got and what is valid), and has a plain PyTorch
 reference in `kernels.reference`. On a machine without a GPU the same kernels run on CPU tensors under
-`TRITON_INTERPRET=1`. On Hopper (sm_90, Triton 3.6) the flash forward and backward and the 512 + 64 MLA decode
-(64-head tiles, contiguous or paged) run warp-specialized Gluon kernels instead (`kernels.flash_sm90`,
-`kernels.mla_sm90`), behind the same ops.
+`TRITON_INTERPRET=1`. On Hopper (sm_90, Triton 3.6) the flash forward and backward, the 512 + 64 MLA decode
+(64-head tiles, contiguous or paged) and paged grouped decode run warp-specialized Gluon kernels instead
+(`kernels.flash_sm90`, `kernels.mla_sm90`, `kernels.decode_sm90`), behind the same ops.
 """
 
 from kernels import reference

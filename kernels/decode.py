@@ -21,7 +21,10 @@ Levers (issue 7):
 - The combine merges the splits of one (sequence, head) per column block, so even 128 splits of a 512-wide MLA
   latent stay in registers.
 - Paged caches: when a page holds at least one tile, the tile's page id is one scalar load; smaller pages are
-  gathered per token from the block-table row (a few distinct addresses, served by L1).
+  gathered per token from the block-table row (a few distinct addresses, served by L1). On Hopper, paged caches in
+  fp16/bf16 with D 64 or 128 (no RoPE) run kernels/decode_sm90.py instead: a loader warp copies whole pages by TMA,
+  so no tile waits on a table load, and its split count (`ragged_num_splits`) serves full-length and ragged
+  batches alike.
 
 Layouts (as in kernels/reference.py):
     q (B, H_q, D)  k (B, H_kv, S_max, D)  v (B, H_kv, S_max, D_v)  seq_lens (B,) int32
