@@ -38,9 +38,10 @@ TRITON_DTYPE = KERNEL_DTYPES[0]
 LOGIT_TOLERANCES = {torch.float32: TOLERANCES[torch.float32], torch.float16: dict(atol=2e-2, rtol=2e-2)}
 
 
-def tiny_model(variant: str, backend: str = "torch", dtype=torch.float32, block_size: int = 64) -> GPT:
+def tiny_model(variant: str, backend: str = "torch", dtype=torch.float32, block_size: int = 64,
+               n_embd: int = 64) -> GPT:
     torch.manual_seed(0)
-    config = GPTConfig(vocab_size=65, block_size=block_size, n_layer=2, n_head=4, n_embd=64, dropout=0.0,
+    config = GPTConfig(vocab_size=65, block_size=block_size, n_layer=2, n_head=4, n_embd=n_embd, dropout=0.0,
                        attn_backend=backend, **VARIANTS[variant])
     model = GPT(config)
     with torch.no_grad():  # GPT-2's init gives near-flat logits; a wider (tied) embedding makes greedy margins
@@ -92,6 +93,29 @@ def test_every_decode_step_matches_full_forward(variant, kind, backend, dtype):
         assert len(seen[i]) == MAX_NEW
         for step, got in enumerate(seen[i]):
             _close(got, ref[step], dtype, f"{variant} {kind} {backend} sequence {i} step {step}")
+
+
+def test_paged_cache_at_head_dim_64(monkeypatch):
+    """GQA with 64-wide heads through the paged cache: on an H100/H200 (fp16) its decode steps run the Hopper paged
+    kernel (kernels/decode_sm90.py) on the cache's own pools and block tables, and every step's logits still equal
+    the plain model's full forward. Elsewhere the Triton kernel runs the same check."""
+    from kernels import decode_sm90
+
+    launches = []
+    launch = decode_sm90.launch
+    monkeypatch.setattr(decode_sm90, "launch", lambda *a, **kw: launches.append(1) or launch(*a, **kw))
+    model = tiny_model("gqa", "triton", TRITON_DTYPE, n_embd=256)
+    plain = tiny_model("gqa", "torch", TRITON_DTYPE, n_embd=256)
+    ps = prompts()
+    seen, hook = _record()
+    out, _ = generate(model, ps, "paged", max_new_tokens=MAX_NEW, page_size=16, on_logits=hook)
+    for i, (p, o) in enumerate(zip(ps, out)):
+        with torch.no_grad():
+            ref = plain(torch.tensor([p + o[:-1]], device=DEVICE))[0][0].float().cpu()[len(p) - 1:]
+        for step, got in enumerate(seen[i]):
+            _close(got, ref[step], TRITON_DTYPE, f"paged D64 sequence {i} step {step}")
+    hopper = DEVICE == "cuda" and decode_sm90.on_hopper(torch.empty(1, device=DEVICE))
+    assert bool(launches) == hopper, f"{len(launches)} Hopper paged launches (expected some: {hopper})"
 
 
 def _greedy_params():
