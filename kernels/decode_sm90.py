@@ -21,7 +21,7 @@ programs share an SM to hide each one's start and end.
 No row past a sequence's end meets a zero probability (a cache's unused rows may hold anything, NaN included): a
 copy wholly past the end re-reads the last valid page (every tile moves the same bytes, as the mbarrier's expected
 count is fixed), and the last tile's rows past the end are masked in the scores and zeroed in the V buffer before
-P V (`_zero_rows`).
+P V (`zero_rows`).
 
 Contiguous caches stay on the Triton kernel: this kernel with a contiguous loader (one TMA copy per tile) measured
 level with it there (H200, 2026-11-30, 68 shapes each at its best split: median 1.00x SDPA at D=128, 0.98x at D=64,
@@ -70,11 +70,12 @@ CONFIGS = {
 
 
 @gluon.jit
-def _tile_pages(table_row, stride_tp, start, end, j, copy_idx, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr,
-                PAGE_ROWS: gl.constexpr):
+def tile_pages(table_row, stride_tp, start, end, j, copy_idx, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr,
+               PAGE_ROWS: gl.constexpr):
     """Pool page and first slot of each of tile j's BLOCK_N // PAGE_ROWS copies (one vector load of the block
     table; scalars for a single copy). A copy wholly past `end` reads the last valid page instead, so every tile
-    moves the same bytes; the consumer masks and zeroes those rows."""
+    moves the same bytes; the consumer masks and zeroes those rows (`zero_rows`). Shared with kernels/mla_sm90.py's
+    paged loader."""
     first = start + j * BLOCK_N
     if BLOCK_N // PAGE_ROWS > 1:
         first = first + copy_idx * PAGE_ROWS
@@ -94,7 +95,7 @@ def _loader(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, table_ptr
     # just before use, each entry's latency (an L2 round trip) would stall the copies behind it.
     copy_idx = gl.arange(0, copies, layout=gl.BlockedLayout([1], [32], [1], [0]))
     table_row = table_ptr + b.to(gl.int64) * stride_tb
-    pages, slots = _tile_pages(table_row, stride_tp, start, end, 0, copy_idx, BLOCK_N, PAGE_SIZE, PAGE_ROWS)
+    pages, slots = tile_pages(table_row, stride_tp, start, end, 0, copy_idx, BLOCK_N, PAGE_SIZE, PAGE_ROWS)
     for j in range(n_tiles):
         s = j % STAGES
         mbarrier.wait(kv_free.index(s), ((j // STAGES) & 1) ^ 1, pred=j >= STAGES)
@@ -109,21 +110,22 @@ def _loader(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, table_ptr
                                             k_smem.index(s).slice(c * PAGE_ROWS, PAGE_ROWS, dim=1))
             tma.async_copy_global_to_shared(v_desc, [page, slot, kv_head * D], v_ready.index(s),
                                             v_smem.index(s).slice(c * PAGE_ROWS, PAGE_ROWS, dim=1))
-        pages, slots = _tile_pages(table_row, stride_tp, start, end, j + 1, copy_idx, BLOCK_N, PAGE_SIZE,
+        pages, slots = tile_pages(table_row, stride_tp, start, end, j + 1, copy_idx, BLOCK_N, PAGE_SIZE,
                                    PAGE_ROWS)
 
 
 @gluon.jit
-def _zero_rows(tile, n_valid, BLOCK_N: gl.constexpr, D: gl.constexpr):
-    """Rows n_valid.. of a (BLOCK_N, D) shared-memory tile set to zero, R rows at a time (a slice of a swizzled
-    tile must start at a multiple of its 8-row swizzle period), then fenced for the tensor cores."""
-    R: gl.constexpr = 4 * 256 // D  # rows one pass of four warps covers, 8 columns per thread
-    blk: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [4, 1], [1, 0])
-    for c in gl.static_range(BLOCK_N // R):
-        if (c + 1) * R > n_valid:
-            part = tile.slice(c * R, R)
+def zero_rows(tile, n_valid, BLOCK_N: gl.constexpr, COLS: gl.constexpr):
+    """Rows n_valid.. of a (BLOCK_N, COLS) shared-memory tile set to zero, eight rows at a time (a slice of a
+    swizzled tile must start at a multiple of its 8-row swizzle period), then fenced for the tensor cores. Shared
+    with kernels/mla_sm90.py."""
+    per_row: gl.constexpr = min(16, COLS // 8)  # threads along a row, 8 columns each (wider tiles wrap)
+    blk: gl.constexpr = gl.BlockedLayout([1, 8], [32 // per_row, per_row], [4, 1], [1, 0])
+    for c in gl.static_range(BLOCK_N // 8):
+        if (c + 1) * 8 > n_valid:
+            part = tile.slice(c * 8, 8)
             x = part.load(blk)
-            rows = c * R + gl.arange(0, R, layout=gl.SliceLayout(1, blk))
+            rows = c * 8 + gl.arange(0, 8, layout=gl.SliceLayout(1, blk))
             part.store(gl.where(rows[:, None] < n_valid, x, gl.zeros_like(x)))
     fence_async_shared()
 
@@ -167,7 +169,7 @@ def _consumer(q_ptr, k_smem, v_smem, k_ready, v_ready, kv_free, out_ptr, lse_ptr
             n_valid = end - start - j * BLOCK_N
             cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
             s = gl.where(cols[None, :] < n_valid, s, -float("inf"))
-            _zero_rows(v_tile, n_valid, BLOCK_N, D)
+            zero_rows(v_tile, n_valid, BLOCK_N, D)
         m_new = gl.maximum(m_i, gl.max(s, 1) * scale_log2)
         p = gl.exp2(s * scale_log2 - m_new[:, None])
         alpha = gl.exp2(m_i - m_new)

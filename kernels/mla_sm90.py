@@ -22,7 +22,7 @@ No row past a sequence's end ever meets a zero probability (the tests' poisoned 
   pages (or 64-row slices of larger pages), each into its own 8-row-aligned rows of the tile. A copy wholly past
   the end re-reads the last valid page, so every block moves the same bytes (the mbarrier expects a constant).
   The last block is not shifted (it could straddle pages): its rows past the end are masked in the scores and
-  zeroed in the shared-memory latent tile before P C (`_zero_rows`).
+  zeroed in the shared-memory latent tile before P C (`decode_sm90.zero_rows`).
 
 Measured on an H200 beside the Triton kernel in one run (bf16, 128 heads, TFLOP/s, each at its best of 1-8
 splits): B64 N8192 536 vs 353, B64 N32768 541 vs 365, B128 N4096 513 vs 348, B16 N8192 472 vs 302. Paged
@@ -50,6 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from kernels import _checks
 from kernels.decode import LOG2E
+from kernels.decode_sm90 import tile_pages, zero_rows
 from kernels.flash_sm90 import descriptor, on_hopper
 
 HEADS_PER_PROGRAM = 64  # the M of every wgmma
@@ -72,20 +73,6 @@ def _block_rows(j, n_blocks, start, end, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def _block_pages(table_row, stride_tp, start, end, j, copy_idx, BLOCK_N: gl.constexpr,
-                 PAGE_SIZE: gl.constexpr, PAGE_ROWS: gl.constexpr):
-    """Pool page and first slot of each of block j's BLOCK_N // PAGE_ROWS copies (one vector load of the block
-    table; scalars for one copy). A copy wholly past `end` reads the last valid page instead (its entry is valid;
-    the consumers zero those rows), so every block moves the same bytes."""
-    first = start + j * BLOCK_N
-    if BLOCK_N // PAGE_ROWS > 1:
-        first = first + copy_idx * PAGE_ROWS
-    rows = gl.maximum(gl.minimum(first, end - 1), 0)
-    pages = gl.load(table_row + (rows // PAGE_SIZE) * stride_tp)
-    return pages, (rows % PAGE_SIZE) // PAGE_ROWS * PAGE_ROWS
-
-
-@gluon.jit
 def _mla_loader(qc_desc, qr_desc, c_desc, r_desc, qc0_smem, qc1_smem, qr_smem, c0_smem, c1_smem, r_smem,
                 q_ready, kv_ready, kv_free, table_ptr, stride_tb, stride_tp, b, h0, start, end, n_blocks,
                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr,
@@ -104,7 +91,7 @@ def _mla_loader(qc_desc, qr_desc, c_desc, r_desc, qc0_smem, qc1_smem, qr_smem, c
         # before use, each entry's latency (one L2 round trip per page) stalled the copies behind it.
         copy_idx = gl.arange(0, copies, layout=gl.BlockedLayout([1], [32], [1], [0]))
         table_row = table_ptr + b.to(gl.int64) * stride_tb  # this sequence's block-table row
-        pages, slots = _block_pages(table_row, stride_tp, start, end, 0, copy_idx, BLOCK_N, PAGE_SIZE, PAGE_ROWS)
+        pages, slots = tile_pages(table_row, stride_tp, start, end, 0, copy_idx, BLOCK_N, PAGE_SIZE, PAGE_ROWS)
     for j in range(n_blocks):
         s = j % STAGES
         mbarrier.wait(kv_free.index(s), ((j // STAGES) & 1) ^ 1, pred=j >= STAGES)
@@ -121,7 +108,7 @@ def _mla_loader(qc_desc, qr_desc, c_desc, r_desc, qc0_smem, qc1_smem, qr_smem, c
                                                 c1_smem.index(s).slice(k * PAGE_ROWS, PAGE_ROWS, dim=1))
                 tma.async_copy_global_to_shared(r_desc, [page, slot, 0], kv_ready.index(s),
                                                 r_smem.index(s).slice(k * PAGE_ROWS, PAGE_ROWS, dim=1))
-            pages, slots = _block_pages(table_row, stride_tp, start, end, j + 1, copy_idx, BLOCK_N, PAGE_SIZE,
+            pages, slots = tile_pages(table_row, stride_tp, start, end, j + 1, copy_idx, BLOCK_N, PAGE_SIZE,
                                         PAGE_ROWS)
         else:
             row0 = _block_rows(j, n_blocks, start, end, BLOCK_N)
@@ -129,20 +116,6 @@ def _mla_loader(qc_desc, qr_desc, c_desc, r_desc, qc0_smem, qc1_smem, qr_smem, c
             tma.async_copy_global_to_shared(c_desc, [b, row0, 0], kv_ready.index(s), c0_smem.index(s))
             tma.async_copy_global_to_shared(c_desc, [b, row0, HALF], kv_ready.index(s), c1_smem.index(s))
             tma.async_copy_global_to_shared(r_desc, [b, row0, 0], kv_ready.index(s), r_smem.index(s))
-
-
-@gluon.jit
-def _zero_rows(tile, n_valid, BLOCK_N: gl.constexpr):
-    """Rows n_valid.. of a (BLOCK_N, 256) shared-memory tile set to zero, eight rows at a time (a slice of the
-    swizzled tile must start at a multiple of its 8-row swizzle period), then fenced for the tensor cores."""
-    blk: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [4, 1], [1, 0])
-    for c in gl.static_range(BLOCK_N // 8):
-        if (c + 1) * 8 > n_valid:
-            part = tile.slice(c * 8, 8)
-            x = part.load(blk)
-            rows = c * 8 + gl.arange(0, 8, layout=gl.SliceLayout(1, blk))
-            part.store(gl.where(rows[:, None] < n_valid, x, gl.zeros_like(x)))
-    fence_async_shared()
 
 
 @gluon.jit
@@ -197,7 +170,7 @@ def _mla_softmax_consumer(qc0_smem, qc1_smem, qr_smem, c0_smem, c1_smem, r_smem,
             if PAGED:  # the last block's rows past `end` are masked, and zeroed in the latent tile below
                 n_valid = end - start - j * BLOCK_N
                 s = gl.where(offs_n[None, :] < n_valid, s, -float("inf"))
-                _zero_rows(c0, n_valid, BLOCK_N)
+                zero_rows(c0, n_valid, BLOCK_N, HALF)
             else:  # the last block ends at `end`; its columns before block j's own start are done
                 first = start + j * BLOCK_N - (end - BLOCK_N)
                 s = gl.where(offs_n[None, :] >= first, s, -float("inf"))
@@ -246,7 +219,7 @@ def _mla_pv_consumer(c1_smem, p_smem, stat_smem, kv_ready, kv_free, p_ready, p_f
         c1 = c1_smem.index(st).reshape([BLOCK_N, HALF])
         if PAGED:
             if j == n_blocks - 1:
-                _zero_rows(c1, end - start - j * BLOCK_N, BLOCK_N)
+                zero_rows(c1, end - start - j * BLOCK_N, BLOCK_N, HALF)
         o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         o = warpgroup_mma(p_smem, c1, o, is_async=True)
         o = warpgroup_mma_wait(num_outstanding=0, deps=[o])
