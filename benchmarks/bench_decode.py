@@ -2,7 +2,7 @@
 
     python3 benchmarks/bench_decode.py            # the full grid (under 6 minutes on one H200)
     python3 benchmarks/bench_decode.py --quick    # a small grid (under 2 minutes)
-    python3 benchmarks/bench_decode.py --tune     # launch-config sweeps (block sizes, warps, stages)
+    python3 benchmarks/bench_decode.py --tune     # launch-config sweeps (block sizes, warps, stages, splits)
 
 Decode is memory-bound: the measure is bytes of cache read per second (each K/V byte counted once) against the
 device copy rate (read + write) measured in the same run. Every call is captured in a CUDA graph (the way decode
@@ -217,8 +217,9 @@ def bench_mla(shapes, fixed_splits: bool) -> list[dict]:
     return rows
 
 
-def tune(sections: list[str]):
-    """Launch-config sweeps on a few shapes: the data behind the defaults in kernels/decode.py and kernels/mla.py."""
+def tune(sections: list[str], quick: bool = False):
+    """Launch-config sweeps on a few shapes: the data behind the defaults in kernels/decode.py, kernels/decode_sm90.py
+    and kernels/mla.py (quick: the paged sweep on its last two shapes only)."""
     rows = []
     grouped_shapes = [(64, 8192, 8, 128), (8, 32768, 8, 128), (64, 8192, 1, 128), (64, 8192, 8, 64)]
     for b, s, h_kv, d in grouped_shapes if "grouped" in sections else []:
@@ -240,6 +241,8 @@ def tune(sections: list[str]):
                     rows.append(dict(op="grouped", shape=f"B{b}-S{s}-Hkv{h_kv}-D{d}", BLOCK_N=block_n, warps=warps,
                                      stages=stages, GBps=cache_bytes / t / 1e6))
                     print(rows[-1], flush=True)
+    if "paged" in sections:
+        rows += tune_paged(PAGED_TUNE_SHAPES[-2:] if quick else PAGED_TUNE_SHAPES)
     mla_shapes = [(64, h, 8192) for h in (16, 128) if "mla" in sections or f"mla{h}" in sections]
     for b, h, n in mla_shapes:
         q_abs, q_rope = torch.randn(b, h, 512, device="cuda", dtype=DTYPE), torch.randn(b, h, 64, device="cuda",
@@ -272,12 +275,52 @@ def tune(sections: list[str]):
     return rows
 
 
+PAGED_TUNE_SHAPES = [(b, s, h, 128) for b, s in ((1, 65536), (64, 8192), (8, 32768), (128, 4096)) for h in (8,)] \
+    + [(64, 8192, 1, 128)]
+
+
+def tune_paged(shapes=PAGED_TUNE_SHAPES, configs=((64, 3), (64, 4), (64, 2)), page_size: int = 16) -> list[dict]:
+    """The Hopper paged kernel (kernels/decode_sm90.py): every ring config at every power-of-two split count, on a
+    full-length and a ragged batch of each shape (lengths from [S/8, S]): the data behind decode_sm90.CONFIGS and
+    decode.ragged_num_splits. Rows: ms per (config, lens, split), and which split the model picks."""
+    rows = []
+    for b, s, h_kv, d in shapes:
+        q = torch.randn(b, 32, d, device="cuda", dtype=DTYPE)
+        k_pages, table = to_pages(torch.randn(b, h_kv, s, d, device="cuda", dtype=DTYPE), page_size)
+        v_pages = torch.randn_like(k_pages)
+        if not decode_mod._sm90_supports(q, k_pages, v_pages, None):
+            print("tune_paged: the Hopper paged kernel does not run here (an sm_90 GPU, Triton 3.6)", flush=True)
+            return rows
+        g = torch.Generator(device="cpu").manual_seed(b + s)
+        for lens_kind in ("full", "ragged"):
+            lens = (torch.randint(s // 8, s + 1, (b,), generator=g) if lens_kind == "ragged"
+                    else torch.full((b,), s)).to(torch.int32).cuda()
+            for block_n, stages in configs:
+                times = {}
+                for n in decode_mod.SPLIT_CHOICES:
+                    if n > s // block_n or (n > 2 and b * h_kv * n > 2048):
+                        break
+                    times[n] = round(1e3 * graph_ms(lambda: decode_mod._launch_decode(
+                        q, k_pages, v_pages, None, None, table, lens, d**-0.5, n, paged=True, page_size=page_size,
+                        capacity=s, config={"sm90": (block_n, stages)})), 2)
+                rows.append(dict(op="paged", shape=f"B{b}-S{s}-Hkv{h_kv}-D{d}-page{page_size}", lens=lens_kind,
+                                 BLOCK_N=block_n, stages=stages, best_split=min(times, key=times.get),
+                                 best_us=min(times.values()),
+                                 model_split=decode_mod.grouped_num_splits(b, 32, h_kv, s, d, d, DTYPE.itemsize,
+                                                                           q.device, True, True),
+                                 split_us=times))
+                print(rows[-1], flush=True)
+    return rows
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--quick", action="store_true", help="a small grid (under 2 minutes)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a small grid (under 2 minutes); with --tune, fewer shapes")
     parser.add_argument("--tune", action="store_true", help="launch-config sweeps instead of the grid")
     parser.add_argument("--sections", default="grouped,paged,mla",
-                        help="tables to run (or with --tune, sweeps: grouped, mla, mla16, mla128), comma-separated")
+                        help="tables to run (or with --tune, sweeps: grouped, paged, mla, mla16, mla128), "
+                             "comma-separated")
     args = parser.parse_args()
     torch.manual_seed(0)
     print(header())
@@ -285,9 +328,11 @@ def main():
     print(f"ceilings: copy {ceil['copy_TBps']:.2f} TB/s (read+write), bf16 matmul {ceil['matmul_bf16_TFLOPs']:.0f} "
           f"TFLOP/s", flush=True)
     if args.tune:
-        rows = tune(args.sections.split(","))
+        rows = tune(args.sections.split(","), args.quick)
         print_table([r for r in rows if r["op"] == "grouped"], ["shape", "BLOCK_N", "warps", "stages", "GBps"])
-        print_table([r for r in rows if r["op"] != "grouped"],
+        print_table([r for r in rows if r["op"] == "paged"],
+                    ["shape", "lens", "BLOCK_N", "stages", "best_split", "best_us", "model_split"])
+        print_table([r for r in rows if r["op"] not in ("grouped", "paged")],
                     ["op", "shape", "BLOCK_H", "BLOCK_N", "warps", "stages", "TBps", "TFLOPs"])
         return
     if args.quick:
