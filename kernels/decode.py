@@ -383,7 +383,7 @@ def grouped_num_splits(batch: int, h_q: int, h_kv: int, capacity: int, d_qk: int
                            tile_seconds(tile_flops, paged), partial_bytes, slots)
 
 
-@functools.lru_cache(maxsize=256)  # a pure function of the shapes; the simulation takes milliseconds
+@functools.lru_cache(maxsize=256)  # a pure function of the shapes; 5-30 ms per new shape
 def ragged_num_splits(batch: int, heads: int, capacity: int, block_n: int, tile_bytes: int, tile_time: float,
                       partial_bytes: int, slots: int) -> int:
     """Split count for a paged launch of the Hopper kernel: the one whose launch time, simulated for a full-length
@@ -404,8 +404,8 @@ def ragged_num_splits(batch: int, heads: int, capacity: int, block_n: int, tile_
     ragged = [int(capacity / 8 + capacity * 7 / 8 * ((i * 0.6180339887) % 1.0)) for i in range(batch)]
     times = {}
     for splits in SPLIT_CHOICES:
-        if splits > 1 and (splits > triton.cdiv(capacity, block_n) or batch * heads * splits > 64 * slots):
-            break  # never more splits than tiles, nor more than 64 waves of programs
+        if splits > 1 and (splits > triton.cdiv(capacity, block_n) or batch * heads * splits > 16 * slots):
+            break  # never more splits than tiles, nor more than 16 waves of programs
         combine = combine_latency + 2 * partial_bytes * splits / bandwidth if splits > 1 else 0.0
         times[splits] = [_simulate(lens, heads, splits, block_n, tile_bytes, tile_time, slots, bandwidth) + combine
                          for lens in (full, ragged)]
