@@ -367,17 +367,14 @@ def grouped_num_splits(batch: int, h_q: int, h_kv: int, capacity: int, d_qk: int
     paged launch of the Hopper kernel (kernels/decode_sm90.py), which `ragged_num_splits` models."""
     group = h_q // h_kv
     block_h = _block_h(group)
-    if sm90:
-        block_n = _sm90().CONFIGS[d_qk][0]
-        tile_flops = 2 * max(64, block_h) * block_n * (d_qk + d_v)
-        return ragged_num_splits(batch, h_kv * triton.cdiv(group, block_h), capacity, block_n,
-                                 block_n * (d_qk + d_v) * itemsize, max(1e-6, tile_flops / 2e12),
-                                 batch * h_q * (d_v + 1) * 4,
-                                 num_sms(device) * max(1, SMEM_PER_SM // _sm90().shared_bytes(d_qk, itemsize)))
-    block_n = _tile_config(d_qk, d_v, itemsize, paged)[0]
+    block_n = _sm90().CONFIGS[d_qk][0] if sm90 else _tile_config(d_qk, d_v, itemsize, paged)[0]
     tile_bytes = block_n * (d_qk + d_v) * itemsize
     tile_flops = 2 * max(64, block_h) * block_n * (d_qk + d_v)
     partial_bytes = batch * h_q * (d_v + 1) * 4
+    if sm90:  # per-tile floor 1 us (fitted with ragged_num_splits); the ring's shared memory sets programs per SM
+        slots = num_sms(device) * max(1, SMEM_PER_SM // _sm90().shared_bytes(d_qk, itemsize))
+        return ragged_num_splits(batch, h_kv * triton.cdiv(group, block_h), capacity, block_n, tile_bytes,
+                                 max(1e-6, tile_flops / 2e12), partial_bytes, slots)
     slots = num_sms(device) * programs_per_sm(d_qk, d_v, itemsize, paged)
     return auto_num_splits(batch * h_kv * triton.cdiv(group, block_h), triton.cdiv(capacity, block_n), tile_bytes,
                            tile_seconds(tile_flops, paged), partial_bytes, slots)
@@ -443,17 +440,16 @@ def _simulate(lengths: list[int], heads: int, splits: int, block_n: int, tile_by
 @functools.cache
 def _sm90():
     """kernels/decode_sm90.py (the Hopper paged kernel), imported on first use: it imports flash_sm90, which
-    imports this module."""
-    from kernels import decode_sm90
-
+    imports this module. None on a Triton build without Gluon (the Triton kernel then runs everywhere)."""
+    try:
+        from kernels import decode_sm90
+    except ImportError:  # pragma: no cover
+        return None
     return decode_sm90
 
 
 def _sm90_supports(q, k_pages, v_pages, q_rope) -> bool:
-    try:
-        return _sm90().supports(q, k_pages, v_pages, q_rope)
-    except ImportError:  # pragma: no cover  (a Triton build without Gluon: the Triton kernel runs everywhere)
-        return False
+    return _sm90() is not None and _sm90().supports(q, k_pages, v_pages, q_rope)
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -471,20 +467,11 @@ def _launch_decode(q, k, v, q_rope, k_rope, block_table, seq_lens, scale: float,
     d_v = v.shape[-1]
     d_rope = q_rope.shape[-1] if q_rope is not None else 0
     seq_lens = seq_lens.contiguous()  # the kernel reads seq_lens[b] at SEQ_LENS + b (no stride)
-    group = h_q // h_kv
-    block_h = _block_h(group)
-    head_tiles = h_kv * triton.cdiv(group, block_h)
+    block_h = _block_h(h_q // h_kv)
     # Paged on Hopper, fp16/bf16, D 64 or 128 without RoPE: the TMA-fed Gluon kernel (kernels/decode_sm90.py). The
     # tuning sweeps pass their own config: {"sm90": (BLOCK_N, STAGES)} for it, else the Triton kernel's BLOCK_N,
     # num_warps and num_stages.
     sm90 = paged and (config is None or "sm90" in config) and _sm90_supports(q, k, v, q_rope)
-    if sm90:
-        block_n = (config or {}).get("sm90", _sm90().CONFIGS[d_qk])[0]
-    else:
-        block_n, warps, stages = _tile_config(d_qk + d_rope, d_v, k.element_size(), paged)
-        if config is not None:
-            block_n, warps, stages = config["BLOCK_N"], config["num_warps"], config["num_stages"]
-    n_tiles = triton.cdiv(capacity, block_n)
     if num_splits is None:
         num_splits = grouped_num_splits(batch, h_q, h_kv, capacity, d_qk + d_rope, d_v, k.element_size(), q.device,
                                         paged, sm90)
@@ -498,9 +485,26 @@ def _launch_decode(q, k, v, q_rope, k_rope, block_table, seq_lens, scale: float,
     if sm90:
         _sm90().launch(q, k, v, block_table, seq_lens, part_o, part_lse, float(scale) * LOG2E, num_splits, block_h,
                        (config or {}).get("sm90"))
-        if num_splits > 1:
-            combine_splits(part_o, part_lse, out, lse)
-        return out, lse
+    else:
+        _launch_triton(q, k, v, q_rope, k_rope, block_table, seq_lens, part_o, part_lse, scale, num_splits,
+                       paged=paged, page_size=page_size, capacity=capacity, config=config)
+    if num_splits > 1:
+        combine_splits(part_o, part_lse, out, lse)
+    return out, lse
+
+
+def _launch_triton(q, k, v, q_rope, k_rope, block_table, seq_lens, part_o, part_lse, scale: float, num_splits: int,
+                   *, paged: bool, page_size: int, capacity: int, config: dict | None):
+    """`_grouped_decode_kernel` into part_o / part_lse (the split outputs `_launch_decode` allocated)."""
+    batch, h_q, d_qk = q.shape
+    h_kv = k.shape[2] if paged else k.shape[1]
+    d_v = v.shape[-1]
+    d_rope = q_rope.shape[-1] if q_rope is not None else 0
+    group = h_q // h_kv
+    block_h = _block_h(group)
+    block_n, warps, stages = _tile_config(d_qk + d_rope, d_v, k.element_size(), paged)
+    if config is not None:
+        block_n, warps, stages = config["BLOCK_N"], config["num_warps"], config["num_stages"]
     if paged:
         k_strides, v_strides = k.stride(), v.stride()  # (page, slot, head, dim)
         kr_strides = k_rope.stride() if k_rope is not None else (0, 0, 0, 0)
@@ -512,8 +516,8 @@ def _launch_decode(q, k, v, q_rope, k_rope, block_table, seq_lens, scale: float,
             else (0, 0, 0, 0)
         table, table_strides = seq_lens, (0, 0)  # unused
     qr_strides = q_rope.stride() if q_rope is not None else (0, 0, 0)
-    static_iters = triton.cdiv(n_tiles, num_splits) if _checks.interpreting() else 0
-    _grouped_decode_kernel[(head_tiles, num_splits, batch)](
+    static_iters = triton.cdiv(triton.cdiv(capacity, block_n), num_splits) if _checks.interpreting() else 0
+    _grouped_decode_kernel[(h_kv * triton.cdiv(group, block_h), num_splits, batch)](
         q, k, v, q_rope if q_rope is not None else q, k_rope if k_rope is not None else k, table, seq_lens,
         part_o, part_lse,
         *q.stride(), *k_strides, *v_strides, *qr_strides, *kr_strides, *table_strides,
@@ -524,9 +528,6 @@ def _launch_decode(q, k, v, q_rope, k_rope, block_table, seq_lens, scale: float,
         PAGED=paged, PAGE_SIZE=page_size, NUM_SPLITS=num_splits, STATIC_ITERS=static_iters,
         DOT_PRECISION=_dot_precision(q.dtype), num_warps=warps, num_stages=stages,
     )
-    if num_splits > 1:
-        combine_splits(part_o, part_lse, out, lse)
-    return out, lse
 
 
 def combine_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor):

@@ -267,7 +267,7 @@ def eligible(q, k_pages, v_pages, q_rope) -> bool:
         return False
     if any(t.stride(2) != d or t.stride(3) != 1 for t in (k_pages, v_pages)):
         return False
-    return all(_checks.tma_readable(t.flatten(2)) for t in (k_pages, v_pages))
+    return all(_checks.tma_readable(t) for t in (k_pages, v_pages))  # as (.., H_kv * D) too: D * itemsize >= 128
 
 
 def shared_bytes(d: int, itemsize: int) -> int:
