@@ -47,7 +47,11 @@ B1 S16384 causal 439 vs 372 (521), MHA B4 S4096 causal 394 vs 367 (466).
 Tried and dropped, each beside the kept version in one run: FlashAttention-3's ping-pong between the two forward
 consumers (within +-3%); a static persistent schedule (tile p, p + programs, ...: -15% for MHA, as tiles sharing
 K/V no longer ran side by side); the two-compare mask (3% slower); dK/dV with 32-query blocks (no spills, but
-322-366 TFLOP/s) and without the step pipelining (140-300 bytes of spills, 0-3% slower).
+322-366 TFLOP/s) and without the step pipelining (140-300 bytes of spills, 0-3% slower); dQ inside the dK/dV
+kernel (dS^T of both warpgroups through shared memory, dQ = dS K per step added into fp32 with global atomics,
+FlashAttention-2/3's single backward launch): correct, but 0.76-0.88x of the two launches, because pushing 32 KB of
+dQ per step from the consumers costs 30% (without that write it ran 1.08-1.24x; FlashAttention-3 uses TMA bulk
+reductions from shared memory, which Gluon does not expose on Hopper in Triton 3.6).
 
 The persistent forward holds a tile's state across its key loop, and ptxas spills some of it (32 bytes full, 284
 causal; the test bounds it); the backward kernels do not spill.
