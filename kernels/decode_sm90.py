@@ -70,6 +70,16 @@ CONFIGS = {
 
 
 @gluon.jit
+def split_range(seq_lens_ptr, b, split, num_splits, BLOCK_N: gl.constexpr):
+    """(start, end, tiles) of sequence b's split: kernels.decode's split rule (chunks rounded up to whole tiles)."""
+    seq_len = gl.load(seq_lens_ptr + b)
+    chunk = gl.cdiv(gl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = gl.minimum(start + chunk, seq_len)
+    return start, end, gl.maximum(gl.cdiv(end - start, BLOCK_N), 0)
+
+
+@gluon.jit
 def tile_pages(table_row, stride_tp, start, end, j, copy_idx, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr,
                PAGE_ROWS: gl.constexpr):
     """Pool page and first slot of each of tile j's BLOCK_N // PAGE_ROWS copies (one vector load of the block
@@ -217,11 +227,7 @@ def _grouped_decode_sm90_kernel(
     head0 = kv_head * group + in_group
     n_heads = gl.minimum(block_h, group - in_group)
 
-    seq_len = gl.load(seq_lens_ptr + b)
-    chunk = gl.cdiv(gl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = gl.minimum(start + chunk, seq_len)
-    n_tiles = gl.maximum(gl.cdiv(end - start, BLOCK_N), 0)
+    start, end, n_tiles = split_range(seq_lens_ptr, b, split, num_splits, BLOCK_N)
 
     dtype: gl.constexpr = k_desc.dtype
     # [stage, 1, BLOCK_N, D]: BLOCK_N // PAGE_ROWS row slices, one per copy.

@@ -50,7 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from kernels import _checks
 from kernels.decode import LOG2E
-from kernels.decode_sm90 import tile_pages, zero_rows
+from kernels.decode_sm90 import split_range, tile_pages, zero_rows
 from kernels.flash_sm90 import descriptor, on_hopper
 
 HEADS_PER_PROGRAM = 64  # the M of every wgmma
@@ -242,11 +242,7 @@ def _mla_decode_sm90_kernel(
     h0 = gl.program_id(0) * HEADS
     split = gl.program_id(1)
     b = gl.program_id(2)
-    seq_len = gl.load(seq_lens_ptr + b)
-    chunk = gl.cdiv(gl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = gl.minimum(start + chunk, seq_len)
-    n_blocks = gl.maximum(gl.cdiv(end - start, BLOCK_N), 0)
+    start, end, n_blocks = split_range(seq_lens_ptr, b, split, NUM_SPLITS, BLOCK_N)
 
     dtype: gl.constexpr = qc_desc.dtype
     qc0_smem = gl.allocate_shared_memory(dtype, qc_desc.block_type.shape, qc_desc.layout)
