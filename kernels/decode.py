@@ -4,9 +4,10 @@ Math, per sequence b and query head h (KV head g = h // group):
     s_n = scale * (q_h . k_{g,n} + q_rope_h . k_rope_{g,n})      for n < seq_lens[b]
     out_h = sum_n softmax(s)_n v_{g,n},   lse_h = log sum_n exp(s_n)
 The keys are cut into NUM_SPLITS contiguous chunks; each program reduces one chunk with the online softmax
-(FlashAttention, Dao et al. 2022) and writes a partial output and its log-sum-exp; a second kernel merges the
-chunks, weighting each by exp(lse_split - lse) (Flash-Decoding, Dao et al. 2023). With one split the first kernel
-writes the final output itself.
+(FlashAttention, Dao et al. 2022) and writes a partial output and its log-sum-exp; the chunks are merged,
+weighting each by exp(lse_split - lse) (Flash-Decoding, Dao et al. 2023): by the last program of each sequence and
+head tile to finish, inside the same launch, when its heads' partials are small (`fused_combine_chunk`), else by
+a second kernel. With one split the first kernel writes the final output itself.
 
 Levers (issue 7):
 - The query heads of one KV group are packed into the M dimension of the MMA (BLOCK_H rows, at least 16), so each
@@ -18,8 +19,11 @@ Levers (issue 7):
 - The split count comes from the SM count and the shapes (the cache's capacity, never the lengths' values), so
   the launch needs no device sync and can be captured in a CUDA graph: a wave cost model (`auto_num_splits`)
   fitted to an H200 sweep of every power-of-two split count, with paged launches modelled apart.
-- The combine merges the splits of one (sequence, head) per column block, so even 128 splits of a 512-wide MLA
-  latent stay in registers.
+- The combine runs inside the decode launch where it is small (`_combine_if_last`: a ticket counter per
+  sequence and head tile, the last program merges; no second launch, 2-3 us on an H200, 0.92x -> 1.04x SDPA for
+  MQA at B32 S1k). Large merges (many splits of a wide head tile) go to the combine kernel, which merges the
+  splits of one (sequence, head) per column block, so even 128 splits of a 512-wide MLA latent stay in
+  registers.
 - Paged caches: when a page holds at least one tile, the tile's page id is one scalar load; smaller pages are
   gathered per token from the block-table row (a few distinct addresses, served by L1). On Hopper, paged caches in
   fp16/bf16 with D 64 or 128 (no RoPE) run kernels/decode_sm90.py instead: a loader warp copies whole pages by TMA,
@@ -46,6 +50,7 @@ import contextlib
 import functools
 import heapq
 import math
+import os
 
 import torch
 import triton
@@ -60,7 +65,7 @@ MAX_SPLITS = 128
 
 @triton.jit
 def _grouped_decode_kernel(
-    Q, K, V, Q_ROPE, K_ROPE, BLOCK_TABLE, SEQ_LENS, OUT, LSE,
+    Q, K, V, Q_ROPE, K_ROPE, BLOCK_TABLE, SEQ_LENS, OUT, LSE, FINAL_OUT, FINAL_LSE, COUNTERS,
     stride_qb, stride_qh, stride_qd,
     stride_kp, stride_kn, stride_kh, stride_kd,
     stride_vp, stride_vn, stride_vh, stride_vd,
@@ -69,12 +74,13 @@ def _grouped_decode_kernel(
     stride_tb, stride_tp,
     stride_ob, stride_oh, stride_os, stride_od,
     stride_lb, stride_lh, stride_ls,
+    stride_fb, stride_fh, stride_fd, stride_flb, stride_flh,
     scale_log2,
     GROUP_SIZE: tl.constexpr, D_QK: tl.constexpr, D_ROPE: tl.constexpr, D_V: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, STATIC_ITERS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FUSE_CHUNK: tl.constexpr,
 ):
     # grid (head tiles, splits, B): a head tile is BLOCK_H query heads of one KV group.
     tile = tl.program_id(0)
@@ -109,6 +115,12 @@ def _grouped_decode_kernel(
 
     _store_split(OUT, LSE, acc, m_i, l_i, b, heads, mask_h, split, offs_dv, D_V,
                  stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls, NUM_SPLITS)
+    if FUSE_CHUNK > 0:
+        _combine_if_last(COUNTERS, b * tl.num_programs(0) + tile, OUT, LSE, FINAL_OUT, FINAL_LSE, b,
+                         kv_head * GROUP_SIZE + (tile % TILES_PER_GROUP) * BLOCK_H, (kv_head + 1) * GROUP_SIZE,
+                         offs_dv, D_V, stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls,
+                         stride_fb, stride_fh, stride_fd, stride_flb, stride_flh, NUM_SPLITS,
+                         triton.next_power_of_2(min(GROUP_SIZE, BLOCK_H)), FUSE_CHUNK)
 
 
 @triton.jit
@@ -205,6 +217,55 @@ def _store_split(OUT, LSE, acc, m_i, l_i, b, heads, mask_h, split, offs_dv, D_V:
     o_ptrs = OUT + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_dv[None, :] * stride_od
     tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=mask_h[:, None] & (offs_dv[None, :] < D_V))
     tl.store(LSE + b * stride_lb + heads * stride_lh + split * stride_ls, lse2, mask=mask_h)
+
+
+@triton.jit
+def _combine_if_last(COUNTERS, counter, PART_O, PART_LSE, OUT, LSE, b, head0, head_end, offs_dv, D_V: tl.constexpr,
+                     stride_pb, stride_ph, stride_ps, stride_pd, stride_plb, stride_plh, stride_pls,
+                     stride_ob, stride_oh, stride_od, stride_lb, stride_lh,
+                     NUM_SPLITS: tl.constexpr, MERGE_H: tl.constexpr, CHUNK: tl.constexpr):
+    """The split combine inside the decode launch: the last program of a (sequence, head tile) to finish merges
+    the NUM_SPLITS partials of its heads [head0, head_end), which saves the combine launch (`fused_combine_chunk`
+    says when that pays).
+
+    Every program counts itself in on COUNTERS[counter] after its partial is stored (all threads' stores, a
+    barrier, then one release-acquire atomic: the last program's loads see every other program's stores). The
+    program that takes the last ticket resets the counter to 0 for the next launch, reads the partials (L2 hits,
+    `.cg` past L1) of its real heads only (MERGE_H rows: a KV group of four is not padded to the MMA's 16),
+    CHUNK splits per load, and writes the final output and the natural-log lse."""
+    tl.debug_barrier()
+    ticket = tl.atomic_add(COUNTERS + counter, 1, sem="acq_rel", scope="gpu")
+    if ticket == NUM_SPLITS - 1:
+        tl.atomic_xchg(COUNTERS + counter, 0, sem="relaxed", scope="gpu")
+        heads = head0 + tl.arange(0, MERGE_H)
+        mask_h = heads < head_end
+        lse_row = PART_LSE + b * stride_plb + heads[:, None] * stride_plh
+        BLOCK_S: tl.constexpr = triton.next_power_of_2(NUM_SPLITS)
+        offs_s = tl.arange(0, BLOCK_S)
+        lse2 = tl.load(lse_row + offs_s[None, :] * stride_pls, mask=mask_h[:, None] & (offs_s[None, :] < NUM_SPLITS),
+                       other=-float("inf"), cache_modifier=".cg")  # (MERGE_H, BLOCK_S), log2 units
+        m = tl.max(lse2, axis=1)
+        m = tl.where(m == -float("inf"), 0.0, m)  # masked heads only: split 0 of a sequence holds a token
+        denom = tl.sum(tl.math.exp2(lse2 - m[:, None]), axis=1)
+        offs_c = tl.arange(0, CHUNK)
+        o_ptrs = PART_O + b * stride_pb + heads[:, None, None] * stride_ph + offs_dv[None, None, :] * stride_pd
+        acc = tl.zeros([MERGE_H, offs_dv.shape[0]], tl.float32)
+        for c in tl.static_range(0, NUM_SPLITS, CHUNK):  # unrolled: the chunks' loads are independent
+            mask_s = (c + offs_c) < NUM_SPLITS
+            lse_c = tl.load(lse_row + (c + offs_c)[None, :] * stride_pls, mask=mask_h[:, None] & mask_s[None, :],
+                            other=-float("inf"), cache_modifier=".cg")
+            w = tl.math.exp2(lse_c - m[:, None])  # (MERGE_H, CHUNK)
+            o = tl.load(o_ptrs + (c + offs_c)[None, :, None] * stride_ps,
+                        mask=mask_h[:, None, None] & mask_s[None, :, None] & (offs_dv[None, None, :] < D_V),
+                        other=0.0, cache_modifier=".cg")  # (MERGE_H, CHUNK, BLOCK_DV)
+            acc += tl.sum(o * w[:, :, None], axis=1)
+        has_tokens = denom > 0.0
+        out = acc / tl.where(has_tokens, denom, 1.0)[:, None]
+        tl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :] * stride_od,
+                 out.to(OUT.dtype.element_ty), mask=mask_h[:, None] & (offs_dv[None, :] < D_V))
+        lse = tl.where(has_tokens, (m + tl.math.log2(tl.where(has_tokens, denom, 1.0))) * 0.6931471805599453,
+                       -float("inf"))
+        tl.store(LSE + b * stride_lb + heads * stride_lh, lse, mask=mask_h)
 
 
 @triton.jit
@@ -485,17 +546,24 @@ def _launch_decode(q, k, v, q_rope, k_rope, block_table, seq_lens, scale: float,
     if sm90:
         _sm90().launch(q, k, v, block_table, seq_lens, part_o, part_lse, float(scale) * LOG2E, num_splits, block_h,
                        (config or {}).get("sm90"))
+        fused = False
     else:
+        programs = batch * h_kv * triton.cdiv(h_q // h_kv, block_h)
+        chunk = fused_combine_chunk(num_splits, min(h_q // h_kv, block_h), d_v)
+        counters = split_counters(q.device, programs) if chunk else None
+        fused = counters is not None
         _launch_triton(q, k, v, q_rope, k_rope, block_table, seq_lens, part_o, part_lse, scale, num_splits,
-                       paged=paged, page_size=page_size, capacity=capacity, config=config)
-    if num_splits > 1:
+                       paged=paged, page_size=page_size, capacity=capacity, config=config,
+                       fused=(out, lse, counters, chunk) if fused else None)
+    if num_splits > 1 and not fused:
         combine_splits(part_o, part_lse, out, lse)
     return out, lse
 
 
 def _launch_triton(q, k, v, q_rope, k_rope, block_table, seq_lens, part_o, part_lse, scale: float, num_splits: int,
-                   *, paged: bool, page_size: int, capacity: int, config: dict | None):
-    """`_grouped_decode_kernel` into part_o / part_lse (the split outputs `_launch_decode` allocated)."""
+                   *, paged: bool, page_size: int, capacity: int, config: dict | None, fused: tuple | None):
+    """`_grouped_decode_kernel` into part_o / part_lse (the split outputs `_launch_decode` allocated); with
+    fused = (out, lse, counters, chunk) the launch also combines the splits into out / lse (`_combine_if_last`)."""
     batch, h_q, d_qk = q.shape
     h_kv = k.shape[2] if paged else k.shape[1]
     d_v = v.shape[-1]
@@ -517,17 +585,66 @@ def _launch_triton(q, k, v, q_rope, k_rope, block_table, seq_lens, part_o, part_
         table, table_strides = seq_lens, (0, 0)  # unused
     qr_strides = q_rope.stride() if q_rope is not None else (0, 0, 0)
     static_iters = triton.cdiv(triton.cdiv(capacity, block_n), num_splits) if _checks.interpreting() else 0
+    out, lse, counters, chunk = fused if fused is not None else (part_o[:, :, 0], part_lse[:, :, 0], seq_lens, 0)
     _grouped_decode_kernel[(h_kv * triton.cdiv(group, block_h), num_splits, batch)](
         q, k, v, q_rope if q_rope is not None else q, k_rope if k_rope is not None else k, table, seq_lens,
-        part_o, part_lse,
+        part_o, part_lse, out, lse, counters,
         *q.stride(), *k_strides, *v_strides, *qr_strides, *kr_strides, *table_strides,
-        *part_o.stride(), *part_lse.stride(),
+        *part_o.stride(), *part_lse.stride(), *out.stride(), *lse.stride(),
         float(scale) * LOG2E,
         GROUP_SIZE=group, D_QK=d_qk, D_ROPE=d_rope, D_V=d_v,
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DQK=_pow2(d_qk), BLOCK_DR=_pow2(d_rope), BLOCK_DV=_pow2(d_v),
         PAGED=paged, PAGE_SIZE=page_size, NUM_SPLITS=num_splits, STATIC_ITERS=static_iters,
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=warps, num_stages=stages,
+        DOT_PRECISION=_dot_precision(q.dtype), FUSE_CHUNK=chunk, num_warps=warps, num_stages=stages,
     )
+
+
+FUSED_COMBINE_MAX_VALUES = 16384  # fp32 partials (64 KB) one program may merge at the end of the launch
+_FUSED_COMBINE_CHUNK = 8192  # fp32 partials per load of that merge: 64 registers per thread at four warps
+
+
+def fused_combine_chunk(num_splits: int, heads: int, d_v: int) -> int:
+    """Splits per load when the launch combines its own splits (`_combine_if_last`), or 0 for the separate
+    combine kernel: with one split, with ZOO_FUSED_COMBINE=0, or when a program's partials (num_splits x heads
+    x D_v, heads: the real ones of its tile, D_v padded to a power of two) exceed FUSED_COMBINE_MAX_VALUES, two
+    loads. The last program merges alone after the others finish, so the merge is the launch's tail, and its
+    loads wait one after the other. On an H200 (bf16, H_q 32, graph-timed beside the separate combine):
+    MQA at four splits (32 heads x 128 x 4: 64 KB) gains 2.4-2.6 us (B32 S1k and S8k, D 128), while eight
+    (128 KB, four loads) lose 1.0-1.2 us and 16-32 splits of MQA (256 KB) lose 3-11 us; the separate kernel
+    spreads such merges over (sequence, head, column block) programs."""
+    if num_splits == 1 or os.environ.get("ZOO_FUSED_COMBINE", "1") == "0":
+        return 0
+    row = triton.next_power_of_2(heads) * _pow2(d_v)
+    if num_splits * row > FUSED_COMBINE_MAX_VALUES or row > _FUSED_COMBINE_CHUNK:
+        return 0
+    return min(triton.next_power_of_2(num_splits), _FUSED_COMBINE_CHUNK // row)
+
+
+_COUNTERS: dict[str, torch.Tensor] = {}
+_RETIRED: list[torch.Tensor] = []
+
+
+def split_counters(device: torch.device, n: int) -> torch.Tensor | None:
+    """At least n int32 zeros on `device`, kept between launches: the tickets of `_combine_if_last`, which
+    every fused launch leaves at zero again. None while a CUDA graph is being captured and no buffer is large
+    enough yet (a buffer allocated there would be zeroed only when the graph replays; the launch then uses the
+    separate combine). A buffer that grows keeps its old one alive: a captured graph may still point at it.
+    One buffer per device: fused launches on two streams of one GPU at the same time would share tickets, so
+    decode launches of one device must run on one stream (as everything in this repository does)."""
+    key = str(device)
+    counters = _COUNTERS.get(key)
+    if counters is None or counters.numel() < n:
+        if _capturing(device):
+            return None
+        if counters is not None:
+            _RETIRED.append(counters)
+        counters = torch.zeros(max(n, 4096), device=device, dtype=torch.int32)
+        _COUNTERS[key] = counters
+    return counters
+
+
+def _capturing(device: torch.device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
 
 
 def combine_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor):

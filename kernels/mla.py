@@ -34,6 +34,7 @@ from kernels.decode import (
     LOG2E,
     MAX_SPLITS,
     _block_h,
+    _combine_if_last,
     _dot_precision,
     _online_softmax_step,
     _pow2,
@@ -43,6 +44,8 @@ from kernels.decode import (
     _tile_rows,
     auto_num_splits,
     combine_splits,
+    fused_combine_chunk,
+    split_counters,
     tile_seconds,
 )
 from kernels.decode import num_sms as _num_sms
@@ -93,7 +96,7 @@ def _mla_tile(CKV, KR, BLOCK_TABLE, q, q_rope, m_i, l_i, acc, b, tile_start, end
 
 @triton.jit
 def _mla_decode_kernel(
-    QA, QR, CKV, KR, BLOCK_TABLE, SEQ_LENS, OUT, LSE,
+    QA, QR, CKV, KR, BLOCK_TABLE, SEQ_LENS, OUT, LSE, FINAL_OUT, FINAL_LSE, COUNTERS,
     stride_qab, stride_qah, stride_qad,
     stride_qrb, stride_qrh, stride_qrd,
     stride_cp, stride_cn, stride_cd,
@@ -101,11 +104,12 @@ def _mla_decode_kernel(
     stride_tb, stride_tp,
     stride_ob, stride_oh, stride_os, stride_od,
     stride_lb, stride_lh, stride_ls,
+    stride_fb, stride_fh, stride_fd, stride_flb, stride_flh,
     scale_log2,
     H: tl.constexpr, D_C: tl.constexpr, D_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_DR: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, STATIC_ITERS: tl.constexpr,
-    EVICT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    EVICT: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSE_CHUNK: tl.constexpr,
 ):
     # grid (head tiles, splits, B): the head tiles of one (sequence, split) run side by side and share its
     # tiles through L2.
@@ -132,6 +136,11 @@ def _mla_decode_kernel(
                                   PAGE_SIZE, EVICT, DOT_PRECISION)
     _store_split(OUT, LSE, acc, m_i, l_i, b, heads, mask_h, split, offs_c, D_C,
                  stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls, NUM_SPLITS)
+    if FUSE_CHUNK > 0:  # the split combine in this launch (kernels/decode.py)
+        _combine_if_last(COUNTERS, b * tl.num_programs(0) + tile, OUT, LSE, FINAL_OUT, FINAL_LSE, b, tile * BLOCK_H,
+                         H, offs_c, D_C, stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls,
+                         stride_fb, stride_fh, stride_fd, stride_flb, stride_flh, NUM_SPLITS,
+                         triton.next_power_of_2(min(H, BLOCK_H)), FUSE_CHUNK)
 
 
 # ---- Launch heuristics ------------------------------------------------------------------------------------------
@@ -187,25 +196,32 @@ def _launch_mla(q_absorbed, q_rope, c_kv, k_rope, block_table, seq_lens, scale: 
     else:
         part_o = _decode.new_empty((batch, h, num_splits, d_c), out.device, torch.float32)
         part_lse = _decode.new_empty((batch, h, num_splits), out.device, torch.float32)
+    fused = False
     if sm90:
         with _decode.device_guard(q_absorbed):
             mla_sm90.launch(q_absorbed, q_rope, c_kv, k_rope, seq_lens, part_o, part_lse, scale, num_splits,
                             block_table=block_table if paged else None)
     else:
+        chunk = fused_combine_chunk(num_splits, min(h, block_h), d_c)
+        counters = split_counters(out.device, batch * head_tiles) if chunk else None
+        fused = counters is not None
+        final_o, final_lse = (out, lse) if fused else (part_o[:, :, 0], part_lse[:, :, 0])
         table = block_table if paged else seq_lens  # unused when contiguous
         table_strides = block_table.stride() if paged else (0, 0)
         static_iters = triton.cdiv(n_tiles, num_splits) if _checks.interpreting() else 0
         _mla_decode_kernel[(head_tiles, num_splits, batch)](
-            q_absorbed, q_rope, c_kv, k_rope, table, seq_lens, part_o, part_lse,
+            q_absorbed, q_rope, c_kv, k_rope, table, seq_lens, part_o, part_lse, final_o, final_lse,
+            counters if fused else seq_lens,
             *q_absorbed.stride(), *q_rope.stride(), *c_kv.stride(), *k_rope.stride(), *table_strides,
-            *part_o.stride(), *part_lse.stride(),
+            *part_o.stride(), *part_lse.stride(), *final_o.stride(), *final_lse.stride(),
             float(scale) * LOG2E,
             H=h, D_C=d_c, D_R=d_r, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DC=_pow2(d_c), BLOCK_DR=_pow2(d_r),
             PAGED=paged, PAGE_SIZE=page_size, NUM_SPLITS=num_splits, STATIC_ITERS=static_iters,
             # One head tile: each latent tile is read once, so stream it past L2. Several: they share it through L2.
-            EVICT="evict_first" if head_tiles == 1 else "", DOT_PRECISION=_dot_precision(q_absorbed.dtype), **cfg,
+            EVICT="evict_first" if head_tiles == 1 else "", DOT_PRECISION=_dot_precision(q_absorbed.dtype),
+            FUSE_CHUNK=chunk if fused else 0, **cfg,
         )
-    if num_splits > 1:
+    if num_splits > 1 and not fused:
         combine_splits(part_o, part_lse, out, lse)
     return out, lse
 

@@ -505,3 +505,60 @@ def test_compile_fullgraph():
     ref_out, ref_lse = decode_reference(q, k, v, lens, scale=0.2)
     assert_close(out, 2 * ref_out, dtype, "compiled out")
     assert_close(lse, 2 * ref_lse, dtype, "compiled lse")
+
+
+@pytest.mark.parametrize("case", [(3, 8, 2, 130, 64, 3), (2, 8, 1, 65, 128, 5), (2, 80, 1, 20, 32, 2),
+                                  (2, 4, 4, 70, 16, 9)], ids=lambda c: "B{}-Hq{}-Hkv{}-S{}-D{}-splits{}".format(*c))
+def test_fused_combine_matches_separate_combine(case, monkeypatch):
+    """With splits, the decode launch merges them itself (`_combine_if_last`: the last program of each sequence
+    and head tile): the same output and lse as the separate combine kernel, which then never runs, and every
+    ticket counter back at zero for the next launch. Covers a split count that is not a power of two, a head
+    tile padded past its group (8 of 16 rows), two head tiles of one group (80 heads), and empty splits."""
+    b, hq, hkv, s, d, splits = case
+    assert decode.fused_combine_chunk(splits, min(hq // hkv, 64), d) > 0
+    q = torch.randn(b, hq, d, device=DEVICE)
+    k = torch.randn(b, hkv, s, d, device=DEVICE)
+    v = torch.randn(b, hkv, s, d, device=DEVICE)
+    seq_lens = ragged_lens(b, s)
+    monkeypatch.setenv("ZOO_FUSED_COMBINE", "0")
+    sep_out, sep_lse = grouped_decode(q, k, v, seq_lens, scale=0.3, num_splits=splits)
+    monkeypatch.setenv("ZOO_FUSED_COMBINE", "1")
+
+    def no_combine(*args):
+        raise AssertionError("the separate combine kernel ran")
+
+    monkeypatch.setattr(decode, "combine_splits", no_combine)
+    out, lse = grouped_decode(q, k, v, seq_lens, scale=0.3, num_splits=splits)
+    assert_close(out, sep_out, torch.float32, "fused combine out")
+    assert_close(lse, sep_lse, torch.float32, "fused combine lse")
+    assert not decode.split_counters(q.device, 1).any(), "a ticket counter was left non-zero"
+
+
+def test_fused_combine_chunk_rule(monkeypatch):
+    """Splits per load of the fused combine, or 0 (the separate kernel): one split, the switch, a merge of more
+    than 16384 fp32 partials (MQA: 32 heads x 128 x 8 splits), and chunks of at most 8192 values."""
+    assert decode.fused_combine_chunk(1, 4, 128) == 0
+    assert decode.fused_combine_chunk(4, 32, 128) == 2  # 4096 values per split: two splits per load
+    assert decode.fused_combine_chunk(8, 32, 128) == 0  # 32768 values: the separate kernel
+    assert decode.fused_combine_chunk(16, 4, 128) == 16  # a group of 4: 512 values per split, one load
+    assert decode.fused_combine_chunk(3, 3, 80) == 4  # powers of two: 4 heads x 128 columns, 4 splits per load
+    assert decode.fused_combine_chunk(2, 16, 512) == 1  # MLA, 16 heads: one split per load
+    monkeypatch.setenv("ZOO_FUSED_COMBINE", "0")
+    assert decode.fused_combine_chunk(4, 32, 128) == 0
+
+
+def test_split_counters_under_graph_capture(monkeypatch):
+    """The ticket counters are allocated zeroed outside CUDA graph capture and kept; while a capture runs, a
+    launch that needs more counters than exist gets None (and uses the separate combine) instead of memory that
+    only a replay would zero; a grown buffer keeps the old one alive for graphs captured with it."""
+    monkeypatch.setattr(decode, "_COUNTERS", {})
+    monkeypatch.setattr(decode, "_RETIRED", [])
+    device = torch.device(DEVICE)
+    first = decode.split_counters(device, 10)
+    assert first.numel() >= 10 and not first.any()
+    monkeypatch.setattr(decode, "_capturing", lambda device: True)
+    assert decode.split_counters(device, 10) is first
+    assert decode.split_counters(device, first.numel() + 1) is None
+    monkeypatch.setattr(decode, "_capturing", lambda device: False)
+    grown = decode.split_counters(device, first.numel() + 1)
+    assert grown.numel() > first.numel() and len(decode._RETIRED) == 1 and decode._RETIRED[0] is first

@@ -292,9 +292,11 @@ paged = sys.argv[1] == "paged"
 kernel = mla._mla_decode_kernel
 cfg = mla._mla_config(128, 512)
 const = dict(H=128, D_C=512, D_R=64, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], BLOCK_DC=512, BLOCK_DR=64,
-             PAGED=paged, PAGE_SIZE=64 if paged else 1, NUM_SPLITS=2, STATIC_ITERS=0, EVICT="", DOT_PRECISION="tf32")
+             PAGED=paged, PAGE_SIZE=64 if paged else 1, NUM_SPLITS=2, STATIC_ITERS=0, EVICT="", DOT_PRECISION="tf32",
+             FUSE_CHUNK=0)  # a 64-head tile's partials are merged by the separate combine (decode.fused_combine_chunk)
+assert mla.fused_combine_chunk(2, 64, 512) == 0
 pointers = {"QA": "*bf16", "QR": "*bf16", "CKV": "*bf16", "KR": "*bf16", "BLOCK_TABLE": "*i32", "SEQ_LENS": "*i32",
-            "OUT": "*fp32", "LSE": "*fp32"}
+            "OUT": "*fp32", "LSE": "*fp32", "FINAL_OUT": "*bf16", "FINAL_LSE": "*fp32", "COUNTERS": "*i32"}
 sig = {n: "constexpr" if n in const else pointers.get(n, "fp32" if n == "scale_log2" else "i32")
        for n in kernel.arg_names}
 compiled = triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32),
