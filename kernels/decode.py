@@ -543,15 +543,14 @@ def _launch_decode(q, k, v, q_rope, k_rope, block_table, seq_lens, scale: float,
     else:
         part_o = new_empty((batch, h_q, num_splits, d_v), q.device, torch.float32)
         part_lse = new_empty((batch, h_q, num_splits), q.device, torch.float32)
+    programs = batch * h_kv * triton.cdiv(h_q // h_kv, block_h)
+    chunk = fused_combine_chunk(num_splits, min(h_q // h_kv, block_h), d_v)
+    counters = split_counters(q.device, programs) if chunk else None
+    fused = counters is not None
     if sm90:
         _sm90().launch(q, k, v, block_table, seq_lens, part_o, part_lse, float(scale) * LOG2E, num_splits, block_h,
-                       (config or {}).get("sm90"))
-        fused = False
+                       (config or {}).get("sm90"), fused=(out, lse, counters, chunk) if fused else None)
     else:
-        programs = batch * h_kv * triton.cdiv(h_q // h_kv, block_h)
-        chunk = fused_combine_chunk(num_splits, min(h_q // h_kv, block_h), d_v)
-        counters = split_counters(q.device, programs) if chunk else None
-        fused = counters is not None
         _launch_triton(q, k, v, q_rope, k_rope, block_table, seq_lens, part_o, part_lse, scale, num_splits,
                        paged=paged, page_size=page_size, capacity=capacity, config=config,
                        fused=(out, lse, counters, chunk) if fused else None)

@@ -23,6 +23,9 @@ copy wholly past the end re-reads the last valid page (every tile moves the same
 count is fixed), and the last tile's rows past the end are masked in the scores and zeroed in the V buffer before
 P V (`zero_rows`).
 
+With splits, the launch merges them itself where decode.py's rule says it pays (`_combine_if_last`, as the Triton
+kernel's): the consumer warpgroup of the last split to finish reads the partials back.
+
 Contiguous caches stay on the Triton kernel: this kernel with a contiguous loader (one TMA copy per tile) measured
 level with it there (H200, 2026-11-30, 68 shapes each at its best split: median 1.00x SDPA at D=128, 0.98x at D=64,
 against the Triton kernel's 1.00x), so a second contiguous path would add code without speed.
@@ -144,9 +147,13 @@ def zero_rows(tile, n_valid, BLOCK_N: gl.constexpr, COLS: gl.constexpr):
 def _consumer(q_ptr, k_smem, v_smem, k_ready, v_ready, kv_free, out_ptr, lse_ptr,
               stride_qb, stride_qh, stride_qd, stride_ob, stride_oh, stride_os, stride_od,
               stride_lb, stride_lh, stride_ls, b, head0, n_heads, split, num_splits, start, end, n_tiles,
-              scale_log2, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
+              scale_log2, final_out_ptr, final_lse_ptr, counters_ptr, counter,
+              stride_fb, stride_fh, stride_fd, stride_flb, stride_flh,
+              BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, MERGE_H: gl.constexpr,
+              CHUNK: gl.constexpr):
     """One warpgroup: the online softmax of n_heads query heads from head0 over the split's tiles, then their
-    output (the final one for one split, else a partial) and log-sum-exp."""
+    output (the final one for one split, else a partial) and log-sum-exp; with CHUNK > 0, the last split of the
+    tile to finish merges all of them (`_combine_if_last`)."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -205,15 +212,73 @@ def _consumer(q_ptr, k_smem, v_smem, k_ready, v_ready, kv_free, out_ptr, lse_ptr
     rows_l = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
     gl.store(lse_ptr + b.to(gl.int64) * stride_lb + (head0 + rows_l) * stride_lh + split * stride_ls, lse,
              mask=rows_l < n_heads)
+    if CHUNK > 0:
+        _combine_if_last(counters_ptr, counter, out_ptr, lse_ptr, final_out_ptr, final_lse_ptr, b, head0, n_heads,
+                         num_splits, stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls,
+                         stride_fb, stride_fh, stride_fd, stride_flb, stride_flh, D, MERGE_H, CHUNK)
+
+
+@gluon.jit
+def _combine_if_last(counters_ptr, counter, part_o_ptr, part_lse_ptr, out_ptr, lse_ptr, b, head0, n_heads,
+                     num_splits, stride_pb, stride_ph, stride_ps, stride_pd, stride_plb, stride_plh, stride_pls,
+                     stride_ob, stride_oh, stride_od, stride_lb, stride_lh,
+                     D: gl.constexpr, MERGE_H: gl.constexpr, CHUNK: gl.constexpr):
+    """kernels/decode.py's `_combine_if_last` for this kernel's consumer warpgroup: a ticket per (sequence, head
+    tile) after the partials are stored (a barrier of the warpgroup, then a release-acquire atomic); the last
+    split resets it and merges the num_splits partials of its n_heads heads, CHUNK splits per load, online (the
+    split count is a runtime argument here)."""
+    gl.thread_barrier()
+    ticket = gl.atomic_add(counters_ptr + counter, 1, sem="acq_rel", scope="gpu")
+    if ticket == num_splits - 1:
+        gl.atomic_xchg(counters_ptr + counter, 0, sem="relaxed", scope="gpu")
+        cols_t: gl.constexpr = D // 4  # threads along a row, four fp32 columns each
+        layout: gl.constexpr = gl.BlockedLayout([1, 1, 4], [1, 32 // cols_t, cols_t], [4, 1, 1], [2, 1, 0])
+        w_layout: gl.constexpr = gl.SliceLayout(2, layout)
+        o_layout: gl.constexpr = gl.SliceLayout(1, layout)
+        rows = gl.arange(0, MERGE_H, layout=gl.SliceLayout(1, w_layout))
+        offs_c = gl.arange(0, CHUNK, layout=gl.SliceLayout(0, w_layout))
+        cols = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
+        mask_h = rows < n_heads
+        heads = (head0 + rows).to(gl.int64)
+        lse_row = part_lse_ptr + b.to(gl.int64) * stride_plb + heads[:, None] * stride_plh
+        o_rows = part_o_ptr + b.to(gl.int64) * stride_pb + heads[:, None, None] * stride_ph
+        cols3 = gl.convert_layout(cols, gl.SliceLayout(0, gl.SliceLayout(1, layout)))
+        m = gl.full([MERGE_H], -float("inf"), gl.float32, gl.SliceLayout(1, w_layout))
+        denom = gl.zeros([MERGE_H], gl.float32, gl.SliceLayout(1, w_layout))
+        acc = gl.zeros([MERGE_H, D], gl.float32, o_layout)
+        for c in range(0, num_splits, CHUNK):
+            mask = mask_h[:, None] & ((c + offs_c) < num_splits)[None, :]
+            lse_c = gl.load(lse_row + (c + offs_c)[None, :] * stride_pls, mask=mask, other=-float("inf"),
+                            cache_modifier=".cg")  # (MERGE_H, CHUNK), log2 units
+            o = gl.load(o_rows + (c + offs_c)[None, :, None] * stride_ps + cols3[None, None, :] * stride_pd,
+                        mask=mask[:, :, None], other=0.0, cache_modifier=".cg")  # (MERGE_H, CHUNK, D)
+            m_new = gl.maximum(m, gl.max(lse_c, 1))
+            m_use = gl.where(m_new == -float("inf"), 0.0, m_new)  # masked heads only
+            alpha = gl.exp2(m - m_use)
+            w = gl.exp2(lse_c - m_use[:, None])
+            denom = denom * alpha + gl.sum(w, 1)
+            acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None] + gl.sum(o * w[:, :, None], 1)
+            m = m_new
+        has_tokens = denom > 0.0
+        d_safe = gl.where(has_tokens, denom, 1.0)
+        out = acc / gl.convert_layout(d_safe, gl.SliceLayout(1, o_layout))[:, None]
+        rows_o = gl.convert_layout(rows, gl.SliceLayout(1, o_layout))
+        heads_o = (head0 + rows_o).to(gl.int64)
+        gl.store(out_ptr + b.to(gl.int64) * stride_ob + heads_o[:, None] * stride_oh + cols[None, :] * stride_od,
+                 out.to(out_ptr.dtype.element_ty), mask=(rows_o < n_heads)[:, None])
+        lse = gl.where(has_tokens, (m + gl.log2(d_safe)) * 0.6931471805599453, -float("inf"))
+        gl.store(lse_ptr + b.to(gl.int64) * stride_lb + heads * stride_lh, lse, mask=mask_h)
 
 
 @gluon.jit
 def _grouped_decode_sm90_kernel(
-    q_ptr, k_desc, v_desc, seq_lens_ptr, table_ptr, out_ptr, lse_ptr,
+    q_ptr, k_desc, v_desc, seq_lens_ptr, table_ptr, out_ptr, lse_ptr, final_out_ptr, final_lse_ptr, counters_ptr,
     stride_qb, stride_qh, stride_qd, stride_tb, stride_tp,
     stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls,
+    stride_fb, stride_fh, stride_fd, stride_flb, stride_flh,
     scale_log2, group, block_h, num_splits,
     BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGE_ROWS: gl.constexpr,
+    MERGE_H: gl.constexpr = 1, CHUNK: gl.constexpr = 0,
 ):
     """grid (head tiles, num_splits, B): a head tile is block_h (at most 64) query heads of one KV group of
     `group`. The group, the tile and the split count are plain arguments, so one compiled kernel serves every GQA
@@ -246,7 +311,8 @@ def _grouped_decode_sm90_kernel(
         (_consumer, (q_ptr, k_smem, v_smem, k_ready, v_ready, kv_free, out_ptr, lse_ptr,
                      stride_qb, stride_qh, stride_qd, stride_ob, stride_oh, stride_os, stride_od,
                      stride_lb, stride_lh, stride_ls, b, head0, n_heads, split, num_splits, start, end, n_tiles,
-                     scale_log2, BLOCK_N, D, STAGES)),
+                     scale_log2, final_out_ptr, final_lse_ptr, counters_ptr, b * gl.num_programs(0) + tile,
+                     stride_fb, stride_fh, stride_fd, stride_flb, stride_flh, BLOCK_N, D, STAGES, MERGE_H, CHUNK)),
         (_loader, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, table_ptr, stride_tb, stride_tp, b,
                    kv_head, start, end, n_tiles, BLOCK_N, D, STAGES, PAGE_SIZE, PAGE_ROWS)),
     ], [1], [LOADER_REGS])
@@ -283,11 +349,11 @@ def shared_bytes(d: int, itemsize: int) -> int:
 
 
 def launch(q, k_pages, v_pages, block_table, seq_lens, part_o, part_lse, scale_log2: float, num_splits: int,
-           block_h: int, config: tuple[int, int] | None = None):
+           block_h: int, config: tuple[int, int] | None = None, fused: tuple | None = None):
     """On inputs `supports` accepted, block_table (B, max_pages) int32 and seq_lens (B,) int32 contiguous: each
     split's output into part_o (B, H_q, splits, D) and its lse into part_lse (B, H_q, splits), as
-    decode._launch_decode's Triton kernel; block_h query heads per program. `config` overrides CONFIGS
-    (benchmarks)."""
+    decode._launch_decode's Triton kernel; block_h query heads per program. With fused = (out, lse, counters,
+    chunk) the launch combines its splits into out / lse too. `config` overrides CONFIGS (benchmarks)."""
     batch, h_q, d = q.shape
     page_size, h_kv = k_pages.shape[1], k_pages.shape[2]
     group = h_q // h_kv
@@ -295,9 +361,12 @@ def launch(q, k_pages, v_pages, block_table, seq_lens, part_o, part_lse, scale_l
     if block_n == d:
         raise ValueError(f"BLOCK_N = D = {d}: miscompiled on the H200 (see CONFIGS); take another tile width")
     rows = min(page_size, block_n)  # rows per TMA copy: one page (or a tile's slice of one)
+    out, lse, counters, chunk = fused if fused is not None else (part_o[:, :, 0], part_lse[:, :, 0], seq_lens, 0)
     _grouped_decode_sm90_kernel[(h_kv * triton.cdiv(group, block_h), num_splits, batch)](
         q, descriptor(k_pages.flatten(2), [1, rows, d]), descriptor(v_pages.flatten(2), [1, rows, d]), seq_lens,
-        block_table, part_o, part_lse, *q.stride(), *block_table.stride(), *part_o.stride(), *part_lse.stride(),
-        scale_log2, group, block_h, num_splits,
-        BLOCK_N=block_n, D=d, STAGES=stages, PAGE_SIZE=page_size, PAGE_ROWS=rows, num_warps=4, maxnreg=MAX_REGS,
+        block_table, part_o, part_lse, out, lse, counters, *q.stride(), *block_table.stride(), *part_o.stride(),
+        *part_lse.stride(), *out.stride(), *lse.stride(), scale_log2, group, block_h, num_splits,
+        BLOCK_N=block_n, D=d, STAGES=stages, PAGE_SIZE=page_size, PAGE_ROWS=rows,
+        MERGE_H=triton.next_power_of_2(min(group, block_h)) if chunk else 1, CHUNK=chunk,
+        num_warps=4, maxnreg=MAX_REGS,
     )

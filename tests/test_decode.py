@@ -250,7 +250,8 @@ def test_sm90_kernel_structure(d, page_size, splits):
     """The Hopper paged decode kernel (Gluon, no CPU interpreter; its numerics run in the paged cases above on an
     H100/H200) compiled for sm_90 on any machine, with pages smaller than, equal to and larger than a tile: a
     loader warp (setmaxnreg 40) with TMA loads, one Q K^T and one P V per tile (m64nBLOCK_N and m64nD wgmma), 128
-    registers per thread at launch and shared memory for two programs per SM, no spills."""
+    registers per thread at launch and shared memory for two programs per SM, no spills. With splits (a group of
+    four) the launch combines them itself: one release-acquire ticket per program."""
     import re
 
     from conftest import compile_gluon_sm90, setmaxnreg_counts, spill_bytes
@@ -262,8 +263,10 @@ def test_sm90_kernel_structure(d, page_size, splits):
     block = [1, rows, d]
     types = dict(q_ptr="*bf16", k_desc=dict(block=block, dtype="bfloat16"), v_desc=dict(block=block, dtype="bfloat16"),
                  seq_lens_ptr="*i32", table_ptr="*i32", out_ptr="*bf16" if splits == 1 else "*fp32", lse_ptr="*fp32",
-                 scale_log2="fp32")
-    const = dict(BLOCK_N=block_n, D=d, STAGES=stages, PAGE_SIZE=page_size, PAGE_ROWS=rows)
+                 final_out_ptr="*bf16", final_lse_ptr="*fp32", counters_ptr="*i32", scale_log2="fp32")
+    chunk = decode.fused_combine_chunk(splits, 4, d)
+    assert (chunk > 0) == (splits > 1)
+    const = dict(BLOCK_N=block_n, D=d, STAGES=stages, PAGE_SIZE=page_size, PAGE_ROWS=rows, MERGE_H=4, CHUNK=chunk)
     result = compile_gluon_sm90("kernels.decode_sm90", "_grouped_decode_sm90_kernel", types, const,
                                 options=dict(maxnreg=decode_sm90.MAX_REGS))
     ptx = result["ptx"]
@@ -275,6 +278,7 @@ def test_sm90_kernel_structure(d, page_size, splits):
     assert re.search(r"Used (\d+) registers", result["ptxas"]).group(1) == str(decode_sm90.MAX_REGS)
     spills = spill_bytes(result["ptxas"])
     assert spills and all(a == 0 and b == 0 for a, b in spills), result["ptxas"]
+    assert ptx.count("atom.global.gpu.acq_rel.add") == (1 if chunk else 0)
 
 
 # (B, S, H_kv) -> the split count `ragged_num_splits` must pick for the Hopper paged kernel (D 128, H_q 32, 132
