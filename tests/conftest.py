@@ -77,7 +77,7 @@ def ragged_lens(batch: int, s_max: int) -> torch.Tensor:
 
 
 _COMPILE_GLUON_SM90 = """
-import glob, json, os, subprocess, sys, tempfile
+import json, os, subprocess, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon import language as gl
@@ -95,7 +95,8 @@ const = spec["constants"]
 sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in kernel.arg_names}
 compiled = triton.compile(GluonASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32),
                           options=dict(num_warps=4, **spec["options"]))
-ptxas = glob.glob(os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas"))[0]
+from triton import knobs
+ptxas = knobs.nvidia.ptxas.path  # the ptxas whose version set the PTX's .version (TRITON_PTXAS_PATH, else Triton's own)
 with tempfile.TemporaryDirectory() as tmp:
     open(os.path.join(tmp, "k.ptx"), "w").write(compiled.asm["ptx"])
     run = subprocess.run([ptxas, "-arch=sm_90a", "-v", os.path.join(tmp, "k.ptx"), "-o", os.path.join(tmp, "k.cubin")],
