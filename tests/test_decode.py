@@ -554,7 +554,8 @@ def test_fused_combine_chunk_rule(monkeypatch):
 def test_split_counters_under_graph_capture(monkeypatch):
     """The ticket counters are allocated zeroed outside CUDA graph capture and kept; while a capture runs, a
     launch that needs more counters than exist gets None (and uses the separate combine) instead of memory that
-    only a replay would zero; a grown buffer keeps the old one alive for graphs captured with it."""
+    only a replay would zero; a grown buffer keeps the old one alive for graphs captured with it. On a GPU, a
+    fused launch captured in a graph replays correctly between eager launches that use the same counters."""
     monkeypatch.setattr(decode, "_COUNTERS", {})
     monkeypatch.setattr(decode, "_RETIRED", [])
     device = torch.device(DEVICE)
@@ -566,3 +567,23 @@ def test_split_counters_under_graph_capture(monkeypatch):
     monkeypatch.setattr(decode, "_capturing", lambda device: False)
     grown = decode.split_counters(device, first.numel() + 1)
     assert grown.numel() > first.numel() and len(decode._RETIRED) == 1 and decode._RETIRED[0] is first
+    if DEVICE == "cuda":  # a real capture: replays of a fused launch, between eager ones, on the same counters
+        q = torch.randn(2, 8, 64, device=DEVICE, dtype=torch.bfloat16)
+        k = torch.randn(2, 2, 300, 64, device=DEVICE, dtype=torch.bfloat16)
+        v = torch.randn_like(k)
+        seq_lens = torch.tensor([300, 77], device=DEVICE, dtype=torch.int32)
+        assert decode.fused_combine_chunk(4, 4, 64) > 0
+
+        def run():
+            return grouped_decode(q, k, v, seq_lens, scale=0.125, num_splits=4, validate=False)
+
+        ref_out, ref_lse = decode_reference(q, k, v, seq_lens, scale=0.125)
+        run()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out, lse = run()
+        for _ in range(3):
+            graph.replay()
+            torch.cuda.synchronize()
+            _check(out, lse, ref_out, ref_lse, torch.bfloat16, "graph replay")
+            _check(*run(), ref_out, ref_lse, torch.bfloat16, "eager launch between replays")
