@@ -614,7 +614,7 @@ def fused_combine_chunk(num_splits: int, heads: int, d_v: int) -> int:
     if num_splits == 1 or os.environ.get("ZOO_FUSED_COMBINE", "1") == "0":
         return 0
     row = triton.next_power_of_2(heads) * _pow2(d_v)
-    if num_splits * row > FUSED_COMBINE_MAX_VALUES or row > _FUSED_COMBINE_CHUNK:
+    if num_splits * row > FUSED_COMBINE_MAX_VALUES:  # two splits or more: one split's row fits a chunk
         return 0
     return min(triton.next_power_of_2(num_splits), _FUSED_COMBINE_CHUNK // row)
 
