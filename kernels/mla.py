@@ -17,9 +17,10 @@ Layouts:
                 same (page, slot) indexes both pools.
 Outputs: latent (B, H, D_c) in q_absorbed's dtype, lse (B, H) fp32, natural log.
 
-On Hopper, 512 + 64 in fp16/bf16 with heads in multiples of 64 (and paged caches with up to 64 heads) run the
-warp-specialized Gluon kernel of kernels/mla_sm90.py instead (1.5x this kernel at 128 heads on an H200, 1.7-1.9x
-paged); everything else runs the Triton kernel below.
+On Hopper, 512 + 64 in fp16/bf16 with at most 16 heads or heads in multiples of 64 (and paged caches with up
+to 64 heads) run the warp-specialized Gluon kernels of kernels/mla_sm90.py instead (1.5x this kernel at 128 heads
+on an H200, 1.7-1.9x paged; at 16 heads the narrow program, 1.0-1.03x contiguous and 1.2-1.26x with 16-token
+pages); everything else runs the Triton kernel below.
 """
 
 from __future__ import annotations
@@ -175,12 +176,14 @@ def _launch_mla(q_absorbed, q_rope, c_kv, k_rope, block_table, seq_lens, scale: 
     cfg = dict(_mla_config(h, d_c), **(config or {}))
     block_h, block_n = cfg.pop("BLOCK_H"), cfg.pop("BLOCK_N")
     if sm90:
-        block_h, block_n = mla_sm90.HEADS_PER_PROGRAM, mla_sm90.BLOCK_N
+        block_h, block_n = mla_sm90.tile_heads(h), mla_sm90.BLOCK_N
     head_tiles = triton.cdiv(h, block_h)
     n_tiles = triton.cdiv(capacity, block_n)
     if num_splits is None:
         tile_bytes = block_n * (d_c + d_r) * c_kv.element_size()
-        tile_flops = 2 * max(64, block_h) * block_n * (d_c + d_r + d_c)
+        # The MMA's work per tile: a head tile is padded to 64 rows, except the narrow Hopper kernel's (heads as N).
+        rows = block_h if sm90 and block_h < mla_sm90.HEADS_PER_PROGRAM else max(64, block_h)
+        tile_flops = 2 * rows * block_n * (d_c + d_r + d_c)
         # One program per SM: the 64-row head tile's accumulator fills the register file, and the 16-head tile's
         # three stages of 64 x 576 latent rows fill shared memory. Paged 16-head launches use grouped decode's
         # paged rule (slower tiles, twice the programs), which matched their best measured splits.
@@ -200,7 +203,7 @@ def _launch_mla(q_absorbed, q_rope, c_kv, k_rope, block_table, seq_lens, scale: 
     if sm90:
         with _decode.device_guard(q_absorbed):
             mla_sm90.launch(q_absorbed, q_rope, c_kv, k_rope, seq_lens, part_o, part_lse, scale, num_splits,
-                            block_table=block_table if paged else None)
+                            block_table=block_table if paged else None, heads=block_h)
     else:
         chunk = fused_combine_chunk(num_splits, min(h, block_h), d_c)
         counters = split_counters(out.device, batch * head_tiles) if chunk else None

@@ -1,8 +1,9 @@
-"""Absorbed MLA decode for Hopper (sm_90) in Gluon, 64 heads per program: the compute-bound case (many heads).
+"""Absorbed MLA decode for Hopper (sm_90) in Gluon: 64 heads per program (the compute-bound case, many heads) or,
+for at most 16 heads, a narrow program with every product transposed (the memory-bound case).
 
 Same math, inputs and outputs as `mla._mla_decode_kernel` (see kernels/mla.py, whose launcher runs this kernel
-instead on an sm_90 GPU for fp16/bf16, D_c = 512, D_r = 64, a head count that is a multiple of 64 and
-TMA-readable strides, contiguous or paged; everything else keeps the Triton kernel).
+instead on an sm_90 GPU for fp16/bf16, D_c = 512, D_r = 64, a head count that is at most 16 or a multiple of 64
+(paged: or below 64) and TMA-readable strides, contiguous or paged; everything else keeps the Triton kernel).
 
 Why: at 128 heads the Triton kernel reaches 350-370 TFLOP/s on an H200. Its eight warps share one program and
 run each phase together, and the latent tile, used both as K (in the scores) and as V (in the output), is
@@ -15,6 +16,14 @@ reloaded from shared memory by both warpgroups for every product. Here each role
   accumulates the left half of the output, O0 += P C[:, :256];
 - consumer 1 waits for P and accumulates the right half, O1 += P C[:, 256:]. Each consumer's (64, 256) fp32
   accumulator takes 128 of its 240 registers.
+
+The narrow program (`_mla_narrow_consumer`, at most 16 heads, e.g. DeepSeek's 128 heads over 8 GPUs): a wgmma's M
+is at least 64, so a 64-head tile pads 16 heads with 48 rows of zeros and does four times the tensor-core work,
+which at 16 heads costs about as long as streaming the block. Swapping the operands makes the heads the N (16)
+and the tokens the M (64): S^T = C Qc^T + R Qr^T, the softmax down the columns, P^T through shared memory, and
+O^T += C^T P^T with the latent tile read transposed (M-major) from the same shared memory. One consumer
+warpgroup does it all; the loader is the same.
+
 No row past a sequence's end ever meets a zero probability (the tests' poisoned caches hold NaN there):
 - contiguous: the last block of a split is loaded ending at the split's last token (rows end-64 .. end-1, TMA
   zero-fills rows before 0), and its columns that the previous block already covered are masked;
@@ -27,7 +36,10 @@ No row past a sequence's end ever meets a zero probability (the tests' poisoned 
 Measured on an H200 beside the Triton kernel in one run (bf16, 128 heads, TFLOP/s, each at its best of 1-8
 splits): B64 N8192 536 vs 353, B64 N32768 541 vs 365, B128 N4096 513 vs 348, B16 N8192 472 vs 302. Paged
 (2026-11-30, its best split beside the Triton paged kernel): 64-token pages 527-537 vs 303-319 at B64/B128,
-16-token pages 471-510 vs 265-277; B16 N8192 463 / 435 vs 265 / 236.
+16-token pages 471-510 vs 265-277; B16 N8192 463 / 435 vs 265 / 236. At 16 heads (2026-11-30, TB/s, automatic
+split, one run): the narrow program reads 3.92-4.40 with 16-token pages at B32-B128 where the 64-head tile read
+3.79-4.15 and the Triton kernel 3.20-3.50, and 3.97-4.48 contiguous against the Triton kernel's 3.95-4.35
+(benchmarks/RESULTS.md).
 
 Gluon has no CPU interpreter: the GPU test suite runs every 128-head (and 64-head) 512 + 64 case of
 tests/test_mla.py through this kernel; on the CPU, tests/test_mla.py compiles it for sm_90 and checks its
@@ -54,6 +66,7 @@ from kernels.decode_sm90 import split_range, tile_pages, zero_rows
 from kernels.flash_sm90 import descriptor, on_hopper
 
 HEADS_PER_PROGRAM = 64  # the M of every wgmma
+NARROW_HEADS = 16  # heads per program of the narrow kernel (at most 16 heads): the N of its wgmma
 HALF_COLUMNS = 256  # latent columns per half: each consumer's share of the output
 ROPE_DIM = 64
 BLOCK_N, STAGES = 64, 2  # tokens per block, ring stages: 224 KB of shared memory with Q and P
@@ -231,6 +244,78 @@ def _mla_pv_consumer(c1_smem, p_smem, stat_smem, kv_ready, kv_free, p_ready, p_f
 
 
 @gluon.jit
+def _mla_narrow_consumer(qc0_smem, qc1_smem, qr_smem, c0_smem, c1_smem, r_smem, pt_smem, q_ready, kv_ready, kv_free,
+                         out_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls,
+                         b, h0, num_heads, split, start, end, n_blocks, scale_log2,
+                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr, PAGED: gl.constexpr):
+    """One warpgroup, at most 16 heads, every product transposed so that the heads are the wgmma's N and the
+    block's tokens (or latent columns) its M: S^T = C Qc^T + R Qr^T (BLOCK_N x 16), the online softmax down its
+    columns, P^T to shared memory, then O^T += C^T P^T for both latent halves (256 x 16 each; C^T is the latent
+    tile read M-major from the same shared memory). A 64-row head tile would pad 16 heads to 64 and do four times
+    the tensor-core work."""
+    n_h: gl.constexpr = qc0_smem.shape[1]
+    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, n_h, 16])
+    cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)  # one value per head
+    cols_o: gl.constexpr = gl.SliceLayout(0, s_layout)
+    dtype: gl.constexpr = c0_smem.dtype
+    qc0 = qc0_smem.reshape([n_h, HALF]).permute((1, 0))
+    qc1 = qc1_smem.reshape([n_h, HALF]).permute((1, 0))
+    qr = qr_smem.reshape([n_h, qr_smem.shape[2]]).permute((1, 0))
+    m_i = gl.full([n_h], -float("inf"), gl.float32, cols_s)
+    l_i = gl.zeros([n_h], gl.float32, cols_s)
+    o0 = gl.zeros([HALF, n_h], gl.float32, s_layout)
+    o1 = gl.zeros([HALF, n_h], gl.float32, s_layout)
+    s = gl.zeros([BLOCK_N, n_h], gl.float32, s_layout)
+    mbarrier.wait(q_ready, 0)
+    for j in range(n_blocks):
+        st = j % STAGES
+        mbarrier.wait(kv_ready.index(st), (j // STAGES) & 1)
+        c0 = c0_smem.index(st).reshape([BLOCK_N, HALF])
+        c1 = c1_smem.index(st).reshape([BLOCK_N, HALF])
+        s = warpgroup_mma(c0, qc0, s, use_acc=False, is_async=True)
+        s = warpgroup_mma(c1, qc1, s, is_async=True)
+        s = warpgroup_mma(r_smem.index(st).reshape([BLOCK_N, qr_smem.shape[2]]), qr, s, is_async=True)
+        s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
+        if j == n_blocks - 1:
+            offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
+            if PAGED:  # the last block's rows past `end`: masked in the scores, zeroed in the latent tile
+                n_valid = end - start - j * BLOCK_N
+                s = gl.where(offs_n[:, None] < n_valid, s, -float("inf"))
+                zero_rows(c0, n_valid, BLOCK_N, HALF)
+                zero_rows(c1, n_valid, BLOCK_N, HALF)
+            else:  # the last block ends at `end`; its rows before block j's own start are done
+                first = start + j * BLOCK_N - (end - BLOCK_N)
+                s = gl.where(offs_n[:, None] >= first, s, -float("inf"))
+        m_new = gl.maximum(m_i, gl.max(s, 0) * scale_log2)
+        p = gl.exp2(s * scale_log2 - m_new[None, :])
+        alpha = gl.exp2(m_i - m_new)
+        l_i = l_i * alpha + gl.sum(p, 0)
+        m_i = m_new
+        pt_smem.store(p.to(dtype))
+        fence_async_shared()
+        a = gl.convert_layout(alpha, cols_o)[None, :]
+        o0 = warpgroup_mma(c0.permute((1, 0)), pt_smem, o0 * a, is_async=True)
+        o1 = warpgroup_mma(c1.permute((1, 0)), pt_smem, o1 * a, is_async=True)
+        o0, o1 = warpgroup_mma_wait(num_outstanding=0, deps=[o0, o1])
+        mbarrier.arrive(kv_free.index(st), count=1)
+    has_tokens = l_i > 0.0  # a split that saw no token writes zeros and lse -inf (as kernels.decode)
+    l_safe = gl.where(has_tokens, l_i, 1.0)
+    heads = h0 + gl.arange(0, n_h, layout=cols_s)
+    cols = gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
+    o_ptrs = out_ptr + b.to(gl.int64) * stride_ob + heads[None, :] * stride_oh + split * stride_os \
+        + cols[:, None] * stride_od
+    mask = (heads < num_heads)[None, :]
+    gl.store(o_ptrs, (o0 / l_safe[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
+    gl.store(o_ptrs + HALF * stride_od, (o1 / l_safe[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
+    lse = gl.where(has_tokens, m_i + gl.log2(l_safe), -float("inf"))
+    if NUM_SPLITS == 1:
+        lse = lse * 0.6931471805599453  # the final lse is natural-log; partial ones stay in log2 units
+    gl.store(lse_ptr + b.to(gl.int64) * stride_lb + heads * stride_lh + split * stride_ls, lse,
+             mask=heads < num_heads)
+
+
+@gluon.jit
 def _mla_decode_sm90_kernel(
     qc_desc, qr_desc, c_desc, r_desc, seq_lens_ptr, table_ptr, out_ptr, lse_ptr, num_heads,
     stride_tb, stride_tp, stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls,
@@ -238,8 +323,10 @@ def _mla_decode_sm90_kernel(
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr, PAGED: gl.constexpr,
     PAGE_SIZE: gl.constexpr, PAGE_ROWS: gl.constexpr,
 ):
-    """grid (head tiles, splits, B)."""
-    h0 = gl.program_id(0) * HEADS
+    """grid (head tiles, splits, B). The Q descriptors' block sets the head tile: 64 heads (two consumer
+    warpgroups, heads as the wgmma's M) or NARROW_HEADS (one consumer, heads as the N)."""
+    n_h: gl.constexpr = qc_desc.block_type.shape[1]
+    h0 = gl.program_id(0) * n_h
     split = gl.program_id(1)
     b = gl.program_id(2)
     start, end, n_blocks = split_range(seq_lens_ptr, b, split, NUM_SPLITS, BLOCK_N)
@@ -252,38 +339,53 @@ def _mla_decode_sm90_kernel(
     c0_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, HALF], c_desc.layout)
     c1_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, HALF], c_desc.layout)
     r_smem = gl.allocate_shared_memory(dtype, [STAGES, 1, BLOCK_N, r_desc.block_type.shape[2]], r_desc.layout)
-    p_smem = gl.allocate_shared_memory(dtype, [HEADS, BLOCK_N],
-                                       gl.NVMMASharedLayout.get_default_for([HEADS, BLOCK_N], dtype))
-    stat_smem = gl.allocate_shared_memory(gl.float32, [HEADS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     kv_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-    l_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    consumers: gl.constexpr = 2 if n_h == HEADS else 1
     mbarrier.init(q_ready, count=1)
-    mbarrier.init(p_ready, count=1)
-    mbarrier.init(p_free, count=1)
-    mbarrier.init(l_ready, count=1)
     for i in gl.static_range(STAGES):
         mbarrier.init(kv_ready.index(i), count=1)
-        mbarrier.init(kv_free.index(i), count=2)
-    fence_async_shared()
-
-    gl.warp_specialize([
-        (_mla_softmax_consumer, (qc0_smem, qc1_smem, qr_smem, c0_smem, c1_smem, r_smem, p_smem, stat_smem,
-                                 q_ready, kv_ready, kv_free, p_ready, p_free, l_ready,
-                                 out_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_od,
-                                 stride_lb, stride_lh, stride_ls,
-                                 b, h0, num_heads, split, start, end, n_blocks, scale_log2, BLOCK_N, STAGES, NUM_SPLITS,
-                                 PAGED)),
-        (_mla_pv_consumer, (c1_smem, p_smem, stat_smem, kv_ready, kv_free, p_ready, p_free, l_ready,
-                            out_ptr, stride_ob, stride_oh, stride_os, stride_od,
-                            b, h0, num_heads, split, start, end, n_blocks, BLOCK_N, STAGES, PAGED)),
-        (_mla_loader, (qc_desc, qr_desc, c_desc, r_desc, qc0_smem, qc1_smem, qr_smem, c0_smem, c1_smem, r_smem,
-                       q_ready, kv_ready, kv_free, table_ptr, stride_tb, stride_tp, b, h0, start, end, n_blocks,
-                       BLOCK_N, STAGES, PAGED, PAGE_SIZE, PAGE_ROWS)),
-    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+        mbarrier.init(kv_free.index(i), count=consumers)
+    if n_h == HEADS:
+        p_smem = gl.allocate_shared_memory(dtype, [HEADS, BLOCK_N],
+                                           gl.NVMMASharedLayout.get_default_for([HEADS, BLOCK_N], dtype))
+        stat_smem = gl.allocate_shared_memory(gl.float32, [HEADS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        l_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(p_ready, count=1)
+        mbarrier.init(p_free, count=1)
+        mbarrier.init(l_ready, count=1)
+        fence_async_shared()
+        gl.warp_specialize([
+            (_mla_softmax_consumer, (qc0_smem, qc1_smem, qr_smem, c0_smem, c1_smem, r_smem, p_smem, stat_smem,
+                                     q_ready, kv_ready, kv_free, p_ready, p_free, l_ready,
+                                     out_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_od,
+                                     stride_lb, stride_lh, stride_ls,
+                                     b, h0, num_heads, split, start, end, n_blocks, scale_log2, BLOCK_N, STAGES,
+                                     NUM_SPLITS, PAGED)),
+            (_mla_pv_consumer, (c1_smem, p_smem, stat_smem, kv_ready, kv_free, p_ready, p_free, l_ready,
+                                out_ptr, stride_ob, stride_oh, stride_os, stride_od,
+                                b, h0, num_heads, split, start, end, n_blocks, BLOCK_N, STAGES, PAGED)),
+            (_mla_loader, (qc_desc, qr_desc, c_desc, r_desc, qc0_smem, qc1_smem, qr_smem, c0_smem, c1_smem,
+                           r_smem, q_ready, kv_ready, kv_free, table_ptr, stride_tb, stride_tp, b, h0, start, end,
+                           n_blocks, BLOCK_N, STAGES, PAGED, PAGE_SIZE, PAGE_ROWS)),
+        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+    else:
+        pt_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, n_h],
+                                            gl.NVMMASharedLayout.get_default_for([BLOCK_N, n_h], dtype))
+        fence_async_shared()
+        gl.warp_specialize([
+            (_mla_narrow_consumer, (qc0_smem, qc1_smem, qr_smem, c0_smem, c1_smem, r_smem, pt_smem,
+                                    q_ready, kv_ready, kv_free, out_ptr, lse_ptr,
+                                    stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls,
+                                    b, h0, num_heads, split, start, end, n_blocks, scale_log2, BLOCK_N, STAGES,
+                                    NUM_SPLITS, PAGED)),
+            (_mla_loader, (qc_desc, qr_desc, c_desc, r_desc, qc0_smem, qc1_smem, qr_smem, c0_smem, c1_smem,
+                           r_smem, q_ready, kv_ready, kv_free, table_ptr, stride_tb, stride_tp, b, h0, start, end,
+                           n_blocks, BLOCK_N, STAGES, PAGED, PAGE_SIZE, PAGE_ROWS)),
+        ], [1], [LOADER_REGS])
 
 
 def enabled() -> bool:
@@ -299,18 +401,15 @@ def supports(q_absorbed, q_rope, c_kv, k_rope, paged: bool = False) -> bool:
 
 
 def eligible(q_absorbed, q_rope, c_kv, k_rope, paged: bool = False) -> bool:
-    """fp16/bf16, D_c = 512, D_r = 64, strides TMA can read, and a head count that is a multiple of 64 or, for a
-    paged cache, at most 64 (one tile whose missing heads TMA fills with zeros and the stores skip).
-
-    Fewer than 64 heads are memory-bound, and the padding costs only idle tensor-core time. Measured on an H200
-    at 16 heads (bf16, TB/s, each kernel at its best split, 2026-11-30): paged with 16-token pages this kernel
-    reads 3.59-3.83 TB/s against the Triton kernel's 3.19-3.52 (B64 N8k/N32k, B128 N4k); 64-token pages
-    3.77-4.13 against 3.67-4.12. A contiguous cache stays on the Triton kernel, which is ahead there (3.92-4.33
-    against 3.89-4.13)."""
+    """fp16/bf16, D_c = 512, D_r = 64, strides TMA can read, and a head count that is at most 16 (the narrow
+    program, whose tile of 16 TMA pads with zeros), a multiple of 64, or, for a paged cache, below 64 (one
+    64-head tile whose missing heads TMA fills with zeros and the stores skip: padding costs idle tensor-core
+    time, and a paged tile of the Triton kernel costs more, see benchmarks/RESULTS.md). Contiguous caches with
+    17-63 heads (or more, not a multiple of 64) keep the Triton kernel."""
     h = q_absorbed.shape[1]
     if q_absorbed.dtype not in (torch.float16, torch.bfloat16):
         return False
-    if h % HEADS_PER_PROGRAM and not (paged and h < HEADS_PER_PROGRAM):
+    if h % HEADS_PER_PROGRAM and h > NARROW_HEADS and not (paged and h < HEADS_PER_PROGRAM):
         return False
     if q_absorbed.shape[2] != 2 * HALF_COLUMNS or q_rope.shape[2] != ROPE_DIM:
         return False
@@ -322,12 +421,19 @@ def tile_seconds(tile_flops: int) -> float:
     one SM's share of the 513-541 TFLOP/s measured at 128 heads. With it the model picks the measured best split
     count on the four shapes of that run (one split at B64 N8k/N32k and B128 N4k, four at B16 N8k), and at 16
     paged heads, where a program's tile is memory-bound, too (two at B64 N8k/N32k, one at B128 N4k, eight at B16
-    N8k)."""
+    N8k). The narrow program's tiles (FLOPs of 16 heads) sit on the 1.5 us floor; its automatic split was the
+    best of 1-16 (or within 1%) on the 15 contiguous and paged 16-head shapes of its first H200 sweep."""
     return max(1.5e-6, tile_flops / 4e12)
 
 
+def tile_heads(h: int) -> int:
+    """Heads per program: NARROW_HEADS for at most that many (the narrow consumer), else HEADS_PER_PROGRAM.
+    ZOO_MLA_NARROW=0 gives every head count the 64-head tile (benchmarks compare the two)."""
+    return NARROW_HEADS if h <= NARROW_HEADS and os.environ.get("ZOO_MLA_NARROW", "1") != "0" else HEADS_PER_PROGRAM
+
+
 def launch(q_absorbed, q_rope, c_kv, k_rope, seq_lens, part_o, part_lse, scale: float, num_splits: int,
-           block_table=None):
+           block_table=None, heads: int | None = None):
     """On inputs `supports` accepted, seq_lens (B,) int32 contiguous: each split's output into part_o (B, H,
     splits, D_c) (the final output, in q's dtype, for one split; fp32 partials otherwise) and its lse into
     part_lse (B, H, splits) (natural log for one split, log2 units for partials), as kernels.decode's splits.
@@ -338,9 +444,9 @@ def launch(q_absorbed, q_rope, c_kv, k_rope, seq_lens, part_o, part_lse, scale: 
     page_size = c_kv.shape[1] if paged else 1
     rows = min(page_size, BLOCK_N) if paged else BLOCK_N  # rows per TMA copy: one page (or block) at most
     table = block_table if paged else seq_lens  # unused when contiguous
-    _mla_decode_sm90_kernel[(triton.cdiv(h, HEADS_PER_PROGRAM), num_splits, batch)](
-        descriptor(q_absorbed, [1, HEADS_PER_PROGRAM, HALF_COLUMNS]),
-        descriptor(q_rope, [1, HEADS_PER_PROGRAM, ROPE_DIM]),
+    heads = heads or tile_heads(h)
+    _mla_decode_sm90_kernel[(triton.cdiv(h, heads), num_splits, batch)](
+        descriptor(q_absorbed, [1, heads, HALF_COLUMNS]), descriptor(q_rope, [1, heads, ROPE_DIM]),
         descriptor(c_kv, [1, rows, HALF_COLUMNS]), descriptor(k_rope, [1, rows, ROPE_DIM]),
         seq_lens, table, part_o, part_lse, h, *(block_table.stride() if paged else (0, 0)), *part_o.stride(),
         *part_lse.stride(), float(scale) * LOG2E,

@@ -49,11 +49,12 @@ def _check(out, lse, ref_out, ref_lse, dtype, name):
     assert_close(lse, ref_lse, dtype, f"{name} lse")
 
 
-# (B, H, S_max, D_c, D_r, explicit splits): 512 + 64 at 16, 64 and 128 heads, 5 heads (masked rows) and
-# non-powers of 2. On an H100/H200 the 64- and 128-head 512 + 64 cases run the Gluon kernel (kernels/mla_sm90.py):
-# a sequence shorter than one 64-token block, ragged last blocks, several blocks per split, empty splits.
-CASES = [(2, 16, 33, 512, 64, 3), (1, 128, 20, 512, 64, 1), (3, 64, 300, 512, 64, 3), (3, 5, 70, 80, 16, 7),
-         (2, 20, 40, 96, 48, 2)]
+# (B, H, S_max, D_c, D_r, explicit splits): 512 + 64 at 7, 16, 64 and 128 heads, 5 heads (masked rows) and
+# non-powers of 2. On an H100/H200 the 512 + 64 cases run the Gluon kernels (kernels/mla_sm90.py; 7 and 16 heads
+# the narrow one, its tile of 16 zero-padded at 7): a sequence shorter than one 64-token block, ragged last
+# blocks, several blocks per split, empty splits.
+CASES = [(2, 16, 33, 512, 64, 3), (3, 7, 130, 512, 64, 2), (1, 128, 20, 512, 64, 1), (3, 64, 300, 512, 64, 3),
+         (3, 5, 70, 80, 16, 7), (2, 20, 40, 96, 48, 2)]
 
 
 @pytest.mark.parametrize("auto", [True, False], ids=["splitsAuto", "splitsFixed"])
@@ -123,10 +124,12 @@ def _poison_past_end(c_pages, r_pages, table, seq_lens):
     return [p.masked_fill(~used[..., None], float("nan")) for p in (c_pages, r_pages)]
 
 
-# On an H100/H200 paged 512 + 64 caches run the Gluon kernel (kernels/mla_sm90.py), whose loader copies
-# 64 // page_size pages per 64-token block below 64 and a 64-row slice of larger pages; 5 or 16 heads fill a tile
-# of 64 with zeros. "triton" turns it off (ZOO_MLA_SM90=0): the Triton kernel on the GPU (on the CPU, the same).
-PAGED_HEADS = [(5, "default"), (16, "default"), (16, "triton"), (128, "default")]
+# On an H100/H200 paged 512 + 64 caches run the Gluon kernels (kernels/mla_sm90.py), whose loader copies
+# 64 // page_size pages per 64-token block below 64 and a 64-row slice of larger pages: 5 or 16 heads the narrow
+# kernel (a tile of 16 heads), 32 heads a 64-head tile half filled with zeros, 128 heads two full ones. "wide"
+# runs 16 heads in a 64-head tile (ZOO_MLA_NARROW=0), "triton" turns both off (ZOO_MLA_SM90=0): the Triton kernel
+# on the GPU (on the CPU every case runs it).
+PAGED_HEADS = [(5, "default"), (16, "default"), (16, "wide"), (16, "triton"), (32, "default"), (128, "default")]
 
 
 @pytest.mark.parametrize("heads,kernel", PAGED_HEADS, ids=[f"H{h}-{k}" for h, k in PAGED_HEADS])
@@ -135,6 +138,8 @@ PAGED_HEADS = [(5, "default"), (16, "default"), (16, "triton"), (128, "default")
 def test_paged_mla_decode_matches_reference(dtype, page_size, heads, kernel, monkeypatch):
     if kernel == "triton":
         monkeypatch.setenv("ZOO_MLA_SM90", "0")
+    if kernel == "wide":
+        monkeypatch.setenv("ZOO_MLA_NARROW", "0")
     b, h, s, d_c, d_r = 3, heads, 70 if page_size < 256 else 260, 512, 64
     q_abs, q_rope, c_kv, k_rope, scale = _inputs(b, h, s, d_c, d_r, dtype)
     c_pages, r_pages, table = _paged_latent(c_kv, k_rope, page_size)
@@ -332,6 +337,23 @@ def test_128_head_tile_computes_each_score_once(paged):
     assert result["shared"] <= 232448, f"{result['shared']} bytes of shared memory"
 
 
+def _compile_sm90(splits: int, page_size: int, heads: int) -> dict:
+    """The Hopper MLA kernel with a tile of `heads` compiled for sm_90 (`conftest.compile_gluon_sm90`)."""
+    from kernels import mla_sm90
+
+    half, n, rope = mla_sm90.HALF_COLUMNS, mla_sm90.BLOCK_N, mla_sm90.ROPE_DIM
+    rows = min(page_size, n) if page_size else n
+    types = dict(qc_desc=dict(block=[1, heads, half], dtype="bfloat16"),
+                 qr_desc=dict(block=[1, heads, rope], dtype="bfloat16"),
+                 c_desc=dict(block=[1, rows, half], dtype="bfloat16"),
+                 r_desc=dict(block=[1, rows, rope], dtype="bfloat16"),
+                 seq_lens_ptr="*i32", table_ptr="*i32", out_ptr="*bf16" if splits == 1 else "*fp32",
+                 lse_ptr="*fp32", num_heads="i32", scale_log2="fp32")
+    const = dict(BLOCK_N=n, STAGES=mla_sm90.STAGES, NUM_SPLITS=splits, PAGED=page_size > 0,
+                 PAGE_SIZE=max(page_size, 1), PAGE_ROWS=rows)
+    return compile_gluon_sm90("kernels.mla_sm90", "_mla_decode_sm90_kernel", types, const)
+
+
 # (splits, page_size): contiguous (page 0), and paged with several pages per 64-token block, one, or a slice of one.
 SM90_STRUCTURE = [(1, 0), (4, 0), (1, 8), (4, 16), (1, 64), (4, 256)]
 
@@ -350,17 +372,7 @@ def test_sm90_kernel_structure(splits, page_size):
 
     from kernels import mla_sm90
 
-    heads, half, n, rope = mla_sm90.HEADS_PER_PROGRAM, mla_sm90.HALF_COLUMNS, mla_sm90.BLOCK_N, mla_sm90.ROPE_DIM
-    rows = min(page_size, n) if page_size else n
-    types = dict(qc_desc=dict(block=[1, heads, half], dtype="bfloat16"),
-                 qr_desc=dict(block=[1, heads, rope], dtype="bfloat16"),
-                 c_desc=dict(block=[1, rows, half], dtype="bfloat16"),
-                 r_desc=dict(block=[1, rows, rope], dtype="bfloat16"),
-                 seq_lens_ptr="*i32", table_ptr="*i32", out_ptr="*bf16" if splits == 1 else "*fp32",
-                 lse_ptr="*fp32", num_heads="i32", scale_log2="fp32")
-    const = dict(BLOCK_N=n, STAGES=mla_sm90.STAGES, NUM_SPLITS=splits, PAGED=page_size > 0,
-                 PAGE_SIZE=max(page_size, 1), PAGE_ROWS=rows)
-    result = compile_gluon_sm90("kernels.mla_sm90", "_mla_decode_sm90_kernel", types, const)
+    result = _compile_sm90(splits, page_size, mla_sm90.HEADS_PER_PROGRAM)
     ptx = result["ptx"]
     regs = setmaxnreg_counts(ptx)
     assert {"40", "240"} <= regs, f"warp roles' register counts {sorted(regs)}"
@@ -371,6 +383,32 @@ def test_sm90_kernel_structure(splits, page_size):
     spills = spill_bytes(result["ptxas"])
     allowed = 16 if page_size else 0
     assert spills and all(a <= allowed and b <= allowed for a, b in spills), result["ptxas"]
+    assert "serialized" not in result["ptxas"], result["ptxas"]
+
+
+@pytest.mark.parametrize("splits,page_size", [(1, 0), (4, 16)], ids=["splits1-contiguous", "splits4-page16"])
+def test_sm90_narrow_kernel_structure(splits, page_size):
+    """The narrow Hopper MLA kernel (at most 16 heads as the wgmma's N; its numerics run in the 5-, 7- and 16-head
+    cases above on an H100/H200) compiled for sm_90: a loader warp (setmaxnreg 40) and one consumer warpgroup, TMA
+    loads, per 64-token block the transposed scores once (576 / 16 = 36 m64n16k16 wgmma, operands K-major) and
+    the two latent halves of the transposed output (2 x 4 row tiles x 4 token steps = 32 m64n16k16, the latent
+    tile read M-major and P^T N-major: transpose flags 1, 1), within the 227 KB of shared memory, no serialized
+    wgmma, no spills."""
+    import re
+
+    from kernels import mla_sm90
+
+    result = _compile_sm90(splits, page_size, mla_sm90.NARROW_HEADS)
+    ptx = result["ptx"]
+    assert "40" in setmaxnreg_counts(ptx), f"warp roles' register counts {sorted(setmaxnreg_counts(ptx))}"
+    assert "cp.async.bulk.tensor" in ptx, "no TMA load"
+    mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.[^;]*, (\d), (\d);", ptx)
+    assert sorted(set(shape for shape, _, _ in mmas)) == ["m64n16k16"], mmas
+    transposed = [(a, b) for _, a, b in mmas]
+    assert transposed.count(("0", "0")) == 36 and transposed.count(("1", "1")) == 32, transposed
+    assert result["shared"] <= 232448, f"{result['shared']} bytes of shared memory"
+    spills = spill_bytes(result["ptxas"])
+    assert spills and all(a == 0 and b == 0 for a, b in spills), result["ptxas"]
     assert "serialized" not in result["ptxas"], result["ptxas"]
 
 
@@ -385,9 +423,12 @@ def test_sm90_eligibility():
                 torch.zeros(2, 40, d_c, dtype=dtype), torch.zeros(2, 40, d_r, dtype=dtype))
 
     assert eligible(*inputs()) and eligible(*inputs(h=64)) and eligible(*inputs(dtype=torch.float16))
-    assert not eligible(*inputs(h=16)) and not eligible(*inputs(h=96))
+    # Up to 16 heads: the narrow kernel, contiguous or paged.
+    assert eligible(*inputs(h=16)) and eligible(*inputs(h=5)) and eligible(*inputs(h=1))
+    assert not eligible(*inputs(h=17)) and not eligible(*inputs(h=32)) and not eligible(*inputs(h=96))
     # Paged: up to 64 heads fill one zero-padded tile (memory-bound, where the kernel reads faster than Triton's).
     assert eligible(*inputs(h=16), paged=True) and eligible(*inputs(h=5), paged=True)
+    assert eligible(*inputs(h=32), paged=True)
     assert eligible(*inputs(h=128), paged=True) and not eligible(*inputs(h=96), paged=True)
     assert not eligible(*inputs(dtype=torch.float32))
     assert not eligible(*inputs(d_c=256)) and not eligible(*inputs(d_r=32))
