@@ -345,7 +345,7 @@ def main():
         paged = [(b, s, 8, 128, p, r) for b, s in ((1, 65536), (64, 8192), (8, 32768), (128, 4096))
                  for p in (16, 64) for r in (False, True)]
         paged += [(64, 8192, 1, 128, p, r) for p in (16, 64) for r in (False, True)]  # MQA: the widest head tile
-        mla = [(b, h, n, p) for h in (16, 128) for b, n in ((16, 8192), (64, 8192), (64, 32768), (128, 4096))
+        mla = [(b, h, n, p) for h in (16, 32, 128) for b, n in ((16, 8192), (64, 8192), (64, 32768), (128, 4096))
                for p in (0, 16, 64)]
     sections = args.sections.split(",")
     g_rows = bench_grouped(grouped, fixed_splits=True, copy_tbps=ceil["copy_TBps"]) if "grouped" in sections else []

@@ -1,9 +1,9 @@
 """Absorbed MLA decode for Hopper (sm_90) in Gluon: 64 heads per program (the compute-bound case, many heads) or,
-for at most 16 heads, a narrow program with every product transposed (the memory-bound case).
+for at most 32 heads, a narrow program with every product transposed (the memory-bound case).
 
 Same math, inputs and outputs as `mla._mla_decode_kernel` (see kernels/mla.py, whose launcher runs this kernel
-instead on an sm_90 GPU for fp16/bf16, D_c = 512, D_r = 64, a head count that is at most 16 or a multiple of 64
-(paged: or below 64) and TMA-readable strides, contiguous or paged; everything else keeps the Triton kernel).
+instead on an sm_90 GPU for fp16/bf16, D_c = 512, D_r = 64, at most 64 heads or a multiple of 64, and
+TMA-readable strides, contiguous or paged; everything else keeps the Triton kernel).
 
 Why: at 128 heads the Triton kernel reaches 350-370 TFLOP/s on an H200. Its eight warps share one program and
 run each phase together, and the latent tile, used both as K (in the scores) and as V (in the output), is
@@ -17,12 +17,12 @@ reloaded from shared memory by both warpgroups for every product. Here each role
 - consumer 1 waits for P and accumulates the right half, O1 += P C[:, 256:]. Each consumer's (64, 256) fp32
   accumulator takes 128 of its 240 registers.
 
-The narrow program (`_mla_narrow_consumer`, at most 16 heads, e.g. DeepSeek's 128 heads over 8 GPUs): a wgmma's M
-is at least 64, so a 64-head tile pads 16 heads with 48 rows of zeros and does four times the tensor-core work,
-which at 16 heads costs about as long as streaming the block. Swapping the operands makes the heads the N (16)
-and the tokens the M (64): S^T = C Qc^T + R Qr^T, the softmax down the columns, P^T through shared memory, and
-O^T += C^T P^T with the latent tile read transposed (M-major) from the same shared memory. One consumer
-warpgroup does it all; the loader is the same.
+The narrow program (`_mla_narrow_consumer`, tiles of 16 or 32 heads: DeepSeek's 128 heads over 8 or 4 GPUs): a
+wgmma's M is at least 64, so a 64-head tile pads 16 heads with 48 rows of zeros and does four times the
+tensor-core work, which at 16 heads costs about as long as streaming the block. Swapping the operands makes the
+heads the N (16) and the tokens the M (64): S^T = C Qc^T + R Qr^T, the softmax down the columns, P^T through
+shared memory, and O^T += C^T P^T with the latent tile read transposed (M-major) from the same shared memory.
+One consumer warpgroup does it all; the loader is the same.
 
 No row past a sequence's end ever meets a zero probability (the tests' poisoned caches hold NaN there):
 - contiguous: the last block of a split is loaded ending at the split's last token (rows end-64 .. end-1, TMA
@@ -66,7 +66,7 @@ from kernels.decode_sm90 import split_range, tile_pages, zero_rows
 from kernels.flash_sm90 import descriptor, on_hopper
 
 HEADS_PER_PROGRAM = 64  # the M of every wgmma
-NARROW_HEADS = 16  # heads per program of the narrow kernel (at most 16 heads): the N of its wgmma
+NARROW_HEADS = 16  # heads per program of the narrow kernel (twice that from 17 heads): the N of its wgmma
 HALF_COLUMNS = 256  # latent columns per half: each consumer's share of the output
 ROPE_DIM = 64
 BLOCK_N, STAGES = 64, 2  # tokens per block, ring stages: 224 KB of shared memory with Q and P
@@ -401,15 +401,16 @@ def supports(q_absorbed, q_rope, c_kv, k_rope, paged: bool = False) -> bool:
 
 
 def eligible(q_absorbed, q_rope, c_kv, k_rope, paged: bool = False) -> bool:
-    """fp16/bf16, D_c = 512, D_r = 64, strides TMA can read, and a head count that is at most 16 (the narrow
-    program, whose tile of 16 TMA pads with zeros), a multiple of 64, or, for a paged cache, below 64 (one
-    64-head tile whose missing heads TMA fills with zeros and the stores skip: padding costs idle tensor-core
-    time, and a paged tile of the Triton kernel costs more, see benchmarks/RESULTS.md). Contiguous caches with
-    17-63 heads (or more, not a multiple of 64) keep the Triton kernel."""
+    """fp16/bf16, D_c = 512, D_r = 64, strides TMA can read, and a head count that is at most 64 or a multiple of
+    64: up to 32 heads run the narrow program (a tile of 16 or 32 heads as the wgmma's N), 33-63 one 64-head tile
+    (missing heads: TMA fills their queries with zeros and the stores skip them). Measured on an H200 (2026-11-30,
+    bf16, TB/s, automatic splits): at 32 heads the narrow program and the 64-head tile read the same (3.64-3.77
+    at B64 N8k and B128 N4k, contiguous and paged), the Triton kernel 2.11-3.16 (3.26 contiguous at its best
+    split); at 16 heads see the module's docstring."""
     h = q_absorbed.shape[1]
     if q_absorbed.dtype not in (torch.float16, torch.bfloat16):
         return False
-    if h % HEADS_PER_PROGRAM and h > NARROW_HEADS and not (paged and h < HEADS_PER_PROGRAM):
+    if h % HEADS_PER_PROGRAM and h > HEADS_PER_PROGRAM:
         return False
     if q_absorbed.shape[2] != 2 * HALF_COLUMNS or q_rope.shape[2] != ROPE_DIM:
         return False
@@ -427,9 +428,12 @@ def tile_seconds(tile_flops: int) -> float:
 
 
 def tile_heads(h: int) -> int:
-    """Heads per program: NARROW_HEADS for at most that many (the narrow consumer), else HEADS_PER_PROGRAM.
+    """Heads per program: NARROW_HEADS or twice that for at most 32 heads (the narrow consumer), else
+    HEADS_PER_PROGRAM.
     ZOO_MLA_NARROW=0 gives every head count the 64-head tile (benchmarks compare the two)."""
-    return NARROW_HEADS if h <= NARROW_HEADS and os.environ.get("ZOO_MLA_NARROW", "1") != "0" else HEADS_PER_PROGRAM
+    if h <= 2 * NARROW_HEADS and os.environ.get("ZOO_MLA_NARROW", "1") != "0":
+        return NARROW_HEADS if h <= NARROW_HEADS else 2 * NARROW_HEADS
+    return HEADS_PER_PROGRAM
 
 
 def launch(q_absorbed, q_rope, c_kv, k_rope, seq_lens, part_o, part_lse, scale: float, num_splits: int,

@@ -49,12 +49,12 @@ def _check(out, lse, ref_out, ref_lse, dtype, name):
     assert_close(lse, ref_lse, dtype, f"{name} lse")
 
 
-# (B, H, S_max, D_c, D_r, explicit splits): 512 + 64 at 7, 16, 64 and 128 heads, 5 heads (masked rows) and
-# non-powers of 2. On an H100/H200 the 512 + 64 cases run the Gluon kernels (kernels/mla_sm90.py; 7 and 16 heads
-# the narrow one, its tile of 16 zero-padded at 7): a sequence shorter than one 64-token block, ragged last
-# blocks, several blocks per split, empty splits.
-CASES = [(2, 16, 33, 512, 64, 3), (3, 7, 130, 512, 64, 2), (1, 128, 20, 512, 64, 1), (3, 64, 300, 512, 64, 3),
-         (3, 5, 70, 80, 16, 7), (2, 20, 40, 96, 48, 2)]
+# (B, H, S_max, D_c, D_r, explicit splits): 512 + 64 at 7, 16, 24, 40, 64 and 128 heads, 5 heads (masked rows) and
+# non-powers of 2. On an H100/H200 the 512 + 64 cases run the Gluon kernels (kernels/mla_sm90.py; 7, 16 and 24
+# heads the narrow one, in tiles of 16 or 32 heads; 40 heads a zero-padded 64-head tile): a sequence shorter than
+# one 64-token block, ragged last blocks, several blocks per split, empty splits.
+CASES = [(2, 16, 33, 512, 64, 3), (3, 7, 130, 512, 64, 2), (2, 24, 100, 512, 64, 2), (1, 40, 70, 512, 64, 2),
+         (1, 128, 20, 512, 64, 1), (3, 64, 300, 512, 64, 3), (3, 5, 70, 80, 16, 7), (2, 20, 40, 96, 48, 2)]
 
 
 @pytest.mark.parametrize("auto", [True, False], ids=["splitsAuto", "splitsFixed"])
@@ -386,24 +386,24 @@ def test_sm90_kernel_structure(splits, page_size):
     assert "serialized" not in result["ptxas"], result["ptxas"]
 
 
-@pytest.mark.parametrize("splits,page_size", [(1, 0), (4, 16)], ids=["splits1-contiguous", "splits4-page16"])
-def test_sm90_narrow_kernel_structure(splits, page_size):
-    """The narrow Hopper MLA kernel (at most 16 heads as the wgmma's N; its numerics run in the 5-, 7- and 16-head
-    cases above on an H100/H200) compiled for sm_90: a loader warp (setmaxnreg 40) and one consumer warpgroup, TMA
-    loads, per 64-token block the transposed scores once (576 / 16 = 36 m64n16k16 wgmma, operands K-major) and
-    the two latent halves of the transposed output (2 x 4 row tiles x 4 token steps = 32 m64n16k16, the latent
-    tile read M-major and P^T N-major: transpose flags 1, 1), within the 227 KB of shared memory, no serialized
-    wgmma, no spills."""
+@pytest.mark.parametrize("splits,page_size,heads", [(1, 0, 16), (4, 16, 16), (2, 0, 32)],
+                         ids=["splits1-contiguous-H16", "splits4-page16-H16", "splits2-contiguous-H32"])
+def test_sm90_narrow_kernel_structure(splits, page_size, heads):
+    """The narrow Hopper MLA kernel (a tile of 16 or 32 heads as the wgmma's N; its numerics run in the 5-, 7-, 16-
+    and 24-head cases above on an H100/H200) compiled for sm_90: a loader warp (setmaxnreg 40) and one consumer
+    warpgroup, TMA loads, per 64-token block the transposed scores once (576 / 16 = 36 m64nNk16 wgmma, operands
+    K-major) and the two latent halves of the transposed output (2 x 4 row tiles x 4 token steps = 32 m64nNk16,
+    the latent tile read M-major and P^T N-major: transpose flags 1, 1), within the 227 KB of shared memory, no
+    serialized wgmma, no spills."""
     import re
 
-    from kernels import mla_sm90
 
-    result = _compile_sm90(splits, page_size, mla_sm90.NARROW_HEADS)
+    result = _compile_sm90(splits, page_size, heads)
     ptx = result["ptx"]
     assert "40" in setmaxnreg_counts(ptx), f"warp roles' register counts {sorted(setmaxnreg_counts(ptx))}"
     assert "cp.async.bulk.tensor" in ptx, "no TMA load"
     mmas = re.findall(r"wgmma\.mma_async\.sync\.aligned\.(m\d+n\d+k\d+)\.[^;]*, (\d), (\d);", ptx)
-    assert sorted(set(shape for shape, _, _ in mmas)) == ["m64n16k16"], mmas
+    assert sorted(set(shape for shape, _, _ in mmas)) == [f"m64n{heads}k16"], mmas
     transposed = [(a, b) for _, a, b in mmas]
     assert transposed.count(("0", "0")) == 36 and transposed.count(("1", "1")) == 32, transposed
     assert result["shared"] <= 232448, f"{result['shared']} bytes of shared memory"
@@ -423,13 +423,11 @@ def test_sm90_eligibility():
                 torch.zeros(2, 40, d_c, dtype=dtype), torch.zeros(2, 40, d_r, dtype=dtype))
 
     assert eligible(*inputs()) and eligible(*inputs(h=64)) and eligible(*inputs(dtype=torch.float16))
-    # Up to 16 heads: the narrow kernel, contiguous or paged.
-    assert eligible(*inputs(h=16)) and eligible(*inputs(h=5)) and eligible(*inputs(h=1))
-    assert not eligible(*inputs(h=17)) and not eligible(*inputs(h=32)) and not eligible(*inputs(h=96))
-    # Paged: up to 64 heads fill one zero-padded tile (memory-bound, where the kernel reads faster than Triton's).
-    assert eligible(*inputs(h=16), paged=True) and eligible(*inputs(h=5), paged=True)
-    assert eligible(*inputs(h=32), paged=True)
-    assert eligible(*inputs(h=128), paged=True) and not eligible(*inputs(h=96), paged=True)
+    # Up to 32 heads: the narrow kernel; 33-63 one zero-padded 64-head tile; contiguous or paged alike.
+    for h in (1, 5, 16, 17, 32, 40, 63):
+        assert eligible(*inputs(h=h)) and eligible(*inputs(h=h), paged=True), h
+    assert not eligible(*inputs(h=96)) and not eligible(*inputs(h=96), paged=True)
+    assert eligible(*inputs(h=128), paged=True)
     assert not eligible(*inputs(dtype=torch.float32))
     assert not eligible(*inputs(d_c=256)) and not eligible(*inputs(d_r=32))
     q = torch.zeros(2, 128, 576, dtype=torch.bfloat16)
