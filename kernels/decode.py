@@ -13,8 +13,9 @@ Levers (issue 7):
 - The query heads of one KV group are packed into the M dimension of the MMA (BLOCK_H rows, at least 16), so each
   K/V tile is read from memory once for the whole group.
 - Tiles sized for the memory stream (`_tile_config`): a contiguous cache streams 128 tokens of K and V per step
-  through three pipeline stages (two for heads of at most 64 when the launch has at least three programs per SM:
-  more programs fit on an SM); a paged one 64 tokens through two.
+  through three pipeline stages, sized by the launch's programs per SM too (two stages for heads of at most 64 at
+  three or more, 64-token tiles for wider heads at one to three: more programs fit on an SM); a paged one 64
+  tokens through two.
 - Each sequence's own length is cut evenly into the splits, so a short sequence in a ragged batch spreads its few
   tiles over all its programs instead of leaving them to the first one.
 - The split count comes from the SM count and the shapes (the cache's capacity, never the lengths' values), so
@@ -370,9 +371,9 @@ _SMEM_PER_PROGRAM = 200 * 1024  # what the pipelined K/V tiles may take, leaving
 
 
 @functools.lru_cache(maxsize=None)  # a pure function of the shapes, asked three times per decode launch
-def _tile_config(d_qk: int, d_v: int, itemsize: int, paged: bool, crowded: bool = False) -> tuple[int, int, int]:
-    """(BLOCK_N, num_warps, num_stages) of a grouped-decode launch; `crowded`: a contiguous launch of at least
-    CROWDED_WAVES programs (sequences x head tiles) per SM.
+def _tile_config(d_qk: int, d_v: int, itemsize: int, paged: bool, load: float = 0.0) -> tuple[int, int, int]:
+    """(BLOCK_N, num_warps, num_stages) of a grouped-decode launch; `load`: programs (sequences x head tiles) per SM
+    of a contiguous launch (`_load`).
 
     H200 sweeps (bench_decode.py --tune and the split sweep behind auto_num_splits, bf16, H_q 32): contiguous
     caches stream 128-token tiles through three stages with four warps (at D=128 Triton keeps two 64 KB K+V
@@ -384,11 +385,15 @@ def _tile_config(d_qk: int, d_v: int, itemsize: int, paged: bool, crowded: bool 
     split). Heads wider than 128 take 32-token tiles. Stages (then tokens) shrink until `stages` K/V tiles fit in
     200 KB (fp32 caches; Triton allocates one buffer fewer, so this errs on the safe side).
 
-    Crowded launches with heads of at most 64 take two stages (one 32 KB K+V buffer: more programs per SM). H200,
-    one split, beside SDPA in one run, two alternations (2026-11-30, benchmarks/RESULTS.md): 512-4096 programs at
-    D=64 read 0.992-1.004x SDPA with two stages against 0.955-1.008x with three (B32 S64k H_kv32 0.955 -> 1.001,
-    B128 S8k H_kv8 0.967 -> 1.001), while at 256 programs two stages lost 5-8% (B8 S64k H_kv32 0.985 -> 0.906);
-    at D=128 two stages moved nothing beyond 1%."""
+    The load moves two contiguous cases (H200, one split, beside SDPA in one run; 2026-11-30, benchmarks/RESULTS.md):
+    - heads of at most 64 with at least three programs per SM take two stages (one 32 KB K+V buffer: more
+      programs per SM): 512-4096 programs read 0.992-1.009x SDPA against 0.955-1.008x with three (B32 S64k H_kv32
+      0.955 -> 1.001, B128 S8k H_kv8 0.967 -> 1.001), while at 256 programs two stages lost 5-8% (B8 S64k H_kv32
+      0.985 -> 0.906);
+    - wider heads (D=128, where three stages of 128 tokens leave one program per SM) with one to three programs per
+      SM take 64-token tiles (two programs per SM: the launch runs in one wave instead of two): at 256 programs
+      and S1k-S2k 1.005-1.007x SDPA against 0.965-0.989x, at S8k-S64k level (0.994 / 0.987 against 0.991 /
+      0.986); at 1024 programs 64-token tiles lost 1-3%."""
     d_max = max(d_qk, d_v)
     row_bytes = _kv_row_bytes(d_qk, d_v, itemsize)
     if d_max > 128:
@@ -396,7 +401,11 @@ def _tile_config(d_qk: int, d_v: int, itemsize: int, paged: bool, crowded: bool 
     elif paged:
         block_n, stages = 64, 2
     else:
-        block_n, stages = 128, 2 if crowded and d_max <= 64 else 3
+        block_n, stages = 128, 3
+        if d_max <= 64 and load >= 3:
+            stages = 2
+        elif d_max > 64 and 1 < load < 3:
+            block_n = 64
     while stages * block_n * row_bytes > _SMEM_PER_PROGRAM:
         if stages > 1:
             stages -= 1
@@ -407,14 +416,12 @@ def _tile_config(d_qk: int, d_v: int, itemsize: int, paged: bool, crowded: bool 
     return block_n, 4, stages
 
 
-CROWDED_WAVES = 3  # programs per SM from which a contiguous launch counts as crowded (`_tile_config`)
+def _load(programs: int, paged: bool, device: torch.device) -> float:
+    """Programs per SM of a contiguous launch, which `_tile_config` sizes tiles by (0 for paged caches)."""
+    return 0.0 if paged else programs / num_sms(device)
 
 
-def _crowded(programs: int, paged: bool, device: torch.device) -> bool:
-    return not paged and programs >= CROWDED_WAVES * num_sms(device)
-
-
-def programs_per_sm(d_qk: int, d_v: int, itemsize: int, paged: bool, crowded: bool = False) -> int:
+def programs_per_sm(d_qk: int, d_v: int, itemsize: int, paged: bool, load: float = 0.0) -> int:
     """How many grouped-decode programs the split model counts per SM: shared memory over `stages` K/V tiles. It is
     a fitted count, not the exact occupancy: Triton allocates stages - 1 tile buffers, so at D=64 an SM holds three
     contiguous programs, not two; on the sweep's grid either count gives the same picks. Paged launches count
@@ -423,7 +430,7 @@ def programs_per_sm(d_qk: int, d_v: int, itemsize: int, paged: bool, crowded: bo
     no tile in flight (it waits for each tile before it starts the next) and allocates a single K/V buffer: a
     paged program is slower per tile but small (39 KB at D=128: five per SM, not three), and the SM hides its
     latency with more programs instead of with stages."""
-    block_n, _, stages = _tile_config(d_qk, d_v, itemsize, paged, crowded)
+    block_n, _, stages = _tile_config(d_qk, d_v, itemsize, paged, load)
     return max(1, SMEM_PER_SM // (stages * block_n * _kv_row_bytes(d_qk, d_v, itemsize))) * (2 if paged else 1)
 
 
@@ -444,8 +451,8 @@ def grouped_num_splits(batch: int, h_q: int, h_kv: int, capacity: int, d_qk: int
     group = h_q // h_kv
     block_h = _block_h(group)
     programs = batch * h_kv * triton.cdiv(group, block_h)
-    crowded = _crowded(programs, paged, device)
-    block_n = _sm90().CONFIGS[d_qk][0] if sm90 else _tile_config(d_qk, d_v, itemsize, paged, crowded)[0]
+    load = _load(programs, paged, device)
+    block_n = _sm90().CONFIGS[d_qk][0] if sm90 else _tile_config(d_qk, d_v, itemsize, paged, load)[0]
     tile_bytes = block_n * (d_qk + d_v) * itemsize
     tile_flops = 2 * max(64, block_h) * block_n * (d_qk + d_v)
     partial_bytes = batch * h_q * (d_v + 1) * 4
@@ -453,7 +460,7 @@ def grouped_num_splits(batch: int, h_q: int, h_kv: int, capacity: int, d_qk: int
         slots = num_sms(device) * max(1, SMEM_PER_SM // _sm90().shared_bytes(d_qk, itemsize))
         return ragged_num_splits(batch, h_kv * triton.cdiv(group, block_h), capacity, block_n, tile_bytes,
                                  max(1e-6, tile_flops / 2e12), partial_bytes, slots)
-    slots = num_sms(device) * programs_per_sm(d_qk, d_v, itemsize, paged, crowded)
+    slots = num_sms(device) * programs_per_sm(d_qk, d_v, itemsize, paged, load)
     return auto_num_splits(programs, triton.cdiv(capacity, block_n), tile_bytes, tile_seconds(tile_flops, paged),
                            partial_bytes, slots)
 
@@ -586,8 +593,8 @@ def _launch_triton(q, k, v, q_rope, k_rope, block_table, seq_lens, part_o, part_
     d_rope = q_rope.shape[-1] if q_rope is not None else 0
     group = h_q // h_kv
     block_h = _block_h(group)
-    crowded = _crowded(batch * h_kv * triton.cdiv(group, block_h), paged, q.device)
-    block_n, warps, stages = _tile_config(d_qk + d_rope, d_v, k.element_size(), paged, crowded)
+    load = _load(batch * h_kv * triton.cdiv(group, block_h), paged, q.device)
+    block_n, warps, stages = _tile_config(d_qk + d_rope, d_v, k.element_size(), paged, load)
     if config is not None:
         block_n, warps, stages = config["BLOCK_N"], config["num_warps"], config["num_stages"]
     if paged:

@@ -348,18 +348,20 @@ def test_tile_config_fits_shared_memory(paged):
             assert stages >= 1 and block_n >= 16 and used <= 200 * 1024, (d_qk, d_v, itemsize, block_n, stages)
 
 
-def test_crowded_launches_take_two_stages(monkeypatch):
-    """Contiguous launches with heads of at most 64 and at least CROWDED_WAVES programs per SM stream through two
-    stages (more programs per SM); fewer programs, wider heads and paged caches keep their tiles."""
+def test_tile_config_follows_the_load(monkeypatch):
+    """Contiguous launches size their tiles by programs per SM: heads of at most 64 stream through two stages from
+    three programs per SM, wider heads take 64-token tiles between one and three; paged caches keep theirs."""
     monkeypatch.setattr(decode, "num_sms", lambda device: 132)
     cuda = torch.device("cuda")
-    assert decode._crowded(3 * 132, False, cuda) and not decode._crowded(3 * 132 - 1, False, cuda)
-    assert not decode._crowded(4096, True, cuda)
-    assert decode._tile_config(64, 64, 2, False, crowded=True) == (128, 4, 2)
-    assert decode._tile_config(64, 64, 2, False) == (128, 4, 3)
-    assert decode._tile_config(128, 128, 2, False, crowded=True) == decode._tile_config(128, 128, 2, False)
-    assert decode._tile_config(64, 64, 2, True, crowded=True) == decode._tile_config(64, 64, 2, True)
-    assert decode.programs_per_sm(64, 64, 2, False, crowded=True) > decode.programs_per_sm(64, 64, 2, False)
+    assert decode._load(264, False, cuda) == 2.0 and decode._load(264, True, cuda) == 0.0
+    assert decode._tile_config(64, 64, 2, False, load=3.0) == (128, 4, 2)
+    assert decode._tile_config(64, 64, 2, False, load=2.9) == decode._tile_config(64, 64, 2, False) == (128, 4, 3)
+    assert decode._tile_config(128, 128, 2, False, load=2.0) == (64, 4, 3)
+    for load in (0.5, 1.0, 3.0, 8.0):
+        assert decode._tile_config(128, 128, 2, False, load=load) == (128, 4, 3)
+    assert decode._tile_config(64, 64, 2, True, load=8.0) == decode._tile_config(64, 64, 2, True)
+    assert decode.programs_per_sm(64, 64, 2, False, load=4.0) > decode.programs_per_sm(64, 64, 2, False)
+    assert decode.programs_per_sm(128, 128, 2, False, load=2.0) > decode.programs_per_sm(128, 128, 2, False)
 
 
 def test_auto_num_splits_limits():
