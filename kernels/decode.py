@@ -393,7 +393,7 @@ def _tile_config(d_qk: int, d_v: int, itemsize: int, paged: bool, load: float = 
     - wider heads (D=128, where three stages of 128 tokens leave one program per SM) with one to three programs per
       SM take 64-token tiles (two programs per SM: the launch runs in one wave instead of two): at 256 programs
       and S1k-S2k 1.005-1.007x SDPA against 0.965-0.989x, at S8k-S64k level (0.994 / 0.987 against 0.991 /
-      0.986); at 1024 programs 64-token tiles lost 1-3%."""
+      0.986); at 1024-4096 programs 64-token tiles lost 1-9%."""
     d_max = max(d_qk, d_v)
     row_bytes = _kv_row_bytes(d_qk, d_v, itemsize)
     if d_max > 128:
