@@ -19,7 +19,7 @@ Outputs: latent (B, H, D_c) in q_absorbed's dtype, lse (B, H) fp32, natural log.
 
 On Hopper, 512 + 64 in fp16/bf16 with up to 64 heads or heads in multiples of 64 run the warp-specialized Gluon
 kernels of kernels/mla_sm90.py instead (on an H200: 1.5x this kernel at 128 heads, 1.7-1.9x paged; at 16 heads
-1.0-1.03x contiguous and 1.2-1.26x with 16-token pages; at 32 heads 1.1-1.8x); everything else runs the Triton
+1.0-1.15x contiguous and 1.2-1.31x with 16-token pages; at 32 heads 1.2-1.8x); everything else runs the Triton
 kernel below.
 """
 
