@@ -256,8 +256,7 @@ def _mla_narrow_consumer(qc0_smem, qc1_smem, qr_smem, c0_smem, c1_smem, r_smem, 
     n_h: gl.constexpr = qc0_smem.shape[1]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, n_h, 16])
-    cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)  # one value per head
-    cols_o: gl.constexpr = gl.SliceLayout(0, s_layout)
+    cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)  # one value per head (the output tiles share the layout)
     dtype: gl.constexpr = c0_smem.dtype
     qc0 = qc0_smem.reshape([n_h, HALF]).permute((1, 0))
     qc1 = qc1_smem.reshape([n_h, HALF]).permute((1, 0))
@@ -294,9 +293,8 @@ def _mla_narrow_consumer(qc0_smem, qc1_smem, qr_smem, c0_smem, c1_smem, r_smem, 
         m_i = m_new
         pt_smem.store(p.to(dtype))
         fence_async_shared()
-        a = gl.convert_layout(alpha, cols_o)[None, :]
-        o0 = warpgroup_mma(c0.permute((1, 0)), pt_smem, o0 * a, is_async=True)
-        o1 = warpgroup_mma(c1.permute((1, 0)), pt_smem, o1 * a, is_async=True)
+        o0 = warpgroup_mma(c0.permute((1, 0)), pt_smem, o0 * alpha[None, :], is_async=True)
+        o1 = warpgroup_mma(c1.permute((1, 0)), pt_smem, o1 * alpha[None, :], is_async=True)
         o0, o1 = warpgroup_mma_wait(num_outstanding=0, deps=[o0, o1])
         mbarrier.arrive(kv_free.index(st), count=1)
     has_tokens = l_i > 0.0  # a split that saw no token writes zeros and lse -inf (as kernels.decode)
