@@ -370,7 +370,7 @@ SMEM_PER_SM = 228 * 1024  # Hopper: shared memory per SM (at most 227 KB of it f
 _SMEM_PER_PROGRAM = 200 * 1024  # what the pipelined K/V tiles may take, leaving room for the rest of a program
 
 
-@functools.lru_cache(maxsize=None)  # a pure function of the shapes, asked three times per decode launch
+@functools.lru_cache(maxsize=1024)  # a pure function of the shapes, asked three times per decode launch
 def _tile_config(d_qk: int, d_v: int, itemsize: int, paged: bool, load: float = 0.0) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) of a grouped-decode launch; `load`: programs (sequences x head tiles) per SM
     of a contiguous launch (`_load`).
