@@ -248,11 +248,11 @@ def _mla_narrow_consumer(qc0_smem, qc1_smem, qr_smem, c0_smem, c1_smem, r_smem, 
                          out_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls,
                          b, h0, num_heads, split, start, end, n_blocks, scale_log2,
                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr, PAGED: gl.constexpr):
-    """One warpgroup, at most 16 heads, every product transposed so that the heads are the wgmma's N and the
-    block's tokens (or latent columns) its M: S^T = C Qc^T + R Qr^T (BLOCK_N x 16), the online softmax down its
-    columns, P^T to shared memory, then O^T += C^T P^T for both latent halves (256 x 16 each; C^T is the latent
-    tile read M-major from the same shared memory). A 64-row head tile would pad 16 heads to 64 and do four times
-    the tensor-core work."""
+    """One warpgroup, a tile of n_h = 16 or 32 heads (the Q descriptor's block), every product transposed so that
+    the heads are the wgmma's N and the block's tokens (or latent columns) its M: S^T = C Qc^T + R Qr^T (BLOCK_N x
+    n_h), the online softmax down its columns, P^T to shared memory, then O^T += C^T P^T for both latent halves
+    (256 x n_h each; C^T is the latent tile read M-major from the same shared memory). A 64-row head tile would pad
+    16 heads to 64 and do four times the tensor-core work."""
     n_h: gl.constexpr = qc0_smem.shape[1]
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, n_h, 16])
