@@ -185,8 +185,10 @@ def _launch_mla(q_absorbed, q_rope, c_kv, k_rope, block_table, seq_lens, scale: 
         rows = block_h if sm90 and block_h < mla_sm90.HEADS_PER_PROGRAM else max(64, block_h)
         tile_flops = 2 * rows * block_n * (d_c + d_r + d_c)
         # One program per SM: the 64-row head tile's accumulator fills the register file, and the 16-head tile's
-        # three stages of 64 x 576 latent rows fill shared memory. Paged 16-head launches use grouped decode's
-        # paged rule (slower tiles, twice the programs), which matched their best measured splits.
+        # three stages of 64 x 576 latent rows fill shared memory. Paged 16-head launches of the Triton kernel use
+        # grouped decode's paged rule (slower tiles, twice the programs), which matched their best measured splits.
+        # Paged launches of the narrow Hopper program (under 64 heads) count twice the programs too, though it runs
+        # one per SM: its picks were measured that way, and one per SM picks the same splits on the bench grid.
         smem_bound_paged = paged and block_h < 64
         slots = _num_sms(q_absorbed.device) * (2 if smem_bound_paged else 1)
         tile_time = mla_sm90.tile_seconds(tile_flops) if sm90 else tile_seconds(tile_flops, smem_bound_paged)

@@ -41,9 +41,10 @@ split, one run): the narrow program reads 3.92-4.40 with 16-token pages at B32-B
 3.79-4.15 and the Triton kernel 3.20-3.50, and 3.97-4.48 contiguous against the Triton kernel's 3.95-4.35
 (benchmarks/RESULTS.md).
 
-Gluon has no CPU interpreter: the GPU test suite runs every 128-head (and 64-head) 512 + 64 case of
-tests/test_mla.py through this kernel; on the CPU, tests/test_mla.py compiles it for sm_90 and checks its
-structure (warp roles, one score tile per block, shared memory, no spills).
+Gluon has no CPU interpreter: the GPU test suite runs every 512 + 64 case of tests/test_mla.py with fp16/bf16
+caches through these kernels (5-32 heads the narrow program, 40, 64 and 128 heads the 64-head tiles); on the CPU,
+tests/test_mla.py compiles both for sm_90 and checks their structure (warp roles, wgmma shapes and transposes, one
+score tile per block, shared memory, no spills).
 """
 
 import os
@@ -65,7 +66,7 @@ from kernels.decode import LOG2E
 from kernels.decode_sm90 import split_range, tile_pages, zero_rows
 from kernels.flash_sm90 import descriptor, on_hopper
 
-HEADS_PER_PROGRAM = 64  # the M of every wgmma
+HEADS_PER_PROGRAM = 64  # the M of every wgmma of the 64-head tile
 NARROW_HEADS = 16  # heads per program of the narrow kernel (twice that from 17 heads): the N of its wgmma
 HALF_COLUMNS = 256  # latent columns per half: each consumer's share of the output
 ROPE_DIM = 64
@@ -440,7 +441,7 @@ def launch(q_absorbed, q_rope, c_kv, k_rope, seq_lens, part_o, part_lse, scale: 
     splits, D_c) (the final output, in q's dtype, for one split; fp32 partials otherwise) and its lse into
     part_lse (B, H, splits) (natural log for one split, log2 units for partials), as kernels.decode's splits.
     With block_table (B, max_pages) int32, c_kv and k_rope are the page pools (num_pages, page_size, D), page_size
-    a power of two from 8 to 256."""
+    a power of two from 8 to 256. `heads`: heads per program (default `tile_heads`)."""
     batch, h, _ = q_absorbed.shape
     paged = block_table is not None
     page_size = c_kv.shape[1] if paged else 1

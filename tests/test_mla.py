@@ -126,8 +126,8 @@ def _poison_past_end(c_pages, r_pages, table, seq_lens):
 
 # On an H100/H200 paged 512 + 64 caches run the Gluon kernels (kernels/mla_sm90.py), whose loader copies
 # 64 // page_size pages per 64-token block below 64 and a 64-row slice of larger pages: 5 or 16 heads the narrow
-# kernel (a tile of 16 heads), 32 heads a 64-head tile half filled with zeros, 128 heads two full ones. "wide"
-# runs 16 heads in a 64-head tile (ZOO_MLA_NARROW=0), "triton" turns both off (ZOO_MLA_SM90=0): the Triton kernel
+# kernel in a tile of 16 heads, 32 heads in a tile of 32, 128 heads two 64-head tiles. "wide" runs 16 heads in a
+# zero-padded 64-head tile (ZOO_MLA_NARROW=0), "triton" turns both off (ZOO_MLA_SM90=0): the Triton kernel
 # on the GPU (on the CPU every case runs it).
 PAGED_HEADS = [(5, "default"), (16, "default"), (16, "wide"), (16, "triton"), (32, "default"), (128, "default")]
 
@@ -397,7 +397,6 @@ def test_sm90_narrow_kernel_structure(splits, page_size, heads):
     serialized wgmma, no spills."""
     import re
 
-
     result = _compile_sm90(splits, page_size, heads)
     ptx = result["ptx"]
     assert "40" in setmaxnreg_counts(ptx), f"warp roles' register counts {sorted(setmaxnreg_counts(ptx))}"
@@ -413,8 +412,8 @@ def test_sm90_narrow_kernel_structure(splits, page_size, heads):
 
 
 def test_sm90_eligibility():
-    """Which inputs the Hopper MLA kernel takes (on an sm_90 GPU): fp16/bf16, 512 + 64, a multiple of 64 heads (or
-    up to 64 when paged), TMA-readable strides (the model's slices of one (B, H, 576) tensor are); everything else
+    """Which inputs the Hopper MLA kernels take (on an sm_90 GPU): fp16/bf16, 512 + 64, up to 64 heads or a multiple
+    of 64, TMA-readable strides (the model's slices of one (B, H, 576) tensor are); everything else
     runs the Triton kernel."""
     from kernels.mla_sm90 import eligible
 
