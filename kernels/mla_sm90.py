@@ -42,9 +42,9 @@ split, one run): the narrow program reads 3.92-4.40 with 16-token pages at B32-B
 (benchmarks/RESULTS.md).
 
 Gluon has no CPU interpreter: the GPU test suite runs every 512 + 64 case of tests/test_mla.py with fp16/bf16
-caches through these kernels (5-32 heads the narrow program, 40, 64 and 128 heads the 64-head tiles); on the CPU,
-tests/test_mla.py compiles both for sm_90 and checks their structure (warp roles, wgmma shapes and transposes, one
-score tile per block, shared memory, no spills).
+caches through these kernels, except those that turn them off (5-32 heads the narrow program, 40, 64 and 128
+heads the 64-head tiles); on the CPU, tests/test_mla.py compiles both for sm_90 and checks their structure (warp
+roles, wgmma shapes and transposes, one score tile per block, shared memory, no spills).
 """
 
 import os
