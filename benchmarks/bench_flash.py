@@ -111,7 +111,7 @@ def triton_ms(q, k, v, do, causal):
     instead, else None."""
     hopper = flash.flash_sm90
     fwd_ms = bwd_ms = None
-    if hopper is not None and hopper.supports(q, k, v):
+    if hopper is not None and hopper.supports(q, k, v, causal):
         with env("ZOO_FLASH_SM90", "0"), torch.no_grad():
             fwd_ms = bench_ms(lambda: flash_gqa_attention(q, k, v, causal=causal))
     if hopper is not None and hopper.supports_backward(q, k, v, do):

@@ -11,10 +11,10 @@ keys at positions <= its own (a cached prefix of S_kv - S_q tokens is visible to
 
 Structure (FlashAttention-2, Dao 2023; Triton's fused-attention tutorial):
 - on Hopper (sm_90, fp16/bf16): separate warp-specialized kernels written in Gluon (kernels/flash_sm90.py: a TMA
-  loader warp and two consumer warpgroups, FlashAttention-3's structure) run the forward at D = 128 (and at D = 64
-  from 2048 keys) and the backward at D = 128. On an H200 they take the forward from 337-520 to 419-623 TFLOP/s
-  and the backward from 245-416 to 303-454 at D = 128 (benchmarks/RESULTS.md). Everything below describes the
-  portable kernels, which run everywhere else.
+  loader warp and two consumer warpgroups, FlashAttention-3's structure) run the forward at D = 128 (and at
+  D = 64: full attention at every length, causal from 2048 keys) and the backward at D = 128. On an H200 they take
+  the forward from 337-520 to 419-623 TFLOP/s and the backward from 245-416 to 303-454 at D = 128
+  (benchmarks/RESULTS.md). Everything below describes the portable kernels, which run everywhere else.
 - forward: one program per (query block, query head, batch) streams K/V blocks with an online softmax in the
   log2 domain (exp2 with log2(e) folded into the scale). The KV loop is split in two: blocks every query of the
   program sees entirely run without any mask; only the blocks on the causal diagonal or past the end of the
@@ -739,8 +739,8 @@ def _forward(q, k, v, scale: float | None, causal: bool, out=None, lse=None):
     lse = torch.empty((b, h_q, s_q), device=q.device, dtype=torch.float32) if lse is None else lse
     if out.numel() == 0:
         return out, lse
-    # Hopper, fp16/bf16, D = 128: the warp-specialized Gluon kernel (kernels/flash_sm90.py).
-    if flash_sm90 is not None and flash_sm90.supports(q, k, v):
+    # Hopper, fp16/bf16, D = 64 or 128: the warp-specialized Gluon kernel (kernels/flash_sm90.py).
+    if flash_sm90 is not None and flash_sm90.supports(q, k, v, causal):
         with device_guard(q):
             flash_sm90.forward(q, k, v, out, lse, sm_scale * LOG2E, causal)
         return out, lse

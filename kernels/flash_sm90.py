@@ -1,7 +1,7 @@
 """Flash attention for Hopper (sm_90), warp-specialized, in Gluon: FlashAttention-3's structure.
 
 Same math, inputs and outputs as the Triton kernels in kernels/flash.py, which launches these instead on an sm_90
-GPU for fp16/bf16 with TMA-compatible strides: the forward for D_qk == D_v = 128, and 64 from MIN_KEYS keys up;
+GPU for fp16/bf16 with TMA-compatible strides: the forward for D_qk == D_v = 128 and 64 (causal from MIN_KEYS keys up);
 the backward (dQ and dK/dV) for D = 128. The portable Triton kernels run everywhere else (other GPUs and head
 dims, MLA's 192/128, fp32, the CPU interpreter, other Triton releases).
 
@@ -21,9 +21,13 @@ Forward (`forward`):
   - two consumer warpgroups of four warps, each owning 64 query rows: Q K^T and P V on the tensor cores (wgmma),
     the online softmax in registers. The loader warp gives its registers to them (setmaxnreg: 24 for the
     loader, 240 per consumer thread).
-- inside a consumer, the scores of key block j+1 are issued before P V of block j, and the softmax of block j+1
-  runs while that P V is on the tensor cores (FlashAttention-3's intra-warpgroup overlap); P stays in registers
-  as the A operand of the P V wgmma.
+- inside a consumer, the scores of key block j+1 and P V of block j are issued together; P stays in registers as
+  the A operand of the P V wgmma. The source waits for that P V only after block j+1's softmax
+  (FlashAttention-3's intra-warpgroup overlap), but ptxas moves the wait up to just after the scores' (the SASS:
+  WARPGROUP.DEPBAR.LE gsb0 0x0 before the first FMNMX), so each consumer's softmax runs while the *other*
+  consumer's products are on the tensor cores. Keeping the wait in place (the softmax in a basic block of its
+  own) made the overlap real in the SASS and measured -3% to +1.3% (session 15, benchmarks/RESULTS.md): the
+  two warpgroups already keep the tensor cores busy.
 - causal masking: blocks wholly above the diagonal are never loaded; only blocks on the diagonal or past the
   sequence end are masked (a runtime branch per block), with one compare per score against a per-row limit.
 - launch order (forward tiles and both backward grids): kernels/schedule.py, causal blocks heaviest first in
@@ -95,12 +99,12 @@ CONFIGS = {
     64: (128, 3),
     128: (128, 3),
 }
-# Fewest keys for which flash._forward prefers this kernel, per head dim. At D=64 and S=1024 a tile has too few key
-# blocks to hide its start and end: B16 H32/8 causal measured 300 TFLOP/s against the Triton kernel's 317 (full
-# 400 vs 397), while at S=4096 it is ahead by 9% (causal 421 vs 387, full 466 vs 426).
+# Fewest keys for which flash._forward prefers this kernel, per (head dim, causal); 0 where absent. At D=64 and
+# S=1024 a causal tile has too few key blocks to hide its start and end: B16 H32/8 causal measured 293-300 TFLOP/s
+# against the Triton kernel's 303-317 in three runs, while full attention there was ahead in all three (393-400 vs
+# 367-397) and at S=4096 both are ahead by 9% (causal 421 vs 387, full 466 vs 426). benchmarks/RESULTS.md has the runs.
 MIN_KEYS = {
-    64: 2048,
-    128: 0,
+    (64, True): 2048,
 }
 
 
@@ -223,7 +227,7 @@ def _step(q, k_smem, v_smem, k_ready, v_ready, kv_free, p, p_op, acc, m_i, l_i, 
           q_shift, N, qk_scale, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
           s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
     """Key block j (the program's gj-th): its scores and block j-1's P V on the tensor cores together, then block
-    j's softmax while that P V runs."""
+    j's softmax (written to overlap that P V; ptxas waits for it first, see the module docstring)."""
     st = gj % STAGES
     prev = (gj - 1) % STAGES
     mbarrier.wait(k_ready.index(st), (gj // STAGES) & 1)
@@ -389,10 +393,11 @@ def _is_sm90(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index) == (9, 0)
 
 
-def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
+def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> bool:
     """Does flash._forward launch this kernel for these inputs? On an sm_90 GPU, when `eligible` and there are at
     least MIN_KEYS keys."""
-    return enabled() and on_hopper(q) and eligible(q, k, v) and k.shape[2] >= MIN_KEYS[q.shape[-1]]
+    return (enabled() and on_hopper(q) and eligible(q, k, v)
+            and k.shape[2] >= MIN_KEYS.get((q.shape[-1], causal), 0))
 
 
 BACKWARD_HEAD_DIMS = (128,)  # the backward kernels were tuned and measured at D = 128 only

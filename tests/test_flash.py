@@ -429,13 +429,14 @@ def test_sm90_backward(case, monkeypatch):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_sm90_forward_d64(causal):
-    """D = 64 runs through the Hopper forward only from flash_sm90.MIN_KEYS[64] keys (2048) up, which no shape in
-    CASES reaches: 200 queries over 2100 keys (a ragged last key block, S_q < S_kv), GQA, fp16 and bf16, into
-    NaN-poisoned outputs, against the reference. On other machines the Triton kernel runs the same check."""
+    """Causal D = 64 runs through the Hopper forward only from flash_sm90.MIN_KEYS[(64, True)] keys (2048) up, which
+    no shape in CASES reaches (full attention at D = 64 runs it at every length, so CASES cover it): 200 queries
+    over 2100 keys (a ragged last key block, S_q < S_kv), GQA, fp16 and bf16, into NaN-poisoned outputs, against
+    the reference. On other machines the Triton kernel runs the same check."""
     from kernels import flash_sm90
 
     case = (1, 4, 2, 200, 2100, 64, 64, causal)
-    assert case[4] >= flash_sm90.MIN_KEYS[64]
+    assert case[4] >= flash_sm90.MIN_KEYS.get((64, causal), 0)
     for dtype in KERNEL_DTYPES:
         q, k, v, _ = make_inputs(case, dtype)
         out, lse = _forward(q, k, v, None, causal, out=poisoned((1, 4, 200, 64), dtype),
