@@ -427,6 +427,27 @@ def test_sm90_backward(case, monkeypatch):
         assert_close(dv, ref_dv, dtype, "dv", grad=True)
 
 
+def test_sm90_forward_dispatch(monkeypatch):
+    """Which inputs the Hopper forward takes (flash_sm90.supports, with the GPU check faked so that it runs
+    anywhere): D = 128 at every length; D = 64 full attention at every length, causal from MIN_KEYS[(64, True)]
+    keys (2048) up, where it measured ahead of the Triton kernel; never MLA's 192/128."""
+    from kernels import flash_sm90
+
+    monkeypatch.setattr(flash_sm90, "on_hopper", lambda t: True)
+    monkeypatch.setenv("ZOO_FLASH_SM90", "1")
+
+    def takes(d_qk, d_v, s_kv, causal):
+        q = torch.zeros(1, 4, 64, d_qk, dtype=torch.bfloat16)
+        k = torch.zeros(1, 2, s_kv, d_qk, dtype=torch.bfloat16)
+        v = torch.zeros(1, 2, s_kv, d_v, dtype=torch.bfloat16)
+        return flash_sm90.supports(q, k, v, causal)
+
+    assert takes(128, 128, 64, True) and takes(128, 128, 64, False)
+    assert takes(64, 64, 64, False) and takes(64, 64, 1024, False)
+    assert not takes(64, 64, 2047, True) and takes(64, 64, 2048, True)
+    assert not takes(192, 128, 4096, False)
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_sm90_forward_d64(causal):
     """Causal D = 64 runs through the Hopper forward only from flash_sm90.MIN_KEYS[(64, True)] keys (2048) up, which
