@@ -14,7 +14,8 @@ Structure (FlashAttention-2, Dao 2023; Triton's fused-attention tutorial):
   loader warp and two consumer warpgroups, FlashAttention-3's structure) run the forward at D = 128 (and at
   D = 64: full attention at every length, causal from 2048 keys) and the backward at D = 128. On an H200 they take
   the forward from 331-522 to 421-646 TFLOP/s and the backward from 240-428 to 304-458 at D = 128
-  (benchmarks/RESULTS.md, session 15's grid). Everything below describes the portable kernels, which run everywhere else.
+  (benchmarks/RESULTS.md, session 15's grid). Everything below describes the portable kernels, which run
+  everywhere else.
 - forward: one program per (query block, query head, batch) streams K/V blocks with an online softmax in the
   log2 domain (exp2 with log2(e) folded into the scale). The KV loop is split in two: blocks every query of the
   program sees entirely run without any mask; only the blocks on the causal diagonal or past the end of the

@@ -450,10 +450,10 @@ def test_sm90_forward_dispatch(monkeypatch):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_sm90_forward_d64(causal):
-    """Causal D = 64 runs through the Hopper forward only from flash_sm90.MIN_KEYS[(64, True)] keys (2048) up, which
-    no shape in CASES reaches (full attention at D = 64 runs it at every length, so CASES cover it): 200 queries
-    over 2100 keys (a ragged last key block, S_q < S_kv), GQA, fp16 and bf16, into NaN-poisoned outputs, against
-    the reference. On other machines the Triton kernel runs the same check."""
+    """The Hopper forward at D = 64 over many key blocks: causal D = 64 takes it only from MIN_KEYS[(64, True)]
+    keys (2048) up, which no shape in CASES reaches, and CASES' one full-attention D = 64 shape has a single key
+    block. 200 queries over 2100 keys (17 key blocks, a ragged last one, S_q < S_kv), GQA, fp16 and bf16, into
+    NaN-poisoned outputs, against the reference. On other machines the Triton kernel runs the same check."""
     from kernels import flash_sm90
 
     case = (1, 4, 2, 200, 2100, 64, 64, causal)
