@@ -428,8 +428,7 @@ def tile_seconds(tile_flops: int) -> float:
 
 def tile_heads(h: int) -> int:
     """Heads per program: NARROW_HEADS or twice that for at most 32 heads (the narrow consumer), else
-    HEADS_PER_PROGRAM.
-    ZOO_MLA_NARROW=0 gives every head count the 64-head tile (benchmarks compare the two)."""
+    HEADS_PER_PROGRAM. ZOO_MLA_NARROW=0 gives every head count the 64-head tile (benchmarks compare the two)."""
     if h <= 2 * NARROW_HEADS and os.environ.get("ZOO_MLA_NARROW", "1") != "0":
         return NARROW_HEADS if h <= NARROW_HEADS else 2 * NARROW_HEADS
     return HEADS_PER_PROGRAM
