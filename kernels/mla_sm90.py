@@ -87,6 +87,24 @@ def _block_rows(j, n_blocks, start, end, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
+def _valid_rows(j, start, end, BLOCK_N: gl.constexpr):
+    """Paged: how many rows of the split's last block j, from the top, hold tokens before `end` (the rest are
+    masked in the scores and zeroed in the latent tile)."""
+    return end - start - j * BLOCK_N
+
+
+@gluon.jit
+def _last_block_read(offs_n, j, start, end, PAGED: gl.constexpr, BLOCK_N: gl.constexpr):
+    """Which rows offs_n of the split's last block j the scores keep. Paged: those before `end`. Contiguous: the
+    block was loaded to end at `end` (`_block_rows`), so its rows before block j's own start were block j-1's."""
+    if PAGED:
+        keep = offs_n < _valid_rows(j, start, end, BLOCK_N)
+    else:
+        keep = offs_n >= start + j * BLOCK_N - (end - BLOCK_N)
+    return keep
+
+
+@gluon.jit
 def _mla_loader(qc_desc, qr_desc, c_desc, r_desc, qc0_smem, qc1_smem, qr_smem, c0_smem, c1_smem, r_smem,
                 q_ready, kv_ready, kv_free, table_ptr, stride_tb, stride_tp, b, h0, start, end, n_blocks,
                 BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr,
@@ -181,13 +199,9 @@ def _mla_softmax_consumer(qc0_smem, qc1_smem, qr_smem, c0_smem, c1_smem, r_smem,
         s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
         if j == n_blocks - 1:
             offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
-            if PAGED:  # the last block's rows past `end` are masked, and zeroed in the latent tile below
-                n_valid = end - start - j * BLOCK_N
-                s = gl.where(offs_n[None, :] < n_valid, s, -float("inf"))
-                zero_rows(c0, n_valid, BLOCK_N, HALF)
-            else:  # the last block ends at `end`; its columns before block j's own start are done
-                first = start + j * BLOCK_N - (end - BLOCK_N)
-                s = gl.where(offs_n[None, :] >= first, s, -float("inf"))
+            s = gl.where(_last_block_read(offs_n, j, start, end, PAGED, BLOCK_N)[None, :], s, -float("inf"))
+            if PAGED:  # rows past `end` zeroed in the latent tile too (C1's by consumer 1)
+                zero_rows(c0, _valid_rows(j, start, end, BLOCK_N), BLOCK_N, HALF)
         m_new = gl.maximum(m_i, gl.max(s, 1) * scale_log2)
         p = gl.exp2(s * scale_log2 - m_new[:, None])
         alpha = gl.exp2(m_i - m_new)
@@ -233,7 +247,7 @@ def _mla_pv_consumer(c1_smem, p_smem, stat_smem, kv_ready, kv_free, p_ready, p_f
         c1 = c1_smem.index(st).reshape([BLOCK_N, HALF])
         if PAGED:
             if j == n_blocks - 1:
-                zero_rows(c1, end - start - j * BLOCK_N, BLOCK_N, HALF)
+                zero_rows(c1, _valid_rows(j, start, end, BLOCK_N), BLOCK_N, HALF)
         o = o * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
         o = warpgroup_mma(p_smem, c1, o, is_async=True)
         o = warpgroup_mma_wait(num_outstanding=0, deps=[o])
@@ -279,14 +293,10 @@ def _mla_narrow_consumer(qc0_smem, qc1_smem, qr_smem, c0_smem, c1_smem, r_smem, 
         s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
         if j == n_blocks - 1:
             offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
-            if PAGED:  # the last block's rows past `end`: masked in the scores, zeroed in the latent tile
-                n_valid = end - start - j * BLOCK_N
-                s = gl.where(offs_n[:, None] < n_valid, s, -float("inf"))
-                zero_rows(c0, n_valid, BLOCK_N, HALF)
-                zero_rows(c1, n_valid, BLOCK_N, HALF)
-            else:  # the last block ends at `end`; its rows before block j's own start are done
-                first = start + j * BLOCK_N - (end - BLOCK_N)
-                s = gl.where(offs_n[:, None] >= first, s, -float("inf"))
+            s = gl.where(_last_block_read(offs_n, j, start, end, PAGED, BLOCK_N)[:, None], s, -float("inf"))
+            if PAGED:  # rows past `end` zeroed in the latent tile too
+                zero_rows(c0, _valid_rows(j, start, end, BLOCK_N), BLOCK_N, HALF)
+                zero_rows(c1, _valid_rows(j, start, end, BLOCK_N), BLOCK_N, HALF)
         m_new = gl.maximum(m_i, gl.max(s, 0) * scale_log2)
         p = gl.exp2(s * scale_log2 - m_new[None, :])
         alpha = gl.exp2(m_i - m_new)
