@@ -57,7 +57,10 @@ K/V no longer ran side by side); the two-compare mask (3% slower); dK/dV with 32
 kernel (dS^T of both warpgroups through shared memory, dQ = dS K per step added into fp32 with global atomics,
 FlashAttention-2/3's single backward launch): correct, but 0.76-0.88x of the two launches, because pushing 32 KB of
 dQ per step from the consumers costs 30% (without that write it ran 1.08-1.24x; FlashAttention-3 uses TMA bulk
-reductions from shared memory, which Gluon does not expose on Hopper in Triton 3.6).
+reductions from shared memory, which Gluon does not expose on Hopper in Triton 3.6). In the forward (session 16):
+the row sums of P on the tensor cores (a second wgmma against a block of ones; 1-14% slower), pipelining across
+tiles (the next tile's first scores beside this tile's last P V; +1-5% at D=64 causal, within 2% either way
+elsewhere, more spills at D=128), three consumer warpgroups at D=64 (3-19% slower).
 
 The persistent forward holds a tile's state across its key loop, and ptxas spills some of it (32 bytes full, 316
 causal with Triton 3.6's ptxas; the test bounds it). The causal dK/dV kernel keeps one 4-byte value in local memory
