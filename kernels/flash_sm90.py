@@ -59,7 +59,7 @@ FlashAttention-2/3's single backward launch): correct, but 0.76-0.88x of the two
 dQ per step from the consumers costs 30% (without that write it ran 1.08-1.24x; FlashAttention-3 uses TMA bulk
 reductions from shared memory, which Gluon does not expose on Hopper in Triton 3.6). In the forward (session 16):
 the row sums of P on the tensor cores (a second wgmma against a block of ones; 1-14% slower), pipelining across
-tiles (the next tile's first scores beside this tile's last P V; +1-5% at D=64 causal, within 2% either way
+tiles (the next tile's first scores beside this tile's last P V; +1-5% at D=64 causal, -2% to +4%
 elsewhere, more spills at D=128), three consumer warpgroups at D=64 (3-19% slower).
 
 The persistent forward holds a tile's state across its key loop, and ptxas spills some of it (32 bytes full, 316
