@@ -550,8 +550,8 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready, do_ready, 
         dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do_t, dv, is_async=True)
         dpt = warpgroup_mma_wait(num_outstanding=1, deps=[dpt])
         # dS^T from the fp32 P^T: its bf16 copy feeds dV only. Taking dS^T from that copy (round trip through bf16)
-        # made ptxas convert one score at a time and unpack again: 64 more instructions per 64-query step, and a
-        # 4-9% slower backward (benchmarks/RESULTS.md, session 16).
+        # made ptxas convert one score at a time and unpack again: 64 (full) to 110 (causal) more instructions per
+        # 64-query step, and a 4-9% slower backward (benchmarks/RESULTS.md, session 16).
         dst = pt * (dpt - gl.convert_layout(delta, cols)[None, :])
         dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), q_t, dk, is_async=True)
         # S^T of the next step (past the last one it reads a stale stage; its result is drained, never used).

@@ -295,8 +295,9 @@ def _mla_narrow_consumer(qc0_smem, qc1_smem, qr_smem, c0_smem, c1_smem, r_smem, 
             offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(1, s_layout))
             s = gl.where(_last_block_read(offs_n, j, start, end, PAGED, BLOCK_N)[:, None], s, -float("inf"))
             if PAGED:  # rows past `end` zeroed in the latent tile too
-                zero_rows(c0, _valid_rows(j, start, end, BLOCK_N), BLOCK_N, HALF)
-                zero_rows(c1, _valid_rows(j, start, end, BLOCK_N), BLOCK_N, HALF)
+                n_valid = _valid_rows(j, start, end, BLOCK_N)
+                zero_rows(c0, n_valid, BLOCK_N, HALF)
+                zero_rows(c1, n_valid, BLOCK_N, HALF)
         m_new = gl.maximum(m_i, gl.max(s, 0) * scale_log2)
         p = gl.exp2(s * scale_log2 - m_new[None, :])
         alpha = gl.exp2(m_i - m_new)
