@@ -791,7 +791,6 @@ def _backward(q, k, v, out, lse, do, scale: float | None, causal: bool, dlse=Non
     dq, dk, dv = grads
     if s_q == 0 or b == 0 or h_q == 0:
         return dq, dk.zero_(), dv.zero_()
-    delta = torch.empty((b, h_q, s_q), device=q.device, dtype=torch.float32)
     common = dict(D_QK=d_qk, D_V=d_v, **_qk_blocks(d_qk), BLOCK_DV=_head_block(d_v),
                   GROUP_SIZE=h_q // h_kv, CAUSAL=causal, PRECISION=_precision(q.dtype),
                   INTERPRET=_checks.interpreting())
@@ -836,13 +835,18 @@ def _backward(q, k, v, out, lse, do, scale: float | None, causal: bool, dlse=Non
     sm90_dkdv = sm90 and (
         mode == "force"
         or _head_splits(triton.cdiv(s_kv, flash_sm90.PROGRAM_ROWS) * h_kv * b, h_q // h_kv, q.device) == 1)
+    # The Hopper dK/dV kernel reads delta and the lse (in log2 units, written by the dQ kernel) as whole padded
+    # blocks of rows (flash_sm90.padded_rows); the Triton one reads delta (B, H_q, S_q).
+    rows = flash_sm90.padded_rows(s_q) if sm90_dkdv else s_q
+    delta = torch.empty((b, h_q, rows), device=q.device, dtype=torch.float32)
+    lse2 = torch.empty_like(delta) if sm90_dkdv else None
     with device_guard(q):
         if sm90:
-            flash_sm90.backward_dq(q, k, v, out, do, lse, dlse, delta, dq, sm_scale, causal)
+            flash_sm90.backward_dq(q, k, v, out, do, lse, dlse, delta, dq, sm_scale, causal, lse2=lse2)
         else:
             launch_dq(_pick_config("dq", q, d_qk, d_v, causal, s_q, s_kv, tma_dq, launch_dq))  # dQ and delta
         if sm90_dkdv:
-            flash_sm90.backward_dkdv(q, k, v, do, lse, delta, dk, dv, sm_scale, causal)
+            flash_sm90.backward_dkdv(q, k, v, do, lse2, delta, dk, dv, sm_scale, causal)
         else:
             launch_dkdv(_pick_config("dkdv", q, d_qk, d_v, causal, s_q, s_kv, tma_dkdv, launch_dkdv))
     return dq, dk, dv

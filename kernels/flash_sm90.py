@@ -34,10 +34,13 @@ Forward (`forward`):
   buckets that keep a KV group's programs together.
 
 Backward, two launches with the same roles (a loader warp, two consumer warpgroups of 64 rows):
-- `backward_dq`: per 128 query rows, delta = rowsum(dO * Out) - dlse first (for the dK/dV kernel), then per
-  64-key block S = Q K^T and dP = dO V^T issued together, dS = P (dP - delta), dQ += dS K.
+- `backward_dq`: per 128 query rows, delta = rowsum(dO * Out) - dlse and the lse in log2 units first (for the
+  dK/dV kernel, into buffers padded to whole programs of rows), then per 64-key block S = Q K^T and dP = dO V^T
+  issued together, dS = P (dP - delta), dQ += dS K.
 - `backward_dkdv`: per 128 key rows of a KV head, Q and dO blocks of every query head of the group stream through
-  a two-stage ring (no per-query-head partials), with transposed products so that the key rows are the wgmma's M:
+  a two-stage ring (no per-query-head partials), each Q block with its rows' lse and delta (TMA copies on Q's
+  barrier, read by the consumers straight from shared memory in the layout of the score columns), with
+  transposed products so that the key rows are the wgmma's M:
   S^T = K Q^T, then dP^T = V dO^T issued with dV += P^T dO, then dK += dS^T Q; the steps (query head, query block)
   are software-pipelined: S^T of the next step is issued right after dK of this one.
 
@@ -48,7 +51,10 @@ D128 causal 558 vs 538 (SDPA 603), B16 S1024 causal 409 vs 359 (SDPA 455), MHA B
 Triton: B4 H_kv 8 S4096 causal 397 vs 353 (SDPA 460), full 436 vs 415 (514), B16 S1024 causal 300 vs 219 (304),
 B1 S16384 causal 439 vs 372 (521), MHA B4 S4096 causal 394 vs 367 (466). Taking dK/dV's dS^T from the fp32 P^T
 (session 16) made the whole backward 4-9% faster, old vs new in one run: B4 H_kv 8 S4096 causal 390 -> 412 (SDPA
-449), full 440 -> 467 (510), B16 S1024 causal 293 -> 304 (304), B1 S16384 full 453 -> 491 (533).
+449), full 440 -> 467 (510), B16 S1024 causal 293 -> 304 (304), B1 S16384 full 453 -> 491 (533). Bringing lse and
+delta into dK/dV by TMA (session 17; before, each step loaded them from global memory and moved them into the
+columns' layout through shared memory, five warpgroup barriers per step, now three) made that kernel 4-16% faster
+(B4 H_kv 8 S4096 causal 1.97 -> 1.76 ms, full 3.42 -> 3.06 ms).
 
 Tried and dropped, each beside the kept version in one run: FlashAttention-3's ping-pong between the two forward
 consumers (within +-3%); a static persistent schedule (tile p, p + programs, ...: -15% for MHA, as tiles sharing
@@ -63,8 +69,7 @@ tiles (the next tile's first scores beside this tile's last P V; +1-5% at D=64 c
 elsewhere, more spills at D=128), three consumer warpgroups at D=64 (3-19% slower).
 
 The persistent forward holds a tile's state across its key loop, and ptxas spills some of it (32 bytes full, 316
-causal with Triton 3.6's ptxas; the test bounds it). The causal dK/dV kernel keeps one 4-byte value in local memory
-across its loop (stored before it, loaded after); the dQ kernel does not spill.
+causal with Triton 3.6's ptxas; the test bounds it). The backward kernels do not spill.
 
 Gluon has no CPU interpreter, so these kernels' numerics are tested on the GPU (every forward and backward test in
 tests/test_flash.py runs through them on an H100/H200); on the CPU, tests/test_flash.py compiles them for sm_90
@@ -471,11 +476,11 @@ def forward(q, k, v, out, lse, qk_scale: float, causal: bool, config=None):
 
 
 @gluon.jit
-def _bwd_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready, do_ready,
-                qdo_free, batch, kv_head, start_n, m_start, n_m,
+def _bwd_loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
+                delta_smem, kv_ready, q_ready, do_ready, qdo_free, batch, kv_head, start_n, m_start, n_m, H, M_PAD,
                 GROUP_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-    """One warp: the program's K and V block once, then Q and dO of every (query head of the group, query block)
-    into a ring of STAGES buffers, in the consumers' order."""
+    """One warp: the program's K and V block once, then for every (query head of the group, query block), in the
+    consumers' order, Q with its rows' lse and delta (one barrier) and dO into a ring of STAGES buffers."""
     mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [batch, kv_head, start_n, 0], kv_ready, k_smem)
     tma.async_copy_global_to_shared(v_desc, [batch, kv_head, start_n, 0], kv_ready, v_smem)
@@ -485,8 +490,12 @@ def _bwd_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem
         for m in range(m_start, n_m):
             s = it % STAGES
             mbarrier.wait(qdo_free.index(s), ((it // STAGES) & 1) ^ 1, pred=it >= STAGES)
-            mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes)
+            mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + lse_desc.block_type.nbytes
+                            + delta_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [batch, head, m * BLOCK_M, 0], q_ready.index(s), q_smem.index(s))
+            row = (batch * H + head) * M_PAD + m * BLOCK_M
+            tma.async_copy_global_to_shared(lse_desc, [row], q_ready.index(s), lse_smem.index(s))
+            tma.async_copy_global_to_shared(delta_desc, [row], q_ready.index(s), delta_smem.index(s))
             mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(do_desc, [batch, head, m * BLOCK_M, 0], do_ready.index(s),
                                             do_smem.index(s))
@@ -494,9 +503,8 @@ def _bwd_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem
 
 
 @gluon.jit
-def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready, do_ready, qdo_free,
-                  lse_ptr, delta_ptr, dk_ptr, dv_ptr,
-                  stride_lb, stride_lh, stride_lm, stride_db, stride_dh, stride_dm,
+def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_ready, q_ready, do_ready, qdo_free,
+                  dk_ptr, dv_ptr,
                   stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
                   batch, kv_head, start_n, m_start, n_m, M, N, sm_scale, qk_scale,
                   WG: gl.constexpr, GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -510,7 +518,6 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready, do_ready, 
                                                          instr_shape=[16, D, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     cols: gl.constexpr = gl.SliceLayout(0, st_layout)  # one value per query row of the block
-    vec: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     dtype: gl.constexpr = q_smem.dtype
     k_wg = k_smem.reshape([CONSUMERS * ROWS, D]).slice(WG * ROWS, ROWS)
     v_wg = v_smem.reshape([CONSUMERS * ROWS, D]).slice(WG * ROWS, ROWS)
@@ -530,16 +537,11 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready, do_ready, 
     for t in range(total):
         s = t % STAGES
         phase = (t // STAGES) & 1
-        head = kv_head * GROUP_SIZE + t // nb
         m = m_start + t % nb
-        offs_q = m * BLOCK_M + gl.arange(0, BLOCK_M, layout=vec)
-        lse = gl.load(lse_ptr + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh + offs_q * stride_lm,
-                      mask=offs_q < M, other=float("inf")) * 1.4426950408889634
-        delta = gl.load(delta_ptr + batch.to(gl.int64) * stride_db + head.to(gl.int64) * stride_dh
-                        + offs_q * stride_dm, mask=offs_q < M, other=0.0)
         st = warpgroup_mma_wait(num_outstanding=0, deps=[st])
         q_t = q_smem.index(s).reshape([BLOCK_M, D])
-        pt = gl.exp2(st * qk_scale - gl.convert_layout(lse, cols)[None, :])
+        # The step's lse (log2 units) and delta came with Q (q_ready), read straight in the columns' layout.
+        pt = gl.exp2(st * qk_scale - lse_smem.index(s).load(cols)[None, :])
         if CAUSAL:
             if q_shift + m * BLOCK_M < start_n + CONSUMERS * ROWS - 1:  # the block crosses the diagonal
                 first = kv_pos - q_shift - m * BLOCK_M
@@ -552,7 +554,7 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready, do_ready, 
         # dS^T from the fp32 P^T: its bf16 copy feeds dV only. Taking dS^T from that copy (round trip through bf16)
         # made ptxas convert one score at a time and unpack again: 64 (full) to 110 (causal) more instructions per
         # 64-query step, and a 4-9% slower backward (benchmarks/RESULTS.md, session 16).
-        dst = pt * (dpt - gl.convert_layout(delta, cols)[None, :])
+        dst = pt * (dpt - delta_smem.index(s).load(cols)[None, :])
         dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), q_t, dk, is_async=True)
         # S^T of the next step (past the last one it reads a stale stage; its result is drained, never used).
         s1 = (t + 1) % STAGES
@@ -576,10 +578,9 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready, do_ready, 
 
 @gluon.jit
 def _flash_bwd_dkdv_sm90_kernel(
-    q_desc, do_desc, k_desc, v_desc, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
-    stride_lb, stride_lh, stride_lm, stride_db, stride_dh, stride_dm,
+    q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_ptr, dv_ptr,
     stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
-    M, N, H_KV, bucket, sm_scale, qk_scale,
+    M, M_PAD, N, H_KV, bucket, sm_scale, qk_scale,
     GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr,
     STAGES: gl.constexpr,
 ):
@@ -600,6 +601,9 @@ def _flash_bwd_dkdv_sm90_kernel(
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
+    lse_smem = gl.allocate_shared_memory(lse_desc.dtype, [STAGES] + lse_desc.block_type.shape, lse_desc.layout)
+    delta_smem = gl.allocate_shared_memory(delta_desc.dtype, [STAGES] + delta_desc.block_type.shape,
+                                           delta_desc.layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -612,40 +616,53 @@ def _flash_bwd_dkdv_sm90_kernel(
     fence_async_shared()
 
     gl.warp_specialize([
-        (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready, do_ready, qdo_free,
-                         lse_ptr, delta_ptr, dk_ptr, dv_ptr,
-                         stride_lb, stride_lh, stride_lm, stride_db, stride_dh, stride_dm,
+        (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_ready, q_ready, do_ready,
+                         qdo_free, dk_ptr, dv_ptr,
                          stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
                          batch, kv_head, start_n, m_start, n_m, M, N, sm_scale, qk_scale,
                          gl.constexpr(0), GROUP_SIZE, CAUSAL, BLOCK_M, D, STAGES)),
-        (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready, do_ready, qdo_free,
-                         lse_ptr, delta_ptr, dk_ptr, dv_ptr,
-                         stride_lb, stride_lh, stride_lm, stride_db, stride_dh, stride_dm,
+        (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_ready, q_ready, do_ready,
+                         qdo_free, dk_ptr, dv_ptr,
                          stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
                          batch, kv_head, start_n, m_start, n_m, M, N, sm_scale, qk_scale,
                          gl.constexpr(1), GROUP_SIZE, CAUSAL, BLOCK_M, D, STAGES)),
-        (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, kv_ready, q_ready,
-                       do_ready, qdo_free, batch, kv_head, start_n, m_start, n_m, GROUP_SIZE, BLOCK_M, STAGES)),
+        (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
+                       lse_smem, delta_smem, kv_ready, q_ready, do_ready, qdo_free, batch, kv_head, start_n, m_start,
+                       n_m, H_KV * GROUP_SIZE, M_PAD, GROUP_SIZE, BLOCK_M, STAGES)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
 BWD_BLOCK_M, BWD_STAGES = 64, 2  # query rows per streamed block, ring stages
 
 
-def backward_dkdv(q, k, v, do, lse, delta, dk, dv, sm_scale: float, causal: bool, config=None):
-    """dK and dV into dk (B, H_kv, S_kv, D) and dv; q, k, v, do as `supports` accepted them (and do too), lse and
-    delta (B, H_q, S_q) fp32, delta = rowsum(dO * Out) - dlse as the dQ kernel wrote it."""
+def backward_dkdv(q, k, v, do, lse2, delta, dk, dv, sm_scale: float, causal: bool, config=None):
+    """dK and dV into dk (B, H_kv, S_kv, D) and dv; q, k, v, do as `supports` accepted them (and do too); lse2 (lse
+    in log2 units) and delta = rowsum(dO * Out) - dlse as `backward_dq` wrote them, contiguous (B, H_q,
+    padded_rows(S_q)) fp32."""
     b, h_q, s_q, d = q.shape
     h_kv, s_kv = k.shape[1], k.shape[2]
     block_m, stages = config or (BWD_BLOCK_M, BWD_STAGES)
+    rows = padded_rows(s_q)
+    assert lse2.shape == delta.shape == (b, h_q, rows) and lse2.is_contiguous() and delta.is_contiguous()
     n_kb = triton.cdiv(s_kv, PROGRAM_ROWS)
     _flash_bwd_dkdv_sm90_kernel[(n_kb * h_kv * b,)](
         _descriptor(q, block_m), _descriptor(do, block_m), _descriptor(k, PROGRAM_ROWS), _descriptor(v, PROGRAM_ROWS),
-        lse, delta, dk, dv,
-        *lse.stride(), *delta.stride(), *dk.stride(), *dv.stride(),
-        s_q, s_kv, h_kv, bucket_size(n_kb, h_q // h_kv, causal), sm_scale, sm_scale * LOG2E,
+        _row_descriptor(lse2, block_m), _row_descriptor(delta, block_m), dk, dv, *dk.stride(), *dv.stride(),
+        s_q, rows, s_kv, h_kv, bucket_size(n_kb, h_q // h_kv, causal), sm_scale, sm_scale * LOG2E,
         GROUP_SIZE=h_q // h_kv, CAUSAL=causal, BLOCK_M=block_m, D=d, STAGES=stages, num_warps=4,
     )
+
+
+def padded_rows(s_q: int) -> int:
+    """Rows per (batch, head) of the lse2/delta buffers the dK/dV kernel reads: S_q rounded up to whole dQ programs,
+    every row written by `backward_dq` (rows past S_q hold 0), so a query block's rows are one in-bounds TMA copy."""
+    return triton.cdiv(s_q, PROGRAM_ROWS) * PROGRAM_ROWS
+
+
+def _row_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
+    """Over a contiguous fp32 (B, H, padded rows) buffer seen flat: `rows` consecutive values per copy."""
+    block = [rows]
+    return TensorDescriptor.from_tensor(t.view(-1), block, gl.NVMMASharedLayout.get_default_for(block, gl.float32))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -670,12 +687,12 @@ def _dq_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
 
 @gluon.jit
 def _dq_consumer(q_smem, do_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free,
-                 out_ptr, lse_ptr, dlse_ptr, delta_ptr, dq_ptr,
+                 out_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr, dq_ptr,
                  stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
                  stride_gb, stride_gh, stride_gm, stride_qb, stride_qh, stride_qm, stride_qd,
-                 batch, head, H, start_m, M, N, n_blocks, n_unmasked, sm_scale, qk_scale,
-                 WG: gl.constexpr, CAUSAL: gl.constexpr, HAS_DLSE: gl.constexpr, BLOCK_N: gl.constexpr,
-                 D: gl.constexpr, STAGES: gl.constexpr):
+                 batch, head, H, start_m, M, M_ROWS, N, n_blocks, n_unmasked, sm_scale, qk_scale,
+                 WG: gl.constexpr, CAUSAL: gl.constexpr, HAS_DLSE: gl.constexpr, WRITE_LSE2: gl.constexpr,
+                 BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
     """One warpgroup, query rows [start_m + WG*64, +64): first delta = rowsum(dO * Out) - dlse (stored for the
     dK/dV kernel), then per key block S = Q K^T and dP = dO V^T issued together, P = exp2(S - lse),
     dS = P (dP - delta), dQ += dS K."""
@@ -694,7 +711,9 @@ def _dq_consumer(q_smem, do_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_
     b64 = batch.to(gl.int64)
     h64 = head.to(gl.int64)
 
-    # delta = rowsum(dO * Out) - dlse for the 64 rows, written for the dK/dV kernel (contiguous (B, H, M)).
+    # delta = rowsum(dO * Out) - dlse for the 64 rows, written for the dK/dV kernel into a contiguous (B, H, M_ROWS)
+    # buffer (rows past M hold 0: dO's rows there are TMA's zero fill), and with WRITE_LSE2 the rows' lse in log2
+    # units beside it (0 past M).
     offs_mb = start_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, blk))
     offs_db = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
     rows_ok = offs_mb < M
@@ -704,11 +723,13 @@ def _dq_consumer(q_smem, do_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_
     delta = gl.sum(o.to(gl.float32) * do.load(blk).to(gl.float32), axis=1)
     if HAS_DLSE:
         delta -= gl.load(dlse_ptr + b64 * stride_gb + h64 * stride_gh + offs_mb * stride_gm, mask=rows_ok, other=0.0)
-    gl.store(delta_ptr + (b64 * H + h64) * M + offs_mb, delta, mask=rows_ok)
+    gl.store(delta_ptr + (b64 * H + h64) * M_ROWS + offs_mb, delta, mask=offs_mb < M_ROWS)
     delta = gl.convert_layout(delta, rows_s)
     offs_ms = start_m + gl.arange(0, ROWS, layout=rows_s)
     lse = gl.load(lse_ptr + b64 * stride_lb + h64 * stride_lh + offs_ms * stride_lm, mask=offs_ms < M,
                   other=0.0) * 1.4426950408889634
+    if WRITE_LSE2:
+        gl.store(lse2_ptr + (b64 * H + h64) * M_ROWS + offs_ms, lse, mask=offs_ms < M_ROWS)
 
     dq = gl.zeros([ROWS, D], gl.float32, acc_layout)
     s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
@@ -740,12 +761,12 @@ def _dq_consumer(q_smem, do_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_
 
 @gluon.jit
 def _flash_bwd_dq_sm90_kernel(
-    q_desc, do_desc, k_desc, v_desc, out_ptr, lse_ptr, dlse_ptr, delta_ptr, dq_ptr,
+    q_desc, do_desc, k_desc, v_desc, out_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr, dq_ptr,
     stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
     stride_gb, stride_gh, stride_gm, stride_qb, stride_qh, stride_qm, stride_qd,
-    M, N, H, bucket, sm_scale, qk_scale,
-    GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, HAS_DLSE: gl.constexpr, BLOCK_N: gl.constexpr,
-    D: gl.constexpr, STAGES: gl.constexpr,
+    M, M_ROWS, N, H, bucket, sm_scale, qk_scale,
+    GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, HAS_DLSE: gl.constexpr, WRITE_LSE2: gl.constexpr,
+    BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
 ):
     """One program per (128 query rows, query head, batch), in `schedule.ranked` order (causal: the last query
     blocks, which read the most keys, are the heaviest)."""
@@ -777,17 +798,17 @@ def _flash_bwd_dq_sm90_kernel(
     fence_async_shared()
     gl.warp_specialize([
         (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free,
-                        out_ptr, lse_ptr, dlse_ptr, delta_ptr, dq_ptr,
+                        out_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr, dq_ptr,
                         stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
                         stride_gb, stride_gh, stride_gm, stride_qb, stride_qh, stride_qm, stride_qd,
-                        batch, head, H, start_m, M, N, n_blocks, n_unmasked, sm_scale, qk_scale,
-                        gl.constexpr(0), CAUSAL, HAS_DLSE, BLOCK_N, D, STAGES)),
+                        batch, head, H, start_m, M, M_ROWS, N, n_blocks, n_unmasked, sm_scale, qk_scale,
+                        gl.constexpr(0), CAUSAL, HAS_DLSE, WRITE_LSE2, BLOCK_N, D, STAGES)),
         (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_free,
-                        out_ptr, lse_ptr, dlse_ptr, delta_ptr, dq_ptr,
+                        out_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr, dq_ptr,
                         stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
                         stride_gb, stride_gh, stride_gm, stride_qb, stride_qh, stride_qm, stride_qd,
-                        batch, head, H, start_m, M, N, n_blocks, n_unmasked, sm_scale, qk_scale,
-                        gl.constexpr(1), CAUSAL, HAS_DLSE, BLOCK_N, D, STAGES)),
+                        batch, head, H, start_m, M, M_ROWS, N, n_blocks, n_unmasked, sm_scale, qk_scale,
+                        gl.constexpr(1), CAUSAL, HAS_DLSE, WRITE_LSE2, BLOCK_N, D, STAGES)),
         (_dq_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_ready, k_ready, v_ready,
                       kv_free, batch, head, kv_head, start_m, n_blocks, BLOCK_N, STAGES)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
@@ -796,19 +817,23 @@ def _flash_bwd_dq_sm90_kernel(
 DQ_BLOCK_N, DQ_STAGES = 64, 2  # keys per streamed block, ring stages (no register spills; 128-key blocks spill)
 
 
-def backward_dq(q, k, v, out, do, lse, dlse, delta, dq, sm_scale: float, causal: bool):
-    """dQ into dq (B, H_q, S_q, D, any strides) and delta = rowsum(dO * Out) - dlse into delta (B, H_q, S_q) fp32,
-    contiguous; q, k, v, do as `supports_backward` accepted them, dlse None or (B, H_q, S_q) fp32."""
-    assert delta.is_contiguous()
+def backward_dq(q, k, v, out, do, lse, dlse, delta, dq, sm_scale: float, causal: bool, lse2=None):
+    """dQ into dq (B, H_q, S_q, D, any strides) and delta = rowsum(dO * Out) - dlse into delta, a contiguous fp32
+    (B, H_q, R) with R = S_q, or R = padded_rows(S_q) for `backward_dkdv`, which also takes lse2 (the lse in log2
+    units, written here, same shape). q, k, v, do as `supports_backward` accepted them, dlse None or
+    (B, H_q, S_q) fp32."""
     b, h_q, s_q, d = q.shape
     h_kv, s_kv = k.shape[1], k.shape[2]
+    rows = delta.shape[-1]
+    assert delta.is_contiguous() and delta.shape == (b, h_q, rows) and rows in (s_q, padded_rows(s_q))
+    assert lse2 is None or (lse2.is_contiguous() and lse2.shape == delta.shape)
     dlse_arg = dlse if dlse is not None else lse
     n_m = triton.cdiv(s_q, PROGRAM_ROWS)
     _flash_bwd_dq_sm90_kernel[(n_m * h_q * b,)](
         _descriptor(q, ROWS_PER_CONSUMER), _descriptor(do, ROWS_PER_CONSUMER), _descriptor(k, DQ_BLOCK_N),
-        _descriptor(v, DQ_BLOCK_N), out, lse, dlse_arg, delta, dq,
+        _descriptor(v, DQ_BLOCK_N), out, lse, dlse_arg, delta, lse2 if lse2 is not None else delta, dq,
         *out.stride(), *lse.stride(), *dlse_arg.stride(), *dq.stride(),
-        s_q, s_kv, h_q, bucket_size(n_m, h_q // h_kv, causal), sm_scale, sm_scale * LOG2E,
-        GROUP_SIZE=h_q // h_kv, CAUSAL=causal, HAS_DLSE=dlse is not None, BLOCK_N=DQ_BLOCK_N, D=d,
-        STAGES=DQ_STAGES, num_warps=4,
+        s_q, rows, s_kv, h_q, bucket_size(n_m, h_q // h_kv, causal), sm_scale, sm_scale * LOG2E,
+        GROUP_SIZE=h_q // h_kv, CAUSAL=causal, HAS_DLSE=dlse is not None, WRITE_LSE2=lse2 is not None,
+        BLOCK_N=DQ_BLOCK_N, D=d, STAGES=DQ_STAGES, num_warps=4,
     )
