@@ -827,7 +827,7 @@ def _backward(q, k, v, out, lse, do, scale: float | None, causal: bool, dlse=Non
             num_stages=stages,
         )
 
-    # Hopper, fp16/bf16, D = 128 (ZOO_FLASH_SM90_BWD, see flash_sm90.backward_mode): dQ and delta in the Gluon
+    # Hopper, fp16/bf16, D = 64 or 128 (ZOO_FLASH_SM90_BWD, see flash_sm90.backward_mode): dQ and delta in the Gluon
     # kernel; dK/dV too when its programs (128 keys each) fill the GPU, else the Triton kernel, which can split a KV
     # group's heads over programs ("force": the Gluon kernel regardless).
     mode = flash_sm90.backward_mode() if flash_sm90 is not None and head_splits is None else "0"

@@ -2,8 +2,8 @@
 
 Same math, inputs and outputs as the Triton kernels in kernels/flash.py, which launches these instead on an sm_90
 GPU for fp16/bf16 with TMA-compatible strides: the forward for D_qk == D_v = 128 and 64 (causal from MIN_KEYS keys up);
-the backward (dQ and dK/dV) for D = 128. The portable Triton kernels run everywhere else (other GPUs and head
-dims, MLA's 192/128, fp32, the CPU interpreter, other Triton releases).
+the backward (dQ and dK/dV) for D = 128 and 64. The portable Triton kernels run everywhere else (other GPUs and
+head dims, MLA's 192/128, fp32, the CPU interpreter, other Triton releases).
 
 Why a second set of kernels: the Triton-language forward stops at 440-490 TFLOP/s at D=128 on an H200, while SDPA
 runs at 530-690. Its warps issue their own loads and all run the same phase of the loop at the same time, so the
@@ -69,7 +69,8 @@ tiles (the next tile's first scores beside this tile's last P V; +1-5% at D=64 c
 elsewhere, more spills at D=128), three consumer warpgroups at D=64 (3-19% slower).
 
 The persistent forward holds a tile's state across its key loop, and ptxas spills some of it (32 bytes full, 316
-causal with Triton 3.6's ptxas; the test bounds it). The backward kernels do not spill.
+causal with Triton 3.6's ptxas; the test bounds it). The backward kernels do not spill, except the causal dK/dV
+kernel at D=64 (188 bytes, inside its loop; it is faster than the Triton kernel all the same).
 
 Gluon has no CPU interpreter, so these kernels' numerics are tested on the GPU (every forward and backward test in
 tests/test_flash.py runs through them on an H100/H200); on the CPU, tests/test_flash.py compiles them for sm_90
@@ -411,7 +412,15 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) ->
             and k.shape[2] >= MIN_KEYS.get((q.shape[-1], causal), 0))
 
 
-BACKWARD_HEAD_DIMS = (128,)  # the backward kernels were tuned and measured at D = 128 only
+# dK/dV per head dim: (BLOCK_M, STAGES), query rows per streamed step and ring stages. H200 (session 17, beside the
+# Triton backward in one run): at D=64, 128-query steps read 1.02-1.10x the Triton kernels on the grid's ten shapes
+# and 64-query steps 0.99-1.07x; at D=128, 128-query steps would not fit the registers (S^T, dP^T, dK and dV
+# accumulators: 256 per thread).
+BWD_CONFIGS = {
+    64: (128, 2),
+    128: (64, 2),
+}
+BACKWARD_HEAD_DIMS = tuple(BWD_CONFIGS)
 
 
 def backward_mode() -> str:
@@ -632,16 +641,13 @@ def _flash_bwd_dkdv_sm90_kernel(
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
-BWD_BLOCK_M, BWD_STAGES = 64, 2  # query rows per streamed block, ring stages
-
-
 def backward_dkdv(q, k, v, do, lse2, delta, dk, dv, sm_scale: float, causal: bool, config=None):
     """dK and dV into dk (B, H_kv, S_kv, D) and dv; q, k, v, do as `supports` accepted them (and do too); lse2 (lse
     in log2 units) and delta = rowsum(dO * Out) - dlse as `backward_dq` wrote them, contiguous (B, H_q,
     padded_rows(S_q)) fp32."""
     b, h_q, s_q, d = q.shape
     h_kv, s_kv = k.shape[1], k.shape[2]
-    block_m, stages = config or (BWD_BLOCK_M, BWD_STAGES)
+    block_m, stages = config or BWD_CONFIGS[d]
     rows = padded_rows(s_q)
     assert lse2.shape == delta.shape == (b, h_q, rows) and lse2.is_contiguous() and delta.is_contiguous()
     n_kb = triton.cdiv(s_kv, PROGRAM_ROWS)

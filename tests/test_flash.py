@@ -356,8 +356,8 @@ def _compile_sm90(d, causal, which):
                      dq_ptr="*bf16", sm_scale="fp32", qk_scale="fp32")
         kernel = "_flash_bwd_dq_sm90_kernel"
     else:
-        block_m, block_n = flash_sm90.BWD_BLOCK_M, flash_sm90.PROGRAM_ROWS
-        const = dict(GROUP_SIZE=4, CAUSAL=causal, BLOCK_M=block_m, D=d, STAGES=flash_sm90.BWD_STAGES)
+        (block_m, stages), block_n = flash_sm90.BWD_CONFIGS[d], flash_sm90.PROGRAM_ROWS
+        const = dict(GROUP_SIZE=4, CAUSAL=causal, BLOCK_M=block_m, D=d, STAGES=stages)
         rows = dict(block=[block_m], dtype="float32")
         types = dict(q_desc=desc(block_m), do_desc=desc(block_m), k_desc=desc(block_n), v_desc=desc(block_n),
                      lse_desc=rows, delta_desc=rows, dk_ptr="*bf16", dv_ptr="*bf16", sm_scale="fp32",
@@ -393,22 +393,33 @@ def test_sm90_kernel_structure(d, causal):
 
 @pytest.mark.parametrize("which", ["dq", "dkdv"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_sm90_backward_kernel_structure(causal, which):
+@pytest.mark.parametrize("d", [64, 128])
+def test_sm90_backward_kernel_structure(d, causal, which):
     """The Hopper dQ and dK/dV kernels compiled for sm_90 on any machine: a loader warp and two consumer
-    warpgroups (setmaxnreg 24 / 240), TMA loads, within the 227 KB of shared memory, no register spills, and ptxas
-    does not serialize their wgmma (it does, with a warning, when a product's registers are read before the wait
-    that covers it: dK/dV must issue dP^T before dV so that waiting for all but the newest group covers dP^T)."""
-    result = _compile_sm90(128, causal, which)
+    warpgroups (setmaxnreg 24 / 240), TMA loads, within the 227 KB of shared memory, no register spills but one
+    measured exception, and ptxas does not serialize their wgmma (it does, with a warning, when a product's
+    registers are read before the wait that covers it: dK/dV must issue dP^T before dV so that waiting for all but
+    the newest group covers dP^T). The exception: the causal dK/dV kernel at D=64, whose 128-query steps hold a
+    64 x 128 S^T and dP^T per warpgroup, spills 188 bytes (its loop reads and writes local memory); it measured
+    1.02-1.06x the Triton backward on the grid's causal shapes all the same, and 64-query steps, which do not
+    spill, 0.99-1.03x (benchmarks/RESULTS.md, session 17). The bound catches growth."""
+    from kernels import flash_sm90
+
+    assert d in flash_sm90.BACKWARD_HEAD_DIMS
+    result = _compile_sm90(d, causal, which)
     regs = setmaxnreg_counts(result["ptx"])
     assert {"24", "240"} <= regs, f"warp roles' register counts {sorted(regs)}"
     assert "cp.async.bulk.tensor" in result["ptx"] and "wgmma.mma_async" in result["ptx"]
     assert result["shared"] <= 232448, f"{result['shared']} bytes of shared memory"
     assert "serialized" not in result["ptxas"], result["ptxas"]
     spills = spill_bytes(result["ptxas"])
-    assert spills and all(a == 0 and b == 0 for a, b in spills), result["ptxas"]
+    bound = 192 if (d, causal, which) == (64, True, "dkdv") else 0
+    assert spills and all(a <= bound and b <= bound for a, b in spills), result["ptxas"]
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c[5] == c[6] == 128] + [(1, 2, 2, 200, 200, 128, 128, True)],
+@pytest.mark.parametrize("case", [c for c in CASES if c[5] == c[6] in (64, 128)]
+                         + [(1, 2, 2, 200, 200, 128, 128, True), (1, 4, 2, 200, 520, 64, 64, True),
+                            (1, 2, 1, 130, 600, 64, 64, False), (1, 8, 1, 130, 130, 64, 64, True)],
                          ids=case_id)
 def test_sm90_backward(case, monkeypatch):
     """dQ and dK/dV through the Hopper kernels wherever they can run (ZOO_FLASH_SM90_BWD=force: on an H100/H200 in
