@@ -12,10 +12,10 @@ keys at positions <= its own (a cached prefix of S_kv - S_q tokens is visible to
 Structure (FlashAttention-2, Dao 2023; Triton's fused-attention tutorial):
 - on Hopper (sm_90, fp16/bf16): separate warp-specialized kernels written in Gluon (kernels/flash_sm90.py: a TMA
   loader warp and two consumer warpgroups, FlashAttention-3's structure) run the forward at D = 128 (and at
-  D = 64: full attention at every length, causal from 2048 keys) and the backward at D = 128. On an H200 they take
-  the forward from 331-522 to 421-646 TFLOP/s and the backward from 240-428 to 304-458 at D = 128
-  (benchmarks/RESULTS.md, session 15's grid). Everything below describes the portable kernels, which run
-  everywhere else.
+  D = 64: full attention at every length, causal from 2048 keys) and the backward at D = 128 and 64. On an H200
+  they take the forward from 327-515 to 405-627 TFLOP/s at D = 128 and the backward from 242-422 to 326-520 at
+  D = 128 and from 240-380 to 259-413 at D = 64 (benchmarks/RESULTS.md, session 17's grid). Everything below
+  describes the portable kernels, which run everywhere else.
 - forward: one program per (query block, query head, batch) streams K/V blocks with an online softmax in the
   log2 domain (exp2 with log2(e) folded into the scale). The KV loop is split in two: blocks every query of the
   program sees entirely run without any mask; only the blocks on the causal diagonal or past the end of the
