@@ -453,7 +453,7 @@ def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     """A TMA descriptor over t with its own strides, one `block` tile per copy, zero-filled outside the tensor
     (so a tile never reads the next head's or sequence's rows), in the NVMMA layout wgmma reads."""
-    dtype = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[t.dtype]
     return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, dtype))
 
 
@@ -653,7 +653,7 @@ def backward_dkdv(q, k, v, do, lse2, delta, dk, dv, sm_scale: float, causal: boo
     n_kb = triton.cdiv(s_kv, PROGRAM_ROWS)
     _flash_bwd_dkdv_sm90_kernel[(n_kb * h_kv * b,)](
         _descriptor(q, block_m), _descriptor(do, block_m), _descriptor(k, PROGRAM_ROWS), _descriptor(v, PROGRAM_ROWS),
-        _row_descriptor(lse2, block_m), _row_descriptor(delta, block_m), dk, dv, *dk.stride(), *dv.stride(),
+        descriptor(lse2.view(-1), [block_m]), descriptor(delta.view(-1), [block_m]), dk, dv, *dk.stride(), *dv.stride(),
         s_q, rows, s_kv, h_kv, bucket_size(n_kb, h_q // h_kv, causal), sm_scale, sm_scale * LOG2E,
         GROUP_SIZE=h_q // h_kv, CAUSAL=causal, BLOCK_M=block_m, D=d, STAGES=stages, num_warps=4,
     )
@@ -663,12 +663,6 @@ def padded_rows(s_q: int) -> int:
     """Rows per (batch, head) of the lse2/delta buffers the dK/dV kernel reads: S_q rounded up to whole dQ programs,
     every row written by `backward_dq` (rows past S_q hold 0), so a query block's rows are one in-bounds TMA copy."""
     return triton.cdiv(s_q, PROGRAM_ROWS) * PROGRAM_ROWS
-
-
-def _row_descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
-    """Over a contiguous fp32 (B, H, padded rows) buffer seen flat: `rows` consecutive values per copy."""
-    block = [rows]
-    return TensorDescriptor.from_tensor(t.view(-1), block, gl.NVMMASharedLayout.get_default_for(block, gl.float32))
 
 
 # --------------------------------------------------------------------------------------------------------------
