@@ -28,6 +28,13 @@ Forward (`forward`):
   consumer's products are on the tensor cores. Keeping the wait in place (the softmax in a basic block of its
   own) made the overlap real in the SASS and measured -3% to +1.3% (session 15, benchmarks/RESULTS.md): the
   two warpgroups already keep the tensor cores busy.
+- the output leaves through shared memory: each consumer writes its 64 rows into a buffer and one thread hands it
+  to a TMA store, which runs while the consumer goes on (and clips the rows past S_q). At D=64 the buffers are
+  their own; at D=128 the Q and K/V buffers fill the shared memory, so the output goes through the consumer's Q
+  buffer, which the loader refills for the next tile once the store has read it, and the loader requests that
+  tile's first key blocks before its Q. Before, the consumers stored the output from registers (4-byte stores,
+  and ptxas spilled 32-316 bytes of the tile state around them): against that, the TMA store measured 1.00-1.09x
+  at D=128 and 0.995-1.07x at D=64 on the grid's shapes, most where tiles are short (session 18).
 - causal masking: blocks wholly above the diagonal are never loaded; only blocks on the diagonal or past the
   sequence end are masked (a runtime branch per block), with one compare per score against a per-row limit.
 - launch order (forward tiles and both backward grids): kernels/schedule.py, causal blocks heaviest first in
@@ -68,9 +75,8 @@ the row sums of P on the tensor cores (a second wgmma against a block of ones; 1
 tiles (the next tile's first scores beside this tile's last P V; +1-5% at D=64 causal, -2% to +4%
 elsewhere, more spills at D=128), three consumer warpgroups at D=64 (3-19% slower).
 
-The persistent forward holds a tile's state across its key loop, and ptxas spills some of it (32 bytes full, 316
-causal with Triton 3.6's ptxas; the test bounds it). The backward kernels do not spill, except the causal dK/dV
-kernel at D=64 (188 bytes, inside its loop; it is faster than the Triton kernel all the same).
+No kernel spills registers, except the causal dK/dV kernel at D=64 (188 bytes, inside its loop; it is faster than
+the Triton kernel all the same).
 
 Gluon has no CPU interpreter, so these kernels' numerics are tested on the GPU (every forward and backward test in
 tests/test_flash.py runs through them on an H100/H200); on the CPU, tests/test_flash.py compiles them for sm_90
@@ -97,6 +103,7 @@ from kernels import _checks
 from kernels.decode import LOG2E, num_sms
 from kernels.schedule import bucket_size, ranked
 
+SMEM_PER_PROGRAM = 227 * 1024  # Hopper: the most shared memory one program may take
 ROWS_PER_CONSUMER = 64  # query rows per consumer warpgroup: the M of one wgmma
 ROWS = gl.constexpr(ROWS_PER_CONSUMER)
 CONSUMERS = gl.constexpr(2)  # consumer warpgroups per program
@@ -186,10 +193,12 @@ def _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, g, batch
 def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, kv_free,
             tile_smem, tile_ready, tile_free, counter_ptr,
             n_tiles, n_m, bucket, H, M, N, GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
-            STAGES: gl.constexpr):
+            STAGES: gl.constexpr, O_IN_Q: gl.constexpr):
     """One warp: for each tile, each consumer's Q rows, then K and V of every key block into the ring. Key block
     number g (counted over all of the program's tiles) goes into stage g % STAGES once every consumer has released
-    block g - STAGES on kv_free; a tile's Q waits until the consumers are done with the previous tile's."""
+    block g - STAGES on kv_free; a tile's Q waits until the consumers are done with the previous tile's (O_IN_Q:
+    until its output has left the Q buffer, so the tile's first STAGES key blocks are requested before its Q; they
+    only wait for the previous tile's blocks, which the consumers release before their output)."""
     g = 0
     tc = 0
     t = gl.program_id(0)
@@ -197,12 +206,19 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_r
         _publish(tile_smem, tile_ready, tile_free, tc, t)
         batch, head, start_m, n_blocks, n_unmasked = _tile(t, n_tiles, n_m, bucket, H, M, N, CAUSAL, BLOCK_N)
         kv_head = head // GROUP_SIZE
+        first = 0
+        if O_IN_Q:
+            first = gl.minimum(n_blocks, STAGES)
+            for j in range(first):
+                _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, g, batch, kv_head, j * BLOCK_N,
+                         STAGES)
+                g += 1
         for c in gl.static_range(CONSUMERS):
             mbarrier.wait(q_free.index(c), (tc & 1) ^ 1, pred=tc > 0)
             mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [batch, head, start_m + c * ROWS, 0], q_ready.index(c),
                                             q_smem.index(c))
-        for j in range(n_blocks):
+        for j in range(first, n_blocks):
             _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, g, batch, kv_head, j * BLOCK_N,
                      STAGES)
             g += 1
@@ -261,14 +277,13 @@ def _step(q, k_smem, v_smem, k_ready, v_ready, kv_free, p, p_op, acc, m_i, l_i, 
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, kv_free, tile_smem, tile_ready, tile_free,
-              out_ptr, lse_ptr,
-              stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
-              n_tiles, n_m, bucket, H, M, N, qk_scale,
+def _consumer(q_smem, k_smem, v_smem, o_smem, q_ready, q_free, k_ready, v_ready, kv_free, tile_smem, tile_ready,
+              tile_free, o_desc, lse_ptr, stride_lb, stride_lh, stride_lm, n_tiles, n_m, bucket, H, M, N, qk_scale,
               WG: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-              STAGES: gl.constexpr):
+              STAGES: gl.constexpr, O_IN_Q: gl.constexpr):
     """One warpgroup: for each tile, the online softmax over its key blocks for query rows
-    [start_m + WG*64, +64), then its rows of out and lse."""
+    [start_m + WG*64, +64), then its rows of lse, and of out through shared memory (o_smem, or with O_IN_Q its
+    own Q buffer, which the tile no longer reads) and a TMA store, which clips the rows past M."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -307,7 +322,8 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, kv_free
                                            g + j, j, n_unmasked, start_m, q_shift, N, qk_scale, CAUSAL,
                                            BLOCK_N, D, STAGES, s_layout, o_layout, p_layout)
 
-        mbarrier.arrive(q_free.index(WG), count=1)  # every Q K^T of the tile has completed
+        if not O_IN_Q:
+            mbarrier.arrive(q_free.index(WG), count=1)  # every Q K^T of the tile has completed
         last = (g + n_blocks - 1) % STAGES
         mbarrier.wait(v_ready.index(last), ((g + n_blocks - 1) // STAGES) & 1)
         acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, D]), acc, is_async=True)
@@ -320,24 +336,27 @@ def _consumer(q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, kv_free
         # zero-filled by TMA) are finite too and never stored. The loader is already streaming the next tile.
         out = acc / gl.convert_layout(l_i, row_o)[:, None]
         lse = (m_i + gl.log2(l_i)) * 0.6931471805599453  # natural log
-        offs_m = start_m + gl.arange(0, ROWS, layout=row_o)
-        offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-        o_ptrs = out_ptr + batch.to(gl.int64) * stride_ob + head.to(gl.int64) * stride_oh \
-            + offs_m[:, None] * stride_om + offs_d[None, :] * stride_od
-        gl.store(o_ptrs, out.to(dtype), mask=(offs_m < M)[:, None])
+        if not O_IN_Q:
+            tma.store_wait(0)  # the previous tile's output has been read out of o_smem
+        o_smem.index(WG).reshape([ROWS, D]).store(out.to(dtype))
+        fence_async_shared()
+        tma.async_copy_shared_to_global(o_desc, [batch, head, start_m, 0], o_smem.index(WG))
+        if O_IN_Q:
+            tma.store_wait(0)
+            mbarrier.arrive(q_free.index(WG), count=1)  # the loader may now bring the next tile's Q
         offs_l = start_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
         l_ptrs = lse_ptr + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh + offs_l * stride_lm
         gl.store(l_ptrs, lse, mask=offs_l < M)
         t = _receive(tile_smem, tile_ready, tile_free, tc)
+    tma.store_wait(0)
 
 
 @gluon.jit
 def _flash_fwd_sm90_kernel(
-    q_desc, k_desc, v_desc, out_ptr, lse_ptr, counter_ptr,
-    stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
+    q_desc, k_desc, v_desc, o_desc, lse_ptr, counter_ptr, stride_lb, stride_lh, stride_lm,
     n_tiles, n_m, bucket, H, M, N, qk_scale,
     GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-    STAGES: gl.constexpr,
+    STAGES: gl.constexpr, O_IN_Q: gl.constexpr,
 ):
     """Persistent: one program per SM (or per tile, when fewer). Program p starts with tile p; its loader then takes
     the next tile nobody has taken from a global counter (an atomic add), so programs that drew light causal tiles
@@ -351,6 +370,10 @@ def _flash_fwd_sm90_kernel(
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     kv_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    if O_IN_Q:
+        o_smem = q_smem
+    else:
+        o_smem = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS] + o_desc.block_type.shape, o_desc.layout)
     tile_smem = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
     tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     tile_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -369,17 +392,15 @@ def _flash_fwd_sm90_kernel(
     # The default partition (this program's own four warps) is consumer 0; the others are worker partitions.
     # Worker arguments cannot be constexprs computed here, so every value is passed explicitly.
     gl.warp_specialize([
-        (_consumer, (q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, kv_free, tile_smem, tile_ready,
-                     tile_free, out_ptr, lse_ptr,
-                     stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
-                     n_tiles, n_m, bucket, H, M, N, qk_scale, gl.constexpr(0), CAUSAL, BLOCK_N, D, STAGES)),
-        (_consumer, (q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, kv_free, tile_smem, tile_ready,
-                     tile_free, out_ptr, lse_ptr,
-                     stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
-                     n_tiles, n_m, bucket, H, M, N, qk_scale, gl.constexpr(1), CAUSAL, BLOCK_N, D, STAGES)),
+        (_consumer, (q_smem, k_smem, v_smem, o_smem, q_ready, q_free, k_ready, v_ready, kv_free, tile_smem,
+                     tile_ready, tile_free, o_desc, lse_ptr, stride_lb, stride_lh, stride_lm,
+                     n_tiles, n_m, bucket, H, M, N, qk_scale, gl.constexpr(0), CAUSAL, BLOCK_N, D, STAGES, O_IN_Q)),
+        (_consumer, (q_smem, k_smem, v_smem, o_smem, q_ready, q_free, k_ready, v_ready, kv_free, tile_smem,
+                     tile_ready, tile_free, o_desc, lse_ptr, stride_lb, stride_lh, stride_lm,
+                     n_tiles, n_m, bucket, H, M, N, qk_scale, gl.constexpr(1), CAUSAL, BLOCK_N, D, STAGES, O_IN_Q)),
         (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, kv_free,
                    tile_smem, tile_ready, tile_free, counter_ptr, n_tiles, n_m, bucket, H, M, N, GROUP_SIZE, CAUSAL,
-                   BLOCK_N, STAGES)),
+                   BLOCK_N, STAGES, O_IN_Q)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -462,9 +483,22 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     return descriptor(t, [1, 1, rows, t.shape[-1]])
 
 
+def output_in_q(d: int, block_n: int, stages: int, itemsize: int = 2) -> bool:
+    """Does the forward stage each tile's output in its Q buffers? When separate output buffers would not fit the
+    program's shared memory beside Q and the K/V ring (D=128: 32 + 192 KB, and 32 more would exceed 227 KB)."""
+    q_or_o = PROGRAM_ROWS * d * itemsize
+    return 2 * q_or_o + stages * 2 * block_n * d * itemsize > SMEM_PER_PROGRAM
+
+
 def forward(q, k, v, out, lse, qk_scale: float, causal: bool, config=None):
-    """Launch on inputs `supports` accepted; out (B, H_q, S_q, D) and lse (B, H_q, S_q) fp32 any strides.
-    qk_scale is the softmax scale times log2(e). `config` overrides CONFIGS (benchmarks)."""
+    """Launch on inputs `supports` accepted; out (B, H_q, S_q, D) and lse (B, H_q, S_q) fp32 any strides (an out
+    TMA cannot write is filled from a contiguous one). qk_scale is the softmax scale times log2(e). `config`
+    overrides CONFIGS (benchmarks)."""
+    if not _checks.tma_readable(out):
+        staged = torch.empty(out.shape, device=out.device, dtype=out.dtype)
+        forward(q, k, v, staged, lse, qk_scale, causal, config)
+        out.copy_(staged)
+        return
     b, h_q, s_q, d = q.shape
     h_kv, s_kv = k.shape[1], k.shape[2]
     block_n, stages = config or CONFIGS[d]
@@ -473,9 +507,11 @@ def forward(q, k, v, out, lse, qk_scale: float, causal: bool, config=None):
     counter = torch.zeros(1, dtype=torch.int32, device=q.device)  # tiles taken past the first wave
     grid = (min(n_tiles, num_sms(q.device)),)
     _flash_fwd_sm90_kernel[grid](
-        _descriptor(q, ROWS_PER_CONSUMER), _descriptor(k, block_n), _descriptor(v, block_n), out, lse, counter,
-        *out.stride(), *lse.stride(), n_tiles, n_m, bucket_size(n_m, h_q // h_kv, causal), h_q, s_q, s_kv, qk_scale,
-        GROUP_SIZE=h_q // h_kv, CAUSAL=causal, BLOCK_N=block_n, D=d, STAGES=stages, num_warps=4,
+        _descriptor(q, ROWS_PER_CONSUMER), _descriptor(k, block_n), _descriptor(v, block_n),
+        _descriptor(out, ROWS_PER_CONSUMER), lse, counter, *lse.stride(), n_tiles, n_m,
+        bucket_size(n_m, h_q // h_kv, causal), h_q, s_q, s_kv, qk_scale,
+        GROUP_SIZE=h_q // h_kv, CAUSAL=causal, BLOCK_N=block_n, D=d, STAGES=stages,
+        O_IN_Q=output_in_q(d, block_n, stages, q.element_size()), num_warps=4,
     )
 
 
@@ -814,10 +850,13 @@ def _flash_bwd_dq_sm90_kernel(
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
-DQ_BLOCK_N, DQ_STAGES = 64, 2  # keys per streamed block, ring stages (no register spills; 128-key blocks spill)
+# Per head dim: (BLOCK_N, STAGES) of the dQ kernel, keys per streamed block and ring stages. No register spills;
+# 128-key blocks spill at D=128, and at D=64 they made the whole backward 1.02-1.04x faster than 64-key blocks on
+# the grid's ten D=64 shapes (H200, session 18, benchmarks/RESULTS.md).
+DQ_CONFIGS = {64: (128, 2), 128: (64, 2)}
 
 
-def backward_dq(q, k, v, out, do, lse, dlse, delta, dq, sm_scale: float, causal: bool, lse2=None):
+def backward_dq(q, k, v, out, do, lse, dlse, delta, dq, sm_scale: float, causal: bool, lse2=None, config=None):
     """dQ into dq (B, H_q, S_q, D, any strides) and delta = rowsum(dO * Out) - dlse into delta, a contiguous fp32
     (B, H_q, R) with R = S_q, or R = padded_rows(S_q) for `backward_dkdv`, which also takes lse2 (the lse in log2
     units, written here, same shape). q, k, v, do as `supports_backward` accepted them, dlse None or
@@ -828,12 +867,13 @@ def backward_dq(q, k, v, out, do, lse, dlse, delta, dq, sm_scale: float, causal:
     assert delta.is_contiguous() and delta.shape == (b, h_q, rows) and rows in (s_q, padded_rows(s_q))
     assert lse2 is None or (lse2.is_contiguous() and lse2.shape == delta.shape)
     dlse_arg = dlse if dlse is not None else lse
+    block_n, stages = config or DQ_CONFIGS[d]
     n_m = triton.cdiv(s_q, PROGRAM_ROWS)
     _flash_bwd_dq_sm90_kernel[(n_m * h_q * b,)](
-        _descriptor(q, ROWS_PER_CONSUMER), _descriptor(do, ROWS_PER_CONSUMER), _descriptor(k, DQ_BLOCK_N),
-        _descriptor(v, DQ_BLOCK_N), out, lse, dlse_arg, delta, lse2 if lse2 is not None else delta, dq,
+        _descriptor(q, ROWS_PER_CONSUMER), _descriptor(do, ROWS_PER_CONSUMER), _descriptor(k, block_n),
+        _descriptor(v, block_n), out, lse, dlse_arg, delta, lse2 if lse2 is not None else delta, dq,
         *out.stride(), *lse.stride(), *dlse_arg.stride(), *dq.stride(),
         s_q, rows, s_kv, h_q, bucket_size(n_m, h_q // h_kv, causal), sm_scale, sm_scale * LOG2E,
         GROUP_SIZE=h_q // h_kv, CAUSAL=causal, HAS_DLSE=dlse is not None, WRITE_LSE2=lse2 is not None,
-        BLOCK_N=DQ_BLOCK_N, D=d, STAGES=DQ_STAGES, num_warps=4,
+        BLOCK_N=block_n, D=d, STAGES=stages, num_warps=4,
     )
