@@ -73,7 +73,9 @@ dQ per step from the consumers costs 30% (without that write it ran 1.08-1.24x; 
 reductions from shared memory, which Gluon does not expose on Hopper in Triton 3.6). In the forward (session 16):
 the row sums of P on the tensor cores (a second wgmma against a block of ones; 1-14% slower), pipelining across
 tiles (the next tile's first scores beside this tile's last P V; +1-5% at D=64 causal, -2% to +4%
-elsewhere, more spills at D=128), three consumer warpgroups at D=64 (3-19% slower).
+elsewhere, more spills at D=128), three consumer warpgroups at D=64 (3-19% slower). In the backward (session 18): a
+persistent dK/dV kernel (tiles from a global counter, two K/V buffers): 1.00-1.09x at D=64, but 0.94-1.04x at
+D=128, and its one-program-per-tile build 3-7% slower than this kernel on the GQA full-attention shapes.
 
 No kernel spills registers, except the causal dK/dV kernel at D=64 (188 bytes, inside its loop; it is faster than
 the Triton kernel all the same).

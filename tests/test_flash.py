@@ -484,6 +484,23 @@ def test_sm90_forward_d64(causal):
         assert_close(lse, ref_lse, dtype, "lse")
 
 
+@pytest.mark.parametrize("d", [64, 128])
+def test_forward_into_strided_out(d):
+    """out and lse preallocated as views whose row strides TMA cannot write (D + 1 and S + 3 elements): the Hopper
+    forward, which writes its output by TMA, fills them from a contiguous buffer; every element is written and
+    nothing outside the views. On other machines the Triton kernel writes through the strides."""
+    b, h_q, h_kv, s = 2, 4, 2, 130
+    for dtype in KERNEL_DTYPES:
+        q, k, v, _ = make_inputs((b, h_q, h_kv, s, s, d, d, True), dtype)
+        out_base, lse_base = poisoned((b, h_q, s, d + 1), dtype), poisoned((b, h_q, s + 3), torch.float32)
+        out, lse = _forward(q, k, v, None, True, out=out_base[..., :d], lse=lse_base[..., :s])
+        ref_out, ref_lse = attention_reference(q.float(), k.float(), v.float(), causal=True)
+        assert_close(out, ref_out, dtype, "out")
+        assert_close(lse, ref_lse, dtype, "lse")
+        assert out.data_ptr() == out_base.data_ptr() and lse.data_ptr() == lse_base.data_ptr()
+        assert out_base[..., d:].isnan().all() and lse_base[..., s:].isnan().all()
+
+
 def test_sm90_backward_mode(monkeypatch):
     """ZOO_FLASH_SM90_BWD is 1 (default), 0 or force; anything else is an error that says what is valid."""
     from kernels.flash_sm90 import backward_mode
