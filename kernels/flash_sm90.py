@@ -49,7 +49,11 @@ Backward, two launches with the same roles (a loader warp, two consumer warpgrou
   barrier, read by the consumers straight from shared memory in the layout of the score columns), with
   transposed products so that the key rows are the wgmma's M:
   S^T = K Q^T, then dP^T = V dO^T issued with dV += P^T dO, then dK += dS^T Q; the steps (query head, query block)
-  are software-pipelined: S^T of the next step is issued right after dK of this one.
+  are software-pipelined: S^T of the next step is issued right after dK of this one. At D=64 the programs are
+  persistent, as in the forward (tiles from a global counter, two K/V buffers: the next tile's K/V and first steps
+  arrive while the consumers finish the current one and store its dK and dV): 1.00-1.07x as fast as one program
+  per tile on the grid's ten shapes (session 19). At D=128 the tile loop's state makes ptxas spill 72-160 bytes
+  and the persistent kernel measured 0.94-0.99x, so there each program keeps its one tile.
 
 Measured on an H200 beside SDPA and the Triton kernels in one run (bf16, H_q 32, TFLOP/s; benchmarks/RESULTS.md
 has the grid and the history). Forward, persistent vs the previous one-program-per-tile version: B4 H_kv 8 S4096
@@ -73,9 +77,8 @@ dQ per step from the consumers costs 30% (without that write it ran 1.08-1.24x; 
 reductions from shared memory, which Gluon does not expose on Hopper in Triton 3.6). In the forward (session 16):
 the row sums of P on the tensor cores (a second wgmma against a block of ones; 1-14% slower), pipelining across
 tiles (the next tile's first scores beside this tile's last P V; +1-5% at D=64 causal, -2% to +4%
-elsewhere, more spills at D=128), three consumer warpgroups at D=64 (3-19% slower). In the backward (session 18): a
-persistent dK/dV kernel (tiles from a global counter, two K/V buffers): 1.00-1.09x at D=64, but 0.94-1.04x at
-D=128, and its one-program-per-tile build 3-7% slower than this kernel on the GQA full-attention shapes.
+elsewhere, more spills at D=128), three consumer warpgroups at D=64 (3-19% slower). In the backward: persistent dK/dV
+programs at D=128 (above).
 
 No kernel spills registers, except the causal dK/dV kernel at D=64 (188 bytes, inside its loop; it is faster than
 the Triton kernel all the same).
@@ -120,12 +123,12 @@ CONFIGS = {
     64: (128, 3),
     128: (128, 3),
 }
-# Fewest keys for which flash._forward prefers this kernel, per (head dim, causal); 0 where absent. At D=64 and
-# S=1024 a causal tile has too few key blocks to hide its start and end: B16 H32/8 causal measured 293-300 TFLOP/s
-# against the Triton kernel's 303-317 in three runs, while full attention there was ahead in all three (393-400 vs
-# 367-397) and at S=4096 both are ahead by 9% (causal 421 vs 387, full 466 vs 426). benchmarks/RESULTS.md has the runs.
+# Fewest keys for which flash._forward prefers this kernel, per (head dim, causal); 0 where absent. At D=64 a short
+# causal tile has too few key blocks to hide its start and end. H200, H32/8, causal, TFLOP/s against the Triton
+# kernel in one run (session 19, with the output's TMA store): B64 S256 123 vs 130, B32 S512 220 vs 235, B16 S1024
+# 310 vs 303, B8 S2048 386 vs 357; full attention is ahead at every length. benchmarks/RESULTS.md has the runs.
 MIN_KEYS = {
-    (64, True): 2048,
+    (64, True): 1024,
 }
 
 
@@ -435,13 +438,15 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) ->
             and k.shape[2] >= MIN_KEYS.get((q.shape[-1], causal), 0))
 
 
-# dK/dV per head dim: (BLOCK_M, STAGES), query rows per streamed step and ring stages. H200 (session 17, beside the
-# Triton backward in one run): at D=64, 128-query steps read 1.02-1.10x the Triton kernels on the grid's ten shapes
-# and 64-query steps 0.99-1.07x; at D=128, 128-query steps would not fit the registers (S^T, dP^T, dK and dV
-# accumulators: 256 per thread).
+# dK/dV per head dim: (BLOCK_M, STAGES, PERSISTENT), query rows per streamed step, ring stages, and the schedule.
+# H200 (session 17, beside the Triton backward in one run): at D=64, 128-query steps read 1.02-1.10x the Triton
+# kernels on the grid's ten shapes and 64-query steps 0.99-1.07x; at D=128, 128-query steps would not fit the
+# registers (S^T, dP^T, dK and dV accumulators: 256 per thread). Persistent programs, against one program per
+# tile in the same run (session 19): at D=64 the kernel 1.00-1.07x as fast on the grid's ten shapes; at D=128, where
+# the tile loop's state makes ptxas spill 72-160 bytes, 0.94-0.99x, so D=128 keeps one program per tile.
 BWD_CONFIGS = {
-    64: (128, 2),
-    128: (64, 2),
+    64: (128, 2, True),
+    128: (64, 2, False),
 }
 BACKWARD_HEAD_DIMS = tuple(BWD_CONFIGS)
 
@@ -523,15 +528,38 @@ def forward(q, k, v, out, lse, qk_scale: float, causal: bool, config=None):
 
 
 @gluon.jit
-def _bwd_loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
-                delta_smem, kv_ready, q_ready, do_ready, qdo_free, batch, kv_head, start_n, m_start, n_m, H, M_PAD,
-                GROUP_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
-    """One warp: the program's K and V block once, then for every (query head of the group, query block), in the
-    consumers' order, Q with its rows' lse and delta (one barrier) and dO into a ring of STAGES buffers."""
-    mbarrier.expect(kv_ready, k_desc.block_type.nbytes + v_desc.block_type.nbytes)
-    tma.async_copy_global_to_shared(k_desc, [batch, kv_head, start_n, 0], kv_ready, k_smem)
-    tma.async_copy_global_to_shared(v_desc, [batch, kv_head, start_n, 0], kv_ready, v_smem)
-    it = 0
+def _dkdv_tile(t, n_kb, n_tiles, bucket, H_KV, M, N, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Tile t of the dK/dV schedule: (batch, KV head, first key row, first query block), in `schedule.ranked` order
+    with key blocks as ranks (causal: the first key blocks, which every later query reads, are the heaviest)."""
+    r, hb = ranked(t, n_kb, n_tiles // n_kb, bucket)
+    start_n = r * (CONSUMERS * ROWS)
+    if CAUSAL:  # query blocks wholly before the tile's first key see none of its keys
+        m_start = gl.maximum(start_n - (N - M), 0) // BLOCK_M
+    else:
+        m_start = 0
+    return hb // H_KV, hb % H_KV, start_n, m_start
+
+
+@gluon.jit
+def _bwd_load_tile(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
+                   delta_smem, kv_ready, kv_free, q_ready, do_ready, qdo_free, batch, kv_head, start_n, m_start,
+                   n_m, step0, tc, H, M_PAD, GROUP_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                   PERSISTENT: gl.constexpr):
+    """Loader, the program's tc-th tile t: its K and V block into buffer tc % 2 (once the consumers are done with
+    the tile before last there), then for every (query head of the group, query block), in the consumers' order,
+    Q with its rows' lse and delta (one barrier) and dO into the ring; `it` counts the program's steps over all of
+    its tiles. Returns the count after this tile."""
+    # (Not persistent, step0 is a constexpr 0, which the assignment turns into a plain 0 that the loops may make a
+    # tensor; and this code then matches the one-tile loader instruction for instruction: small changes here, even
+    # a step count made a tensor up front, moved ptxas's register choices in a consumer's loop and cost 3-7% at
+    # D=128, benchmarks/RESULTS.md session 19.)
+    it = step0
+    kb = tc % 2
+    if PERSISTENT:
+        mbarrier.wait(kv_free.index(kb), ((tc // 2) & 1) ^ 1, pred=tc >= 2)
+    mbarrier.expect(kv_ready.index(kb), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [batch, kv_head, start_n, 0], kv_ready.index(kb), k_smem.index(kb))
+    tma.async_copy_global_to_shared(v_desc, [batch, kv_head, start_n, 0], kv_ready.index(kb), v_smem.index(kb))
     for hh in range(GROUP_SIZE):
         head = kv_head * GROUP_SIZE + hh
         for m in range(m_start, n_m):
@@ -547,17 +575,48 @@ def _bwd_loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, d
             tma.async_copy_global_to_shared(do_desc, [batch, head, m * BLOCK_M, 0], do_ready.index(s),
                                             do_smem.index(s))
             it += 1
+    return it
 
 
 @gluon.jit
-def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_ready, q_ready, do_ready, qdo_free,
-                  dk_ptr, dv_ptr,
-                  stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
-                  batch, kv_head, start_n, m_start, n_m, M, N, sm_scale, qk_scale,
-                  WG: gl.constexpr, GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                  D: gl.constexpr, STAGES: gl.constexpr):
-    """One warpgroup: dK and dV of key rows [start_n + WG*64, +64), summed over every query head of the KV group
-    and every query block. Transposed products, so the key rows are the M of every wgmma:
+def _bwd_loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
+                delta_smem, kv_ready, kv_free, q_ready, do_ready, qdo_free, tile_smem, tile_ready, tile_free,
+                counter_ptr, batch, kv_head, start_n, m_start, n_m, n_tiles, n_kb, bucket, H_KV, M, N, M_PAD,
+                GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+                PERSISTENT: gl.constexpr):
+    """One warp. PERSISTENT: tiles from the global counter, each handed to the consumers (tile_smem) and loaded;
+    the next tile's K/V and first steps arrive while the consumers finish this one. Else the program's own tile
+    (batch, kv_head, start_n, m_start)."""
+    if PERSISTENT:
+        it = 0
+        tc = 0
+        t = gl.program_id(0)
+        while t < n_tiles:
+            _publish(tile_smem, tile_ready, tile_free, tc, t)
+            batch, kv_head, start_n, m_start = _dkdv_tile(t, n_kb, n_tiles, bucket, H_KV, M, N, CAUSAL, BLOCK_M)
+            it = _bwd_load_tile(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
+                                v_smem, lse_smem, delta_smem, kv_ready, kv_free, q_ready, do_ready, qdo_free, batch,
+                                kv_head, start_n, m_start, n_m, it, tc, H_KV * GROUP_SIZE, M_PAD, GROUP_SIZE,
+                                BLOCK_M, STAGES, PERSISTENT)
+            tc += 1
+            t = gl.num_programs(0) + gl.atomic_add(counter_ptr, 1)  # the next tile nobody has taken
+        _publish(tile_smem, tile_ready, tile_free, tc, t)
+    else:
+        _bwd_load_tile(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
+                       lse_smem, delta_smem, kv_ready, kv_free, q_ready, do_ready, qdo_free, batch, kv_head,
+                       start_n, m_start, n_m, 0, 0, H_KV * GROUP_SIZE, M_PAD, GROUP_SIZE, BLOCK_M, STAGES,
+                       PERSISTENT)
+
+
+@gluon.jit
+def _bwd_tile(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_free, q_ready, do_ready, qdo_free,
+              dk_ptr, dv_ptr, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
+              batch, kv_head, start_n, m_start, n_m, it, tc, M, N, sm_scale, qk_scale,
+              WG: gl.constexpr, GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+              D: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
+    """One warpgroup, the program's tc-th tile: dK and dV of key rows [start_n + WG*64, +64), summed over every
+    query head of the KV group and every query block; `it` counts the program's steps (returned updated).
+    Transposed products, so the key rows are the M of every wgmma:
     S^T = K Q^T, P^T = exp2(S^T - lse), dP^T = V dO^T, dS^T = P^T (dP^T - delta), dV += P^T dO, dK += dS^T Q."""
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
@@ -566,24 +625,26 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_read
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     cols: gl.constexpr = gl.SliceLayout(0, st_layout)  # one value per query row of the block
     dtype: gl.constexpr = q_smem.dtype
-    k_wg = k_smem.reshape([CONSUMERS * ROWS, D]).slice(WG * ROWS, ROWS)
-    v_wg = v_smem.reshape([CONSUMERS * ROWS, D]).slice(WG * ROWS, ROWS)
+    q_shift = N - M  # query row i sits at key position q_shift + i
+    kb = tc % 2
+    k_wg = k_smem.index(kb).reshape([CONSUMERS * ROWS, D]).slice(WG * ROWS, ROWS)
+    v_wg = v_smem.index(kb).reshape([CONSUMERS * ROWS, D]).slice(WG * ROWS, ROWS)
     kv0 = start_n + WG * ROWS
     kv_pos = kv0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, st_layout))
-    q_shift = N - M  # query row i sits at key position q_shift + i
     dk = gl.zeros([ROWS, D], gl.float32, acc_layout)
     dv = gl.zeros([ROWS, D], gl.float32, acc_layout)
     nb = n_m - m_start
     total = GROUP_SIZE * nb
-    mbarrier.wait(kv_ready, 0)
-    # Software pipeline over the steps (query head, query block): S^T of step t+1 is issued right after dK of step t,
-    # so it runs while step t's products finish.
-    mbarrier.wait(q_ready.index(0), 0)
-    st = warpgroup_mma(k_wg, q_smem.index(0).reshape([BLOCK_M, D]).permute((1, 0)),
+    mbarrier.wait(kv_ready.index(kb), (tc // 2) & 1)
+    # Software pipeline over the steps (query head, query block): S^T of step t+1 is issued right after dK of
+    # step t, so it runs while step t's products finish.
+    mbarrier.wait(q_ready.index(it % STAGES), (it // STAGES) & 1)
+    st = warpgroup_mma(k_wg, q_smem.index(it % STAGES).reshape([BLOCK_M, D]).permute((1, 0)),
                        gl.zeros([ROWS, BLOCK_M], gl.float32, st_layout), use_acc=False, is_async=True)
     for t in range(total):
-        s = t % STAGES
-        phase = (t // STAGES) & 1
+        g = it + t  # the program's step number, over all of its tiles
+        s = g % STAGES
+        phase = (g // STAGES) & 1
         m = m_start + t % nb
         st = warpgroup_mma_wait(num_outstanding=0, deps=[st])
         q_t = q_smem.index(s).reshape([BLOCK_M, D])
@@ -598,19 +659,22 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_read
         dpt = warpgroup_mma(v_wg, do_t.permute((1, 0)), st, use_acc=False, is_async=True)
         dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do_t, dv, is_async=True)
         dpt = warpgroup_mma_wait(num_outstanding=1, deps=[dpt])
-        # dS^T from the fp32 P^T: its bf16 copy feeds dV only. Taking dS^T from that copy (round trip through bf16)
-        # made ptxas convert one score at a time and unpack again: 64 (full) to 110 (causal) more instructions per
-        # 64-query step, and a 4-9% slower backward (benchmarks/RESULTS.md, session 16).
+        # dS^T from the fp32 P^T: its bf16 copy feeds dV only. Taking dS^T from that copy (round trip through
+        # bf16) made ptxas convert one score at a time and unpack again: 64 (full) to 110 (causal) more
+        # instructions per 64-query step, and a 4-9% slower backward (benchmarks/RESULTS.md, session 16).
         dst = pt * (dpt - delta_smem.index(s).load(cols)[None, :])
         dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), q_t, dk, is_async=True)
-        # S^T of the next step (past the last one it reads a stale stage; its result is drained, never used).
-        s1 = (t + 1) % STAGES
-        mbarrier.wait(q_ready.index(s1), ((t + 1) // STAGES) & 1, pred=t + 1 < total)
+        # S^T of the next step (past the tile's last step it reads a stale stage; its result is drained, never
+        # used).
+        s1 = (g + 1) % STAGES
+        mbarrier.wait(q_ready.index(s1), ((g + 1) // STAGES) & 1, pred=t + 1 < total)
         st = warpgroup_mma(k_wg, q_smem.index(s1).reshape([BLOCK_M, D]).permute((1, 0)), dpt, use_acc=False,
                            is_async=True)
         dv, dk = warpgroup_mma_wait(num_outstanding=1, deps=[dv, dk])  # all but the next S^T
         mbarrier.arrive(qdo_free.index(s), count=1)  # Q and dO of step t are no longer read
     st = warpgroup_mma_wait(num_outstanding=0, deps=[st])
+    if PERSISTENT:
+        mbarrier.arrive(kv_free.index(kb), count=1)  # the loader may bring the tile after next's K and V here
 
     offs_n = kv0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
     offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
@@ -621,41 +685,80 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_read
     dv_ptrs = dv_ptr + batch.to(gl.int64) * stride_vb + kv_head.to(gl.int64) * stride_vh \
         + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
     gl.store(dv_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=rows_ok)
+    return it + total
+
+
+@gluon.jit
+def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_free, q_ready, do_ready,
+                  qdo_free, tile_smem, tile_ready, tile_free, dk_ptr, dv_ptr,
+                  stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
+                  batch, kv_head, start_n, m_start, n_m, n_tiles, n_kb, bucket, H_KV, M, N, sm_scale, qk_scale,
+                  WG: gl.constexpr, GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                  D: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
+    """One warpgroup: `_bwd_tile` for each tile the loader hands over (PERSISTENT), else for the program's own."""
+    if PERSISTENT:
+        it = 0
+        tc = 0
+        tile = _receive(tile_smem, tile_ready, tile_free, 0)
+        while tile < n_tiles:
+            batch, kv_head, start_n, m_start = _dkdv_tile(tile, n_kb, n_tiles, bucket, H_KV, M, N, CAUSAL, BLOCK_M)
+            it = _bwd_tile(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_free, q_ready,
+                           do_ready, qdo_free, dk_ptr, dv_ptr, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb,
+                           stride_vh, stride_vn, stride_vd, batch, kv_head, start_n, m_start, n_m, it, tc, M, N,
+                           sm_scale, qk_scale, WG, GROUP_SIZE, CAUSAL, BLOCK_M, D, STAGES, PERSISTENT)
+            tc += 1
+            tile = _receive(tile_smem, tile_ready, tile_free, tc)
+    else:
+        _bwd_tile(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_free, q_ready, do_ready,
+                  qdo_free, dk_ptr, dv_ptr, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh,
+                  stride_vn, stride_vd, batch, kv_head, start_n, m_start, n_m, 0, 0, M, N, sm_scale,
+                  qk_scale, WG, GROUP_SIZE, CAUSAL, BLOCK_M, D, STAGES, PERSISTENT)
 
 
 @gluon.jit
 def _flash_bwd_dkdv_sm90_kernel(
-    q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_ptr, dv_ptr,
+    q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_ptr, dv_ptr, counter_ptr,
     stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
-    M, M_PAD, N, H_KV, bucket, sm_scale, qk_scale,
+    M, M_PAD, N, H_KV, n_tiles, bucket, sm_scale, qk_scale,
     GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr,
-    STAGES: gl.constexpr,
+    STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
 ):
-    """One program per (128 key rows, KV head, batch), in `schedule.ranked` order (causal: the first key blocks,
-    which every later query reads, are the heaviest)."""
+    """Tiles of (128 key rows, KV head, batch). PERSISTENT, as the forward: one program per SM takes tiles from a
+    global counter, its loader streaming the next tile's K/V (two buffers) and first Q/dO steps while the
+    consumers finish the current one and store its dK and dV. Else one program per tile."""
     n_kb = gl.cdiv(N, CONSUMERS * ROWS)
-    r, hb = ranked(gl.program_id(0), n_kb, gl.num_programs(0) // n_kb, bucket)
-    start_n = r * (CONSUMERS * ROWS)
-    kv_head = hb % H_KV
-    batch = hb // H_KV
     n_m = gl.cdiv(M, BLOCK_M)
-    if CAUSAL:  # query blocks wholly before the program's first key see none of its keys
-        m_start = gl.maximum(start_n - (N - M), 0) // BLOCK_M
-    else:
-        m_start = 0
-
+    # The program's own tile, for one program per tile (the persistent roles ignore it).
+    batch, kv_head, start_n, m_start = _dkdv_tile(gl.program_id(0), n_kb, gl.num_programs(0), bucket, H_KV, M, N,
+                                                  CAUSAL, BLOCK_M)
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, k_desc.block_type.shape, k_desc.layout)
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, v_desc.block_type.shape, v_desc.layout)
+    KV_BUFFERS: gl.constexpr = 2 if PERSISTENT else 1
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [KV_BUFFERS] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [KV_BUFFERS] + v_desc.block_type.shape, v_desc.layout)
     lse_smem = gl.allocate_shared_memory(lse_desc.dtype, [STAGES] + lse_desc.block_type.shape, lse_desc.layout)
     delta_smem = gl.allocate_shared_memory(delta_desc.dtype, [STAGES] + delta_desc.block_type.shape,
                                            delta_desc.layout)
-    kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+    kv_ready = gl.allocate_shared_memory(gl.int64, [KV_BUFFERS, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     qdo_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    mbarrier.init(kv_ready, count=1)
+    for i in gl.static_range(KV_BUFFERS):
+        mbarrier.init(kv_ready.index(i), count=1)
+    if PERSISTENT:  # the tile hand-over and the K/V buffers' release
+        kv_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        tile_smem = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        tile_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        for i in gl.static_range(2):
+            mbarrier.init(kv_free.index(i), count=CONSUMERS)
+            mbarrier.init(tile_ready.index(i), count=1)
+            mbarrier.init(tile_free.index(i), count=CONSUMERS)
+    else:  # (not used: one tile per program needs no hand-over)
+        kv_free = kv_ready
+        tile_smem = kv_ready
+        tile_ready = kv_ready
+        tile_free = kv_ready
     for i in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(do_ready.index(i), count=1)
@@ -663,19 +766,22 @@ def _flash_bwd_dkdv_sm90_kernel(
     fence_async_shared()
 
     gl.warp_specialize([
-        (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_ready, q_ready, do_ready,
-                         qdo_free, dk_ptr, dv_ptr,
+        (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_free, q_ready,
+                         do_ready, qdo_free, tile_smem, tile_ready, tile_free, dk_ptr, dv_ptr,
                          stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
-                         batch, kv_head, start_n, m_start, n_m, M, N, sm_scale, qk_scale,
-                         gl.constexpr(0), GROUP_SIZE, CAUSAL, BLOCK_M, D, STAGES)),
-        (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_ready, q_ready, do_ready,
-                         qdo_free, dk_ptr, dv_ptr,
+                         batch, kv_head, start_n, m_start, n_m, n_tiles, n_kb, bucket, H_KV, M, N, sm_scale,
+                         qk_scale,
+                         gl.constexpr(0), GROUP_SIZE, CAUSAL, BLOCK_M, D, STAGES, PERSISTENT)),
+        (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_free, q_ready,
+                         do_ready, qdo_free, tile_smem, tile_ready, tile_free, dk_ptr, dv_ptr,
                          stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
-                         batch, kv_head, start_n, m_start, n_m, M, N, sm_scale, qk_scale,
-                         gl.constexpr(1), GROUP_SIZE, CAUSAL, BLOCK_M, D, STAGES)),
+                         batch, kv_head, start_n, m_start, n_m, n_tiles, n_kb, bucket, H_KV, M, N, sm_scale,
+                         qk_scale,
+                         gl.constexpr(1), GROUP_SIZE, CAUSAL, BLOCK_M, D, STAGES, PERSISTENT)),
         (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
-                       lse_smem, delta_smem, kv_ready, q_ready, do_ready, qdo_free, batch, kv_head, start_n, m_start,
-                       n_m, H_KV * GROUP_SIZE, M_PAD, GROUP_SIZE, BLOCK_M, STAGES)),
+                       lse_smem, delta_smem, kv_ready, kv_free, q_ready, do_ready, qdo_free, tile_smem, tile_ready,
+                       tile_free, counter_ptr, batch, kv_head, start_n, m_start, n_m, n_tiles, n_kb, bucket, H_KV,
+                       M, N, M_PAD, GROUP_SIZE, CAUSAL, BLOCK_M, STAGES, PERSISTENT)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -685,15 +791,19 @@ def backward_dkdv(q, k, v, do, lse2, delta, dk, dv, sm_scale: float, causal: boo
     padded_rows(S_q)) fp32."""
     b, h_q, s_q, d = q.shape
     h_kv, s_kv = k.shape[1], k.shape[2]
-    block_m, stages = config or BWD_CONFIGS[d]
+    block_m, stages, persistent = config or BWD_CONFIGS[d]
     rows = padded_rows(s_q)
     assert lse2.shape == delta.shape == (b, h_q, rows) and lse2.is_contiguous() and delta.is_contiguous()
     n_kb = triton.cdiv(s_kv, PROGRAM_ROWS)
-    _flash_bwd_dkdv_sm90_kernel[(n_kb * h_kv * b,)](
+    n_tiles = n_kb * h_kv * b
+    counter = torch.zeros(1, dtype=torch.int32, device=q.device)  # tiles taken past the first wave
+    _flash_bwd_dkdv_sm90_kernel[(min(n_tiles, num_sms(q.device)) if persistent else n_tiles,)](
         _descriptor(q, block_m), _descriptor(do, block_m), _descriptor(k, PROGRAM_ROWS), _descriptor(v, PROGRAM_ROWS),
-        descriptor(lse2.view(-1), [block_m]), descriptor(delta.view(-1), [block_m]), dk, dv, *dk.stride(), *dv.stride(),
-        s_q, rows, s_kv, h_kv, bucket_size(n_kb, h_q // h_kv, causal), sm_scale, sm_scale * LOG2E,
-        GROUP_SIZE=h_q // h_kv, CAUSAL=causal, BLOCK_M=block_m, D=d, STAGES=stages, num_warps=4,
+        descriptor(lse2.view(-1), [block_m]), descriptor(delta.view(-1), [block_m]), dk, dv, counter,
+        *dk.stride(), *dv.stride(), s_q, rows, s_kv, h_kv, n_tiles, bucket_size(n_kb, h_q // h_kv, causal), sm_scale,
+        sm_scale * LOG2E,
+        GROUP_SIZE=h_q // h_kv, CAUSAL=causal, BLOCK_M=block_m, D=d, STAGES=stages, PERSISTENT=persistent,
+        num_warps=4,
     )
 
 

@@ -358,12 +358,15 @@ def _compile_sm90(d, causal, which):
                      dq_ptr="*bf16", sm_scale="fp32", qk_scale="fp32")
         kernel = "_flash_bwd_dq_sm90_kernel"
     else:
-        (block_m, stages), block_n = flash_sm90.BWD_CONFIGS[d], flash_sm90.PROGRAM_ROWS
-        const = dict(GROUP_SIZE=4, CAUSAL=causal, BLOCK_M=block_m, D=d, STAGES=stages)
+        (block_m, stages, persistent), block_n = flash_sm90.BWD_CONFIGS[d], flash_sm90.PROGRAM_ROWS
+        # dK and dV with a unit last stride, which Triton's launcher specializes as a constant, as it does for the
+        # gradients autograd allocates: the store addresses then take no registers.
+        const = dict(GROUP_SIZE=4, CAUSAL=causal, BLOCK_M=block_m, D=d, STAGES=stages, PERSISTENT=persistent,
+                     stride_kd=1, stride_vd=1)
         rows = dict(block=[block_m], dtype="float32")
         types = dict(q_desc=desc(block_m), do_desc=desc(block_m), k_desc=desc(block_n), v_desc=desc(block_n),
-                     lse_desc=rows, delta_desc=rows, dk_ptr="*bf16", dv_ptr="*bf16", sm_scale="fp32",
-                     qk_scale="fp32")
+                     lse_desc=rows, delta_desc=rows, dk_ptr="*bf16", dv_ptr="*bf16", counter_ptr="*i32",
+                     sm_scale="fp32", qk_scale="fp32")
         kernel = "_flash_bwd_dkdv_sm90_kernel"
     return compile_gluon_sm90("kernels.flash_sm90", kernel, types, const)
 
@@ -405,9 +408,10 @@ def test_sm90_backward_kernel_structure(d, causal, which):
     measured exception, and ptxas does not serialize their wgmma (it does, with a warning, when a product's
     registers are read before the wait that covers it: dK/dV must issue dP^T before dV so that waiting for all but
     the newest group covers dP^T). The exception: the causal dK/dV kernel at D=64, whose 128-query steps hold a
-    64 x 128 S^T and dP^T per warpgroup, spills 188 bytes (its loop reads and writes local memory); it measured
-    1.02-1.06x the Triton backward on the grid's causal shapes all the same, and 64-query steps, which do not
-    spill, 0.99-1.04x (benchmarks/RESULTS.md, session 17). The bound catches growth."""
+    64 x 128 S^T and dP^T per warpgroup, spills 196 bytes (its loop reads and writes local memory; 188 before its
+    programs became persistent); it measured 1.02-1.06x the Triton backward on the grid's causal shapes all the
+    same, and 64-query steps, which do not spill, 0.99-1.04x (benchmarks/RESULTS.md, session 17). The bound catches
+    growth. The persistent dK/dV kernel (D=64) takes its tiles with one atomic add each, by one thread."""
     from kernels import flash_sm90
 
     assert d in flash_sm90.BACKWARD_HEAD_DIMS
@@ -418,7 +422,10 @@ def test_sm90_backward_kernel_structure(d, causal, which):
     assert result["shared"] <= 232448, f"{result['shared']} bytes of shared memory"
     assert "serialized" not in result["ptxas"], result["ptxas"]
     spills = spill_bytes(result["ptxas"])
-    bound = 192 if (d, causal, which) == (64, True, "dkdv") else 0
+    bound = 200 if (d, causal, which) == (64, True, "dkdv") else 0
+    if which == "dkdv":
+        persistent = flash_sm90.BWD_CONFIGS[d][2]
+        assert result["ptx"].count("atom.global") == (1 if persistent else 0), "the tile counter"
     assert spills and all(a <= bound and b <= bound for a, b in spills), result["ptxas"]
 
 
@@ -447,7 +454,7 @@ def test_sm90_backward(case, monkeypatch):
 def test_sm90_forward_dispatch(monkeypatch):
     """Which inputs the Hopper forward takes (flash_sm90.supports, with the GPU check faked so that it runs
     anywhere): D = 128 at every length; D = 64 full attention at every length, causal from MIN_KEYS[(64, True)]
-    keys (2048) up, where it measured ahead of the Triton kernel; never MLA's 192/128."""
+    keys (1024) up, where it measured ahead of the Triton kernel; never MLA's 192/128."""
     from kernels import flash_sm90
 
     monkeypatch.setattr(flash_sm90, "on_hopper", lambda t: True)
@@ -461,14 +468,14 @@ def test_sm90_forward_dispatch(monkeypatch):
 
     assert takes(128, 128, 64, True) and takes(128, 128, 64, False)
     assert takes(64, 64, 64, False) and takes(64, 64, 1024, False)
-    assert not takes(64, 64, 2047, True) and takes(64, 64, 2048, True)
+    assert not takes(64, 64, 1023, True) and takes(64, 64, 1024, True)
     assert not takes(192, 128, 4096, False)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_sm90_forward_d64(causal):
     """The Hopper forward at D = 64 over many key blocks: causal D = 64 takes it only from MIN_KEYS[(64, True)]
-    keys (2048) up, which no shape in CASES reaches, and CASES' one full-attention D = 64 shape has a single key
+    keys (1024) up, which no shape in CASES reaches, and CASES' one full-attention D = 64 shape has a single key
     block. 200 queries over 2100 keys (17 key blocks, a ragged last one, S_q < S_kv), GQA, fp16 and bf16, into
     NaN-poisoned outputs, against the reference. On other machines the Triton kernel runs the same check."""
     from kernels import flash_sm90
@@ -482,6 +489,33 @@ def test_sm90_forward_d64(causal):
         ref_out, ref_lse = attention_reference(q.float(), k.float(), v.float(), causal=causal)
         assert_close(out, ref_out, dtype, "out")
         assert_close(lse, ref_lse, dtype, "lse")
+
+
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+@pytest.mark.parametrize("d", [64, 128])
+def test_sm90_persistent_tiles(d, causal, monkeypatch):
+    """The persistent Hopper kernels (the forward; dK/dV at D = 64) with many tiles per program: the launch sized
+    for a GPU of two SMs, so each program takes 12 tiles from the counter, handing each to its consumers and
+    cycling the K/V buffers and barrier phases over tiles, which the other tests' launches (one tile per program
+    or fewer) never do (causal D = 64, below MIN_KEYS, runs the Triton forward and the persistent dK/dV kernel).
+    Forward and backward (ZOO_FLASH_SM90_BWD=force) into NaN-poisoned buffers against the reference. On other
+    machines the Triton kernels run the same check."""
+    from kernels import flash_sm90
+
+    monkeypatch.setattr(flash_sm90, "num_sms", lambda device: 2)
+    monkeypatch.setenv("ZOO_FLASH_SM90_BWD", "force")
+    case = (2, 4, 2, 300, 300, d, d, causal)  # 24 forward tiles of 128 queries, 12 dK/dV tiles of 128 keys
+    dtype = KERNEL_DTYPES[-1]  # bf16 on the GPU, fp16 on the CPU (whose interpreter computes bf16 wrong)
+    q, k, v, do = make_inputs(case, dtype)
+    out, lse = _forward(q, k, v, None, causal, out=poisoned(q.shape, dtype), lse=poisoned(q.shape[:3], torch.float32))
+    grads = tuple(poisoned(x.shape, dtype) for x in (q, k, v))
+    dq, dk, dv = _backward(q, k, v, out, lse, do, None, causal, grads=grads)
+    ref_out, ref_lse, ref_dq, ref_dk, ref_dv = reference_grads(q, k, v, do, causal)
+    assert_close(out, ref_out, dtype, "out")
+    assert_close(lse, ref_lse, dtype, "lse")
+    assert_close(dq, ref_dq, dtype, "dq", grad=True)
+    assert_close(dk, ref_dk, dtype, "dk", grad=True)
+    assert_close(dv, ref_dv, dtype, "dv", grad=True)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
