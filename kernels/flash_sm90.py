@@ -124,11 +124,13 @@ CONFIGS = {
     128: (128, 3),
 }
 # Fewest keys for which flash._forward prefers this kernel, per (head dim, causal); 0 where absent. At D=64 a short
-# causal tile has too few key blocks to hide its start and end. H200, H32/8, causal, TFLOP/s against the Triton
-# kernel in one run (session 19, with the output's TMA store): B64 S256 123 vs 130, B32 S512 220 vs 235, B16 S1024
-# 310 vs 303, B8 S2048 386 vs 357; full attention is ahead at every length. benchmarks/RESULTS.md has the runs.
+# causal tile has too few key blocks to hide its start and end. B16 H32/8 S1024 causal, TFLOP/s against the Triton
+# kernel: 293-300 vs 303-317 in three earlier runs; with the output's TMA store (session 19) 310 vs 303 in an
+# A/B run and 287 vs 306 in the grid's run, so it stays on the Triton kernel (shorter lengths lost in both: B32
+# S512 220 vs 235, B64 S256 123 vs 130). Full attention is ahead at every length, and from 2048 keys causal too
+# (B8 S2048 386 vs 357, B4 S4096 422 vs 389). benchmarks/RESULTS.md has the runs.
 MIN_KEYS = {
-    (64, True): 1024,
+    (64, True): 2048,
 }
 
 

@@ -454,7 +454,7 @@ def test_sm90_backward(case, monkeypatch):
 def test_sm90_forward_dispatch(monkeypatch):
     """Which inputs the Hopper forward takes (flash_sm90.supports, with the GPU check faked so that it runs
     anywhere): D = 128 at every length; D = 64 full attention at every length, causal from MIN_KEYS[(64, True)]
-    keys (1024) up, where it measured ahead of the Triton kernel; never MLA's 192/128."""
+    keys (2048) up, where it measured ahead of the Triton kernel; never MLA's 192/128."""
     from kernels import flash_sm90
 
     monkeypatch.setattr(flash_sm90, "on_hopper", lambda t: True)
@@ -468,14 +468,14 @@ def test_sm90_forward_dispatch(monkeypatch):
 
     assert takes(128, 128, 64, True) and takes(128, 128, 64, False)
     assert takes(64, 64, 64, False) and takes(64, 64, 1024, False)
-    assert not takes(64, 64, 1023, True) and takes(64, 64, 1024, True)
+    assert not takes(64, 64, 2047, True) and takes(64, 64, 2048, True)
     assert not takes(192, 128, 4096, False)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_sm90_forward_d64(causal):
     """The Hopper forward at D = 64 over many key blocks: causal D = 64 takes it only from MIN_KEYS[(64, True)]
-    keys (1024) up, which no shape in CASES reaches, and CASES' one full-attention D = 64 shape has a single key
+    keys (2048) up, which no shape in CASES reaches, and CASES' one full-attention D = 64 shape has a single key
     block. 200 queries over 2100 keys (17 key blocks, a ragged last one, S_q < S_kv), GQA, fp16 and bf16, into
     NaN-poisoned outputs, against the reference. On other machines the Triton kernel runs the same check."""
     from kernels import flash_sm90
