@@ -13,9 +13,9 @@ Structure (FlashAttention-2, Dao 2023; Triton's fused-attention tutorial):
 - on Hopper (sm_90, fp16/bf16): separate warp-specialized kernels written in Gluon (kernels/flash_sm90.py: a TMA
   loader warp and two consumer warpgroups, FlashAttention-3's structure) run the forward at D = 128 (and at
   D = 64: full attention at every length, causal from 2048 keys) and the backward at D = 128 and 64. On an H200
-  they take the forward from 323-524 to 422-619 TFLOP/s at D = 128 (at D = 64, where they run, from 371-419 to
-  422-479) and the backward from 241-420 to 324-505 at D = 128 and from 240-379 to 267-427 at D = 64
-  (benchmarks/RESULTS.md, session 18's grid). Everything below
+  they take the forward from 328-515 to 453-636 TFLOP/s at D = 128 (at D = 64, where they run, from 374-439 to
+  429-473) and the backward from 239-426 to 329-514 at D = 128 and from 245-386 to 274-443 at D = 64
+  (benchmarks/RESULTS.md, session 19's grid). Everything below
   describes the portable kernels, which run everywhere else.
 - forward: one program per (query block, query head, batch) streams K/V blocks with an online softmax in the
   log2 domain (exp2 with log2(e) folded into the scale). The KV loop is split in two: blocks every query of the
