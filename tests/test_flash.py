@@ -350,12 +350,14 @@ def _compile_sm90(d, causal, which):
                      lse_ptr="*fp32", counter_ptr="*i32", qk_scale="fp32")
         kernel = "_flash_fwd_sm90_kernel"
     elif which == "dq":
-        rows, (block_n, stages) = flash_sm90.ROWS_PER_CONSUMER, flash_sm90.DQ_CONFIGS[d]
+        rows, (block_n, stages, persistent) = flash_sm90.ROWS_PER_CONSUMER, flash_sm90.DQ_CONFIGS[d]
+        # Unit last strides of out, dq, lse and dlse, which Triton's launcher specializes as constants, as it does
+        # for the tensors autograd passes.
         const = dict(GROUP_SIZE=4, CAUSAL=causal, HAS_DLSE=False, WRITE_LSE2=True, BLOCK_N=block_n, D=d,
-                     STAGES=stages)
+                     STAGES=stages, PERSISTENT=persistent, stride_od=1, stride_qd=1, stride_lm=1, stride_gm=1)
         types = dict(q_desc=desc(rows), do_desc=desc(rows), k_desc=desc(block_n), v_desc=desc(block_n),
                      out_ptr="*bf16", lse_ptr="*fp32", dlse_ptr="*fp32", delta_ptr="*fp32", lse2_ptr="*fp32",
-                     dq_ptr="*bf16", sm_scale="fp32", qk_scale="fp32")
+                     dq_ptr="*bf16", counter_ptr="*i32", sm_scale="fp32", qk_scale="fp32")
         kernel = "_flash_bwd_dq_sm90_kernel"
     else:
         (block_m, stages, persistent), block_n = flash_sm90.BWD_CONFIGS[d], flash_sm90.PROGRAM_ROWS
@@ -411,7 +413,8 @@ def test_sm90_backward_kernel_structure(d, causal, which):
     64 x 128 S^T and dP^T per warpgroup, spills 196 bytes (its loop reads and writes local memory; 188 before its
     programs became persistent); it measured 1.02-1.06x the Triton backward on the grid's causal shapes all the
     same, and 64-query steps, which do not spill, 0.99-1.04x (benchmarks/RESULTS.md, session 17). The bound catches
-    growth. The persistent dK/dV kernel (D=64) takes its tiles with one atomic add each, by one thread."""
+    growth. The persistent kernels (dQ and dK/dV at D=64) take their tiles with one atomic add each, by one
+    thread."""
     from kernels import flash_sm90
 
     assert d in flash_sm90.BACKWARD_HEAD_DIMS
@@ -423,9 +426,8 @@ def test_sm90_backward_kernel_structure(d, causal, which):
     assert "serialized" not in result["ptxas"], result["ptxas"]
     spills = spill_bytes(result["ptxas"])
     bound = 200 if (d, causal, which) == (64, True, "dkdv") else 0
-    if which == "dkdv":
-        persistent = flash_sm90.BWD_CONFIGS[d][2]
-        assert result["ptx"].count("atom.global") == (1 if persistent else 0), "the tile counter"
+    persistent = (flash_sm90.BWD_CONFIGS if which == "dkdv" else flash_sm90.DQ_CONFIGS)[d][2]
+    assert result["ptx"].count("atom.global") == (1 if persistent else 0), "the tile counter"
     assert spills and all(a <= bound and b <= bound for a, b in spills), result["ptxas"]
 
 
