@@ -13,10 +13,10 @@ Structure (FlashAttention-2, Dao 2023; Triton's fused-attention tutorial):
 - on Hopper (sm_90, fp16/bf16): separate warp-specialized kernels written in Gluon (kernels/flash_sm90.py: a TMA
   loader warp and two consumer warpgroups, FlashAttention-3's structure) run the forward at D = 128 (and at
   D = 64: full attention at every length, causal from 2048 keys) and the backward at D = 128 and 64. On an H200
-  they take the forward from 328-515 to 453-636 TFLOP/s at D = 128 (at D = 64, where they run, from 374-439 to
-  429-473) and the backward from 239-426 to 329-514 at D = 128 and from 245-386 to 274-443 at D = 64
-  (benchmarks/RESULTS.md, session 19's grid). Everything below
-  describes the portable kernels, which run everywhere else.
+  they take the forward from 315-501 to 417-607 TFLOP/s at D = 128 (at D = 64, where they run, from 361-461 to
+  416-464) and the backward from 242-408 to 319-487 at D = 128 and from 236-376 to 226-436 at D = 64, where the
+  lowest, B16 S1024 causal, varies by 30% from call to call (benchmarks/RESULTS.md, session 19's final grid).
+  Everything below describes the portable kernels, which run everywhere else.
 - forward: one program per (query block, query head, batch) streams K/V blocks with an online softmax in the
   log2 domain (exp2 with log2(e) folded into the scale). The KV loop is split in two: blocks every query of the
   program sees entirely run without any mask; only the blocks on the causal diagonal or past the end of the
