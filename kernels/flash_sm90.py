@@ -78,10 +78,10 @@ dQ per step from the consumers costs 30% (without that write it ran 1.08-1.24x; 
 reductions from shared memory, which Gluon does not expose on Hopper in Triton 3.6). In the forward (session 16):
 the row sums of P on the tensor cores (a second wgmma against a block of ones; 1-14% slower), pipelining across
 tiles (the next tile's first scores beside this tile's last P V; +1-5% at D=64 causal, -2% to +4%
-elsewhere, more spills at D=128), three consumer warpgroups at D=64 (3-19% slower). In the backward: persistent dK/dV
-programs at D=128 (above).
+elsewhere, more spills at D=128), three consumer warpgroups at D=64 (3-19% slower). In the backward: persistent dQ and
+dK/dV programs at D=128 (above).
 
-No kernel spills registers, except the causal dK/dV kernel at D=64 (188 bytes, inside its loop; it is faster than
+No kernel spills registers, except the causal dK/dV kernel at D=64 (196 bytes, inside its loop; it is faster than
 the Triton kernel all the same).
 
 Gluon has no CPU interpreter, so these kernels' numerics are tested on the GPU (every forward and backward test in
@@ -548,14 +548,14 @@ def _bwd_load_tile(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem
                    delta_smem, kv_ready, kv_free, q_ready, do_ready, qdo_free, batch, kv_head, start_n, m_start,
                    n_m, step0, tc, H, M_PAD, GROUP_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
                    PERSISTENT: gl.constexpr):
-    """Loader, the program's tc-th tile t: its K and V block into buffer tc % 2 (once the consumers are done with
-    the tile before last there), then for every (query head of the group, query block), in the consumers' order,
-    Q with its rows' lse and delta (one barrier) and dO into the ring; `it` counts the program's steps over all of
-    its tiles. Returns the count after this tile."""
-    # (Not persistent, step0 is a constexpr 0, which the assignment turns into a plain 0 that the loops may make a
-    # tensor; and this code then matches the one-tile loader instruction for instruction: small changes here, even
-    # a step count made a tensor up front, moved ptxas's register choices in a consumer's loop and cost 3-7% at
-    # D=128, benchmarks/RESULTS.md session 19.)
+    """Loader, the program's tc-th tile: its K and V block into buffer tc % 2 (once the consumers are done with the
+    tile before last there), then for every (query head of the group, query block), in the consumers' order, Q with
+    its rows' lse and delta (one barrier) and dO into the ring; step0 counts the program's steps over its earlier
+    tiles. Returns the count after this tile."""
+    # When not persistent, step0 is a constexpr 0 and this is, instruction for instruction, the one-tile loader it
+    # replaced. Small changes here (the step count made a tensor up front, the query-block count computed here)
+    # moved ptxas's register choices in a consumer warpgroup's loop and cost that kernel 3-7% at D=128
+    # (benchmarks/RESULTS.md, session 19).
     it = step0
     kb = tc % 2
     if PERSISTENT:
