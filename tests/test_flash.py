@@ -82,6 +82,11 @@ def poisoned(shape, dtype):
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_forward_backward_matches_reference(case, dtype):
     """Launchers write into NaN-poisoned buffers: every element of out, lse, dq, dk, dv must be written."""
+    check_forward_backward(case, dtype)
+
+
+def check_forward_backward(case, dtype):
+    """_forward and _backward of `case` into NaN-poisoned buffers against the fp32 reference."""
     causal = case[-1]
     q, k, v, do = make_inputs(case, dtype)
     out, lse = _forward(q, k, v, None, causal, out=poisoned(do.shape, dtype), lse=poisoned(do.shape[:3], torch.float32))
@@ -496,28 +501,19 @@ def test_sm90_forward_d64(causal):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [64, 128])
 def test_sm90_persistent_tiles(d, causal, monkeypatch):
-    """The persistent Hopper kernels (the forward; dK/dV at D = 64) with many tiles per program: the launch sized
-    for a GPU of two SMs, so each program takes 12 tiles from the counter, handing each to its consumers and
-    cycling the K/V buffers and barrier phases over tiles, which the other tests' launches (one tile per program
-    or fewer) never do (causal D = 64, below MIN_KEYS, runs the Triton forward and the persistent dK/dV kernel).
-    Forward and backward (ZOO_FLASH_SM90_BWD=force) into NaN-poisoned buffers against the reference. On other
-    machines the Triton kernels run the same check."""
+    """The persistent Hopper kernels (the forward; dQ and dK/dV at D = 64) with many tiles per program: the launch
+    sized for a GPU of two SMs, so each program takes 6-12 tiles from the counter, handing each to its consumers
+    and cycling the Q/dO or K/V buffers and barrier phases over tiles, which the other tests' launches (one tile per
+    program or fewer) never do (causal D = 64, below MIN_KEYS, runs the Triton forward and the persistent backward
+    kernels). Forward and backward (ZOO_FLASH_SM90_BWD=force) into NaN-poisoned buffers against the reference. On
+    other machines the Triton kernels run the same check."""
     from kernels import flash_sm90
 
     monkeypatch.setattr(flash_sm90, "num_sms", lambda device: 2)
     monkeypatch.setenv("ZOO_FLASH_SM90_BWD", "force")
-    case = (2, 4, 2, 300, 300, d, d, causal)  # 24 forward tiles of 128 queries, 12 dK/dV tiles of 128 keys
-    dtype = KERNEL_DTYPES[-1]  # bf16 on the GPU, fp16 on the CPU (whose interpreter computes bf16 wrong)
-    q, k, v, do = make_inputs(case, dtype)
-    out, lse = _forward(q, k, v, None, causal, out=poisoned(q.shape, dtype), lse=poisoned(q.shape[:3], torch.float32))
-    grads = tuple(poisoned(x.shape, dtype) for x in (q, k, v))
-    dq, dk, dv = _backward(q, k, v, out, lse, do, None, causal, grads=grads)
-    ref_out, ref_lse, ref_dq, ref_dk, ref_dv = reference_grads(q, k, v, do, causal)
-    assert_close(out, ref_out, dtype, "out")
-    assert_close(lse, ref_lse, dtype, "lse")
-    assert_close(dq, ref_dq, dtype, "dq", grad=True)
-    assert_close(dk, ref_dk, dtype, "dk", grad=True)
-    assert_close(dv, ref_dv, dtype, "dv", grad=True)
+    # 24 forward and dQ tiles of 128 queries, 12 dK/dV tiles of 128 keys; bf16 on the GPU, fp16 on the CPU (whose
+    # interpreter computes bf16 wrong).
+    check_forward_backward((2, 4, 2, 300, 300, d, d, causal), KERNEL_DTYPES[-1])
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
