@@ -185,6 +185,20 @@ def _receive(tile_smem, tile_ready, tile_free, tc):
 
 
 @gluon.jit
+def _tile_handover():
+    """The shared memory through which a persistent program's loader hands its tiles to the consumers
+    (`_publish`, `_receive`): two slots, each with a ready barrier (the loader's arrival) and a free one (one
+    arrival per consumer warpgroup)."""
+    tile_smem = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
+    tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    tile_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(2):
+        mbarrier.init(tile_ready.index(i), count=1)
+        mbarrier.init(tile_free.index(i), count=CONSUMERS)
+    return tile_smem, tile_ready, tile_free
+
+
+@gluon.jit
 def _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, g, batch, kv_head, row,
              STAGES: gl.constexpr):
     """Loader: the program's g-th K/V block (rows row.. of one KV head) into stage g % STAGES of the ring, once
@@ -382,12 +396,7 @@ def _flash_fwd_sm90_kernel(
         o_smem = q_smem
     else:
         o_smem = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS] + o_desc.block_type.shape, o_desc.layout)
-    tile_smem = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-    tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    tile_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(2):
-        mbarrier.init(tile_ready.index(i), count=1)
-        mbarrier.init(tile_free.index(i), count=CONSUMERS)
+    tile_smem, tile_ready, tile_free = _tile_handover()
     for c in gl.static_range(CONSUMERS):
         mbarrier.init(q_ready.index(c), count=1)
         mbarrier.init(q_free.index(c), count=1)
@@ -493,6 +502,19 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
     return descriptor(t, [1, 1, rows, t.shape[-1]])
 
 
+def tile_counter(device: torch.device, persistent: bool) -> torch.Tensor:
+    """A persistent launch's tile counter (tiles taken past the first wave), zeroed for each launch; a launch of
+    one program per tile never reads it and gets one allocated once per device, so it adds no memset."""
+    if persistent:
+        return torch.zeros(1, dtype=torch.int32, device=device)
+    return _unread_counter(device)
+
+
+@functools.cache
+def _unread_counter(device: torch.device) -> torch.Tensor:
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
 def output_in_q(d: int, block_n: int, stages: int, itemsize: int = 2) -> bool:
     """Does the forward stage each tile's output in its Q buffers? When separate output buffers would not fit the
     program's shared memory beside Q and the K/V ring (D=128: 32 + 192 KB, and 32 more would exceed 227 KB)."""
@@ -514,7 +536,7 @@ def forward(q, k, v, out, lse, qk_scale: float, causal: bool, config=None):
     block_n, stages = config or CONFIGS[d]
     n_m = triton.cdiv(s_q, PROGRAM_ROWS)
     n_tiles = n_m * h_q * b
-    counter = torch.zeros(1, dtype=torch.int32, device=q.device)  # tiles taken past the first wave
+    counter = tile_counter(q.device, True)
     grid = (min(n_tiles, num_sms(q.device)),)
     _flash_fwd_sm90_kernel[grid](
         _descriptor(q, ROWS_PER_CONSUMER), _descriptor(k, block_n), _descriptor(v, block_n),
@@ -750,13 +772,9 @@ def _flash_bwd_dkdv_sm90_kernel(
         mbarrier.init(kv_ready.index(i), count=1)
     if PERSISTENT:  # the tile hand-over and the K/V buffers' release
         kv_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        tile_smem = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        tile_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for i in gl.static_range(2):
             mbarrier.init(kv_free.index(i), count=CONSUMERS)
-            mbarrier.init(tile_ready.index(i), count=1)
-            mbarrier.init(tile_free.index(i), count=CONSUMERS)
+        tile_smem, tile_ready, tile_free = _tile_handover()
     else:  # (not used: one tile per program needs no hand-over)
         kv_free = kv_ready
         tile_smem = kv_ready
@@ -799,7 +817,7 @@ def backward_dkdv(q, k, v, do, lse2, delta, dk, dv, sm_scale: float, causal: boo
     assert lse2.shape == delta.shape == (b, h_q, rows) and lse2.is_contiguous() and delta.is_contiguous()
     n_kb = triton.cdiv(s_kv, PROGRAM_ROWS)
     n_tiles = n_kb * h_kv * b
-    counter = torch.zeros(1, dtype=torch.int32, device=q.device)  # tiles taken past the first wave
+    counter = tile_counter(q.device, persistent)
     _flash_bwd_dkdv_sm90_kernel[(min(n_tiles, num_sms(q.device)) if persistent else n_tiles,)](
         _descriptor(q, block_m), _descriptor(do, block_m), _descriptor(k, PROGRAM_ROWS), _descriptor(v, PROGRAM_ROWS),
         descriptor(lse2.view(-1), [block_m]), descriptor(delta.view(-1), [block_m]), dk, dv, counter,
@@ -1016,17 +1034,10 @@ def _flash_bwd_dq_sm90_kernel(
 ):
     """Tiles of (128 query rows, query head, batch). PERSISTENT, as the forward: one program per SM takes tiles from
     a global counter, with two Q/dO buffers per consumer. Else one program per tile."""
-    BLOCK_M: gl.constexpr = CONSUMERS * ROWS
-    n_m = gl.cdiv(M, BLOCK_M)
+    n_m = gl.cdiv(M, CONSUMERS * ROWS)
     # The program's own tile, for one program per tile (the persistent roles ignore it).
-    pid_m, hb = ranked(gl.program_id(0), n_m, gl.num_programs(0) // n_m, bucket)
-    if CAUSAL:
-        pid_m = n_m - 1 - pid_m
-    head = hb % H
-    batch = hb // H
-    kv_head = head // GROUP_SIZE
-    start_m = pid_m * BLOCK_M
-    n_blocks, n_unmasked = _key_blocks(start_m, M, N, CAUSAL, BLOCK_M, BLOCK_N)
+    batch, head, kv_head, start_m, n_blocks, n_unmasked = _dq_tile(gl.program_id(0), n_m, gl.num_programs(0), bucket,
+                                                                   H, M, N, GROUP_SIZE, CAUSAL, BLOCK_N)
 
     Q_BUFFERS: gl.constexpr = 2 * CONSUMERS if PERSISTENT else CONSUMERS
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [Q_BUFFERS] + q_desc.block_type.shape, q_desc.layout)
@@ -1045,14 +1056,9 @@ def _flash_bwd_dq_sm90_kernel(
         mbarrier.init(kv_free.index(i), count=CONSUMERS)
     if PERSISTENT:  # the tile hand-over and the Q/dO buffers' release
         q_free = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
-        tile_smem = gl.allocate_shared_memory(gl.int32, [2, 1], gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        tile_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-        tile_free = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         for c in gl.static_range(Q_BUFFERS):
             mbarrier.init(q_free.index(c), count=1)
-        for i in gl.static_range(2):
-            mbarrier.init(tile_ready.index(i), count=1)
-            mbarrier.init(tile_free.index(i), count=CONSUMERS)
+        tile_smem, tile_ready, tile_free = _tile_handover()
     else:  # (not used: one tile per program needs no hand-over)
         q_free = q_ready
         tile_smem = q_ready
@@ -1104,7 +1110,7 @@ def backward_dq(q, k, v, out, do, lse, dlse, delta, dq, sm_scale: float, causal:
     block_n, stages, persistent = config or DQ_CONFIGS[d]
     n_m = triton.cdiv(s_q, PROGRAM_ROWS)
     n_tiles = n_m * h_q * b
-    counter = torch.zeros(1, dtype=torch.int32, device=q.device)  # tiles taken past the first wave
+    counter = tile_counter(q.device, persistent)
     _flash_bwd_dq_sm90_kernel[(min(n_tiles, num_sms(q.device)) if persistent else n_tiles,)](
         _descriptor(q, ROWS_PER_CONSUMER), _descriptor(do, ROWS_PER_CONSUMER), _descriptor(k, block_n),
         _descriptor(v, block_n), out, lse, dlse_arg, delta, lse2 if lse2 is not None else delta, dq, counter,
