@@ -59,6 +59,7 @@ import triton
 import triton.language as tl
 
 from kernels import _checks
+from kernels._host import cdiv, next_power_of_2
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -441,7 +442,7 @@ def _kv_row_bytes(d_qk: int, d_v: int, itemsize: int) -> int:
 
 def _block_h(group: int) -> int:
     """Query heads per program: the KV group packed into the MMA's M dimension (at least 16 rows)."""
-    return max(16, min(64, triton.next_power_of_2(group)))
+    return max(16, min(64, next_power_of_2(group)))
 
 
 def grouped_num_splits(batch: int, h_q: int, h_kv: int, capacity: int, d_qk: int, d_v: int, itemsize: int,
@@ -450,7 +451,7 @@ def grouped_num_splits(batch: int, h_q: int, h_kv: int, capacity: int, d_qk: int
     paged launch of the Hopper kernel (kernels/decode_sm90.py), which `ragged_num_splits` models."""
     group = h_q // h_kv
     block_h = _block_h(group)
-    programs = batch * h_kv * triton.cdiv(group, block_h)
+    programs = batch * h_kv * cdiv(group, block_h)
     load = _load(programs, paged, device)
     block_n = _sm90().CONFIGS[d_qk][0] if sm90 else _tile_config(d_qk, d_v, itemsize, paged, load)[0]
     tile_bytes = block_n * (d_qk + d_v) * itemsize
@@ -458,10 +459,10 @@ def grouped_num_splits(batch: int, h_q: int, h_kv: int, capacity: int, d_qk: int
     partial_bytes = batch * h_q * (d_v + 1) * 4
     if sm90:  # per-tile floor 1 us (fitted with ragged_num_splits); the ring's shared memory sets programs per SM
         slots = num_sms(device) * max(1, SMEM_PER_SM // _sm90().shared_bytes(d_qk, itemsize))
-        return ragged_num_splits(batch, h_kv * triton.cdiv(group, block_h), capacity, block_n, tile_bytes,
+        return ragged_num_splits(batch, h_kv * cdiv(group, block_h), capacity, block_n, tile_bytes,
                                  max(1e-6, tile_flops / 2e12), partial_bytes, slots)
     slots = num_sms(device) * programs_per_sm(d_qk, d_v, itemsize, paged, load)
-    return auto_num_splits(programs, triton.cdiv(capacity, block_n), tile_bytes, tile_seconds(tile_flops, paged),
+    return auto_num_splits(programs, cdiv(capacity, block_n), tile_bytes, tile_seconds(tile_flops, paged),
                            partial_bytes, slots)
 
 
@@ -486,7 +487,7 @@ def ragged_num_splits(batch: int, heads: int, capacity: int, block_n: int, tile_
     ragged = [int(capacity / 8 + capacity * 7 / 8 * ((i * 0.6180339887) % 1.0)) for i in range(batch)]
     times = {}
     for splits in SPLIT_CHOICES:
-        if splits > 1 and (splits > triton.cdiv(capacity, block_n) or batch * heads * splits > 16 * slots):
+        if splits > 1 and (splits > cdiv(capacity, block_n) or batch * heads * splits > 16 * slots):
             break  # never more splits than tiles, nor more than 16 waves of programs
         combine = combine_latency + 2 * partial_bytes * splits / bandwidth if splits > 1 else 0.0
         times[splits] = [_simulate(lens, heads, splits, block_n, tile_bytes, tile_time, slots, bandwidth) + combine
@@ -502,9 +503,9 @@ def _simulate(lengths: list[int], heads: int, splits: int, block_n: int, tile_by
     second, and each program costs one tile more than it reads (its start and its stores)."""
     work = []
     for n in lengths:
-        chunk = triton.cdiv(triton.cdiv(n, splits), block_n) * block_n
+        chunk = cdiv(cdiv(n, splits), block_n) * block_n
         for split in range(splits):
-            tiles = triton.cdiv(max(0, min(chunk, n - split * chunk)), block_n)
+            tiles = cdiv(max(0, min(chunk, n - split * chunk)), block_n)
             work += [tiles + 1] * heads
     # All running programs advance at the same rate, so each one's finish is a point on a shared progress axis.
     now, progress, started, running = 0.0, 0.0, 0, []
@@ -567,7 +568,7 @@ def _launch_decode(q, k, v, q_rope, k_rope, block_table, seq_lens, scale: float,
     else:
         part_o = new_empty((batch, h_q, num_splits, d_v), q.device, torch.float32)
         part_lse = new_empty((batch, h_q, num_splits), q.device, torch.float32)
-    programs = batch * h_kv * triton.cdiv(h_q // h_kv, block_h)
+    programs = batch * h_kv * cdiv(h_q // h_kv, block_h)
     chunk = fused_combine_chunk(num_splits, min(h_q // h_kv, block_h), d_v)
     counters = split_counters(q.device, programs) if chunk else None
     fused = counters is not None
@@ -593,7 +594,7 @@ def _launch_triton(q, k, v, q_rope, k_rope, block_table, seq_lens, part_o, part_
     d_rope = q_rope.shape[-1] if q_rope is not None else 0
     group = h_q // h_kv
     block_h = _block_h(group)
-    load = _load(batch * h_kv * triton.cdiv(group, block_h), paged, q.device)
+    load = _load(batch * h_kv * cdiv(group, block_h), paged, q.device)
     block_n, warps, stages = _tile_config(d_qk + d_rope, d_v, k.element_size(), paged, load)
     if config is not None:
         block_n, warps, stages = config["BLOCK_N"], config["num_warps"], config["num_stages"]
@@ -608,9 +609,9 @@ def _launch_triton(q, k, v, q_rope, k_rope, block_table, seq_lens, part_o, part_
             else (0, 0, 0, 0)
         table, table_strides = seq_lens, (0, 0)  # unused
     qr_strides = q_rope.stride() if q_rope is not None else (0, 0, 0)
-    static_iters = triton.cdiv(triton.cdiv(capacity, block_n), num_splits) if _checks.interpreting() else 0
+    static_iters = cdiv(cdiv(capacity, block_n), num_splits) if _checks.interpreting() else 0
     out, lse, counters, chunk = fused if fused is not None else (part_o[:, :, 0], part_lse[:, :, 0], seq_lens, 0)
-    _grouped_decode_kernel[(h_kv * triton.cdiv(group, block_h), num_splits, batch)](
+    _grouped_decode_kernel[(h_kv * cdiv(group, block_h), num_splits, batch)](
         q, k, v, q_rope if q_rope is not None else q, k_rope if k_rope is not None else k, table, seq_lens,
         part_o, part_lse, out, lse, counters,
         *q.stride(), *k_strides, *v_strides, *qr_strides, *kr_strides, *table_strides,
@@ -638,10 +639,10 @@ def fused_combine_chunk(num_splits: int, heads: int, d_v: int) -> int:
     spreads such merges over (sequence, head, column block) programs."""
     if num_splits == 1 or os.environ.get("ZOO_FUSED_COMBINE", "1") == "0":
         return 0
-    row = triton.next_power_of_2(heads) * _pow2(d_v)
+    row = next_power_of_2(heads) * _pow2(d_v)
     if num_splits * row > FUSED_COMBINE_MAX_VALUES:  # two splits or more: one split's row fits a chunk
         return 0
-    return min(triton.next_power_of_2(num_splits), _FUSED_COMBINE_CHUNK // row)
+    return min(next_power_of_2(num_splits), _FUSED_COMBINE_CHUNK // row)
 
 
 _COUNTERS: dict[str, torch.Tensor] = {}
@@ -675,7 +676,7 @@ def combine_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tens
     """part_o (B, H, splits, D_v) fp32, part_lse (B, H, splits) log2 units -> out (B, H, D_v), lse (B, H)."""
     batch, heads, splits, d_v = part_o.shape
     block_dv = min(_pow2(d_v), max(16, 4096 // _pow2(splits, 2)))  # at most 4096 fp32 values per program
-    _combine_splits_kernel[(heads, batch, triton.cdiv(d_v, block_dv))](
+    _combine_splits_kernel[(heads, batch, cdiv(d_v, block_dv))](
         part_o, part_lse, out, lse, *part_o.stride(), *part_lse.stride(), *out.stride(), *lse.stride(),
         NUM_SPLITS=splits, D_V=d_v, BLOCK_S=_pow2(splits, 2), BLOCK_DV=block_dv, num_warps=4,
     )
@@ -688,7 +689,7 @@ def new_empty(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) 
 
 
 def _pow2(n: int, minimum: int = 16) -> int:
-    return max(minimum, triton.next_power_of_2(n)) if n > 0 else minimum
+    return max(minimum, next_power_of_2(n)) if n > 0 else minimum
 
 
 # ---- Custom ops (torch.compile traces through them) --------------------------------------------------------------

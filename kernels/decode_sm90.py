@@ -37,7 +37,6 @@ on the CPU, tests/test_decode.py compiles it for sm_90 and checks its structure.
 import os
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -49,6 +48,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from kernels import _checks
+from kernels._host import cdiv, next_power_of_2
 from kernels.flash_sm90 import descriptor, on_hopper
 
 HEAD_DIMS = (64, 128)
@@ -362,11 +362,11 @@ def launch(q, k_pages, v_pages, block_table, seq_lens, part_o, part_lse, scale_l
         raise ValueError(f"BLOCK_N = D = {d}: miscompiled on the H200 (see CONFIGS); take another tile width")
     rows = min(page_size, block_n)  # rows per TMA copy: one page (or a tile's slice of one)
     out, lse, counters, chunk = fused if fused is not None else (part_o[:, :, 0], part_lse[:, :, 0], seq_lens, 0)
-    _grouped_decode_sm90_kernel[(h_kv * triton.cdiv(group, block_h), num_splits, batch)](
+    _grouped_decode_sm90_kernel[(h_kv * cdiv(group, block_h), num_splits, batch)](
         q, descriptor(k_pages.flatten(2), [1, rows, d]), descriptor(v_pages.flatten(2), [1, rows, d]), seq_lens,
         block_table, part_o, part_lse, out, lse, counters, *q.stride(), *block_table.stride(), *part_o.stride(),
         *part_lse.stride(), *out.stride(), *lse.stride(), scale_log2, group, block_h, num_splits,
         BLOCK_N=block_n, D=d, STAGES=stages, PAGE_SIZE=page_size, PAGE_ROWS=rows,
-        MERGE_H=triton.next_power_of_2(min(group, block_h)) if chunk else 1, CHUNK=chunk,
+        MERGE_H=next_power_of_2(min(group, block_h)) if chunk else 1, CHUNK=chunk,
         num_warps=4, maxnreg=MAX_REGS,
     )

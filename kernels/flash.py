@@ -68,6 +68,7 @@ import triton
 import triton.language as tl
 
 from kernels import _checks
+from kernels._host import cdiv, next_power_of_2
 from kernels.decode import device_guard, num_sms
 from kernels.schedule import bucket_size, ranked
 
@@ -598,7 +599,7 @@ def _pick_config(kind: str, q: torch.Tensor, d_qk: int, d_v: int, causal: bool, 
         return _INTERPRETER_CONFIG
     # Short: untimed. Longer: one bucket per power of two of the longer sequence (capped at 16k): the best tile
     # can move with the length, and a grid tuned once on its first, shortest shape kept that shape's pick.
-    s_bucket = "short" if max(m, n) < _TUNE_MIN_SEQ else min(triton.next_power_of_2(max(m, n)), 16384)
+    s_bucket = "short" if max(m, n) < _TUNE_MIN_SEQ else min(next_power_of_2(max(m, n)), 16384)
     key = (kind, d_qk, d_v, causal, q.dtype, s_bucket, use_tma, q.device.index)
     if key in _TUNED:
         return _TUNED[key]
@@ -659,7 +660,7 @@ def _capability(device_index: int) -> tuple[int, int]:
 
 @functools.cache
 def _head_block(d: int) -> int:
-    return max(16, triton.next_power_of_2(d))
+    return max(16, next_power_of_2(d))
 
 
 @functools.cache
@@ -732,10 +733,14 @@ def _scale(scale, d_qk: int) -> float:
     return float(scale) if scale is not None else 1.0 / math.sqrt(d_qk)
 
 
-def _forward(q, k, v, scale: float | None, causal: bool, out=None, lse=None):
+def _forward(q, k, v, scale: float | None, causal: bool, out=None, lse=None, checked: bool = False):
     """Launch the forward; `out` (B, H_q, S_q, D_v) and `lse` (B, H_q, S_q) fp32 may be passed preallocated
-    (any strides), which the tests use to check that every element is written."""
-    b, h_q, h_kv, s_q, s_kv, d_qk, d_v = _check_qkv(q, k, v, causal, scale)
+    (any strides), which the tests use to check that every element is written. `checked`: the caller has validated
+    the inputs (`_check_qkv`)."""
+    if not checked:
+        _check_qkv(q, k, v, causal, scale)
+    b, h_q, s_q, d_qk = q.shape
+    h_kv, s_kv, d_v = k.shape[1], k.shape[2], v.shape[3]
     sm_scale = _scale(scale, d_qk)
     out = torch.empty((b, h_q, s_q, d_v), device=q.device, dtype=q.dtype) if out is None else out
     lse = torch.empty((b, h_q, s_q), device=q.device, dtype=torch.float32) if lse is None else lse
@@ -750,7 +755,7 @@ def _forward(q, k, v, scale: float | None, causal: bool, out=None, lse=None):
 
     def launch(cfg):
         block_m, block_n, warps, stages = cfg
-        n_m = triton.cdiv(s_q, block_m)
+        n_m = cdiv(s_q, block_m)
         _flash_fwd_kernel[(n_m * h_q * b,)](
             q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
             s_q, s_kv, h_q, bucket_size(n_m, h_q // h_kv, causal), sm_scale * LOG2E,
@@ -774,16 +779,20 @@ def _head_splits(programs: int, group: int, device: torch.device) -> int:
     sms = num_sms(device)
     if group == 1 or programs >= 2 * sms:
         return 1
-    per_split = triton.cdiv(group, min(group, triton.cdiv(2 * sms, programs)))
-    return triton.cdiv(group, per_split)
+    per_split = cdiv(group, min(group, cdiv(2 * sms, programs)))
+    return cdiv(group, per_split)
 
 
-def _backward(q, k, v, out, lse, do, scale: float | None, causal: bool, dlse=None, grads=None, head_splits=None):
+def _backward(q, k, v, out, lse, do, scale: float | None, causal: bool, dlse=None, grads=None, head_splits=None,
+              checked: bool = False):
     """Launch dQ (which also writes delta), then dK/dV. `grads` = (dq, dk, dv) may be preallocated (any strides);
-    `head_splits` forces the dK/dV kernel's share count (tests), else `_head_splits` picks it."""
-    _check_backward(q, k, v, out, lse, do, causal, scale)
+    `head_splits` forces the dK/dV kernel's share count (tests), else `_head_splits` picks it. `checked`: the
+    inputs are known valid (autograd: the forward checked q, k, v and made out and lse, and the engine gives do
+    out's shape, dtype and device)."""
+    if not checked:
+        _check_backward(q, k, v, out, lse, do, causal, scale)
     b, h_q, s_q, d_qk = q.shape
-    h_kv, s_kv, d_v = k.shape[1], k.shape[2], v.shape[3]
+    h_kv, s_kv = k.shape[1], k.shape[2]
     sm_scale = _scale(scale, d_qk)
     if grads is None:
         grads = (torch.empty_like(q, memory_format=torch.contiguous_format),
@@ -792,42 +801,6 @@ def _backward(q, k, v, out, lse, do, scale: float | None, causal: bool, dlse=Non
     dq, dk, dv = grads
     if s_q == 0 or b == 0 or h_q == 0:
         return dq, dk.zero_(), dv.zero_()
-    common = dict(D_QK=d_qk, D_V=d_v, **_qk_blocks(d_qk), BLOCK_DV=_head_block(d_v),
-                  GROUP_SIZE=h_q // h_kv, CAUSAL=causal, PRECISION=_precision(q.dtype),
-                  INTERPRET=_checks.interpreting())
-    qkv_strides = (*q.stride(), *k.stride(), *v.stride(), *do.stride(), *lse.stride())
-    tma_dkdv, tma_dq = _use_tma(True, q, do), _use_tma(True, k, v)  # what each kernel streams through its loop
-
-    def launch_dkdv(cfg):
-        block_m, block_n, warps, stages = cfg
-        splits = head_splits or _head_splits(triton.cdiv(s_kv, block_n) * h_kv * b, h_q // h_kv, q.device)
-        dk_out, dv_out = dk, dv
-        if splits > 1:  # fp32 partials, one per share of the group's heads: (B, H_kv * splits, S_kv, D)
-            dk_out = torch.empty((b, h_kv * splits, s_kv, d_qk), device=q.device, dtype=torch.float32)
-            dv_out = torch.empty((b, h_kv * splits, s_kv, d_v), device=q.device, dtype=torch.float32)
-        n_kb = triton.cdiv(s_kv, block_n)
-        _flash_bwd_dkdv_kernel[(n_kb * h_kv * splits * b,)](
-            q, k, v, do, lse, delta, dk_out, dv_out, *qkv_strides, *dk_out.stride(), *dv_out.stride(),
-            s_q, s_kv, h_q, bucket_size(n_kb, h_q // h_kv, causal), sm_scale, sm_scale * LOG2E, **common,
-            BLOCK_M=block_m, BLOCK_N=block_n, USE_TMA=tma_dkdv, HEAD_SPLITS=splits, num_warps=warps,
-            num_stages=stages,
-        )
-        if splits > 1:
-            dk.copy_(dk_out.view(b, h_kv, splits, s_kv, d_qk).sum(2))
-            dv.copy_(dv_out.view(b, h_kv, splits, s_kv, d_v).sum(2))
-
-    dlse_arg = dlse if dlse is not None else lse  # a placeholder without an lse gradient (HAS_DLSE=False: unread)
-
-    def launch_dq(cfg):
-        block_m, block_n, warps, stages = cfg
-        n_m = triton.cdiv(s_q, block_m)
-        _flash_bwd_dq_kernel[(n_m * h_q * b,)](
-            q, k, v, do, lse, delta, dq, out, dlse_arg, *qkv_strides, *dq.stride(), *out.stride(), *dlse_arg.stride(),
-            s_q, s_kv, h_q, bucket_size(n_m, h_q // h_kv, causal), sm_scale, sm_scale * LOG2E, **common,
-            BLOCK_M=block_m, BLOCK_N=block_n, USE_TMA=tma_dq, HAS_DLSE=dlse is not None, num_warps=warps,
-            num_stages=stages,
-        )
-
     # Hopper, fp16/bf16, D = 64 or 128 (ZOO_FLASH_SM90_BWD, see flash_sm90.backward_mode): dQ and delta in the Gluon
     # kernel; dK/dV too when its programs (128 keys each) fill the GPU, else the Triton kernel, which can split a KV
     # group's heads over programs ("force": the Gluon kernel regardless).
@@ -835,7 +808,7 @@ def _backward(q, k, v, out, lse, do, scale: float | None, causal: bool, dlse=Non
     sm90 = mode != "0" and flash_sm90.supports_backward(q, k, v, do)
     sm90_dkdv = sm90 and (
         mode == "force"
-        or _head_splits(triton.cdiv(s_kv, flash_sm90.PROGRAM_ROWS) * h_kv * b, h_q // h_kv, q.device) == 1)
+        or _head_splits(cdiv(s_kv, flash_sm90.PROGRAM_ROWS) * h_kv * b, h_q // h_kv, q.device) == 1)
     # The Hopper dK/dV kernel reads delta and the lse (in log2 units, written by the dQ kernel) as whole padded
     # blocks of rows (flash_sm90.padded_rows); the Triton one reads delta (B, H_q, S_q).
     rows = flash_sm90.padded_rows(s_q) if sm90_dkdv else s_q
@@ -845,12 +818,70 @@ def _backward(q, k, v, out, lse, do, scale: float | None, causal: bool, dlse=Non
         if sm90:
             flash_sm90.backward_dq(q, k, v, out, do, lse, dlse, delta, dq, sm_scale, causal, lse2=lse2)
         else:
-            launch_dq(_pick_config("dq", q, d_qk, d_v, causal, s_q, s_kv, tma_dq, launch_dq))  # dQ and delta
+            _triton_dq(q, k, v, out, lse, do, dlse, delta, dq, sm_scale, causal)
         if sm90_dkdv:
             flash_sm90.backward_dkdv(q, k, v, do, lse2, delta, dk, dv, sm_scale, causal)
         else:
-            launch_dkdv(_pick_config("dkdv", q, d_qk, d_v, causal, s_q, s_kv, tma_dkdv, launch_dkdv))
+            _triton_dkdv(q, k, v, lse, do, delta, dk, dv, sm_scale, causal, head_splits)
     return dq, dk, dv
+
+
+def _backward_constants(q, k, v, causal: bool) -> dict:
+    d_qk, d_v = q.shape[3], v.shape[3]
+    return dict(D_QK=d_qk, D_V=d_v, **_qk_blocks(d_qk), BLOCK_DV=_head_block(d_v), GROUP_SIZE=q.shape[1] // k.shape[1],
+                CAUSAL=causal, PRECISION=_precision(q.dtype), INTERPRET=_checks.interpreting())
+
+
+def _triton_dq(q, k, v, out, lse, do, dlse, delta, dq, sm_scale: float, causal: bool):
+    """dQ and delta (B, H_q, S_q) in the Triton kernel, its config picked (and on the GPU timed) once per bucket."""
+    b, h_q, s_q, d_qk = q.shape
+    h_kv, s_kv, d_v = k.shape[1], k.shape[2], v.shape[3]
+    use_tma = _use_tma(True, k, v)  # K and V stream through its loop
+    dlse_arg = dlse if dlse is not None else lse  # a placeholder without an lse gradient (HAS_DLSE=False: unread)
+
+    def launch(cfg):
+        block_m, block_n, warps, stages = cfg
+        n_m = cdiv(s_q, block_m)
+        _flash_bwd_dq_kernel[(n_m * h_q * b,)](
+            q, k, v, do, lse, delta, dq, out, dlse_arg, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
+            *lse.stride(), *dq.stride(), *out.stride(), *dlse_arg.stride(),
+            s_q, s_kv, h_q, bucket_size(n_m, h_q // h_kv, causal), sm_scale, sm_scale * LOG2E,
+            **_backward_constants(q, k, v, causal),
+            BLOCK_M=block_m, BLOCK_N=block_n, USE_TMA=use_tma, HAS_DLSE=dlse is not None, num_warps=warps,
+            num_stages=stages,
+        )
+
+    launch(_pick_config("dq", q, d_qk, d_v, causal, s_q, s_kv, use_tma, launch))
+
+
+def _triton_dkdv(q, k, v, lse, do, delta, dk, dv, sm_scale: float, causal: bool, head_splits=None):
+    """dK and dV in the Triton kernel, a KV group's query heads split over `head_splits` (else `_head_splits`)
+    programs that sum into fp32 partials when the launch alone would not fill the GPU."""
+    b, h_q, s_q, d_qk = q.shape
+    h_kv, s_kv, d_v = k.shape[1], k.shape[2], v.shape[3]
+    use_tma = _use_tma(True, q, do)  # Q and dO stream through its loop
+
+    def launch(cfg):
+        block_m, block_n, warps, stages = cfg
+        splits = head_splits or _head_splits(cdiv(s_kv, block_n) * h_kv * b, h_q // h_kv, q.device)
+        dk_out, dv_out = dk, dv
+        if splits > 1:  # fp32 partials, one per share of the group's heads: (B, H_kv * splits, S_kv, D)
+            dk_out = torch.empty((b, h_kv * splits, s_kv, d_qk), device=q.device, dtype=torch.float32)
+            dv_out = torch.empty((b, h_kv * splits, s_kv, d_v), device=q.device, dtype=torch.float32)
+        n_kb = cdiv(s_kv, block_n)
+        _flash_bwd_dkdv_kernel[(n_kb * h_kv * splits * b,)](
+            q, k, v, do, lse, delta, dk_out, dv_out, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
+            *lse.stride(), *dk_out.stride(), *dv_out.stride(),
+            s_q, s_kv, h_q, bucket_size(n_kb, h_q // h_kv, causal), sm_scale, sm_scale * LOG2E,
+            **_backward_constants(q, k, v, causal),
+            BLOCK_M=block_m, BLOCK_N=block_n, USE_TMA=use_tma, HEAD_SPLITS=splits, num_warps=warps,
+            num_stages=stages,
+        )
+        if splits > 1:
+            dk.copy_(dk_out.view(b, h_kv, splits, s_kv, d_qk).sum(2))
+            dv.copy_(dv_out.view(b, h_kv, splits, s_kv, d_v).sum(2))
+
+    launch(_pick_config("dkdv", q, d_qk, d_v, causal, s_q, s_kv, use_tma, launch))
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -908,7 +939,7 @@ def _flash_fwd_backward(ctx, d_out, d_lse):
 
 
 def _eager_backward(q, k, v, out, lse, do, dlse, scale, causal):
-    return _backward(q, k, v, out, lse, do, scale, causal, dlse=dlse)
+    return _backward(q, k, v, out, lse, do, scale, causal, dlse=dlse, checked=True)
 
 
 _flash_fwd_op.register_autograd(_flash_fwd_backward, setup_context=_setup_context)
@@ -922,7 +953,7 @@ class _FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, scale, causal):
-        out, lse = _forward(q, k, v, scale, causal)
+        out, lse = _forward(q, k, v, scale, causal, checked=True)  # flash_gqa_forward checked them
         _setup_context(ctx, (q, k, v, scale, causal), (out, lse))
         return out, lse
 

@@ -106,6 +106,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernels import _checks
+from kernels._host import cdiv
 from kernels.decode import LOG2E, num_sms
 from kernels.schedule import bucket_size, ranked
 
@@ -492,9 +493,21 @@ def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
 
 def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     """A TMA descriptor over t with its own strides, one `block` tile per copy, zero-filled outside the tensor
-    (so a tile never reads the next head's or sequence's rows), in the NVMMA layout wgmma reads."""
-    dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[t.dtype]
-    return TensorDescriptor.from_tensor(t, block, gl.NVMMASharedLayout.get_default_for(block, dtype))
+    (so a tile never reads the next head's or sequence's rows), in the NVMMA layout wgmma reads. Every caller has
+    checked t with `_checks.tma_readable`, so this builds what `TensorDescriptor.from_tensor` builds without its
+    checks (alignment, block shape), which cost about as much host time as the launch's own work per descriptor."""
+    desc = TensorDescriptor.__new__(TensorDescriptor)
+    desc.__dict__.update(base=t, shape=t.shape, strides=t.stride(), block_shape=block,
+                         layout=_nvmma_layout(tuple(block), t.dtype), padding="zero")
+    return desc
+
+
+@functools.cache
+def _nvmma_layout(block: tuple[int, ...], dtype: torch.dtype) -> gl.NVMMASharedLayout:
+    """The shared-memory layout of a TMA tile, once per (block, dtype): building it costs more host time than
+    the launch it is for (a backward takes ten descriptors)."""
+    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
+    return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
 
 
 def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
@@ -503,11 +516,28 @@ def _descriptor(t: torch.Tensor, rows: int) -> TensorDescriptor:
 
 
 def tile_counter(device: torch.device, persistent: bool) -> torch.Tensor:
-    """A persistent launch's tile counter (tiles taken past the first wave), zeroed for each launch; a launch of
-    one program per tile never reads it and gets one allocated once per device, so it adds no memset."""
-    if persistent:
+    """A zero int32 for a launch's tile counter (tiles taken past the first wave; a launch of one program per tile
+    never reads it). Each persistent launch takes the next zero of a ring kept per (device, stream), and when the
+    ring is used up one memset on that stream zeroes it again: stream order puts it after every launch that read
+    it. That replaces a zero-fill launch per kernel (about 8 us of host time each, and a kernel on the GPU). While a
+    CUDA graph is captured the counter is a fresh zero-fill, which the graph replays."""
+    if not persistent:
+        return _unread_counter(device)
+    if torch.cuda.is_current_stream_capturing():
         return torch.zeros(1, dtype=torch.int32, device=device)
-    return _unread_counter(device)
+    stream = torch.cuda.current_stream(device).cuda_stream
+    ring = _RINGS.get((device, stream))
+    if ring is None:
+        ring = _RINGS[(device, stream)] = [torch.zeros(_RING_SIZE, dtype=torch.int32, device=device), 0]
+    elif ring[1] == _RING_SIZE:
+        ring[0].zero_()
+        ring[1] = 0
+    ring[1] += 1
+    return ring[0][ring[1] - 1:ring[1]]
+
+
+_RING_SIZE = 1024
+_RINGS: dict[tuple[torch.device, int], list] = {}
 
 
 @functools.cache
@@ -534,7 +564,7 @@ def forward(q, k, v, out, lse, qk_scale: float, causal: bool, config=None):
     b, h_q, s_q, d = q.shape
     h_kv, s_kv = k.shape[1], k.shape[2]
     block_n, stages = config or CONFIGS[d]
-    n_m = triton.cdiv(s_q, PROGRAM_ROWS)
+    n_m = cdiv(s_q, PROGRAM_ROWS)
     n_tiles = n_m * h_q * b
     counter = tile_counter(q.device, True)
     grid = (min(n_tiles, num_sms(q.device)),)
@@ -815,7 +845,7 @@ def backward_dkdv(q, k, v, do, lse2, delta, dk, dv, sm_scale: float, causal: boo
     block_m, stages, persistent = config or BWD_CONFIGS[d]
     rows = padded_rows(s_q)
     assert lse2.shape == delta.shape == (b, h_q, rows) and lse2.is_contiguous() and delta.is_contiguous()
-    n_kb = triton.cdiv(s_kv, PROGRAM_ROWS)
+    n_kb = cdiv(s_kv, PROGRAM_ROWS)
     n_tiles = n_kb * h_kv * b
     counter = tile_counter(q.device, persistent)
     _flash_bwd_dkdv_sm90_kernel[(min(n_tiles, num_sms(q.device)) if persistent else n_tiles,)](
@@ -831,7 +861,7 @@ def backward_dkdv(q, k, v, do, lse2, delta, dk, dv, sm_scale: float, causal: boo
 def padded_rows(s_q: int) -> int:
     """Rows per (batch, head) of the lse2/delta buffers the dK/dV kernel reads: S_q rounded up to whole dQ programs,
     every row written by `backward_dq` (rows past S_q hold 0), so a query block's rows are one in-bounds TMA copy."""
-    return triton.cdiv(s_q, PROGRAM_ROWS) * PROGRAM_ROWS
+    return cdiv(s_q, PROGRAM_ROWS) * PROGRAM_ROWS
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -1108,7 +1138,7 @@ def backward_dq(q, k, v, out, do, lse, dlse, delta, dq, sm_scale: float, causal:
     assert lse2 is None or (lse2.is_contiguous() and lse2.shape == delta.shape)
     dlse_arg = dlse if dlse is not None else lse
     block_n, stages, persistent = config or DQ_CONFIGS[d]
-    n_m = triton.cdiv(s_q, PROGRAM_ROWS)
+    n_m = cdiv(s_q, PROGRAM_ROWS)
     n_tiles = n_m * h_q * b
     counter = tile_counter(q.device, persistent)
     _flash_bwd_dq_sm90_kernel[(min(n_tiles, num_sms(q.device)) if persistent else n_tiles,)](

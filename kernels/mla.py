@@ -31,6 +31,7 @@ import triton.language as tl
 
 from kernels import _checks
 from kernels import decode as _decode
+from kernels._host import cdiv
 from kernels.decode import (
     LOG2E,
     MAX_SPLITS,
@@ -177,8 +178,8 @@ def _launch_mla(q_absorbed, q_rope, c_kv, k_rope, block_table, seq_lens, scale: 
     block_h, block_n = cfg.pop("BLOCK_H"), cfg.pop("BLOCK_N")
     if sm90:
         block_h, block_n = mla_sm90.tile_heads(h), mla_sm90.BLOCK_N
-    head_tiles = triton.cdiv(h, block_h)
-    n_tiles = triton.cdiv(capacity, block_n)
+    head_tiles = cdiv(h, block_h)
+    n_tiles = cdiv(capacity, block_n)
     if num_splits is None:
         tile_bytes = block_n * (d_c + d_r) * c_kv.element_size()
         # The MMA's work per tile: a head tile is padded to 64 rows, except the narrow Hopper kernel's (heads as N).
@@ -213,7 +214,7 @@ def _launch_mla(q_absorbed, q_rope, c_kv, k_rope, block_table, seq_lens, scale: 
         final_o, final_lse = (out, lse) if fused else (part_o[:, :, 0], part_lse[:, :, 0])
         table = block_table if paged else seq_lens  # unused when contiguous
         table_strides = block_table.stride() if paged else (0, 0)
-        static_iters = triton.cdiv(n_tiles, num_splits) if _checks.interpreting() else 0
+        static_iters = cdiv(n_tiles, num_splits) if _checks.interpreting() else 0
         _mla_decode_kernel[(head_tiles, num_splits, batch)](
             q_absorbed, q_rope, c_kv, k_rope, table, seq_lens, part_o, part_lse, final_o, final_lse,
             counters if fused else seq_lens,

@@ -50,7 +50,6 @@ roles, wgmma shapes and transposes, one score tile per block, shared memory, no 
 import os
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -62,6 +61,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from kernels import _checks
+from kernels._host import cdiv
 from kernels.decode import LOG2E
 from kernels.decode_sm90 import split_range, tile_pages, zero_rows
 from kernels.flash_sm90 import descriptor, on_hopper
@@ -458,7 +458,7 @@ def launch(q_absorbed, q_rope, c_kv, k_rope, seq_lens, part_o, part_lse, scale: 
     rows = min(page_size, BLOCK_N) if paged else BLOCK_N  # rows per TMA copy: one page (or block) at most
     table = block_table if paged else seq_lens  # unused when contiguous
     heads = heads or tile_heads(h)
-    _mla_decode_sm90_kernel[(triton.cdiv(h, heads), num_splits, batch)](
+    _mla_decode_sm90_kernel[(cdiv(h, heads), num_splits, batch)](
         descriptor(q_absorbed, [1, heads, HALF_COLUMNS]), descriptor(q_rope, [1, heads, ROPE_DIM]),
         descriptor(c_kv, [1, rows, HALF_COLUMNS]), descriptor(k_rope, [1, rows, ROPE_DIM]),
         seq_lens, table, part_o, part_lse, h, *(block_table.stride() if paged else (0, 0)), *part_o.stride(),

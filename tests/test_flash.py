@@ -511,9 +511,14 @@ def test_sm90_persistent_tiles(d, causal, monkeypatch):
 
     monkeypatch.setattr(flash_sm90, "num_sms", lambda device: 2)
     monkeypatch.setenv("ZOO_FLASH_SM90_BWD", "force")
+    # Tile counters from a ring of two, so it runs out and is zeroed again inside each call (three persistent
+    # launches at D = 64, two at D = 128); a counter left unzeroed would skip tiles and leave NaN in the outputs.
+    monkeypatch.setattr(flash_sm90, "_RING_SIZE", 2)
+    monkeypatch.setattr(flash_sm90, "_RINGS", {})
     # 24 forward and dQ tiles of 128 queries, 12 dK/dV tiles of 128 keys; bf16 on the GPU, fp16 on the CPU (whose
     # interpreter computes bf16 wrong).
-    check_forward_backward((2, 4, 2, 300, 300, d, d, causal), KERNEL_DTYPES[-1])
+    for _ in range(2):
+        check_forward_backward((2, 4, 2, 300, 300, d, d, causal), KERNEL_DTYPES[-1])
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -533,6 +538,27 @@ def test_forward_into_strided_out(d, causal):
         assert_close(lse, ref_lse, dtype, "lse")
         assert out.data_ptr() == out_base.data_ptr() and lse.data_ptr() == lse_base.data_ptr()
         assert out_base[..., d:].isnan().all() and lse_base[..., s:].isnan().all()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_sm90_descriptor_matches_from_tensor(dtype):
+    """flash_sm90.descriptor builds the TMA descriptor without TensorDescriptor's per-call checks (host time); it
+    must be the object `TensorDescriptor.from_tensor` builds: same class, fields and layout, for a strided view."""
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    from kernels.flash_sm90 import descriptor
+
+    gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
+    t = torch.zeros(2, 8, 100, 256, dtype=dtype)[:, 1:5, :, :128]
+    for block in ([1, 1, 64, 128], [1, 1, 128, 128], [64]):
+        x = t if len(block) == 4 else t.reshape(-1)
+        got = descriptor(x, block)
+        want = TensorDescriptor.from_tensor(x, block, gl.NVMMASharedLayout.get_default_for(block, gl_dtype))
+        assert type(got) is TensorDescriptor
+        assert got.base is x and got.padding == want.padding
+        assert list(got.shape) == list(want.shape) and list(got.strides) == list(want.strides)
+        assert list(got.block_shape) == list(want.block_shape) and got.layout == want.layout
 
 
 def test_sm90_backward_mode(monkeypatch):
