@@ -8,7 +8,9 @@ anything is timed; then the forward and the backward alone (autograd.grad over a
 ours, SDPA (`enable_gqa=True`, is_causal; MLA's D_v is padded to D_qk for it) and FlexAttention (compiled, causal
 block mask). Where the forward or the backward runs on the Hopper kernels (kernels/flash_sm90.py), the portable
 Triton one is timed too (`fwd_triton` with ZOO_FLASH_SM90=0, `bwd_triton` with ZOO_FLASH_SM90_BWD=0), so the run
-shows that lever beside the peers. FLOPs:
+shows that lever beside the peers. `fwd_gpu` / `bwd_gpu` and their ratios time ours and SDPA again on the GPU
+alone (common.bench_gpu_ms: the calls enqueued while the GPU sleeps), so a shape whose launch takes the host longer
+than the kernels take the GPU shows both numbers: the kernels' speed, and what a caller waits. FLOPs:
 2*B*H_q*S_q*S_kv*(D_qk + D_v) for the forward (= 4*B*H*M*N*D for equal dims), half of it when causal; the
 backward counts 2.5x the forward. Ceilings (copy bandwidth, bf16 matmul) come from the same run.
 """
@@ -22,7 +24,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import bench_ms, ceilings, env, header, print_table  # noqa: E402
+from benchmarks.common import bench_gpu_ms, bench_ms, ceilings, env, header, print_table  # noqa: E402
 from kernels import flash, flash_gqa_attention  # noqa: E402
 
 # (B, H_q, H_kv, S, D_qk, D_v, causal); B * S = 16k tokens per shape.
@@ -88,22 +90,27 @@ def rel_err(got, want) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
-def time_fwd_bwd(fn, q, k, v, do):
-    """(forward ms, backward-alone ms, out, grads)."""
+def time_fwd_bwd(fn, q, k, v, do, gpu=False):
+    """(forward ms, backward-alone ms, out, grads, GPU-alone forward ms, GPU-alone backward ms); the last two
+    (bench_gpu_ms: the host's launch time hidden) with gpu=True, else None."""
+    fwd = lambda: fn(q, k, v)  # noqa: E731
     with torch.no_grad():
-        fwd_ms = bench_ms(lambda: fn(q, k, v))
+        fwd_ms = bench_ms(fwd)
+        fwd_gpu = bench_gpu_ms(fwd) if gpu else None
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
     out = fn(*leaves)
     grads = torch.autograd.grad(out, leaves, do, retain_graph=True)
-    bwd_ms = bench_ms(lambda: torch.autograd.grad(out, leaves, do, retain_graph=True))
-    return fwd_ms, bwd_ms, out.detach(), grads
+    bwd = lambda: torch.autograd.grad(out, leaves, do, retain_graph=True)  # noqa: E731
+    bwd_ms = bench_ms(bwd)
+    bwd_gpu = bench_gpu_ms(bwd) if gpu else None
+    return fwd_ms, bwd_ms, out.detach(), grads, fwd_gpu, bwd_gpu
 
 
-def run_ours(q, k, v, do, causal, tma: str):
+def run_ours(q, k, v, do, causal, tma: str, gpu=False):
     """Time our kernels with ZOO_FLASH_TMA set to `tma` ("auto": descriptors for the backward on Hopper; "0":
     plain pointers everywhere)."""
     with env("ZOO_FLASH_TMA", tma):
-        return time_fwd_bwd(lambda q, k, v: flash_gqa_attention(q, k, v, causal=causal), q, k, v, do)
+        return time_fwd_bwd(lambda q, k, v: flash_gqa_attention(q, k, v, causal=causal), q, k, v, do, gpu)
 
 
 def triton_ms(q, k, v, do, causal):
@@ -138,8 +145,8 @@ def run_shape(shape, dtype, with_flex=True, with_pointers=False):
     v = torch.randn(b, h_kv, s, d_v, device="cuda", dtype=dtype)
     do = torch.randn(b, h_q, s, d_v, device="cuda", dtype=dtype)
     name = f"B{b}-Hq{h_q}-Hkv{h_kv}-S{s}-D{d_qk}" + (f"x{d_v}" if d_v != d_qk else "") + ("-causal" if causal else "")
-    ref = time_fwd_bwd(lambda q, k, v: sdpa(q, k, v, causal), q, k, v, do)
-    ours = run_ours(q, k, v, do, causal, "auto")
+    ref = time_fwd_bwd(lambda q, k, v: sdpa(q, k, v, causal), q, k, v, do, gpu=True)
+    ours = run_ours(q, k, v, do, causal, "auto", gpu=True)
     err = check(name, ours, ref)
     fwd_triton, bwd_triton = triton_ms(q, k, v, do, causal)
     ptr = None
@@ -161,6 +168,8 @@ def run_shape(shape, dtype, with_flex=True, with_pointers=False):
                bwd_flex=tf(flex_bwd, 2.5))
     row["fwd/sdpa"] = ref[0] / ours[0]
     row["bwd/sdpa"] = ref[1] / ours[1]
+    row["fwd_gpu"], row["bwd_gpu"] = tf(ours[4]), tf(ours[5], 2.5)
+    row["fwd_gpu/sdpa"], row["bwd_gpu/sdpa"] = ref[4] / ours[4], ref[5] / ours[5]
     row["fwd/flex"] = None if flex_fwd is None else flex_fwd / ours[0]
     row["bwd/flex"] = None if flex_bwd is None else flex_bwd / ours[1]
     if ptr is not None:
@@ -191,7 +200,8 @@ def main():
         print(f"  {key[0]:5s} D{key[1]}/{key[2]} causal={key[3]} {key[5]} tma={key[6]}: {cfg}")
     print(f"\n{args.dtype}, TFLOP/s (forward; backward alone = 2.5x forward FLOPs); ratio > 1: ours faster")
     columns = ["shape", "fwd", "fwd_triton", "fwd_sdpa", "fwd_flex", "fwd/sdpa", "fwd/flex",
-               "bwd", "bwd_triton", "bwd_sdpa", "bwd_flex", "bwd/sdpa", "bwd/flex", "err"]
+               "bwd", "bwd_triton", "bwd_sdpa", "bwd_flex", "bwd/sdpa", "bwd/flex",
+               "fwd_gpu", "fwd_gpu/sdpa", "bwd_gpu", "bwd_gpu/sdpa", "err"]
     if args.pointers:
         columns[1:1] = ["fwd_ptr", "bwd_ptr"]
     print_table(rows, columns)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import os
+import time
 
 import torch
 import triton
@@ -35,6 +36,38 @@ def env(name: str, value: str):
 def bench_ms(fn, warmup_ms: int = 25, rep_ms: int = 100) -> float:
     """Median milliseconds of fn() (device events). do_bench clears the L2 between calls."""
     return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def bench_gpu_ms(fn, n: int = 30) -> float:
+    """Median milliseconds of fn() on the GPU alone. bench_ms times from an event recorded before the call to one
+    after it, so where the host takes longer to launch fn's kernels than the GPU takes to run them, the GPU waits
+    inside the timed window and the host's time is measured. Here n calls, each after an L2 flush and between its
+    own events, are all enqueued while the GPU sleeps, so they run back to back from a cold L2 with no wait for the
+    host. The sleep is sized from one call and must outlast the enqueueing (checked; else a longer one)."""
+    cache = torch.empty(int(256e6 // 4), dtype=torch.int, device="cuda")  # do_bench's flush
+    fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    per_call = time.perf_counter() - t0  # host and GPU together: more than enqueueing alone takes
+    for attempt in range(4):
+        seconds = (2 * n * per_call + 0.005) * 4**attempt
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        awake = torch.cuda.Event()
+        torch.cuda._sleep(int(seconds * 2e9))  # cycles; at most the H100/H200 boost clock, so at least `seconds`
+        awake.record()
+        for i in range(n):
+            cache.zero_()
+            starts[i].record()
+            fn()
+            ends[i].record()
+        still_asleep = not awake.query()
+        torch.cuda.synchronize()
+        if still_asleep:
+            return sorted(s.elapsed_time(e) for s, e in zip(starts, ends))[n // 2]
+    raise RuntimeError("bench_gpu_ms: the GPU woke before the calls were enqueued, four times")
 
 
 def ceilings() -> dict[str, float]:
