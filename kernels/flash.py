@@ -948,7 +948,8 @@ _flash_fwd_op.register_autograd(_flash_fwd_backward, setup_context=_setup_contex
 class _FlashAttention(torch.autograd.Function):
     """The eager path: the same launchers and autograd as the custom ops, without the custom-op dispatch. A small
     launch is bound by CPU time, not the GPU: on the H200 host (B1 H_q 32/8 S128 D128, one run) a forward call
-    took 117 us through the custom op and 85 us here, forward + backward 1152 and 936 us (SDPA: 22 and 217).
+    took 117 us through the custom op and 85 us here, forward + backward 1152 and 936 us (SDPA: 22 and 217),
+    measured before session 20 cut the launchers' own host time (benchmarks/RESULTS.md).
     torch.compile traces the custom ops instead."""
 
     @staticmethod
