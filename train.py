@@ -6,6 +6,7 @@ The four attention variants, same size and token budget, on one wandb chart (and
     python train.py configs/mha.py --wandb_log=True      # likewise configs/gqa.py, configs/mqa.py, configs/mla.py
 A GPT-2-small-sized GQA model on one GPU, with the Triton kernels and torch.compile:
     python train.py configs/gpt2_small_gqa.py
+    python train.py configs/gpt2_small_gqa.py --cuda_graphs=True   # each micro-step replayed from a CUDA graph
 Stack a size file and a variant file to compare the KV cache at GPU scale (later files override earlier ones):
     python train.py configs/kv_h200.py configs/mla.py
 Override anything (`--key=value`, applied left to right after the files), resume exactly, or finetune GPT-2:
@@ -101,6 +102,7 @@ DEFAULTS = dict(
     device="auto",  # "auto" (cuda if available, else cpu), "cpu", "cuda", "cuda:1", "mps"
     dtype="auto",  # "auto" (bfloat16 where the GPU has it, else float32), "float32", "bfloat16", "float16"
     compile=False,
+    cuda_graphs=False,  # capture the training micro-step in a CUDA graph and replay it (one CUDA process)
     backend="auto",  # DDP backend: "auto" (nccl on CUDA, gloo on CPU), "nccl", "gloo"
 )
 MODEL_KEYS = [f.name for f in fields(GPTConfig)]
@@ -180,6 +182,9 @@ def check_config(config: dict, d: Dist) -> None:
             raise ConfigError(f"{key}: got {config[key]}; valid: a number in [0, 1)")
     if config["backend"] not in ("auto", "nccl", "gloo"):
         raise ConfigError(f"backend: got {config['backend']!r}; valid: 'auto', 'nccl', 'gloo'")
+    if config["cuda_graphs"] and d.ddp:
+        raise ConfigError(f"cuda_graphs: got True with {d.world_size} processes; valid: True in a single process "
+                          "(DDP's gradient all-reduce is not captured here), else False")
     if config["gradient_accumulation_steps"] % d.world_size:
         raise ConfigError(f"gradient_accumulation_steps: got {config['gradient_accumulation_steps']}; valid: a "
                           f"multiple of the number of processes ({d.world_size}), since it is divided among them")
@@ -264,6 +269,53 @@ class BatchSampler:
 
     def load_state_dict(self, state: dict) -> None:
         self.generator.set_state(state["generator"])
+
+
+class GraphedMicroStep:
+    """One training micro-step captured in a CUDA graph (cuda_graphs=True): the forward, loss / local_accum and the
+    scaled backward, which adds into the parameters' .grad tensors, recorded once and replayed on the graph's own
+    input buffers. An eager micro-step of a GPT-2-small-sized model spends most of its time in the host's kernel
+    launches (benchmarks/RESULTS.md); a replay launches the whole step at once.
+
+    Invariants: every .grad tensor exists and keeps its address for the graph's lifetime (the loop zeroes the
+    gradients in place, never to None), so a replay accumulates into them as the eager backward does; each call
+    copies its batch into the graph's x and y; the loss a call returns is overwritten by the next replay. Built at
+    the first micro-step: three warm-up steps on a side stream (kernel compiles, the Triton kernels' config timing,
+    torch.compile), gradients zeroed, then the capture."""
+
+    def __init__(self, model: torch.nn.Module, dtype: str, scaler: torch.amp.GradScaler, local_accum: int,
+                 x: torch.Tensor, y: torch.Tensor):
+        self.model, self.scaler, self.local_accum = model, scaler, local_accum
+        self.x, self.y = x.clone(), y.clone()
+        ptdtype = PTDTYPES[dtype]
+        # autocast's cache of cast weights must not live across the capture (PyTorch's CUDA-graph notes)
+        self.ctx = nullcontext() if ptdtype == torch.float32 else \
+            torch.autocast(device_type="cuda", dtype=ptdtype, cache_enabled=False)
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(3):
+                self._step()
+        torch.cuda.current_stream().wait_stream(side)
+        for p in model.parameters():
+            if p.grad is not None:
+                p.grad.zero_()
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.loss = self._step()
+
+    def _step(self) -> torch.Tensor:
+        with self.ctx:
+            _, loss = self.model(self.x, self.y)
+            loss = loss / self.local_accum
+        self.scaler.scale(loss).backward()
+        return loss.detach()
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        self.x.copy_(x)
+        self.y.copy_(y)
+        self.graph.replay()
+        return self.loss
 
 
 def get_batch(tokens: np.ndarray, offsets: torch.Tensor, block_size: int, device: str):
@@ -481,6 +533,8 @@ def setup(config: dict, d: Dist, device: str) -> Setup:
     check_config(config, d)
     config["device"], config["dtype"] = device, resolve_dtype(config["dtype"], device)
     device_type = "cuda" if device.startswith("cuda") else "cpu"
+    if config["cuda_graphs"] and device_type != "cuda":
+        raise ConfigError(f"cuda_graphs: got True on device {device!r}; valid: True on a CUDA device, else False")
     torch.manual_seed(config["seed"] + d.rank)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     ptdtype = PTDTYPES[config["dtype"]]
@@ -534,6 +588,7 @@ def train(config: dict, d: Dist, device: str, s: Setup, stop_requested: dict) ->
     tokens_per_iter = config["gradient_accumulation_steps"] * config["batch_size"] * config["block_size"]
     window_loss, window_iters = torch.zeros((), device=device), 0  # summed on the device: no sync until a log
     t_window, tok_s, mfu, losses = time.perf_counter(), None, None, {}
+    graphed = None  # the GraphedMicroStep, built at the first micro-step when cuda_graphs=True
     while True:
         lr = get_lr(iter_num, config)
         for group in optimizer.param_groups:
@@ -571,19 +626,23 @@ def train(config: dict, d: Dist, device: str, s: Setup, stop_requested: dict) ->
         loss_iter = torch.zeros((), device=device)
         for micro_step, offsets in enumerate(sampler.next()):
             x, y = get_batch(data.train, offsets, config["block_size"], device)
-            sync = micro_step == local_accum - 1
-            with s.train_model.no_sync() if d.ddp and not sync else nullcontext():
-                with s.ctx:
-                    _, loss = s.train_model(x, y)
-                    loss = loss / local_accum  # DDP averages over ranks: together the mean over the global batch
-                scaler.scale(loss).backward()
+            if config["cuda_graphs"]:  # the same micro-step, replayed from a CUDA graph (one process, no DDP)
+                graphed = graphed or GraphedMicroStep(s.train_model, config["dtype"], scaler, local_accum, x, y)
+                loss = graphed(x, y)
+            else:
+                sync = micro_step == local_accum - 1
+                with s.train_model.no_sync() if d.ddp and not sync else nullcontext():
+                    with s.ctx:
+                        _, loss = s.train_model(x, y)
+                        loss = loss / local_accum  # DDP averages over ranks: together the mean over the global batch
+                    scaler.scale(loss).backward()
             loss_iter += loss.detach()
         if config["grad_clip"] > 0:
             scaler.unscale_(optimizer)
             torch.nn.utils.clip_grad_norm_(raw_model.parameters(), config["grad_clip"])
         scaler.step(optimizer)
         scaler.update()
-        optimizer.zero_grad(set_to_none=True)
+        optimizer.zero_grad(set_to_none=not config["cuda_graphs"])  # a captured backward keeps its .grad tensors
         iter_num += 1
         window_loss += loss_iter
         window_iters += 1
