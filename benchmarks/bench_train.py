@@ -15,7 +15,8 @@ MFU counts model.flops_per_token against the GPU's dense bf16 peak.
 - eager: the model as train.py runs it with compile=False;
 - compile: torch.compile(model), as train.py with compile=True;
 - graph: the eager step captured in a CUDA graph and replayed, as train.py with cuda_graphs=True (the host's launch
-  work removed: at this size an eager step is bound by the host, so this is the mode that times the kernels).
+  work removed: at this size an eager step is bound by the host, so this is the mode that times the kernels);
+- compile+graph: both, as train.py with compile=True and cuda_graphs=True.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from benchmarks.common import header, print_table  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from train import GraphedMicroStep  # noqa: E402
 
-MODES = ("eager", "compile", "graph")
+MODES = ("eager", "compile", "graph", "compile+graph")
 
 
 def step_seconds(model: GPT, batch: int, seq_len: int, steps: int, device: str, mode: str = "eager") -> float:
@@ -47,7 +48,7 @@ def step_seconds(model: GPT, batch: int, seq_len: int, steps: int, device: str, 
     y = torch.randint(0, model.config.vocab_size, (batch, seq_len), generator=g).to(device)
     autocast = torch.autocast(device_type="cuda", dtype=torch.bfloat16) if device == "cuda" \
         else torch.autocast(device_type="cpu", enabled=False)
-    run = torch.compile(model) if mode == "compile" else model
+    run = torch.compile(model) if mode.startswith("compile") else model
 
     def step():
         with autocast:
@@ -55,15 +56,16 @@ def step_seconds(model: GPT, batch: int, seq_len: int, steps: int, device: str, 
         loss.backward()
         return loss
 
-    if mode == "graph":
-        step = _graphed(model, x, y)
+    graphed = mode.endswith("graph")
+    if graphed:
+        step = _graphed(model, run, x, y)
     times = []
     for i in range(steps + 2):  # two warm-up steps: kernel compiles and config timing happen there
         if device == "cuda":
             torch.cuda.synchronize()
         t0 = time.perf_counter()
         step()
-        if mode != "graph":
+        if not graphed:
             model.zero_grad(set_to_none=True)
         if device == "cuda":
             torch.cuda.synchronize()
@@ -72,13 +74,13 @@ def step_seconds(model: GPT, batch: int, seq_len: int, steps: int, device: str, 
     return statistics.median(times)
 
 
-def _graphed(model: GPT, x: torch.Tensor, y: torch.Tensor):
-    """The step as train.py runs it with cuda_graphs=True (`train.GraphedMicroStep`): each call zeroes the
-    gradients in place and replays. Its first replay's loss is checked against an eager step's: a capture that
-    recorded the wrong work must not be timed."""
+def _graphed(model: GPT, run: torch.nn.Module, x: torch.Tensor, y: torch.Tensor):
+    """The step of `run` (the model, or it compiled) as train.py runs it with cuda_graphs=True
+    (`train.GraphedMicroStep`): each call zeroes the gradients in place and replays. Its first replay's loss is
+    checked against the eager model's: a capture that recorded the wrong work must not be timed."""
     with torch.autocast(device_type="cuda", dtype=torch.bfloat16):
         eager_loss = model(x, y)[1].item()
-    graphed = GraphedMicroStep(model, "bfloat16", torch.amp.GradScaler("cuda", enabled=False), 1, x, y)
+    graphed = GraphedMicroStep(run, "bfloat16", torch.amp.GradScaler("cuda", enabled=False), 1, x, y)
 
     def step():
         model.zero_grad(set_to_none=False)
@@ -96,14 +98,14 @@ def main():
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--tiny", action="store_true", help="a 2-layer, 64-wide model (the CPU smoke run)")
-    p.add_argument("--modes", default="eager,compile,graph", help=f"comma-separated, from {', '.join(MODES)}")
+    p.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, from {', '.join(MODES)}")
     args = p.parse_args()
     if args.device == "cuda" and not torch.cuda.is_available():
         sys.exit("bench_train: no CUDA device; run with --device=cpu --tiny for the CPU smoke run")
     modes = [m for m in args.modes.split(",") if m]
     if not modes or any(m not in MODES for m in modes):
         sys.exit(f"bench_train: --modes={args.modes!r}; valid: a comma-separated list from {', '.join(MODES)}")
-    if args.device != "cuda" and "graph" in modes:
+    if args.device != "cuda" and any(m.endswith("graph") for m in modes):
         sys.exit("bench_train: --modes=graph needs a CUDA device (CUDA graphs); on the CPU use eager,compile")
     shape = TINY if args.tiny else GPT2_SMALL
     seq_len = 64 if args.tiny else shape["block_size"]
