@@ -240,8 +240,8 @@ def test_cuda_graphs_train_like_eager(data_dir, tmp_path, dtype):
     # same inputs, so the two runs agree to the last bits but for reduction orders that can differ between
     # launches (cuBLAS may pick another algorithm under capture): 4 Adam steps keep that at rounding level.
     # Two heads of 16, the kernels' smallest head dim.
-    args = ["--n_head=2", "--n_embd=32", "--device=cuda", f"--dtype={dtype}", "--attn_backend=triton", "--gradient_accumulation_steps=2",
-            "--max_iters=4", "--eval_interval=2", "--log_interval=1"]
+    args = ["--n_head=2", "--n_embd=32", "--device=cuda", f"--dtype={dtype}", "--attn_backend=triton",
+            "--gradient_accumulation_steps=2", "--max_iters=4", "--eval_interval=2", "--log_interval=1"]
     eager = run_inprocess(data_dir, tmp_path / "eager", *args)
     graphed = run_inprocess(data_dir, tmp_path / "graphed", *args, "--cuda_graphs=True")
     for m_graph, m_eager in zip(metrics(tmp_path / "graphed"), metrics(tmp_path / "eager")):
