@@ -300,9 +300,8 @@ class MultiHeadLatentAttention(nn.Module):
         c_kv, k_rope = self.kv_a_proj(x).split([self.d_c, self.d_r], dim=-1)
         c_kv = self.kv_a_norm(c_kv)  # (B, T, D_c)
         q_rope, k_rope = apply_rope(q_rope, *rope), apply_rope(k_rope, *rope)  # k_rope (B, T, D_r), no head axis
-        q_nope, q_rope = q_nope.transpose(1, 2), q_rope.transpose(1, 2)  # (B, H, T, D_n), (B, H, T, D_r)
         if cache is not None and T == 1:
-            y = self._decode_absorbed(q_nope, q_rope, c_kv, k_rope, cache)
+            y = self._decode_absorbed(q_nope.transpose(1, 2), q_rope.transpose(1, 2), c_kv, k_rope, cache)
         else:
             if cache is not None:
                 c_kv, k_rope = cache.append_latent(self.layer_idx, c_kv, k_rope)  # (B, S, D_c), (B, S, D_r)
@@ -317,14 +316,17 @@ class MultiHeadLatentAttention(nn.Module):
         return w.split([self.d_n, self.d_v], dim=1)
 
     def _attend_unabsorbed(self, q_nope, q_rope, c_kv, k_rope, backend):
-        """Training and prefill: materialize per-head K (D_n + D_r) and V (D_v) and run the flash kernel."""
+        """Training and prefill: materialize per-head K (D_n + D_r) and V (D_v) and run the flash kernel.
+        q_nope, q_rope (B, T, H, D_n | D_r). Q, K and V are built in (B, S, H, D) memory and passed as (B, H, S, D)
+        views, as the other attention passes them: the kernel's output and gradients follow that order, so no
+        reshape around it copies."""
         B, S, _ = c_kv.shape
         H = self.n_head
-        kv = self.kv_b_proj(c_kv).view(B, S, H, self.d_n + self.d_v).transpose(1, 2)
-        k_nope, v = kv.split([self.d_n, self.d_v], dim=-1)  # (B, H, S, D_n), (B, H, S, D_v)
-        k = torch.cat([k_nope, k_rope[:, None].expand(B, H, S, self.d_r)], dim=-1)
+        kv = self.kv_b_proj(c_kv).view(B, S, H, self.d_n + self.d_v)
+        k_nope, v = kv.split([self.d_n, self.d_v], dim=-1)  # (B, S, H, D_n), (B, S, H, D_v)
+        k = torch.cat([k_nope, k_rope[:, :, None].expand(B, S, H, self.d_r)], dim=-1)
         q = torch.cat([q_nope, q_rope], dim=-1)
-        return causal_attention(q, k, v, backend)
+        return causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), backend)
 
     def _decode_absorbed(self, q_nope, q_rope, c_kv, k_rope, cache):
         """Decode: q_nope . k_nope = (q_nope W_UK[h]) . c_kv, so the query moves into the latent space and every

@@ -733,16 +733,30 @@ def _scale(scale, d_qk: int) -> float:
     return float(scale) if scale is not None else 1.0 / math.sqrt(d_qk)
 
 
+def _empty_in_order(like: torch.Tensor, shape) -> torch.Tensor:
+    """An empty (B, H, S, D) tensor in like's dtype whose first three dims lie in memory in the order of like's
+    strides (largest first), D innermost. A model's q is a (B, S, H, D) projection seen as (B, H, S, D); the output
+    and the gradients then come back in (B, S, H, D) memory, as SDPA's do, and the model's reshapes around the
+    attention stay views instead of copies. Contiguous inputs give contiguous results."""
+    order = sorted(range(3), key=lambda i: (-like.stride(i), i)) + [3]
+    t = torch.empty([shape[i] for i in order], device=like.device, dtype=like.dtype)
+    return t.permute([order.index(i) for i in range(4)])
+
+
+def _grad_buffers(q, k, v) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _empty_in_order(q, q.shape), _empty_in_order(k, k.shape), _empty_in_order(v, v.shape)
+
+
 def _forward(q, k, v, scale: float | None, causal: bool, out=None, lse=None, checked: bool = False):
     """Launch the forward; `out` (B, H_q, S_q, D_v) and `lse` (B, H_q, S_q) fp32 may be passed preallocated
-    (any strides), which the tests use to check that every element is written. `checked`: the caller has validated
-    the inputs (`_check_qkv`)."""
+    (any strides), which the tests use to check that every element is written; else out is laid out like q
+    (`_empty_in_order`). `checked`: the caller has validated the inputs (`_check_qkv`)."""
     if not checked:
         _check_qkv(q, k, v, causal, scale)
     b, h_q, s_q, d_qk = q.shape
     h_kv, s_kv, d_v = k.shape[1], k.shape[2], v.shape[3]
     sm_scale = _scale(scale, d_qk)
-    out = torch.empty((b, h_q, s_q, d_v), device=q.device, dtype=q.dtype) if out is None else out
+    out = _empty_in_order(q, (b, h_q, s_q, d_v)) if out is None else out
     lse = torch.empty((b, h_q, s_q), device=q.device, dtype=torch.float32) if lse is None else lse
     if out.numel() == 0:
         return out, lse
@@ -785,7 +799,8 @@ def _head_splits(programs: int, group: int, device: torch.device) -> int:
 
 def _backward(q, k, v, out, lse, do, scale: float | None, causal: bool, dlse=None, grads=None, head_splits=None,
               checked: bool = False):
-    """Launch dQ (which also writes delta), then dK/dV. `grads` = (dq, dk, dv) may be preallocated (any strides);
+    """Launch dQ (which also writes delta), then dK/dV. `grads` = (dq, dk, dv) may be preallocated (any strides;
+    else each is laid out like its input, `_empty_in_order`);
     `head_splits` forces the dK/dV kernel's share count (tests), else `_head_splits` picks it. `checked`: the
     inputs are known valid (autograd: the forward checked q, k, v and made out and lse, and the engine gives do
     out's shape, dtype and device)."""
@@ -794,11 +809,7 @@ def _backward(q, k, v, out, lse, do, scale: float | None, causal: bool, dlse=Non
     b, h_q, s_q, d_qk = q.shape
     h_kv, s_kv = k.shape[1], k.shape[2]
     sm_scale = _scale(scale, d_qk)
-    if grads is None:
-        grads = (torch.empty_like(q, memory_format=torch.contiguous_format),
-                 torch.empty_like(k, memory_format=torch.contiguous_format),
-                 torch.empty_like(v, memory_format=torch.contiguous_format))
-    dq, dk, dv = grads
+    dq, dk, dv = _grad_buffers(q, k, v) if grads is None else grads
     if s_q == 0 or b == 0 or h_q == 0:
         return dq, dk.zero_(), dv.zero_()
     # Hopper, fp16/bf16, D = 64 or 128 (ZOO_FLASH_SM90_BWD, see flash_sm90.backward_mode): dQ and delta in the Gluon
@@ -898,7 +909,7 @@ def _flash_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: floa
 @_flash_fwd_op.register_fake
 def _(q, k, v, scale, causal):
     b, h_q, _, s_q, _, _, d_v = _check_qkv(q, k, v, causal, scale)
-    return q.new_empty((b, h_q, s_q, d_v)), q.new_empty((b, h_q, s_q), dtype=torch.float32)
+    return _empty_in_order(q, (b, h_q, s_q, d_v)), q.new_empty((b, h_q, s_q), dtype=torch.float32)
 
 
 @torch.library.custom_op("zoo::flash_bwd", mutates_args=())
@@ -911,7 +922,7 @@ def _flash_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.
 @_flash_bwd_op.register_fake
 def _(q, k, v, out, lse, do, dlse, scale, causal):
     _check_backward(q, k, v, out, lse, do, causal, scale)
-    return tuple(torch.empty_like(x, memory_format=torch.contiguous_format) for x in (q, k, v))
+    return _grad_buffers(q, k, v)
 
 
 def _setup_context(ctx, inputs, output):

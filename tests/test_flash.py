@@ -237,6 +237,52 @@ def test_non_contiguous_inputs(dtype):
         assert_close(got, want, dtype, name, grad=name.startswith("d"))
 
 
+def projection_views(b, s, h_q, h_kv, d, dtype):
+    """q, k, v as the model makes them: (B, H, S, D) views of one (B, S, (H_q + 2 H_kv) D) projection."""
+    qkv = torch.randn(b, s, (h_q + 2 * h_kv) * d, device=DEVICE, dtype=dtype)
+    return [t.view(b, s, -1, d).transpose(1, 2) for t in qkv.split([h_q * d, h_kv * d, h_kv * d], dim=-1)]
+
+
+def in_bshd_memory(t) -> bool:
+    return t.transpose(1, 2).is_contiguous()
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+def test_outputs_in_the_inputs_memory_order(dtype):
+    """Inputs that are (B, S, H, D) memory seen as (B, H, S, D), as the model passes them: out and dq, dk, dv come
+    back in the same memory order (as SDPA's do), so the model's reshape to (B, S, H * D) is a view and not a copy,
+    and they hold the reference's values. Contiguous inputs give contiguous results."""
+    b, s, h_q, h_kv, d = 2, 65, 4, 2, 32
+    q, k, v = projection_views(b, s, h_q, h_kv, d, dtype)
+    do = torch.randn(b, s, h_q, d, device=DEVICE, dtype=dtype).transpose(1, 2)
+    out, lse = flash_gqa_forward(q, k, v, causal=True)
+    dq, dk, dv = flash_gqa_backward(q, k, v, out, lse, do, causal=True)
+    for name, t in zip(("out", "dq", "dk", "dv"), (out, dq, dk, dv)):
+        assert in_bshd_memory(t) and not t.is_contiguous(), f"{name}: strides {t.stride()}"
+    assert out.transpose(1, 2).reshape(b, s, h_q * d).data_ptr() == out.data_ptr()  # a view
+    ref = reference_grads(q, k, v, do, True)
+    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, dq, dk, dv), ref):
+        assert_close(got, want, dtype, name, grad=name.startswith("d"))
+    q, k, v, do = make_inputs((1, 4, 2, 17, 17, 32, 32, True), dtype)
+    out, lse = flash_gqa_forward(q, k, v, causal=True)
+    assert all(t.is_contiguous() for t in (out, *flash_gqa_backward(q, k, v, out, lse, do, causal=True)))
+
+
+def test_custom_ops_fake_strides_match_the_kernels():
+    """torch.compile plans the graph around the custom ops from their fake (meta) outputs; their shapes and strides
+    must be the real outputs' (torch.library.opcheck compares them), for the model's (B, S, H, D)-ordered inputs
+    and for contiguous ones."""
+    from kernels.flash import _flash_bwd_op, _flash_fwd_op
+
+    dtype = KERNEL_DTYPES[0]
+    views = projection_views(1, 17, 4, 2, 32, dtype)
+    for q, k, v in (views, [t.contiguous() for t in views]):
+        out, lse = _flash_fwd_op(q, k, v, 0.2, True)
+        do = torch.randn_like(out)
+        torch.library.opcheck(_flash_fwd_op, (q, k, v, 0.2, True), test_utils="test_faketensor")
+        torch.library.opcheck(_flash_bwd_op, (q, k, v, out, lse, do, None, 0.2, True), test_utils="test_faketensor")
+
+
 def test_torch_compile_fullgraph():
     """torch.compile traces through the custom ops without graph breaks, forward and backward (aot_eager on the
     CPU, where inductor would need a C++ toolchain; the default inductor backend on the GPU)."""
