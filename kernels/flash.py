@@ -797,6 +797,17 @@ def _head_splits(programs: int, group: int, device: torch.device) -> int:
     return cdiv(group, per_split)
 
 
+def _hopper_dkdv(programs: int, group: int, device: torch.device) -> bool:
+    """Does the Hopper dK/dV kernel (one program per 128 keys of a KV head, summing its whole group) take this
+    launch, or the Triton kernel, which shares a group's heads among programs (`_head_splits`)? The Hopper one for
+    MHA, and wherever its programs fill one wave of the SMs. Measured on an H200 (session 22, the whole backward on
+    the GPU alone, bf16, 110 shapes from 16 to 256 programs, benchmarks/RESULTS.md): at 256 programs it was
+    1.13-1.47x faster on every shape (GPT-2-small GQA, B8 H_q12 H_kv4 S1k D64 causal, 1.34x); at 128 programs from
+    0.77x (long causal sequences of a few KV heads, whose one program per SM cannot balance the diagonal) to 1.58x;
+    at 16-64 mostly slower, down to 0.23x for MQA."""
+    return group == 1 or programs >= num_sms(device)
+
+
 def _backward(q, k, v, out, lse, do, scale: float | None, causal: bool, dlse=None, grads=None, head_splits=None,
               checked: bool = False):
     """Launch dQ (which also writes delta), then dK/dV. `grads` = (dq, dk, dv) may be preallocated (any strides;
@@ -813,13 +824,12 @@ def _backward(q, k, v, out, lse, do, scale: float | None, causal: bool, dlse=Non
     if s_q == 0 or b == 0 or h_q == 0:
         return dq, dk.zero_(), dv.zero_()
     # Hopper, fp16/bf16, D = 64 or 128 (ZOO_FLASH_SM90_BWD, see flash_sm90.backward_mode): dQ and delta in the Gluon
-    # kernel; dK/dV too when its programs (128 keys each) fill the GPU, else the Triton kernel, which can split a KV
-    # group's heads over programs ("force": the Gluon kernel regardless).
+    # kernel; dK/dV too when its programs (128 keys each) fill a wave of the SMs (`_hopper_dkdv`), else the Triton
+    # kernel, which can split a KV group's heads over programs ("force": the Gluon kernel regardless).
     mode = flash_sm90.backward_mode() if flash_sm90 is not None and head_splits is None else "0"
     sm90 = mode != "0" and flash_sm90.supports_backward(q, k, v, do)
-    sm90_dkdv = sm90 and (
-        mode == "force"
-        or _head_splits(cdiv(s_kv, flash_sm90.PROGRAM_ROWS) * h_kv * b, h_q // h_kv, q.device) == 1)
+    sm90_dkdv = sm90 and (mode == "force" or _hopper_dkdv(cdiv(s_kv, flash_sm90.PROGRAM_ROWS) * h_kv * b,
+                                                           h_q // h_kv, q.device))
     # The Hopper dK/dV kernel reads delta and the lse (in log2 units, written by the dQ kernel) as whole padded
     # blocks of rows (flash_sm90.padded_rows); the Triton one reads delta (B, H_q, S_q).
     rows = flash_sm90.padded_rows(s_q) if sm90_dkdv else s_q

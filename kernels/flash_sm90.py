@@ -466,11 +466,12 @@ BACKWARD_HEAD_DIMS = tuple(BWD_CONFIGS)
 
 def backward_mode() -> str:
     """ZOO_FLASH_SM90_BWD: "1" (default) runs dQ in `backward_dq` and dK/dV in `backward_dkdv` where the latter's
-    launch fills the GPU (else the Triton dK/dV kernel, which can split a KV group's heads over programs); "force"
-    runs both Gluon kernels wherever they can (tests); "0" keeps the whole backward on the Triton kernels."""
+    programs fill a wave of the SMs (`flash._hopper_dkdv`; else the Triton dK/dV kernel, which can split a KV
+    group's heads over programs); "force" runs both Gluon kernels wherever they can (tests); "0" keeps the whole
+    backward on the Triton kernels."""
     mode = os.environ.get("ZOO_FLASH_SM90_BWD", "1")
     if mode not in ("0", "1", "force"):
-        raise ValueError(f"ZOO_FLASH_SM90_BWD={mode!r}: expected 0 (off), 1 (on; dK/dV where it fills the GPU) "
+        raise ValueError(f"ZOO_FLASH_SM90_BWD={mode!r}: expected 0 (off), 1 (on; dK/dV where it fills a wave) "
                          "or force")
     return mode
 

@@ -198,6 +198,20 @@ def test_head_splits_rule(monkeypatch):
     assert flash._head_splits(100, 3, cuda) == 3
 
 
+def test_hopper_dkdv_rule(monkeypatch):
+    """The Hopper dK/dV kernel takes MHA at any size, and a GQA/MQA launch from one wave of programs up (fewer go to
+    the Triton kernel, which shares the group's heads: `_head_splits`)."""
+    from kernels import flash
+
+    monkeypatch.setattr(flash, "num_sms", lambda device: 132)
+    cuda = torch.device("cuda")
+    assert flash._hopper_dkdv(16, 1, cuda)  # MHA: no heads to share
+    assert flash._hopper_dkdv(256, 3, cuda)  # GPT-2-small GQA, B8 H_q12 H_kv4 S1k: 256 programs
+    assert flash._hopper_dkdv(132, 8, cuda)
+    assert not flash._hopper_dkdv(131, 8, cuda)
+    assert not flash._hopper_dkdv(64, 12, cuda)  # GPT-2-small MQA: 64 programs, shared 4 ways by the Triton kernel
+
+
 AUTOGRAD_CASES = [CASES[2], CASES[6], CASES[9]]
 
 
