@@ -198,6 +198,46 @@ def test_head_splits_rule(monkeypatch):
     assert flash._head_splits(100, 3, cuda) == 3
 
 
+def test_config_tuner_picks_the_fastest_that_fits(monkeypatch):
+    """The tuner skips a config that does not fit the GPU, times the others in two alternating rounds and keeps each
+    one's faster time (a config slowed once by noise is not lost), picks the fastest and caches it per bucket."""
+    from kernels import flash
+
+    monkeypatch.setattr(flash._checks, "interpreting", lambda: False)  # as on a GPU: the tuner runs
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    monkeypatch.setattr(flash, "_TUNED", {})
+    candidates = flash._CONFIGS["dkdv"][64]
+    too_big, noisy, steady = candidates[0], candidates[1], candidates[2]
+    times = {noisy: [9.0, 1.0], steady: [2.0, 2.0]}  # ms per round; every other config 5
+    launched = []
+
+    def launch(cfg):
+        if cfg == too_big:
+            raise flash._RESOURCE_ERRORS[0](232448, 227 * 1024, "shared memory")  # (required, limit, name)
+        launched.append(cfg)
+
+    def fake_gpu_ms(fn):
+        fn()
+        cfg = launched[-1]
+        return times[cfg].pop(0) if cfg in times else 5.0
+
+    monkeypatch.setattr(flash, "_gpu_ms", fake_gpu_ms)
+    q = torch.empty(1, 4, 1024, 64, dtype=torch.bfloat16)
+    assert flash._pick_config("dkdv", q, 64, 64, True, 1024, 1024, False, launch) == noisy
+    assert flash._pick_config("dkdv", q, 64, 64, True, 1000, 1000, False, launch) == noisy  # same bucket: cached
+    assert too_big not in launched and launched.count(noisy) == 3  # compiled once, timed twice
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(DEVICE != "cuda", reason="times GPU work; the tuner never times under the interpreter")
+def test_gpu_ms_times_the_gpu_alone():
+    """_gpu_ms of a call that keeps the GPU busy for about 1 ms reads about 1 ms."""
+    from kernels import flash
+
+    ms = flash._gpu_ms(lambda: torch.cuda._sleep(2_000_000))  # 2e6 cycles: 1.0-1.3 ms at an H200's 1.5-2 GHz
+    assert 0.5 < ms < 2.5, ms
+
+
 def test_hopper_dkdv_rule(monkeypatch):
     """The Hopper dK/dV kernel takes MHA at any size, and a GQA/MQA launch from one wave of programs up (fewer go to
     the Triton kernel, which shares the group's heads: `_head_splits`)."""
