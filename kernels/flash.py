@@ -32,8 +32,9 @@ Structure (FlashAttention-2, Dao 2023; Triton's fused-attention tutorial):
 - a Q/K head dim that is not a power of two is tiled as two power-of-two column blocks when that pads less
   (`_qk_blocks`: MLA's 192 = 128 + 64 instead of 256): two products into the same scores, two dQ/dK accumulators.
   H200, B4 H16 S4096 D_qk 192 / D_v 128 causal: forward 341 -> 450 TFLOP/s, backward 225 -> 308.
-- block sizes, warps and pipeline stages come from a handful of configs per head dim, timed once per
-  (kernel, head dims, causal, dtype, sequence-length bucket) on the GPU and cached for the process.
+- block sizes, warps and pipeline stages come from a handful of configs per head dim, timed on the GPU alone
+  (host launch time excluded, `_gpu_ms`) once per (kernel, head dims, causal, dtype, sequence-length bucket) and
+  cached for the process.
 - the tiles a loop streams (K/V in the forward and dQ, Q/dO in dK/dV) come through TMA tensor descriptors or
   through plain pointers with masks; both paths compute the same math. ZOO_FLASH_TMA=auto (default) uses
   descriptors for the two backward kernels on Hopper and pointers for the forward, as measured on an H200 (bf16,
@@ -832,10 +833,10 @@ def _hopper_dkdv(programs: int, group: int, device: torch.device) -> bool:
     """Does the Hopper dK/dV kernel (one program per 128 keys of a KV head, summing its whole group) take this
     launch, or the Triton kernel, which shares a group's heads among programs (`_head_splits`)? The Hopper one for
     MHA, and wherever its programs fill one wave of the SMs. Measured on an H200 (session 22, the whole backward on
-    the GPU alone, bf16, 110 shapes from 16 to 256 programs, benchmarks/RESULTS.md): at 256 programs it was
-    1.13-1.47x faster on every shape (GPT-2-small GQA, B8 H_q12 H_kv4 S1k D64 causal, 1.34x); at 128 programs from
-    0.77x (long causal sequences of a few KV heads, whose one program per SM cannot balance the diagonal) to 1.58x;
-    at 16-64 mostly slower, down to 0.23x for MQA."""
+    the GPU alone, bf16, 110 shapes of 16, 32, 64, 128 and 256 programs, benchmarks/RESULTS.md): at 256 programs
+    it was 1.13-1.47x faster on all 25 (GPT-2-small GQA, B8 H_q12 H_kv4 S1k D64 causal, 1.34x); at 128, 0.77-1.77x,
+    faster on 21 of 30 (slower on long causal sequences of a few KV heads: one program per SM cannot balance the
+    diagonal); at 16-64, 0.23-1.21x, faster on 7 of 55. Counts between 132 and 255 were not measured."""
     return group == 1 or programs >= num_sms(device)
 
 
