@@ -636,7 +636,9 @@ def _gpu_ms(fn, n: int = 8) -> float:
     GPU time, so timing each call between its own events (do_bench) measures the host too: on an H200, GPT-2-small
     MQA's dK/dV tuning picked four different configs in five tunings that way, the slowest 21% slower than the best
     (benchmarks/RESULTS.md, session 22). The sleep is sized from one call; if the GPU wakes before the calls are
-    enqueued, a longer one."""
+    enqueued, a longer one, and after the third such try the last timing is kept (host time in it or not: a pick
+    then is no worse than do_bench's). `benchmarks/common.bench_gpu_ms` is the benchmarks' version of the same
+    method, per call and from a cold L2."""
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     fn()
