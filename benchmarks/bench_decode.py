@@ -5,11 +5,13 @@
     python3 benchmarks/bench_decode.py --tune     # launch-config sweeps (block sizes, warps, stages, splits)
 
 Decode is memory-bound: the measure is bytes of cache read per second (each K/V byte counted once) against the
-device copy rate (read + write) measured in the same run. Every call is captured in a CUDA graph (the way decode
-runs in a server, and it keeps the host's launch cost out of the numbers) and timed by `common.bench_ms`, which
-clears the L2 before each replay. Before timing, each kernel's output is checked against an fp32 reference on a
-few sequences of the batch. Our kernels run with num_splits=None (auto) and with the best of a few fixed split
-counts, to check the heuristic.
+device copy rate (read + write) measured in the same run. Each shape's cache is made in several copies, at least
+four times the L2 together (`common.rotation`), and every call is timed by `common.rotated_ms`: the calls, one
+per copy, are captured in one CUDA graph (the way decode runs in a server, and it keeps the host's launch cost out
+of the numbers) and each call reads a cache the L2 does not hold, with no flush's write-backs in its time. Before
+timing, each kernel's output is checked against an fp32 reference on a few sequences of the batch. Our kernels
+run with num_splits=None (auto) and with the best of a few fixed split counts, to check the heuristic. The --tune
+sweeps, which compare configs on one shape, time one cache with the L2 cleared before each call (`graph_ms`).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import bench_ms, ceilings, env, header, print_table  # noqa: E402
+from common import bench_ms, ceilings, env, header, print_table, rotated_ms, rotation  # noqa: E402
 
 from kernels import decode as decode_mod  # noqa: E402
 from kernels import mla as mla_mod  # noqa: E402
@@ -38,7 +40,7 @@ TOL = 2e-2  # bf16 output against an fp32 reference: one rounding of P and of th
 
 
 def graph_ms(fn) -> float:
-    """Capture fn() in a CUDA graph and time its replay (median ms, cold L2)."""
+    """Capture fn() in a CUDA graph and time its replay (median ms, the L2 cleared before each: the tune sweeps)."""
     fn()
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -70,11 +72,13 @@ def sample_rows(batch: int) -> list[int]:
     return sorted({0, batch // 2, batch - 1})
 
 
-def to_pages(x: torch.Tensor, page_size: int):
-    """(B, H_kv, S, D) cache -> shuffled pool (num_pages, page_size, H_kv, D) and block table (B, S / page_size)."""
+def to_pages(x: torch.Tensor, page_size: int, table: torch.Tensor | None = None):
+    """(B, H_kv, S, D) cache -> shuffled pool (num_pages, page_size, H_kv, D) and block table (B, S / page_size),
+    a random one unless given."""
     b, h, s, d = x.shape
     n = s // page_size
-    table = torch.randperm(b * n, device=x.device).reshape(b, n).to(torch.int32)
+    if table is None:
+        table = torch.randperm(b * n, device=x.device).reshape(b, n).to(torch.int32)
     pool = torch.empty(b * n, page_size, h, d, device=x.device, dtype=x.dtype)
     pool[table.long()] = x.reshape(b, h, n, page_size, d).permute(0, 2, 3, 1, 4)
     return pool, table
@@ -94,8 +98,9 @@ def bench_grouped(shapes, fixed_splits: bool, copy_tbps: float) -> list[dict]:
         if cache_bytes > MAX_CACHE_BYTES:
             continue
         q = torch.randn(b, h_q, d, device="cuda", dtype=DTYPE)
-        k = torch.randn(b, h_kv, s, d, device="cuda", dtype=DTYPE)
-        v = torch.randn(b, h_kv, s, d, device="cuda", dtype=DTYPE)
+        copies = rotation(cache_bytes)
+        kv = [tuple(torch.randn(b, h_kv, s, d, device="cuda", dtype=DTYPE) for _ in range(2)) for _ in range(copies)]
+        k, v = kv[0]
         lens = torch.full((b,), s, device="cuda", dtype=torch.int32)
         scale = d**-0.5
         out, _ = grouped_decode(q, k, v, lens, scale=scale)
@@ -103,14 +108,16 @@ def bench_grouped(shapes, fixed_splits: bool, copy_tbps: float) -> list[dict]:
         check(f"grouped B{b} S{s} Hkv{h_kv} D{d}", out[picks], ref_decode_rows(q, k, v, lens, scale, picks))
         sdpa = lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, enable_gqa=True)  # noqa: E731
         check("sdpa", sdpa()[picks, :, 0], ref_decode_rows(q, k, v, lens, scale, picks))
-        t_auto = graph_ms(lambda: grouped_decode(q, k, v, lens, scale=scale, validate=False))
-        t_sdpa = graph_ms(sdpa)
+        t_auto = rotated_ms(lambda i: grouped_decode(q, *kv[i], lens, scale=scale, validate=False), copies)
+        t_sdpa = rotated_ms(lambda i: F.scaled_dot_product_attention(q[:, :, None], *kv[i], scale=scale,
+                                                                     enable_gqa=True), copies)
         auto = _auto_splits_grouped(b, h_q, h_kv, s, d)
-        row = dict(B=b, S=s, H_kv=h_kv, D=d, splits=auto, us=1e3 * t_auto, GBps=cache_bytes / t_auto / 1e6,
-                   sdpa_GBps=cache_bytes / t_sdpa / 1e6, x_sdpa=t_sdpa / t_auto, of_copy=cache_bytes / t_auto / 1e9
-                   / copy_tbps)
+        row = dict(B=b, S=s, H_kv=h_kv, D=d, splits=auto, copies=copies, us=1e3 * t_auto,
+                   GBps=cache_bytes / t_auto / 1e6, sdpa_GBps=cache_bytes / t_sdpa / 1e6, x_sdpa=t_sdpa / t_auto,
+                   of_copy=cache_bytes / t_auto / 1e9 / copy_tbps)
         if fixed_splits:
-            fixed = {n: graph_ms(lambda: grouped_decode(q, k, v, lens, scale=scale, num_splits=n, validate=False))
+            fixed = {n: rotated_ms(lambda i: grouped_decode(q, *kv[i], lens, scale=scale, num_splits=n,
+                                                            validate=False), copies)
                      for n in split_candidates(auto) if n <= min(decode_mod.MAX_SPLITS, math.ceil(s / 64))}
             best = min((t, n) for n, t in fixed.items())
             # Every split's time goes into the printed row (not the table): the data to refit auto_num_splits.
@@ -118,6 +125,7 @@ def bench_grouped(shapes, fixed_splits: bool, copy_tbps: float) -> list[dict]:
                        split_us={auto: round(1e3 * t_auto, 2)} | {n: round(1e3 * t, 2) for n, t in fixed.items()})
         rows.append(row)
         print(row, flush=True)
+        kv = k = v = None  # freed before the next shape's copies
     return rows
 
 
@@ -130,22 +138,26 @@ def bench_paged(shapes, copy_tbps: float) -> list[dict]:
     for b, s, h_kv, d, page_size, ragged in shapes:
         h_q = 32
         q = torch.randn(b, h_q, d, device="cuda", dtype=DTYPE)
-        k = torch.randn(b, h_kv, s, d, device="cuda", dtype=DTYPE)
-        v = torch.randn(b, h_kv, s, d, device="cuda", dtype=DTYPE)
         g = torch.Generator(device="cpu").manual_seed(b + s)
         lens = (torch.randint(s // 8, s + 1, (b,), generator=g) if ragged else torch.full((b,), s)).to(torch.int32)
         lens = lens.cuda()
         scale = d**-0.5
-        k_pages, table = to_pages(k, page_size)
-        v_pages = torch.empty_like(k_pages)
-        v_pages[table.long()] = v.reshape(b, h_kv, s // page_size, page_size, d).permute(0, 2, 3, 1, 4)
+        # Copies of the cache, each contiguous (k, v) and paged (k_pages, v_pages) under one block table.
+        copies, table = rotation(2 * b * h_kv * s * d * DTYPE.itemsize), None
+        caches = []
+        for _ in range(copies):
+            k, v = (torch.randn(b, h_kv, s, d, device="cuda", dtype=DTYPE) for _ in range(2))
+            k_pages, table = to_pages(k, page_size, table)
+            v_pages, _ = to_pages(v, page_size, table)
+            caches.append((k, v, k_pages, v_pages))
+        k, v, k_pages, v_pages = caches[0]
         out, _ = paged_grouped_decode(q, k_pages, v_pages, table, lens, scale=scale)
         hopper = decode_mod._sm90_supports(q, k_pages, v_pages, None)
         picks = sample_rows(b)
         check(f"paged B{b} S{s} page{page_size}", out[picks], ref_decode_rows(q, k, v, lens, scale, picks))
-        t_paged = graph_ms(lambda: paged_grouped_decode(q, k_pages, v_pages, table, lens, scale=scale,
-                                                        validate=False))
-        t_contig = graph_ms(lambda: grouped_decode(q, k, v, lens, scale=scale, validate=False))
+        t_paged = rotated_ms(lambda i: paged_grouped_decode(q, *caches[i][2:], table, lens, scale=scale,
+                                                            validate=False), copies)
+        t_contig = rotated_ms(lambda i: grouped_decode(q, *caches[i][:2], lens, scale=scale, validate=False), copies)
         read = 2 * int(lens.sum()) * h_kv * d * DTYPE.itemsize
         row = dict(B=b, S=s, H_kv=h_kv, D=d, page=page_size, lens="ragged" if ragged else "full",
                    splits=decode_mod.grouped_num_splits(b, h_q, h_kv, s, d, d, DTYPE.itemsize, q.device, True,
@@ -157,11 +169,12 @@ def bench_paged(shapes, copy_tbps: float) -> list[dict]:
                 check(f"paged B{b} S{s} page{page_size} (Triton)", paged_grouped_decode(
                     q, k_pages, v_pages, table, lens, scale=scale)[0][picks], ref_decode_rows(q, k, v, lens, scale,
                                                                                               picks))
-                t_triton = graph_ms(lambda: paged_grouped_decode(q, k_pages, v_pages, table, lens, scale=scale,
-                                                                 validate=False))
+                t_triton = rotated_ms(lambda i: paged_grouped_decode(q, *caches[i][2:], table, lens, scale=scale,
+                                                                     validate=False), copies)
             row.update(triton_GBps=read / t_triton / 1e6, triton_x_contig=t_contig / t_triton)
         rows.append(row)
         print(rows[-1], flush=True)
+        caches = k = v = k_pages = v_pages = None  # freed before the next shape's copies
     return rows
 
 
@@ -180,40 +193,46 @@ def bench_mla(shapes, fixed_splits: bool) -> list[dict]:
         d_c, d_r = 512, 64
         q_abs = torch.randn(b, h, d_c, device="cuda", dtype=DTYPE)
         q_rope = torch.randn(b, h, d_r, device="cuda", dtype=DTYPE)
-        c_kv = (0.3 * torch.randn(b, n, d_c, device="cuda")).to(DTYPE)
-        k_rope = torch.randn(b, n, d_r, device="cuda", dtype=DTYPE)
         lens = torch.full((b,), n, device="cuda", dtype=torch.int32)
         scale = (128 + d_r) ** -0.5
-        if page_size:
-            c_pages, table = to_pages(c_kv[:, None], page_size)
-            r_pages = torch.empty(b * n // page_size, page_size, 1, d_r, device="cuda", dtype=DTYPE)
-            r_pages[table.long()] = k_rope.reshape(b, n // page_size, page_size, 1, d_r)
-            c_pages, r_pages = c_pages[:, :, 0], r_pages[:, :, 0]
-
-            def run(splits=None):
-                return paged_mla_decode(q_abs, q_rope, c_pages, r_pages, table, lens, scale=scale,
-                                        num_splits=splits, validate=False)
-        else:
-            def run(splits=None):
-                return mla_decode(q_abs, q_rope, c_kv, k_rope, lens, scale=scale, num_splits=splits, validate=False)
-        picks = sample_rows(b)
-        check(f"mla B{b} H{h} N{n}", run()[0][picks], ref_mla_rows(q_abs, q_rope, c_kv, k_rope, lens, scale, picks))
-        t = graph_ms(run)
         read = b * n * (d_c + d_r) * DTYPE.itemsize
+        copies, table = rotation(read), None
+        caches = []  # per copy: the latent and RoPE caches (c_kv, k_rope), or their pages
+        for _ in range(copies):
+            c_kv = (0.3 * torch.randn(b, n, d_c, device="cuda")).to(DTYPE)
+            k_rope = torch.randn(b, n, d_r, device="cuda", dtype=DTYPE)
+            if page_size:
+                c_pages, table = to_pages(c_kv[:, None], page_size, table)
+                r_pages, _ = to_pages(k_rope[:, None], page_size, table)
+                caches.append((c_pages[:, :, 0], r_pages[:, :, 0]))
+            else:
+                caches.append((c_kv, k_rope))
+            if len(caches) == 1:
+                ref = ref_mla_rows(q_abs, q_rope, c_kv, k_rope, lens, scale, sample_rows(b))
+
+        def run(splits=None, i=0):
+            if page_size:
+                return paged_mla_decode(q_abs, q_rope, *caches[i], table, lens, scale=scale, num_splits=splits,
+                                        validate=False)
+            return mla_decode(q_abs, q_rope, *caches[i], lens, scale=scale, num_splits=splits, validate=False)
+        picks = sample_rows(b)
+        check(f"mla B{b} H{h} N{n}", run()[0][picks], ref)
+        t = rotated_ms(lambda i: run(i=i), copies)
         flops = 2 * b * h * n * (d_c + d_r) + 2 * b * h * n * d_c
-        row = dict(B=b, H=h, N=n, page=page_size or "-", us=1e3 * t, TBps=read / t / 1e9, TFLOPs=flops / t / 1e9)
+        row = dict(B=b, H=h, N=n, page=page_size or "-", copies=copies, us=1e3 * t, TBps=read / t / 1e9,
+                   TFLOPs=flops / t / 1e9)
         if fixed_splits:
-            best = min((graph_ms(lambda: run(sp)), sp) for sp in (1, 2, 4, 8, 16))
+            best = min((rotated_ms(lambda i: run(sp, i), copies), sp) for sp in (1, 2, 4, 8, 16))
             row.update(best_fixed=best[1], auto_vs_best=best[0] / t)
-        if mla_mod.mla_sm90 is not None and mla_mod.mla_sm90.supports(q_abs, q_rope, c_kv, k_rope, bool(page_size)):
+        if mla_mod.mla_sm90 is not None and mla_mod.mla_sm90.supports(q_abs, q_rope, *caches[0], bool(page_size)):
             # The Hopper kernel ran: the Triton kernel beside it, each at its automatic split (the lever).
             with env("ZOO_MLA_SM90", "0"):
-                check(f"mla B{b} H{h} N{n} (Triton)", run()[0][picks],
-                      ref_mla_rows(q_abs, q_rope, c_kv, k_rope, lens, scale, picks))
-                t_triton = graph_ms(run)
+                check(f"mla B{b} H{h} N{n} (Triton)", run()[0][picks], ref)
+                t_triton = rotated_ms(lambda i: run(i=i), copies)
             row.update(triton_TBps=read / t_triton / 1e9, triton_TFLOPs=flops / t_triton / 1e9)
         rows.append(row)
         print(row, flush=True)
+        caches = None  # freed before the next shape's copies
     return rows
 
 

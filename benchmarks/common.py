@@ -38,6 +38,45 @@ def bench_ms(fn, warmup_ms: int = 25, rep_ms: int = 100) -> float:
     return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
+def rotated_ms(call, copies: int, budget_ms: float = 100.0) -> float:
+    """Median milliseconds per call of call(i), i = 0 .. copies - 1, each reading its own copy of the inputs:
+    the calls are captured in turn in one CUDA graph, and each replay of the graph is timed between two events.
+    With copies whose bytes together are four times the L2 (`rotation`), every call finds the L2 holding the
+    previous copies' lines, not its own, so it reads its inputs from memory. This is a cold L2 without a flush:
+    do_bench zeroes a 256 MB buffer before every call, and the L2's dirty lines from that are written back while
+    the timed call reads, which cost short decode calls 5-15% (benchmarks/RESULTS.md, session 23). The graph also
+    holds the calls back to back, as decode runs in a server, with no host in between."""
+    for i in range(copies):
+        call(i)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(copies):
+            call(i)
+    graph.replay()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    graph.replay()
+    torch.cuda.synchronize()
+    reps = max(5, min(200, int(budget_ms / 1e3 / (time.perf_counter() - t0))))
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / copies)
+    return sorted(times)[reps // 2]
+
+
+def rotation(n_bytes: int) -> int:
+    """How many copies of inputs of n_bytes `rotated_ms` cycles through: at least two, and together at least four
+    times the L2, so a copy's lines are evicted before it is read again."""
+    l2 = torch.cuda.get_device_properties(torch.cuda.current_device()).L2_cache_size
+    return max(2, -(-4 * l2 // n_bytes))
+
+
 def bench_gpu_ms(fn, n: int = 30) -> float:
     """Median milliseconds of fn() on the GPU alone. bench_ms times from an event recorded before the call to one
     after it, so where the host takes longer to launch fn's kernels than the GPU takes to run them, the GPU waits

@@ -60,6 +60,24 @@ def test_grouped_decode_matches_reference(dtype, case, auto):
     _check(out, lse, ref_out, ref_lse, dtype, "grouped_decode")
 
 
+@pytest.mark.parametrize("sms, tiles", [(28, (128, 4, 3)), (7, (64, 4, 3)), (4, (64, 4, 2)), (2, (128, 4, 3))],
+                         ids=["load0.5", "load2", "load3.5", "load7"])
+def test_grouped_decode_at_every_load(sms, tiles, monkeypatch):
+    """D=128 contiguous decode with each of `_tile_config`'s tiles (14 programs on a GPU of `sms` SMs: programs per
+    SM 0.5, 2, 3.5, 7), ragged lengths over several tiles, against the reference; fp16, which both the GPU and the
+    interpreter compute right."""
+    monkeypatch.setattr(decode, "num_sms", lambda device: sms)
+    b, hq, hkv, s, d = 7, 4, 2, 300, 128
+    assert decode._tile_config(d, d, 2, False, decode._load(b * hkv, False, torch.device(DEVICE))) == tiles
+    q = torch.randn(b, hq, d, device=DEVICE, dtype=torch.float16)
+    k = torch.randn(b, hkv, s, d, device=DEVICE, dtype=torch.float16)
+    v = torch.randn(b, hkv, s, d, device=DEVICE, dtype=torch.float16)
+    seq_lens = ragged_lens(b, s)
+    out, lse = grouped_decode(q, k, v, seq_lens, scale=d**-0.5)
+    ref_out, ref_lse = decode_reference(q, k, v, seq_lens, scale=d**-0.5)
+    _check(out, lse, ref_out, ref_lse, torch.float16, "grouped_decode")
+
+
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
 def test_grouped_decode_rope_term(dtype):
     b, hq, hkv, s, d, dr = 2, 6, 2, 37, 32, 16
@@ -350,18 +368,22 @@ def test_tile_config_fits_shared_memory(paged):
 
 def test_tile_config_follows_the_load(monkeypatch):
     """Contiguous launches size their tiles by programs per SM: heads of at most 64 stream through two stages from
-    three programs per SM, wider heads take 64-token tiles between one and three; paged caches keep theirs."""
+    three programs per SM, wider heads take 64-token tiles between one and three, and 64-token tiles through two
+    stages from three to four (one wave); paged caches keep theirs."""
     monkeypatch.setattr(decode, "num_sms", lambda device: 132)
     cuda = torch.device("cuda")
     assert decode._load(264, False, cuda) == 2.0 and decode._load(264, True, cuda) == 0.0
     assert decode._tile_config(64, 64, 2, False, load=3.0) == (128, 4, 2)
     assert decode._tile_config(64, 64, 2, False, load=2.9) == decode._tile_config(64, 64, 2, False) == (128, 4, 3)
     assert decode._tile_config(128, 128, 2, False, load=2.0) == (64, 4, 3)
-    for load in (0.5, 1.0, 3.0, 8.0):
+    for load in (3.0, 3.9, 4.0):
+        assert decode._tile_config(128, 128, 2, False, load=load) == (64, 4, 2)
+    for load in (0.5, 1.0, 4.1, 8.0):
         assert decode._tile_config(128, 128, 2, False, load=load) == (128, 4, 3)
     assert decode._tile_config(64, 64, 2, True, load=8.0) == decode._tile_config(64, 64, 2, True)
     assert decode.programs_per_sm(64, 64, 2, False, load=4.0) > decode.programs_per_sm(64, 64, 2, False)
     assert decode.programs_per_sm(128, 128, 2, False, load=2.0) > decode.programs_per_sm(128, 128, 2, False)
+    assert decode.programs_per_sm(128, 128, 2, False, load=3.5) == decode.ONE_WAVE
 
 
 def test_auto_num_splits_limits():
