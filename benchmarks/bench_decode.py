@@ -11,7 +11,7 @@ per copy, are captured in one CUDA graph (the way decode runs in a server, and i
 of the numbers) and each call reads a cache the L2 does not hold, with no flush's write-backs in its time. Before
 timing, each kernel's output is checked against an fp32 reference on a few sequences of the batch. Our kernels
 run with num_splits=None (auto) and with the best of a few fixed split counts, to check the heuristic. The --tune
-sweeps, which compare configs on one shape, time one cache with the L2 cleared before each call (`graph_ms`).
+sweeps time their configs the same way.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import bench_ms, ceilings, env, header, print_table, rotated_ms, rotation  # noqa: E402
+from common import ceilings, env, header, print_table, rotated_ms, rotation  # noqa: E402
 
 from kernels import decode as decode_mod  # noqa: E402
 from kernels import mla as mla_mod  # noqa: E402
@@ -37,16 +37,6 @@ from kernels.mla import mla_decode, paged_mla_decode  # noqa: E402
 DTYPE = torch.bfloat16
 MAX_CACHE_BYTES = 24 * 1024**3  # K + V of one shape; larger shapes of the grid are skipped
 TOL = 2e-2  # bf16 output against an fp32 reference: one rounding of P and of the output, ~2^-8 relative
-
-
-def graph_ms(fn) -> float:
-    """Capture fn() in a CUDA graph and time its replay (median ms, the L2 cleared before each: the tune sweeps)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return bench_ms(graph.replay)
 
 
 def check(name: str, got: torch.Tensor, ref: torch.Tensor):
@@ -240,50 +230,54 @@ def tune(sections: list[str], quick: bool = False):
     """Launch-config sweeps on a few shapes: the data behind the defaults in kernels/decode.py, kernels/decode_sm90.py
     and kernels/mla.py (quick: the paged sweep on its last two shapes only)."""
     rows = []
-    grouped_shapes = [(64, 8192, 8, 128), (8, 32768, 8, 128), (64, 8192, 1, 128), (64, 8192, 8, 64)]
+    grouped_shapes = [(64, 8192, 8, 128), (8, 32768, 8, 128), (64, 8192, 1, 128), (64, 8192, 8, 64),
+                      (64, 1024, 8, 128)]
     for b, s, h_kv, d in grouped_shapes if "grouped" in sections else []:
         q = torch.randn(b, 32, d, device="cuda", dtype=DTYPE)
-        k, v = (torch.randn(b, h_kv, s, d, device="cuda", dtype=DTYPE) for _ in range(2))
+        cache_bytes = 2 * b * h_kv * s * d * DTYPE.itemsize
+        copies = rotation(cache_bytes)
+        kv = [tuple(torch.randn(b, h_kv, s, d, device="cuda", dtype=DTYPE) for _ in range(2)) for _ in range(copies)]
         lens = torch.full((b,), s, device="cuda", dtype=torch.int32)
-        cache_bytes = 2 * k.numel() * k.element_size()
         for block_n in (32, 64, 128):
             for warps in (4, 8):
                 for stages in (2, 3, 4):
                     cfg = dict(BLOCK_N=block_n, num_warps=warps, num_stages=stages)
                     try:
-                        t = graph_ms(lambda: decode_mod._launch_decode(
-                            q, k, v, None, None, None, lens, d**-0.5, None, paged=False, page_size=1, capacity=s,
-                            config=cfg))
+                        t = rotated_ms(lambda i: decode_mod._launch_decode(
+                            q, *kv[i], None, None, None, lens, d**-0.5, None, paged=False, page_size=1, capacity=s,
+                            config=cfg), copies)
                     except Exception as e:  # a config may not fit in shared memory
                         print("skip", b, s, h_kv, d, block_n, cfg, type(e).__name__, flush=True)
                         continue
                     rows.append(dict(op="grouped", shape=f"B{b}-S{s}-Hkv{h_kv}-D{d}", BLOCK_N=block_n, warps=warps,
                                      stages=stages, GBps=cache_bytes / t / 1e6))
                     print(rows[-1], flush=True)
+        kv = None  # freed before the next shape's copies
     if "paged" in sections:
         rows += tune_paged(PAGED_TUNE_SHAPES[-2:] if quick else PAGED_TUNE_SHAPES)
     mla_shapes = [(64, h, 8192) for h in (16, 128) if "mla" in sections or f"mla{h}" in sections]
     for b, h, n in mla_shapes:
         q_abs, q_rope = torch.randn(b, h, 512, device="cuda", dtype=DTYPE), torch.randn(b, h, 64, device="cuda",
                                                                                        dtype=DTYPE)
-        c_kv = (0.3 * torch.randn(b, n, 512, device="cuda")).to(DTYPE)
-        k_rope = torch.randn(b, n, 64, device="cuda", dtype=DTYPE)
+        copies = rotation(b * n * 576 * DTYPE.itemsize)
+        caches = [((0.3 * torch.randn(b, n, 512, device="cuda")).to(DTYPE),
+                   torch.randn(b, n, 64, device="cuda", dtype=DTYPE)) for _ in range(copies)]
         lens = torch.full((b,), n, device="cuda", dtype=torch.int32)
         flops = 2 * b * h * n * 576 + 2 * b * h * n * 512
         picks = sample_rows(b)
-        ref = ref_mla_rows(q_abs, q_rope, c_kv, k_rope, lens, 0.07, picks)
+        ref = ref_mla_rows(q_abs, q_rope, *caches[0], lens, 0.07, picks)
         grid = ([(16, bn, w, st) for bn in (16, 32, 64) for w in (4, 8) for st in (1, 2, 3)] if h <= 16 else
                 [(64, 16, 8, 2), (64, 32, 8, 3), (64, 64, 8, 1), (64, 64, 8, 2), (64, 32, 4, 2), (32, 64, 4, 2),
                  (32, 32, 4, 3)])
         for block_h, block_n, warps, stages in grid:
             cfg = dict(BLOCK_H=block_h, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
 
-            def run():
-                return mla_mod._launch_mla(q_abs, q_rope, c_kv, k_rope, None, lens, 0.07, None, paged=False,
+            def run(i=0):
+                return mla_mod._launch_mla(q_abs, q_rope, *caches[i], None, lens, 0.07, None, paged=False,
                                            page_size=1, capacity=n, config=cfg)
             try:
                 check(f"mla {cfg}", run()[0][picks], ref)
-                t = graph_ms(run)
+                t = rotated_ms(run, copies)
             except Exception as e:
                 print("skip mla", cfg, type(e).__name__, flush=True)
                 continue
@@ -305,9 +299,11 @@ def tune_paged(shapes=PAGED_TUNE_SHAPES, configs=((64, 3), (64, 4), (64, 2)), pa
     rows = []
     for b, s, h_kv, d in shapes:
         q = torch.randn(b, 32, d, device="cuda", dtype=DTYPE)
+        copies = rotation(2 * b * h_kv * s * d * DTYPE.itemsize)
         k_pages, table = to_pages(torch.randn(b, h_kv, s, d, device="cuda", dtype=DTYPE), page_size)
-        v_pages = torch.randn_like(k_pages)
-        if not decode_mod._sm90_supports(q, k_pages, v_pages, None):
+        pools = [(k_pages, torch.randn_like(k_pages))] + [
+            (torch.randn_like(k_pages), torch.randn_like(k_pages)) for _ in range(copies - 1)]
+        if not decode_mod._sm90_supports(q, *pools[0], None):
             print("tune_paged: the Hopper paged kernel does not run here (an sm_90 GPU, Triton 3.6)", flush=True)
             return rows
         g = torch.Generator(device="cpu").manual_seed(b + s)
@@ -319,9 +315,9 @@ def tune_paged(shapes=PAGED_TUNE_SHAPES, configs=((64, 3), (64, 4), (64, 2)), pa
                 for n in decode_mod.SPLIT_CHOICES:
                     if n > s // block_n or (n > 2 and b * h_kv * n > 2048):
                         break
-                    times[n] = round(1e3 * graph_ms(lambda: decode_mod._launch_decode(
-                        q, k_pages, v_pages, None, None, table, lens, d**-0.5, n, paged=True, page_size=page_size,
-                        capacity=s, config={"sm90": (block_n, stages)})), 2)
+                    times[n] = round(1e3 * rotated_ms(lambda i: decode_mod._launch_decode(
+                        q, *pools[i], None, None, table, lens, d**-0.5, n, paged=True, page_size=page_size,
+                        capacity=s, config={"sm90": (block_n, stages)}), copies), 2)
                 rows.append(dict(op="paged", shape=f"B{b}-S{s}-Hkv{h_kv}-D{d}-page{page_size}", lens=lens_kind,
                                  BLOCK_N=block_n, stages=stages, best_split=min(times, key=times.get),
                                  best_us=min(times.values()),
