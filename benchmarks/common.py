@@ -44,7 +44,7 @@ def rotated_ms(call, copies: int, warmup_ms: float = 25.0, budget_ms: float = 10
     With copies whose bytes together are four times the L2 (`rotation`), every call finds the L2 holding the
     previous copies' lines, not its own, so it reads its inputs from memory. This is a cold L2 without a flush:
     do_bench zeroes a 256 MB buffer before every call, and the L2's dirty lines from that are written back while
-    the timed call reads, which cost short decode calls 5-15% (benchmarks/RESULTS.md, session 23). The graph also
+    the timed call reads, which cost decode calls 3-30% (benchmarks/RESULTS.md, session 23). The graph also
     holds the calls back to back, as decode runs in a server, with no host in between."""
     for i in range(copies):
         call(i)

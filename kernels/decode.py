@@ -401,7 +401,7 @@ def _tile_config(d_qk: int, d_v: int, itemsize: int, paged: bool, load: float = 
     - wider heads with three to four programs per SM take 64-token tiles through two stages (one 32 KB K+V buffer):
       the launch then fits one wave, where three stages of 128 tokens (one program per SM) run four waves and
       smaller tiles through three stages (three per SM) 1.3. Timed with rotated caches (no flush's write-backs,
-      session 23; H200, one split, beside SDPA): B64 H_kv8 S1k 1.020-1.025x SDPA against 0.947-0.961x, S2k 1.007
+      session 23; H200, one split, beside SDPA): B64 H_kv8 S1k 1.020-1.025x SDPA against 0.952-0.961x, S2k 1.007
       against 0.989, S4k-S8k level (0.999 / 1.008 against 0.997 / 1.011); the same tiles at B96 S2k (5.8 per SM,
       one and a half waves) read 0.836, so the rule stops at four."""
     d_max = max(d_qk, d_v)
