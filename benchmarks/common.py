@@ -11,6 +11,8 @@ import time
 import torch
 import triton
 
+from kernels._host import behind_sleep
+
 
 def header() -> str:
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
@@ -84,7 +86,8 @@ def bench_gpu_ms(fn, n: int = 30) -> float:
     after it, so where the host takes longer to launch fn's kernels than the GPU takes to run them, the GPU waits
     inside the timed window and the host's time is measured. Here n calls, each after an L2 flush and between its
     own events, are all enqueued while the GPU sleeps, so they run back to back from a cold L2 with no wait for the
-    host. The sleep is sized from one call and must outlast the enqueueing (checked; else a longer one)."""
+    host. The sleep is sized from one call and must outlast the enqueueing (`kernels._host.behind_sleep` checks;
+    else a longer one)."""
     cache = torch.empty(int(256e6 // 4), dtype=torch.int, device="cuda")  # do_bench's flush
     fn()
     torch.cuda.synchronize()
@@ -92,22 +95,18 @@ def bench_gpu_ms(fn, n: int = 30) -> float:
     fn()
     torch.cuda.synchronize()
     per_call = time.perf_counter() - t0  # host and GPU together: more than enqueueing alone takes
-    for attempt in range(4):
-        seconds = (2 * n * per_call + 0.005) * 4**attempt
-        starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-        ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
-        awake = torch.cuda.Event()
-        torch.cuda._sleep(int(seconds * 2e9))  # cycles; at most the H100/H200 boost clock, so at least `seconds`
-        awake.record()
-        for i in range(n):
+    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+
+    def enqueue():
+        for start, end in events:
             cache.zero_()
-            starts[i].record()
+            start.record()
             fn()
-            ends[i].record()
-        still_asleep = not awake.query()
-        torch.cuda.synchronize()
-        if still_asleep:
-            return sorted(s.elapsed_time(e) for s, e in zip(starts, ends))[n // 2]
+            end.record()
+
+    for attempt in range(4):
+        if behind_sleep(enqueue, (2 * n * per_call + 0.005) * 4**attempt):
+            return sorted(start.elapsed_time(end) for start, end in events)[n // 2]
     raise RuntimeError("bench_gpu_ms: the GPU woke before the calls were enqueued, four times")
 
 

@@ -70,7 +70,7 @@ import triton
 import triton.language as tl
 
 from kernels import _checks
-from kernels._host import cdiv, next_power_of_2
+from kernels._host import behind_sleep, cdiv, next_power_of_2
 from kernels.decode import device_guard, num_sms
 from kernels.schedule import bucket_size, ranked
 
@@ -644,17 +644,16 @@ def _gpu_ms(fn, n: int = 8) -> float:
     fn()
     torch.cuda.synchronize()
     per_call = time.perf_counter() - t0  # host and GPU together: more than enqueueing alone takes
-    start, end, awake = (torch.cuda.Event(enable_timing=True) for _ in range(3))
-    for attempt in range(3):
-        torch.cuda._sleep(int((2 * n * per_call + 1e-3) * 4**attempt * 2e9))  # cycles, at most ~2 GHz: >= seconds
-        awake.record()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def enqueue():
         start.record()
         for _ in range(n):
             fn()
         end.record()
-        still_asleep = not awake.query()
-        torch.cuda.synchronize()
-        if still_asleep:
+
+    for attempt in range(3):
+        if behind_sleep(enqueue, (2 * n * per_call + 1e-3) * 4**attempt):
             break
     return start.elapsed_time(end) / n
 
