@@ -14,8 +14,8 @@ Levers (issue 7):
   K/V tile is read from memory once for the whole group.
 - Tiles sized for the memory stream (`_tile_config`): a contiguous cache streams 128 tokens of K and V per step
   through three pipeline stages, sized by the launch's programs per SM too (two stages for heads of at most 64 at
-  three or more, 64-token tiles for wider heads at one to three: more programs fit on an SM); a paged one 64
-  tokens through two.
+  three or more, 64-token tiles for wider heads at one to three, and through two stages at three to four, so the
+  launch fits one wave: more programs fit on an SM); a paged one 64 tokens through two.
 - Each sequence's own length is cut evenly into the splits, so a short sequence in a ragged batch spreads its few
   tiles over all its programs instead of leaving them to the first one.
 - The split count comes from the SM count and the shapes (the cache's capacity, never the lengths' values), so
