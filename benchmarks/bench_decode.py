@@ -187,6 +187,7 @@ def bench_mla(shapes, fixed_splits: bool) -> list[dict]:
         scale = (128 + d_r) ** -0.5
         read = b * n * (d_c + d_r) * DTYPE.itemsize
         copies, table = rotation(read), None
+        picks = sample_rows(b)
         caches = []  # per copy: the latent and RoPE caches (c_kv, k_rope), or their pages
         for _ in range(copies):
             c_kv = (0.3 * torch.randn(b, n, d_c, device="cuda")).to(DTYPE)
@@ -198,14 +199,13 @@ def bench_mla(shapes, fixed_splits: bool) -> list[dict]:
             else:
                 caches.append((c_kv, k_rope))
             if len(caches) == 1:
-                ref = ref_mla_rows(q_abs, q_rope, c_kv, k_rope, lens, scale, sample_rows(b))
+                ref = ref_mla_rows(q_abs, q_rope, c_kv, k_rope, lens, scale, picks)
 
         def run(splits=None, i=0):
             if page_size:
                 return paged_mla_decode(q_abs, q_rope, *caches[i], table, lens, scale=scale, num_splits=splits,
                                         validate=False)
             return mla_decode(q_abs, q_rope, *caches[i], lens, scale=scale, num_splits=splits, validate=False)
-        picks = sample_rows(b)
         check(f"mla B{b} H{h} N{n}", run()[0][picks], ref)
         t = rotated_ms(lambda i: run(i=i), copies)
         flops = 2 * b * h * n * (d_c + d_r) + 2 * b * h * n * d_c

@@ -374,6 +374,12 @@ _SMEM_PER_PROGRAM = 200 * 1024  # what the pipelined K/V tiles may take, leaving
 ONE_WAVE = 4  # programs per SM of D=128 decode with 64-token tiles through two stages (`_tile_config`)
 
 
+def _one_wave(d_qk: int, d_v: int, paged: bool, load: float) -> bool:
+    """Does a launch take `_tile_config`'s one-wave tiles: a contiguous cache, heads wider than 64, 3 to ONE_WAVE
+    programs per SM?"""
+    return not paged and max(d_qk, d_v) > 64 and 3 <= load <= ONE_WAVE
+
+
 @functools.lru_cache(maxsize=1024)  # a pure function of the shapes, asked three times per decode launch
 def _tile_config(d_qk: int, d_v: int, itemsize: int, paged: bool, load: float = 0.0) -> tuple[int, int, int]:
     """(BLOCK_N, num_warps, num_stages) of a grouped-decode launch; `load`: programs (sequences x head tiles) per SM
@@ -399,8 +405,8 @@ def _tile_config(d_qk: int, d_v: int, itemsize: int, paged: bool, load: float = 
       and S1k-S2k 1.005-1.007x SDPA against 0.965-0.989x, at S8k-S64k level (0.994 / 0.987 against 0.991 /
       0.986); at 1024-4096 programs 64-token tiles lost 1-9%;
     - wider heads with three to four programs per SM take 64-token tiles through two stages (one 32 KB K+V buffer):
-      the launch then fits one wave, where three stages of 128 tokens (one program per SM) run four waves and
-      smaller tiles through three stages (three per SM) 1.3. Timed with rotated caches (no flush's write-backs,
+      the launch then fits one wave, where three stages of 128 tokens (one program per SM) run it in four waves
+      and 64-token tiles through three stages (three per SM) in 1.3. Timed with rotated caches (no flush's write-backs,
       session 23; H200, one split, beside SDPA): B64 H_kv8 S1k 1.020-1.025x SDPA against 0.952-0.961x, S2k 1.007
       against 0.989, S4k-S8k level (0.999 / 1.008 against 0.997 / 1.011); the same tiles at B96 S2k (5.8 per SM,
       one and a half waves) read 0.836, so the rule stops at four."""
@@ -416,7 +422,7 @@ def _tile_config(d_qk: int, d_v: int, itemsize: int, paged: bool, load: float = 
             stages = 2
         elif d_max > 64 and 1 < load < 3:
             block_n = 64
-        elif d_max > 64 and 3 <= load <= ONE_WAVE:
+        elif _one_wave(d_qk, d_v, paged, load):
             block_n, stages = 64, 2
     while stages * block_n * row_bytes > _SMEM_PER_PROGRAM:
         if stages > 1:
@@ -444,7 +450,7 @@ def programs_per_sm(d_qk: int, d_v: int, itemsize: int, paged: bool, load: float
     latency with more programs instead of with stages. The one-wave tiles of wider heads (`_tile_config`, from
     three to ONE_WAVE programs per SM) count ONE_WAVE: that they all run at once is what they were measured for."""
     block_n, _, stages = _tile_config(d_qk, d_v, itemsize, paged, load)
-    if not paged and max(d_qk, d_v) > 64 and 3 <= load <= ONE_WAVE:
+    if _one_wave(d_qk, d_v, paged, load):
         return ONE_WAVE
     return max(1, SMEM_PER_SM // (stages * block_n * _kv_row_bytes(d_qk, d_v, itemsize))) * (2 if paged else 1)
 
