@@ -57,6 +57,7 @@ import os
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from kernels import _checks
 from kernels._host import cdiv, next_power_of_2
@@ -279,13 +280,17 @@ def _combine_splits_kernel(
     stride_ob, stride_oh, stride_od,
     stride_lb, stride_lh,
     NUM_SPLITS: tl.constexpr, D_V: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+    WAIT: tl.constexpr,
 ):
     """Merge the splits of one (sequence, head) over BLOCK_DV of its output columns: the partials in one 2-D load,
     weights exp2(lse_s - max). Column blocks are separate programs, so a (splits, columns) tile stays in
-    registers even at 128 splits and 512 columns."""
+    registers even at 128 splits and 512 columns. WAIT: launched as a programmatic dependent of the decode
+    launch (`pdl`), so the programs may start before its partials are stored, and wait for them here."""
     h = tl.program_id(0)
     b = tl.program_id(1)
     col_block = tl.program_id(2)
+    if WAIT:
+        gdc_wait()
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = col_block * BLOCK_DV + tl.arange(0, BLOCK_DV)
     mask_s = offs_s < NUM_SPLITS
@@ -693,13 +698,36 @@ def _capturing(device: torch.device) -> bool:
 
 
 def combine_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor):
-    """part_o (B, H, splits, D_v) fp32, part_lse (B, H, splits) log2 units -> out (B, H, D_v), lse (B, H)."""
+    """part_o (B, H, splits, D_v) fp32, part_lse (B, H, splits) log2 units -> out (B, H, D_v), lse (B, H). Launched
+    right after the decode launch that wrote the partials, as its programmatic dependent where `pdl` says so."""
     batch, heads, splits, d_v = part_o.shape
     block_dv = min(_pow2(d_v), max(16, 4096 // _pow2(splits, 2)))  # at most 4096 fp32 values per program
+    wait = pdl(part_o.device)
     _combine_splits_kernel[(heads, batch, cdiv(d_v, block_dv))](
         part_o, part_lse, out, lse, *part_o.stride(), *part_lse.stride(), *out.stride(), *lse.stride(),
-        NUM_SPLITS=splits, D_V=d_v, BLOCK_S=_pow2(splits, 2), BLOCK_DV=block_dv, num_warps=4,
+        NUM_SPLITS=splits, D_V=d_v, BLOCK_S=_pow2(splits, 2), BLOCK_DV=block_dv, WAIT=wait, num_warps=4,
+        launch_pdl=wait,
     )
+
+
+def pdl(device: torch.device) -> bool:
+    """Is the split combine launched as a programmatic dependent of the decode launch before it (sm_90 and newer;
+    ZOO_PDL=0 turns it off)? The GPU then starts the combine's programs as the decode programs exit, without the
+    gap between two launches, and `gdc_wait` holds each one until every partial is stored and visible. Measured
+    on an H200 (2026-12-01, bf16, rotated caches in one CUDA graph, the best of two alternations, us, off -> on;
+    benchmarks/RESULTS.md): MLA 16 heads B16 N8k 44.6 -> 44.3 (8 splits 45.2 -> 44.3), with 64-token pages 46.2 ->
+    45.3; MQA D=128 B1 S64k (128 splits) 15.7 -> 15.0, B8 S8k 16.1 -> 15.3; MQA D=64 B1 S8k 6.87 -> 6.23; launches
+    that merge inside (`fused_combine_chunk`) do not run it. Signalling the dependents at the start of every decode
+    program (griddepcontrol.launch_dependents, so the combine's programs wait resident) was faster on some of these
+    and slower on others (B4 N32k 44.7 -> 48.6 us), and was not kept."""
+    if device.type != "cuda" or _checks.interpreting() or os.environ.get("ZOO_PDL", "1") == "0":
+        return False
+    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= 9
+
+
+@functools.cache
+def _capability(device_index: int) -> int:
+    return torch.cuda.get_device_capability(device_index)[0]
 
 
 def new_empty(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:

@@ -625,3 +625,38 @@ def test_split_counters_under_graph_capture(monkeypatch):
             torch.cuda.synchronize()
             _check(out, lse, ref_out, ref_lse, torch.bfloat16, "graph replay")
             _check(*run(), ref_out, ref_lse, torch.bfloat16, "eager launch between replays")
+
+
+def test_separate_combine_as_dependent_launch(monkeypatch):
+    """The separate split combine launches as a programmatic dependent of the decode launch (`decode.pdl`) on
+    sm_90 and newer GPUs, never on the CPU or with ZOO_PDL=0. Its programs may then start before the partials are
+    stored and wait for them (`gdc_wait`): the outputs, eager and replayed from a CUDA graph, match the reference
+    and are bit for bit those of the plain launch."""
+    assert not decode.pdl(torch.device("cpu"))
+    if DEVICE == "cuda":
+        assert decode.pdl(torch.device(DEVICE)) == (torch.cuda.get_device_capability()[0] >= 9)
+    monkeypatch.setenv("ZOO_PDL", "0")
+    assert not decode.pdl(torch.device(DEVICE))
+    monkeypatch.setenv("ZOO_FUSED_COMBINE", "0")  # every split launch takes the separate combine
+    dtype = KERNEL_DTYPES[-1]  # bf16 on the GPU, fp16 on the interpreter (which computes bf16 wrong)
+    q = torch.randn(3, 8, 64, device=DEVICE, dtype=dtype)
+    k = torch.randn(3, 2, 500, 64, device=DEVICE, dtype=dtype)
+    v = torch.randn_like(k)
+    seq_lens = torch.tensor([500, 77, 1], device=DEVICE, dtype=torch.int32)
+    ref_out, ref_lse = decode_reference(q, k, v, seq_lens, scale=0.125)
+
+    def run():
+        return grouped_decode(q, k, v, seq_lens, scale=0.125, num_splits=4, validate=False)
+
+    plain = run()
+    monkeypatch.setenv("ZOO_PDL", "1")
+    dependent = run()
+    _check(*dependent, ref_out, ref_lse, dtype, "dependent combine")
+    assert all(torch.equal(a, b) for a, b in zip(plain, dependent))
+    if DEVICE == "cuda":
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out, lse = run()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, plain[0]) and torch.equal(lse, plain[1])
