@@ -830,15 +830,24 @@ def _head_splits(programs: int, group: int, device: torch.device) -> int:
     return cdiv(group, per_split)
 
 
-def _hopper_dkdv(programs: int, group: int, device: torch.device) -> bool:
+def _hopper_dkdv(programs: int, group: int, device: torch.device, s_kv: int) -> bool:
     """Does the Hopper dK/dV kernel (one program per 128 keys of a KV head, summing its whole group) take this
     launch, or the Triton kernel, which shares a group's heads among programs (`_head_splits`)? The Hopper one for
-    MHA, and wherever its programs fill one wave of the SMs. Measured on an H200 (session 22, the whole backward on
-    the GPU alone, bf16, 110 shapes of 16, 32, 64, 128 and 256 programs, benchmarks/RESULTS.md): at 256 programs
-    it was 1.13-1.47x faster on all 25 (GPT-2-small GQA, B8 H_q12 H_kv4 S1k D64 causal, 1.34x); at 128, 0.77-1.77x,
-    faster on 21 of 30 (slower on long causal sequences of a few KV heads: one program per SM cannot balance the
-    diagonal); at 16-64, 0.23-1.21x, faster on 7 of 55. Counts between 132 and 255 were not measured."""
-    return group == 1 or programs >= num_sms(device)
+    MHA, wherever its programs fill one wave of the SMs, and from SMs - SMs / 16 programs (124 of 132: a wave with
+    a few SMs idle) for keys of at most 1024. Measured on an H200 (the whole backward on the GPU alone, bf16,
+    causal unless said; benchmarks/RESULTS.md):
+    - session 22, 110 shapes of 16-256 programs: at 256 programs it was 1.13-1.47x faster on all 25 (GPT-2-small
+      GQA, B8 H_q12 H_kv4 S1k D64, 1.34x); at 128, 0.77-1.77x, faster on 21 of 30; at 16-64, 0.23-1.21x, faster
+      on 7 of 55;
+    - session 24, 43 shapes of 96-224 programs: from 160 it was 1.07-1.65x faster on all 22; at 128 with keys of
+      1024, 1.00-1.36x on all 6 causal and 1.62x full (B4 H_q12 H_kv4 D64); at 128 with 4096 causal keys,
+      0.78-0.95x on all 8 (one program per SM cannot balance the diagonal, where the Triton kernel's three shares
+      make 384 programs); at 96, 0.72-1.23x (MQA B12 S1k D64 0.88). Full attention at 128 programs was measured
+      with 1024 keys only."""
+    sms = num_sms(device)
+    if group == 1 or programs >= sms:
+        return True
+    return programs >= sms - sms // 16 and s_kv <= 1024
 
 
 def _backward(q, k, v, out, lse, do, scale: float | None, causal: bool, dlse=None, grads=None, head_splits=None,
@@ -857,12 +866,12 @@ def _backward(q, k, v, out, lse, do, scale: float | None, causal: bool, dlse=Non
     if s_q == 0 or b == 0 or h_q == 0:
         return dq, dk.zero_(), dv.zero_()
     # Hopper, fp16/bf16, D = 64 or 128 (ZOO_FLASH_SM90_BWD, see flash_sm90.backward_mode): dQ and delta in the Gluon
-    # kernel; dK/dV too when its programs (128 keys each) fill a wave of the SMs (`_hopper_dkdv`), else the Triton
+    # kernel; dK/dV too when its programs (128 keys each) fill about a wave of the SMs (`_hopper_dkdv`), else the Triton
     # kernel, which can split a KV group's heads over programs ("force": the Gluon kernel regardless).
     mode = flash_sm90.backward_mode() if flash_sm90 is not None and head_splits is None else "0"
     sm90 = mode != "0" and flash_sm90.supports_backward(q, k, v, do)
     sm90_dkdv = sm90 and (mode == "force" or _hopper_dkdv(cdiv(s_kv, flash_sm90.PROGRAM_ROWS) * h_kv * b,
-                                                           h_q // h_kv, q.device))
+                                                           h_q // h_kv, q.device, s_kv))
     # The Hopper dK/dV kernel reads delta and the lse (in log2 units, written by the dQ kernel) as whole padded
     # blocks of rows (flash_sm90.padded_rows); the Triton one reads delta (B, H_q, S_q).
     rows = flash_sm90.padded_rows(s_q) if sm90_dkdv else s_q

@@ -466,7 +466,7 @@ BACKWARD_HEAD_DIMS = tuple(BWD_CONFIGS)
 
 def backward_mode() -> str:
     """ZOO_FLASH_SM90_BWD: "1" (default) runs dQ in `backward_dq` and dK/dV in `backward_dkdv` where the latter's
-    programs fill a wave of the SMs (`flash._hopper_dkdv`; else the Triton dK/dV kernel, which can split a KV
+    programs fill about a wave of the SMs (`flash._hopper_dkdv`; else the Triton dK/dV kernel, which can split a KV
     group's heads over programs); "force" runs both Gluon kernels wherever they can (tests); "0" keeps the whole
     backward on the Triton kernels."""
     mode = os.environ.get("ZOO_FLASH_SM90_BWD", "1")

@@ -239,17 +239,22 @@ def test_gpu_ms_times_the_gpu_alone():
 
 
 def test_hopper_dkdv_rule(monkeypatch):
-    """The Hopper dK/dV kernel takes MHA at any size, and a GQA/MQA launch from one wave of programs up (fewer go to
-    the Triton kernel, which shares the group's heads: `_head_splits`)."""
+    """The Hopper dK/dV kernel takes MHA at any size, a GQA/MQA launch from one wave of programs up, and from 124
+    programs (of 132 SMs) keys of at most 1024 (fewer go to the Triton kernel, which shares the group's heads:
+    `_head_splits`)."""
     from kernels import flash
 
     monkeypatch.setattr(flash, "num_sms", lambda device: 132)
     cuda = torch.device("cuda")
-    assert flash._hopper_dkdv(16, 1, cuda)  # MHA: no heads to share
-    assert flash._hopper_dkdv(256, 3, cuda)  # GPT-2-small GQA, B8 H_q12 H_kv4 S1k: 256 programs
-    assert flash._hopper_dkdv(132, 8, cuda)
-    assert not flash._hopper_dkdv(131, 8, cuda)
-    assert not flash._hopper_dkdv(64, 12, cuda)  # GPT-2-small MQA: 64 programs, shared 4 ways by the Triton kernel
+    assert flash._hopper_dkdv(16, 1, cuda, 4096)  # MHA: no heads to share
+    assert flash._hopper_dkdv(256, 3, cuda, 1024)  # GPT-2-small GQA, B8 H_q12 H_kv4 S1k: 256 programs
+    assert flash._hopper_dkdv(132, 8, cuda, 4096)
+    assert not flash._hopper_dkdv(131, 8, cuda, 4096)
+    assert not flash._hopper_dkdv(64, 12, cuda, 1024)  # GPT-2-small MQA: 64 programs, shared 4 ways by Triton's
+    assert flash._hopper_dkdv(128, 3, cuda, 1024)  # B4 H_q12 H_kv4 S1k: 1.23-1.36x faster in session 24
+    assert flash._hopper_dkdv(124, 3, cuda, 1024)
+    assert not flash._hopper_dkdv(123, 3, cuda, 1024)
+    assert not flash._hopper_dkdv(128, 8, cuda, 4096)  # B1 H_q32 H_kv4 S4k causal: 0.79-0.88x
 
 
 AUTOGRAD_CASES = [CASES[2], CASES[6], CASES[9]]
