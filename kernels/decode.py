@@ -594,7 +594,7 @@ def _launch_decode(q, k, v, q_rope, k_rope, block_table, seq_lens, scale: float,
         part_o = new_empty((batch, h_q, num_splits, d_v), q.device, torch.float32)
         part_lse = new_empty((batch, h_q, num_splits), q.device, torch.float32)
     programs = batch * h_kv * cdiv(h_q // h_kv, block_h)
-    chunk = fused_combine_chunk(num_splits, min(h_q // h_kv, block_h), d_v)
+    chunk = fused_combine_chunk(num_splits, min(h_q // h_kv, block_h), d_v, batch * h_q, q.device)
     counters = split_counters(q.device, programs) if chunk else None
     fused = counters is not None
     if sm90:
@@ -651,18 +651,26 @@ def _launch_triton(q, k, v, q_rope, k_rope, block_table, seq_lens, part_o, part_
 
 FUSED_COMBINE_MAX_VALUES = 16384  # fp32 partials (64 KB) one program may merge at the end of the launch
 _FUSED_COMBINE_CHUNK = 8192  # fp32 partials per load of that merge: 64 registers per thread at four warps
+FUSED_COMBINE_MIN_ROWS = 1024  # (sequence, query head) rows below which a dependent-launch combine is faster
 
 
-def fused_combine_chunk(num_splits: int, heads: int, d_v: int) -> int:
+def fused_combine_chunk(num_splits: int, heads: int, d_v: int, rows: int, device: torch.device) -> int:
     """Splits per load when the launch combines its own splits (`_combine_if_last`), or 0 for the separate
-    combine kernel: with one split, with ZOO_FUSED_COMBINE=0, or when a program's partials (num_splits x heads
-    x D_v, heads: the real ones of its tile, D_v padded to a power of two) exceed FUSED_COMBINE_MAX_VALUES, two
-    loads. The last program merges alone after the others finish, so the merge is the launch's tail, and its
-    loads wait one after the other. On an H200 (bf16, H_q 32, graph-timed beside the separate combine):
-    MQA at four splits (32 heads x 128 x 4: 64 KB) gains 2.4-2.6 us (B32 S1k and S8k, D 128), while eight
-    (128 KB, four loads) lose 1.0-1.2 us and 16-32 splits of MQA (256 KB) lose 3-11 us; the separate kernel
-    spreads such merges over (sequence, head, column block) programs."""
+    combine kernel: with one split, with ZOO_FUSED_COMBINE=0, when a program's partials (num_splits x heads x D_v,
+    heads: the real ones of its tile, D_v padded to a power of two) exceed FUSED_COMBINE_MAX_VALUES, two loads,
+    or when the separate combine runs as a programmatic dependent (`pdl`) and has fewer than FUSED_COMBINE_MIN_ROWS
+    rows to merge (rows: batch x query heads). The last program merges alone after the others finish, so the
+    merge is the launch's tail, and its loads wait one after the other. On an H200 (bf16, H_q 32, graph-timed
+    beside the separate combine): MQA at four splits (32 heads x 128 x 4: 64 KB) gained 2.4-2.6 us (B32 S1k and
+    S8k, D 128), while eight (128 KB, four loads) lost 1.0-1.2 us and 16-32 splits of MQA (256 KB) 3-11 us; the
+    separate kernel spreads such merges over (sequence, head, column block) programs. Against the dependent
+    launch (session 24, rotated caches, us fused / separate): at 1024 rows (B32, MQA) the merge still gains on 5
+    of 7 (D=128 four splits S1k 11.96 / 13.47, S8k 40.02 / 41.89) and loses 0.4 us on 2; at 32 and 256 rows (B1,
+    B8) it loses on 13 of 15 (MQA D=64 B1 S1k eight splits 5.82 / 5.09, GQA B8 S1k D=64 16 splits 13.41 / 11.41)
+    and ties two (6.14 / 6.12, 71.57 / 71.58). Rows between 256 and 1024 were not measured."""
     if num_splits == 1 or os.environ.get("ZOO_FUSED_COMBINE", "1") == "0":
+        return 0
+    if rows < FUSED_COMBINE_MIN_ROWS and pdl(device):
         return 0
     row = next_power_of_2(heads) * _pow2(d_v)
     if num_splits * row > FUSED_COMBINE_MAX_VALUES:  # two splits or more: one split's row fits a chunk

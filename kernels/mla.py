@@ -208,7 +208,7 @@ def _launch_mla(q_absorbed, q_rope, c_kv, k_rope, block_table, seq_lens, scale: 
             mla_sm90.launch(q_absorbed, q_rope, c_kv, k_rope, seq_lens, part_o, part_lse, scale, num_splits,
                             block_table=block_table if paged else None, heads=block_h)
     else:
-        chunk = fused_combine_chunk(num_splits, min(h, block_h), d_c)
+        chunk = fused_combine_chunk(num_splits, min(h, block_h), d_c, batch * h, out.device)
         counters = split_counters(out.device, batch * head_tiles) if chunk else None
         fused = counters is not None
         final_o, final_lse = (out, lse) if fused else (part_o[:, :, 0], part_lse[:, :, 0])

@@ -282,7 +282,7 @@ def test_sm90_kernel_structure(d, page_size, splits):
     types = dict(q_ptr="*bf16", k_desc=dict(block=block, dtype="bfloat16"), v_desc=dict(block=block, dtype="bfloat16"),
                  seq_lens_ptr="*i32", table_ptr="*i32", out_ptr="*bf16" if splits == 1 else "*fp32", lse_ptr="*fp32",
                  final_out_ptr="*bf16", final_lse_ptr="*fp32", counters_ptr="*i32", scale_log2="fp32")
-    chunk = decode.fused_combine_chunk(splits, 4, d)
+    chunk = decode.fused_combine_chunk(splits, 4, d, decode.FUSED_COMBINE_MIN_ROWS, torch.device("cpu"))
     assert (chunk > 0) == (splits > 1)
     const = dict(BLOCK_N=block_n, D=d, STAGES=stages, PAGE_SIZE=page_size, PAGE_ROWS=rows, MERGE_H=4, CHUNK=chunk)
     result = compile_gluon_sm90("kernels.decode_sm90", "_grouped_decode_sm90_kernel", types, const,
@@ -555,9 +555,11 @@ def test_fused_combine_matches_separate_combine(case, monkeypatch):
     """With splits, the decode launch merges them itself (`_combine_if_last`: the last program of each sequence
     and head tile): the same output and lse as the separate combine kernel, which then never runs, and every
     ticket counter back at zero for the next launch. Covers a split count that is not a power of two, a head
-    tile padded past its group (8 of 16 rows), two head tiles of one group (80 heads), and empty splits."""
+    tile padded past its group (8 of 16 rows), two head tiles of one group (80 heads), and empty splits. (Batches
+    this small merge in the launch on the CPU; on the GPU only from FUSED_COMBINE_MIN_ROWS, lowered here.)"""
     b, hq, hkv, s, d, splits = case
-    assert decode.fused_combine_chunk(splits, min(hq // hkv, 64), d) > 0
+    monkeypatch.setattr(decode, "FUSED_COMBINE_MIN_ROWS", 0)
+    assert decode.fused_combine_chunk(splits, min(hq // hkv, 64), d, b * hq, torch.device(DEVICE)) > 0
     q = torch.randn(b, hq, d, device=DEVICE)
     k = torch.randn(b, hkv, s, d, device=DEVICE)
     v = torch.randn(b, hkv, s, d, device=DEVICE)
@@ -578,15 +580,21 @@ def test_fused_combine_matches_separate_combine(case, monkeypatch):
 
 def test_fused_combine_chunk_rule(monkeypatch):
     """Splits per load of the fused combine, or 0 (the separate kernel): one split, the switch, a merge of more
-    than 16384 fp32 partials (MQA: 32 heads x 128 x 8 splits), and chunks of at most 8192 values."""
-    assert decode.fused_combine_chunk(1, 4, 128) == 0
-    assert decode.fused_combine_chunk(4, 32, 128) == 2  # 4096 values per split: two splits per load
-    assert decode.fused_combine_chunk(8, 32, 128) == 0  # 32768 values: the separate kernel
-    assert decode.fused_combine_chunk(16, 4, 128) == 16  # a group of 4: 512 values per split, one load
-    assert decode.fused_combine_chunk(3, 3, 80) == 4  # powers of two: 4 heads x 128 columns, 4 splits per load
-    assert decode.fused_combine_chunk(2, 16, 512) == 1  # MLA, 16 heads: one split per load
+    than 16384 fp32 partials (MQA: 32 heads x 128 x 8 splits), chunks of at most 8192 values, and, where the
+    separate combine is a dependent launch (`decode.pdl`: sm_90 GPUs), fewer than FUSED_COMBINE_MIN_ROWS rows."""
+    cpu, rows = torch.device("cpu"), decode.FUSED_COMBINE_MIN_ROWS
+    assert decode.fused_combine_chunk(1, 4, 128, rows, cpu) == 0
+    assert decode.fused_combine_chunk(4, 32, 128, rows, cpu) == 2  # 4096 values per split: two splits per load
+    assert decode.fused_combine_chunk(8, 32, 128, rows, cpu) == 0  # 32768 values: the separate kernel
+    assert decode.fused_combine_chunk(16, 4, 128, rows, cpu) == 16  # a group of 4: 512 values per split, one load
+    assert decode.fused_combine_chunk(3, 3, 80, rows, cpu) == 4  # powers of two: 4 heads x 128 columns, 4 per load
+    assert decode.fused_combine_chunk(2, 16, 512, rows, cpu) == 1  # MLA, 16 heads: one split per load
+    assert decode.fused_combine_chunk(4, 32, 128, 32, cpu) == 2  # no dependent launch on the CPU: any batch
+    monkeypatch.setattr(decode, "pdl", lambda device: True)
+    assert decode.fused_combine_chunk(4, 32, 128, rows - 1, cpu) == 0  # MQA B31: the dependent combine
+    assert decode.fused_combine_chunk(4, 32, 128, rows, cpu) == 2  # MQA B32: merged in the launch
     monkeypatch.setenv("ZOO_FUSED_COMBINE", "0")
-    assert decode.fused_combine_chunk(4, 32, 128) == 0
+    assert decode.fused_combine_chunk(4, 32, 128, rows, cpu) == 0
 
 
 def test_split_counters_under_graph_capture(monkeypatch):
@@ -610,7 +618,8 @@ def test_split_counters_under_graph_capture(monkeypatch):
         k = torch.randn(2, 2, 300, 64, device=DEVICE, dtype=torch.bfloat16)
         v = torch.randn_like(k)
         seq_lens = torch.tensor([300, 77], device=DEVICE, dtype=torch.int32)
-        assert decode.fused_combine_chunk(4, 4, 64) > 0
+        monkeypatch.setattr(decode, "FUSED_COMBINE_MIN_ROWS", 0)  # a batch this small merges in the launch
+        assert decode.fused_combine_chunk(4, 4, 64, 2 * 8, q.device) > 0
 
         def run():
             return grouped_decode(q, k, v, seq_lens, scale=0.125, num_splits=4, validate=False)

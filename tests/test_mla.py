@@ -288,6 +288,7 @@ def test_compile_fullgraph():
 
 _COMPILE_128_HEADS = """
 import json, sys
+import torch
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
@@ -299,7 +300,7 @@ cfg = mla._mla_config(128, 512)
 const = dict(H=128, D_C=512, D_R=64, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], BLOCK_DC=512, BLOCK_DR=64,
              PAGED=paged, PAGE_SIZE=64 if paged else 1, NUM_SPLITS=2, STATIC_ITERS=0, EVICT="", DOT_PRECISION="tf32",
              FUSE_CHUNK=0)  # a 64-head tile's partials are merged by the separate combine (decode.fused_combine_chunk)
-assert mla.fused_combine_chunk(2, 64, 512) == 0
+assert mla.fused_combine_chunk(2, 64, 512, 1 << 20, torch.device("cpu")) == 0
 pointers = {"QA": "*bf16", "QR": "*bf16", "CKV": "*bf16", "KR": "*bf16", "BLOCK_TABLE": "*i32", "SEQ_LENS": "*i32",
             "OUT": "*fp32", "LSE": "*fp32", "FINAL_OUT": "*bf16", "FINAL_LSE": "*fp32", "COUNTERS": "*i32"}
 sig = {n: "constexpr" if n in const else pointers.get(n, "fp32" if n == "scale_log2" else "i32")
