@@ -25,7 +25,9 @@ Levers (issue 7):
   sequence and head tile, the last program merges; no second launch, 2-3 us on an H200, 0.92x -> 1.04x SDPA for
   MQA at B32 S1k). Large merges (many splits of a wide head tile) go to the combine kernel, which merges the
   splits of one (sequence, head) per column block, so even 128 splits of a 512-wide MLA latent stay in
-  registers.
+  registers. On sm_90 that kernel is a programmatic dependent launch (`pdl`: its programs start as the decode
+  programs exit and wait for their partials), and below FUSED_COMBINE_MIN_ROWS (sequence, head) rows it is then
+  faster than the merge inside the launch, which only larger batches keep.
 - Paged caches: when a page holds at least one tile, the tile's page id is one scalar load; smaller pages are
   gathered per token from the block-table row (a few distinct addresses, served by L1). On Hopper, paged caches in
   fp16/bf16 with D 64 or 128 (no RoPE) run kernels/decode_sm90.py instead: a loader warp copies whole pages by TMA,
