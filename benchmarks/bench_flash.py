@@ -2,6 +2,7 @@
 
     python3 benchmarks/bench_flash.py            # the full grid (a few minutes)
     python3 benchmarks/bench_flash.py --quick    # four shapes (under two minutes)
+    python3 benchmarks/bench_flash.py --part 2/3 # the second third of the full grid (one device call each)
 
 Per shape: our forward output and gradients are checked against SDPA (relative L2 error, bf16 budget) before
 anything is timed; then the forward and the backward alone (autograd.grad over a retained graph) are timed for
@@ -46,6 +47,18 @@ def full_grid():
             shapes.append((4, 32, 4, 4096, d, d, causal))  # group 8
     shapes += [(4, 16, 16, 4096, 192, 128, True), (4, 16, 16, 4096, 192, 128, False)]
     return shapes
+
+
+def grid_part(shapes: list, part: str) -> list:
+    """The i-th of n near-equal slices of `shapes` for part = "i/n" (1 <= i <= n), so a grid longer than one
+    device call runs in n calls."""
+    try:
+        i, n = (int(x) for x in part.split("/"))
+    except ValueError:
+        raise SystemExit(f"--part {part!r}: expected i/n with integers, e.g. 2/3") from None
+    if not 1 <= i <= n:
+        raise SystemExit(f"--part {part!r}: expected 1 <= i <= n")
+    return shapes[(i - 1) * len(shapes) // n: i * len(shapes) // n]
 
 
 def flops(shape) -> float:
@@ -183,6 +196,7 @@ def run_shape(shape, dtype, with_flex=True, with_pointers=False):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="four shapes instead of the full grid")
+    parser.add_argument("--part", default="1/1", help="i/n: run the i-th of n slices of the grid (default all)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (saves its compile time)")
     parser.add_argument("--pointers", action="store_true",
@@ -190,10 +204,10 @@ def main():
                              "the backward's TMA lever")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
+    shapes = grid_part(QUICK if args.quick else full_grid(), args.part)
     print(header())
     c = ceilings()
     print(f"ceilings: copy {c['copy_TBps']:.2f} TB/s, bf16 matmul {c['matmul_bf16_TFLOPs']:.0f} TFLOP/s")
-    shapes = QUICK if args.quick else full_grid()
     rows = [run_shape(shape, dtype, not args.no_flex, args.pointers) for shape in shapes]
     print("configs picked (BLOCK_M, BLOCK_N, warps, stages):")
     for key, cfg in flash._TUNED.items():
