@@ -732,6 +732,8 @@ def pdl(device: torch.device) -> bool:
     and slower on others (B4 N32k 44.7 -> 48.6 us), and was not kept."""
     if device.type != "cuda" or _checks.interpreting() or os.environ.get("ZOO_PDL", "1") == "0":
         return False
+    if torch.version.hip is not None:  # ROCm reports its own capabilities (MI300: 9.4) and has no such launch
+        return False
     return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= 9
 
 
