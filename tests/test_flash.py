@@ -250,7 +250,7 @@ def test_hopper_dkdv_rule(monkeypatch):
     assert flash._hopper_dkdv(256, 3, cuda, 1024)  # GPT-2-small GQA, B8 H_q12 H_kv4 S1k: 256 programs
     assert flash._hopper_dkdv(132, 8, cuda, 4096)
     assert not flash._hopper_dkdv(131, 8, cuda, 4096)
-    assert not flash._hopper_dkdv(64, 12, cuda, 1024)  # GPT-2-small MQA: 64 programs, shared 4 ways by Triton's
+    assert not flash._hopper_dkdv(64, 12, cuda, 1024)  # GPT-2-small MQA: 64 programs, the Triton kernel in 4 shares
     assert flash._hopper_dkdv(128, 3, cuda, 1024)  # B4 H_q12 H_kv4 S1k: 1.23-1.36x faster in session 24
     assert flash._hopper_dkdv(124, 3, cuda, 1024)
     assert not flash._hopper_dkdv(123, 3, cuda, 1024)
