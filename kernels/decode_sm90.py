@@ -49,6 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from kernels import _checks
 from kernels._host import cdiv, next_power_of_2
+from kernels.decode import num_sms
 from kernels.flash_sm90 import descriptor, on_hopper
 
 HEAD_DIMS = (64, 128)
@@ -70,6 +71,13 @@ CONFIGS = {
     64: (128, 3),
     128: (64, 3),
 }
+# Stages per head dim for a launch of more programs than the GPU has SMs, so that two share an SM (`launch_config`).
+# The sweep above timed each config at its own best split; timed at the automatic split instead (H200, 2026-12-01,
+# bf16, H_q 32, rotated caches, the 20 paged shapes of benchmarks/bench_decode.py, each beside our contiguous kernel
+# in one run; benchmarks/RESULTS.md, session 25), two stages read 0.995-1.026x the speed of three on the 16 shapes of
+# 256-1024 programs (MQA B64 S8k full length: 0.932 -> 0.956 of the contiguous kernel with 16-token pages, 0.948 ->
+# 0.966 with 64), and 0.958-0.993x on the four of 128 programs (B1 S64k, one per SM).
+CROWDED_STAGES = {128: 2}
 
 
 @gluon.jit
@@ -343,9 +351,20 @@ def eligible(q, k_pages, v_pages, q_rope) -> bool:
 
 
 def shared_bytes(d: int, itemsize: int) -> int:
-    """Shared memory of one program: its K/V ring (the barriers are a few bytes)."""
+    """Shared memory of one program with CONFIGS' ring (the barriers are a few bytes): what the split model counts
+    programs per SM by. A crowded launch's shorter ring (`launch_config`) does not add a program per SM: at
+    MAX_REGS the registers hold two."""
     block_n, stages = CONFIGS[d]
     return stages * block_n * 2 * d * itemsize
+
+
+def launch_config(d: int, programs: int, device: torch.device) -> tuple[int, int]:
+    """(BLOCK_N, STAGES) of a launch of `programs` programs: CONFIGS, with CROWDED_STAGES where there are more
+    programs than SMs."""
+    block_n, stages = CONFIGS[d]
+    if programs > num_sms(device):
+        stages = CROWDED_STAGES.get(d, stages)
+    return block_n, stages
 
 
 def launch(q, k_pages, v_pages, block_table, seq_lens, part_o, part_lse, scale_log2: float, num_splits: int,
@@ -357,12 +376,13 @@ def launch(q, k_pages, v_pages, block_table, seq_lens, part_o, part_lse, scale_l
     batch, h_q, d = q.shape
     page_size, h_kv = k_pages.shape[1], k_pages.shape[2]
     group = h_q // h_kv
-    block_n, stages = config or CONFIGS[d]
+    grid = (h_kv * cdiv(group, block_h), num_splits, batch)
+    block_n, stages = config or launch_config(d, grid[0] * num_splits * batch, q.device)
     if block_n == d:
         raise ValueError(f"BLOCK_N = D = {d}: miscompiled on the H200 (see CONFIGS); take another tile width")
     rows = min(page_size, block_n)  # rows per TMA copy: one page (or a tile's slice of one)
     out, lse, counters, chunk = fused if fused is not None else (part_o[:, :, 0], part_lse[:, :, 0], seq_lens, 0)
-    _grouped_decode_sm90_kernel[(h_kv * cdiv(group, block_h), num_splits, batch)](
+    _grouped_decode_sm90_kernel[grid](
         q, descriptor(k_pages.flatten(2), [1, rows, d]), descriptor(v_pages.flatten(2), [1, rows, d]), seq_lens,
         block_table, part_o, part_lse, out, lse, counters, *q.stride(), *block_table.stride(), *part_o.stride(),
         *part_lse.stride(), *out.stride(), *lse.stride(), scale_log2, group, block_h, num_splits,

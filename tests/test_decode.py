@@ -259,17 +259,20 @@ def test_sm90_eligibility():
     assert not eligible(q, odd, odd, None)
 
 
-SM90_STRUCTURE = [(128, 8, 1), (128, 16, 4), (128, 64, 2), (128, 256, 1), (64, 16, 1), (64, 128, 4)]
+# (D, page size, splits, crowded: the ring of a launch with more programs than SMs, `decode_sm90.launch_config`)
+SM90_STRUCTURE = [(128, 8, 1, False), (128, 16, 4, False), (128, 64, 2, False), (128, 256, 1, False),
+                  (64, 16, 1, False), (64, 128, 4, False), (128, 16, 4, True), (128, 64, 1, True)]
 
 
-@pytest.mark.parametrize("d,page_size,splits", SM90_STRUCTURE,
-                         ids=[f"D{d}-page{p}-splits{n}" for d, p, n in SM90_STRUCTURE])
-def test_sm90_kernel_structure(d, page_size, splits):
+@pytest.mark.parametrize("d,page_size,splits,crowded", SM90_STRUCTURE,
+                         ids=[f"D{d}-page{p}-splits{n}" + ("-crowded" if c else "") for d, p, n, c in SM90_STRUCTURE])
+def test_sm90_kernel_structure(d, page_size, splits, crowded):
     """The Hopper paged decode kernel (Gluon, no CPU interpreter; its numerics run in the paged cases above on an
-    H100/H200) compiled for sm_90 on any machine, with pages smaller than, equal to and larger than a tile: a
-    loader warp (setmaxnreg 40) with TMA loads, one Q K^T and one P V per tile (m64nBLOCK_N and m64nD wgmma), 128
-    registers per thread at launch and shared memory for two programs per SM, no spills. With splits (a group of
-    four) the launch combines them itself: one release-acquire ticket per program."""
+    H100/H200) compiled for sm_90 on any machine, with pages smaller than, equal to and larger than a tile, and
+    with the shorter ring of crowded launches: a loader warp (setmaxnreg 40) with TMA loads, one Q K^T and one P V
+    per tile (m64nBLOCK_N and m64nD wgmma), 128 registers per thread at launch and shared memory for two programs
+    per SM, no spills. With splits (a group of four) the launch combines them itself: one release-acquire ticket
+    per program."""
     import re
 
     from conftest import compile_gluon_sm90, setmaxnreg_counts, spill_bytes
@@ -277,6 +280,8 @@ def test_sm90_kernel_structure(d, page_size, splits):
     from kernels import decode_sm90
 
     block_n, stages = decode_sm90.CONFIGS[d]
+    if crowded:
+        stages = decode_sm90.CROWDED_STAGES[d]
     rows = min(page_size, block_n)
     block = [1, rows, d]
     types = dict(q_ptr="*bf16", k_desc=dict(block=block, dtype="bfloat16"), v_desc=dict(block=block, dtype="bfloat16"),
@@ -297,6 +302,43 @@ def test_sm90_kernel_structure(d, page_size, splits):
     spills = spill_bytes(result["ptxas"])
     assert spills and all(a == 0 and b == 0 for a, b in spills), result["ptxas"]
     assert ptx.count("atom.global.gpu.acq_rel.add") == (1 if chunk else 0)
+
+
+def test_sm90_crowded_launch_config(monkeypatch):
+    """The Hopper paged kernel's ring: CONFIGS up to one program per SM, CROWDED_STAGES (D=128) beyond, and the
+    split model's count of programs per SM (shared_bytes) stays that of CONFIGS' ring."""
+    from kernels import decode_sm90
+
+    gpu = torch.device("cuda", 0)
+    monkeypatch.setattr(decode_sm90, "num_sms", lambda device: 132)
+    assert decode_sm90.launch_config(128, 132, gpu) == decode_sm90.CONFIGS[128] == (64, 3)
+    assert decode_sm90.launch_config(128, 133, gpu) == (64, decode_sm90.CROWDED_STAGES[128]) == (64, 2)
+    assert decode_sm90.launch_config(64, 4096, gpu) == decode_sm90.CONFIGS[64]
+    assert decode_sm90.shared_bytes(128, 2) == 3 * 64 * 2 * 128 * 2
+
+
+CROWDED_CASES = [c for c in SM90_CASES if c[5] and c[4] == 128]  # paged, D=128 (the head dim of CROWDED_STAGES)
+
+
+@pytest.mark.parametrize("case", CROWDED_CASES,
+                         ids=[f"B{c[0]}-page{c[5]}-splits{c[6] or 'Auto'}" for c in CROWDED_CASES])
+def test_paged_decode_crowded(case, monkeypatch):
+    """The paged D=128 cases above with the GPU counted as one SM, so that their launches (six programs or more)
+    take the crowded ring on an H100/H200 (elsewhere the same calls run the Triton kernel): NaN past every end,
+    outputs and lse against the reference."""
+    from kernels import decode_sm90
+
+    monkeypatch.setattr(decode_sm90, "num_sms", lambda device: 1)
+    b, hq, hkv, s, d, page_size, splits = case
+    for dtype in KERNEL_DTYPES:
+        q = torch.randn(b, hq, d, device=DEVICE, dtype=dtype)
+        k, v = (torch.randn(b, hkv, s, d, device=DEVICE, dtype=dtype) for _ in range(2))
+        seq_lens = ragged_lens(b, s)
+        ref_out, ref_lse = decode_reference(q, k, v, seq_lens, scale=0.1)
+        k_pages, v_pages, table = _paged(k, v, page_size)
+        k_pages, v_pages = _nan_past_end((k_pages, v_pages), table, seq_lens, page_size)
+        out, lse = paged_grouped_decode(q, k_pages, v_pages, table, seq_lens, scale=0.1, num_splits=splits)
+        _check(out, lse, ref_out, ref_lse, dtype, f"crowded paged decode, page {page_size}")
 
 
 # (B, S, H_kv) -> the split count `ragged_num_splits` must pick for the Hopper paged kernel (D 128, H_q 32, 132
