@@ -27,7 +27,8 @@ Levers (issue 7):
   splits of one (sequence, head) per column block, so even 128 splits of a 512-wide MLA latent stay in
   registers. On sm_90 that kernel is a programmatic dependent launch (`pdl`: its programs start as the decode
   programs exit and wait for their partials), and below FUSED_COMBINE_MIN_ROWS (sequence, head) rows it is then
-  faster than the merge inside the launch, which only larger batches keep.
+  faster than the merge inside the launch, which only larger batches keep. The decode launch itself is one too,
+  of whatever kernel runs before it: its start overlaps that kernel's end.
 - Paged caches: when a page holds at least one tile, the tile's page id is one scalar load; smaller pages are
   gathered per token from the block-table row (a few distinct addresses, served by L1). On Hopper, paged caches in
   fp16/bf16 with D 64 or 128 (no RoPE) run kernels/decode_sm90.py instead: a loader warp copies whole pages by TMA,
@@ -86,9 +87,13 @@ def _grouped_decode_kernel(
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_DQK: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, STATIC_ITERS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FUSE_CHUNK: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, FUSE_CHUNK: tl.constexpr, WAIT: tl.constexpr,
 ):
-    # grid (head tiles, splits, B): a head tile is BLOCK_H query heads of one KV group.
+    # grid (head tiles, splits, B): a head tile is BLOCK_H query heads of one KV group. WAIT: launched as a
+    # programmatic dependent of the kernel before it (`pdl`), so the programs may start before that kernel's
+    # outputs (the query, the cache) are stored; every memory access waits here.
+    if WAIT:
+        gdc_wait()
     tile = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2)
@@ -638,6 +643,7 @@ def _launch_triton(q, k, v, q_rope, k_rope, block_table, seq_lens, part_o, part_
     qr_strides = q_rope.stride() if q_rope is not None else (0, 0, 0)
     static_iters = cdiv(cdiv(capacity, block_n), num_splits) if _checks.interpreting() else 0
     out, lse, counters, chunk = fused if fused is not None else (part_o[:, :, 0], part_lse[:, :, 0], seq_lens, 0)
+    wait = pdl(q.device)
     _grouped_decode_kernel[(h_kv * cdiv(group, block_h), num_splits, batch)](
         q, k, v, q_rope if q_rope is not None else q, k_rope if k_rope is not None else k, table, seq_lens,
         part_o, part_lse, out, lse, counters,
@@ -647,7 +653,8 @@ def _launch_triton(q, k, v, q_rope, k_rope, block_table, seq_lens, part_o, part_
         GROUP_SIZE=group, D_QK=d_qk, D_ROPE=d_rope, D_V=d_v,
         BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DQK=_pow2(d_qk), BLOCK_DR=_pow2(d_rope), BLOCK_DV=_pow2(d_v),
         PAGED=paged, PAGE_SIZE=page_size, NUM_SPLITS=num_splits, STATIC_ITERS=static_iters,
-        DOT_PRECISION=_dot_precision(q.dtype), FUSE_CHUNK=chunk, num_warps=warps, num_stages=stages,
+        DOT_PRECISION=_dot_precision(q.dtype), FUSE_CHUNK=chunk, WAIT=wait, num_warps=warps, num_stages=stages,
+        launch_pdl=wait,
     )
 
 
@@ -721,15 +728,19 @@ def combine_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tens
 
 
 def pdl(device: torch.device) -> bool:
-    """Is the split combine launched as a programmatic dependent of the decode launch before it (sm_90 and newer;
-    ZOO_PDL=0 turns it off)? The GPU then starts the combine's programs as the decode programs exit, without the
-    gap between two launches, and `gdc_wait` holds each one until every partial is stored and visible. Measured
-    on an H200 (2026-12-01, bf16, rotated caches in one CUDA graph, the best of two alternations, us, off -> on;
-    benchmarks/RESULTS.md): MLA 16 heads B16 N8k 44.6 -> 44.3 (8 splits 45.2 -> 44.3), with 64-token pages 46.2 ->
-    45.3; MQA D=128 B1 S64k (128 splits) 15.7 -> 15.0, B8 S8k 16.1 -> 15.3; MQA D=64 B1 S8k 6.87 -> 6.23; launches
-    that merge inside (`fused_combine_chunk`) do not run it. Signalling the dependents at the start of every decode
-    program (griddepcontrol.launch_dependents, so the combine's programs wait resident) was faster on some of these
-    and slower on others (B4 N32k 44.7 -> 48.6 us), and was not kept."""
+    """Are the split combine and the Triton decode launch programmatic dependents of the kernel before each (sm_90
+    and newer; ZOO_PDL=0 turns it off)? The GPU then starts a launch's programs as the previous kernel's programs
+    exit, without the gap between two launches, and `gdc_wait` holds each one until that kernel's outputs are
+    stored and visible (the combine's partials; the decode's query and cache, whatever wrote them). Measured on an
+    H200 (bf16, rotated caches in one CUDA graph, the best of two alternations, us, off -> on; benchmarks/
+    RESULTS.md). The combine (2026-12-01, session 24): MLA 16 heads B16 N8k 44.6 -> 44.3 (8 splits 45.2 -> 44.3),
+    with 64-token pages 46.2 -> 45.3; MQA D=128 B1 S64k (128 splits) 15.7 -> 15.0, B8 S8k 16.1 -> 15.3; MQA D=64
+    B1 S8k 6.87 -> 6.23. Signalling the dependents at the start of every decode program
+    (griddepcontrol.launch_dependents, so the combine's programs wait resident) was faster on some of these and
+    slower on others (B4 N32k 44.7 -> 48.6 us), and was not kept. The decode launch (session 25, the combine
+    dependent in both): 0.3-0.7 us faster on 12 of 14 grouped shapes (MQA D=64 B1 S1k 5.08 -> 4.52, B128 S1k
+    14.32 -> 14.05; GQA D=64 B32 S1k 20.15 -> 19.70), level on the longest, 0.56 us slower on one (B32 S1k H_kv32
+    D=64, 66.08 -> 66.64); outputs the same bit for bit. The Hopper paged and MLA kernels (Gluon) do not run it."""
     if device.type != "cuda" or _checks.interpreting() or os.environ.get("ZOO_PDL", "1") == "0":
         return False
     if torch.version.hip is not None:  # ROCm reports its own capabilities (MI300: 9.4) and has no such launch

@@ -678,6 +678,44 @@ def test_split_counters_under_graph_capture(monkeypatch):
             _check(*run(), ref_out, ref_lse, torch.bfloat16, "eager launch between replays")
 
 
+@pytest.mark.parametrize("splits", [1, 4])
+def test_decode_as_dependent_launch(splits, monkeypatch):
+    """The grouped decode launch is itself a programmatic dependent of the kernel before it where `decode.pdl`
+    says so: its programs may start while that kernel runs, and wait (`gdc_wait`) before they read anything. A
+    chain of three decodes, each taking the previous one's output as its query (so each reads what the launch
+    before it wrote), eager and replayed from a CUDA graph: the reference's outputs, bit for bit those of plain
+    launches (ZOO_PDL=0)."""
+    dtype = KERNEL_DTYPES[-1]  # bf16 on the GPU, fp16 on the interpreter (which computes bf16 wrong)
+    q = torch.randn(3, 8, 64, device=DEVICE, dtype=dtype)
+    k = torch.randn(3, 2, 300, 64, device=DEVICE, dtype=dtype)
+    v = torch.randn_like(k)
+    seq_lens = torch.tensor([300, 77, 1], device=DEVICE, dtype=torch.int32)
+
+    def chain(x):
+        outs = []
+        for _ in range(3):
+            x, lse = grouped_decode(x, k, v, seq_lens, scale=0.125, num_splits=splits, validate=False)
+            outs += [x, lse]
+        return outs
+
+    monkeypatch.setenv("ZOO_PDL", "0")
+    plain = chain(q)
+    x = q
+    for i in range(3):
+        ref_out, ref_lse = decode_reference(x, k, v, seq_lens, scale=0.125)
+        _check(plain[2 * i], plain[2 * i + 1], ref_out, ref_lse, dtype, f"decode {i} of the chain")
+        x = plain[2 * i]
+    monkeypatch.setenv("ZOO_PDL", "1")
+    assert all(torch.equal(a, b) for a, b in zip(plain, chain(q)))
+    if DEVICE == "cuda":
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = chain(q)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(plain, replayed))
+
+
 def test_separate_combine_as_dependent_launch(monkeypatch):
     """The separate split combine launches as a programmatic dependent of the decode launch (`decode.pdl`) on
     sm_90 and newer GPUs, never on the CPU or with ZOO_PDL=0. Its programs may then start before the partials are
