@@ -728,7 +728,8 @@ def combine_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tens
 
 
 def pdl(device: torch.device) -> bool:
-    """Are the split combine and the Triton decode launch programmatic dependents of the kernel before each (sm_90
+    """Are the split combine and the grouped decode launch (the Triton kernel and the Hopper paged kernel of
+    kernels/decode_sm90.py) programmatic dependents of the kernel before each (sm_90
     and newer; ZOO_PDL=0 turns it off)? The GPU then starts a launch's programs as the previous kernel's programs
     exit, without the gap between two launches, and `gdc_wait` holds each one until that kernel's outputs are
     stored and visible (the combine's partials; the decode's query and cache, whatever wrote them). Measured on an
@@ -740,7 +741,7 @@ def pdl(device: torch.device) -> bool:
     slower on others (B4 N32k 44.7 -> 48.6 us), and was not kept. The decode launch (session 25, the combine
     dependent in both): 0.3-0.7 us faster on 12 of 14 grouped shapes (MQA D=64 B1 S1k 5.08 -> 4.52, B128 S1k
     14.32 -> 14.05; GQA D=64 B32 S1k 20.15 -> 19.70), level on the longest, 0.56 us slower on one (B32 S1k H_kv32
-    D=64, 66.08 -> 66.64); outputs the same bit for bit. The Hopper paged and MLA kernels (Gluon) do not run it."""
+    D=64, 66.08 -> 66.64); outputs the same bit for bit. The MLA decode kernels do not run it."""
     if device.type != "cuda" or _checks.interpreting() or os.environ.get("ZOO_PDL", "1") == "0":
         return False
     if torch.version.hip is not None:  # ROCm reports its own capabilities (MI300: 9.4) and has no such launch

@@ -49,7 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from kernels import _checks
 from kernels._host import cdiv, next_power_of_2
-from kernels.decode import num_sms
+from kernels.decode import num_sms, pdl
 from kernels.flash_sm90 import descriptor, on_hopper
 
 HEAD_DIMS = (64, 128)
@@ -286,11 +286,15 @@ def _grouped_decode_sm90_kernel(
     stride_fb, stride_fh, stride_fd, stride_flb, stride_flh,
     scale_log2, group, block_h, num_splits,
     BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGE_ROWS: gl.constexpr,
-    MERGE_H: gl.constexpr = 1, CHUNK: gl.constexpr = 0,
+    MERGE_H: gl.constexpr = 1, CHUNK: gl.constexpr = 0, WAIT: gl.constexpr = False,
 ):
     """grid (head tiles, num_splits, B): a head tile is block_h (at most 64) query heads of one KV group of
     `group`. The group, the tile and the split count are plain arguments, so one compiled kernel serves every GQA
-    shape and split count of a head dim and page size."""
+    shape and split count of a head dim and page size. WAIT: launched as a programmatic dependent of the kernel
+    before it (`decode.pdl`); every thread waits for that kernel's outputs before the first memory access."""
+    if WAIT:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
     tile = gl.program_id(0)
     split = gl.program_id(1)
     b = gl.program_id(2)
@@ -382,11 +386,12 @@ def launch(q, k_pages, v_pages, block_table, seq_lens, part_o, part_lse, scale_l
         raise ValueError(f"BLOCK_N = D = {d}: miscompiled on the H200 (see CONFIGS); take another tile width")
     rows = min(page_size, block_n)  # rows per TMA copy: one page (or a tile's slice of one)
     out, lse, counters, chunk = fused if fused is not None else (part_o[:, :, 0], part_lse[:, :, 0], seq_lens, 0)
+    wait = pdl(q.device)
     _grouped_decode_sm90_kernel[grid](
         q, descriptor(k_pages.flatten(2), [1, rows, d]), descriptor(v_pages.flatten(2), [1, rows, d]), seq_lens,
         block_table, part_o, part_lse, out, lse, counters, *q.stride(), *block_table.stride(), *part_o.stride(),
         *part_lse.stride(), *out.stride(), *lse.stride(), scale_log2, group, block_h, num_splits,
         BLOCK_N=block_n, D=d, STAGES=stages, PAGE_SIZE=page_size, PAGE_ROWS=rows,
-        MERGE_H=next_power_of_2(min(group, block_h)) if chunk else 1, CHUNK=chunk,
-        num_warps=4, maxnreg=MAX_REGS,
+        MERGE_H=next_power_of_2(min(group, block_h)) if chunk else 1, CHUNK=chunk, WAIT=wait,
+        num_warps=4, maxnreg=MAX_REGS, launch_pdl=wait,
     )

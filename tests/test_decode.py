@@ -272,7 +272,8 @@ def test_sm90_kernel_structure(d, page_size, splits, crowded):
     with the shorter ring of crowded launches: a loader warp (setmaxnreg 40) with TMA loads, one Q K^T and one P V
     per tile (m64nBLOCK_N and m64nD wgmma), 128 registers per thread at launch and shared memory for two programs
     per SM, no spills. With splits (a group of four) the launch combines them itself: one release-acquire ticket
-    per program."""
+    per program. Compiled as a programmatic dependent launch (WAIT, with the crowded ring here), it waits once
+    (griddepcontrol.wait)."""
     import re
 
     from conftest import compile_gluon_sm90, setmaxnreg_counts, spill_bytes
@@ -289,7 +290,8 @@ def test_sm90_kernel_structure(d, page_size, splits, crowded):
                  final_out_ptr="*bf16", final_lse_ptr="*fp32", counters_ptr="*i32", scale_log2="fp32")
     chunk = decode.fused_combine_chunk(splits, 4, d, decode.FUSED_COMBINE_MIN_ROWS, torch.device("cpu"))
     assert (chunk > 0) == (splits > 1)
-    const = dict(BLOCK_N=block_n, D=d, STAGES=stages, PAGE_SIZE=page_size, PAGE_ROWS=rows, MERGE_H=4, CHUNK=chunk)
+    const = dict(BLOCK_N=block_n, D=d, STAGES=stages, PAGE_SIZE=page_size, PAGE_ROWS=rows, MERGE_H=4, CHUNK=chunk,
+                 WAIT=crowded)
     result = compile_gluon_sm90("kernels.decode_sm90", "_grouped_decode_sm90_kernel", types, const,
                                 options=dict(maxnreg=decode_sm90.MAX_REGS))
     ptx = result["ptx"]
@@ -302,6 +304,7 @@ def test_sm90_kernel_structure(d, page_size, splits, crowded):
     spills = spill_bytes(result["ptxas"])
     assert spills and all(a == 0 and b == 0 for a, b in spills), result["ptxas"]
     assert ptx.count("atom.global.gpu.acq_rel.add") == (1 if chunk else 0)
+    assert ptx.count("griddepcontrol.wait") == (1 if crowded else 0), "a dependent launch waits once, first"
 
 
 def test_sm90_crowded_launch_config(monkeypatch):
