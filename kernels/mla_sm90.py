@@ -62,7 +62,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from kernels import _checks
 from kernels._host import cdiv
-from kernels.decode import LOG2E
+from kernels.decode import LOG2E, pdl
 from kernels.decode_sm90 import split_range, tile_pages, zero_rows
 from kernels.flash_sm90 import descriptor, on_hopper
 
@@ -331,10 +331,15 @@ def _mla_decode_sm90_kernel(
     stride_tb, stride_tp, stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls,
     scale_log2,
     BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr, PAGED: gl.constexpr,
-    PAGE_SIZE: gl.constexpr, PAGE_ROWS: gl.constexpr,
+    PAGE_SIZE: gl.constexpr, PAGE_ROWS: gl.constexpr, WAIT: gl.constexpr = False,
 ):
     """grid (head tiles, splits, B). The Q descriptors' block sets the head tile: 64 heads (two consumer
-    warpgroups, heads as the wgmma's M) or NARROW_HEADS (one consumer, heads as the N)."""
+    warpgroups, heads as the wgmma's M) or NARROW_HEADS (one consumer, heads as the N). WAIT: launched as a
+    programmatic dependent of the kernel before it (`decode.pdl`); every thread waits for that kernel's outputs
+    before the first memory access."""
+    if WAIT:
+        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
+                                  pack=1)
     n_h: gl.constexpr = qc_desc.block_type.shape[1]
     h0 = gl.program_id(0) * n_h
     split = gl.program_id(1)
@@ -458,11 +463,12 @@ def launch(q_absorbed, q_rope, c_kv, k_rope, seq_lens, part_o, part_lse, scale: 
     rows = min(page_size, BLOCK_N) if paged else BLOCK_N  # rows per TMA copy: one page (or block) at most
     table = block_table if paged else seq_lens  # unused when contiguous
     heads = heads or tile_heads(h)
+    wait = pdl(q_absorbed.device)
     _mla_decode_sm90_kernel[(cdiv(h, heads), num_splits, batch)](
         descriptor(q_absorbed, [1, heads, HALF_COLUMNS]), descriptor(q_rope, [1, heads, ROPE_DIM]),
         descriptor(c_kv, [1, rows, HALF_COLUMNS]), descriptor(k_rope, [1, rows, ROPE_DIM]),
         seq_lens, table, part_o, part_lse, h, *(block_table.stride() if paged else (0, 0)), *part_o.stride(),
         *part_lse.stride(), float(scale) * LOG2E,
         BLOCK_N=BLOCK_N, STAGES=STAGES, NUM_SPLITS=num_splits, PAGED=paged, PAGE_SIZE=page_size, PAGE_ROWS=rows,
-        num_warps=4,
+        WAIT=wait, num_warps=4, launch_pdl=wait,
     )

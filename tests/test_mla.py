@@ -299,7 +299,8 @@ kernel = mla._mla_decode_kernel
 cfg = mla._mla_config(128, 512)
 const = dict(H=128, D_C=512, D_R=64, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], BLOCK_DC=512, BLOCK_DR=64,
              PAGED=paged, PAGE_SIZE=64 if paged else 1, NUM_SPLITS=2, STATIC_ITERS=0, EVICT="", DOT_PRECISION="tf32",
-             FUSE_CHUNK=0)  # a 64-head tile's partials are merged by the separate combine (decode.fused_combine_chunk)
+             FUSE_CHUNK=0, WAIT=False)
+# (FUSE_CHUNK: a 64-head tile's partials are merged by the separate combine, decode.fused_combine_chunk)
 assert mla.fused_combine_chunk(2, 64, 512, 1 << 20, torch.device("cpu")) == 0
 pointers = {"QA": "*bf16", "QR": "*bf16", "CKV": "*bf16", "KR": "*bf16", "BLOCK_TABLE": "*i32", "SEQ_LENS": "*i32",
             "OUT": "*fp32", "LSE": "*fp32", "FINAL_OUT": "*bf16", "FINAL_LSE": "*fp32", "COUNTERS": "*i32"}
@@ -339,7 +340,8 @@ def test_128_head_tile_computes_each_score_once(paged):
 
 
 def _compile_sm90(splits: int, page_size: int, heads: int) -> dict:
-    """The Hopper MLA kernel with a tile of `heads` compiled for sm_90 (`conftest.compile_gluon_sm90`)."""
+    """The Hopper MLA kernel with a tile of `heads` compiled for sm_90 (`conftest.compile_gluon_sm90`), as an sm_90
+    GPU launches it: a programmatic dependent launch (WAIT, `decode.pdl`)."""
     from kernels import mla_sm90
 
     half, n, rope = mla_sm90.HALF_COLUMNS, mla_sm90.BLOCK_N, mla_sm90.ROPE_DIM
@@ -351,7 +353,7 @@ def _compile_sm90(splits: int, page_size: int, heads: int) -> dict:
                  seq_lens_ptr="*i32", table_ptr="*i32", out_ptr="*bf16" if splits == 1 else "*fp32",
                  lse_ptr="*fp32", num_heads="i32", scale_log2="fp32")
     const = dict(BLOCK_N=n, STAGES=mla_sm90.STAGES, NUM_SPLITS=splits, PAGED=page_size > 0,
-                 PAGE_SIZE=max(page_size, 1), PAGE_ROWS=rows)
+                 PAGE_SIZE=max(page_size, 1), PAGE_ROWS=rows, WAIT=True)
     return compile_gluon_sm90("kernels.mla_sm90", "_mla_decode_sm90_kernel", types, const)
 
 
@@ -366,7 +368,8 @@ def test_sm90_kernel_structure(splits, page_size):
     H100/H200) compiled for sm_90 on any machine: a loader warp that gives its registers to two consumer
     warpgroups (setmaxnreg 40 / 240), TMA loads, the scores of each block computed once (576 / 16 = 36 m64n64k16
     wgmma, by consumer 0 only) and P times each latent half once per consumer (2 x 4 m64n256k16), within the 227 KB
-    of shared memory, no serialized wgmma and no register spills when contiguous. Paged, ptxas spills one or two
+    of shared memory, no serialized wgmma and no register spills when contiguous, and one wait for the kernel before
+    (griddepcontrol.wait, the dependent launch). Paged, ptxas spills one or two
     registers (8-16 bytes stored; two at 8-token pages): the SASS (cuobjdump) shows the stores in the prologue and
     the loads and stores in the softmax consumer's setup, outside every loop, so they run once per program."""
     import re
@@ -385,6 +388,7 @@ def test_sm90_kernel_structure(splits, page_size):
     allowed = 16 if page_size else 0
     assert spills and all(a <= allowed and b <= allowed for a, b in spills), result["ptxas"]
     assert "serialized" not in result["ptxas"], result["ptxas"]
+    assert ptx.count("griddepcontrol.wait") == 1
 
 
 @pytest.mark.parametrize("splits,page_size,heads", [(1, 0, 16), (4, 16, 16), (2, 0, 32)],
@@ -395,7 +399,7 @@ def test_sm90_narrow_kernel_structure(splits, page_size, heads):
     warpgroup, TMA loads, per 64-token block the transposed scores once (576 / 16 = 36 m64nNk16 wgmma, operands
     K-major) and the two latent halves of the transposed output (2 x 4 row tiles x 4 token steps = 32 m64nNk16,
     the latent tile read M-major and P^T N-major: transpose flags 1, 1), within the 227 KB of shared memory, no
-    serialized wgmma, no spills."""
+    serialized wgmma, no spills, one griddepcontrol.wait (the dependent launch)."""
     import re
 
     result = _compile_sm90(splits, page_size, heads)
@@ -410,6 +414,7 @@ def test_sm90_narrow_kernel_structure(splits, page_size, heads):
     spills = spill_bytes(result["ptxas"])
     assert spills and all(a == 0 and b == 0 for a, b in spills), result["ptxas"]
     assert "serialized" not in result["ptxas"], result["ptxas"]
+    assert ptx.count("griddepcontrol.wait") == 1
 
 
 def test_sm90_eligibility():
@@ -435,3 +440,45 @@ def test_sm90_eligibility():
     assert eligible(q[..., :512], q[..., 512:], cache[..., :512], cache[..., 512:])
     odd = torch.zeros(2, 40, 577, dtype=torch.bfloat16)
     assert not eligible(q[..., :512], q[..., 512:], odd[..., :512], cache[..., 512:]), "unaligned row stride"
+
+
+MLA_KERNELS = ["default", "triton"] if DEVICE == "cuda" else ["default"]
+
+
+@pytest.mark.parametrize("kernel", MLA_KERNELS)
+@pytest.mark.parametrize("h,splits", [(16, 1), (16, 4), (64, 2)], ids=["H16-splits1", "H16-splits4", "H64-splits2"])
+def test_mla_decode_as_dependent_launch(h, splits, kernel, monkeypatch):
+    """MLA decode launches as a programmatic dependent of the kernel before it where `decode.pdl` says so (the
+    Hopper kernels on an H100/H200, and with ZOO_MLA_SM90=0 the Triton kernel): its programs wait for that kernel
+    before they read anything. A chain of three decodes, each taking the previous one's latent output as its
+    absorbed query, eager and replayed from a CUDA graph: the reference's outputs, bit for bit those of plain
+    launches (ZOO_PDL=0)."""
+    if kernel == "triton":
+        monkeypatch.setenv("ZOO_MLA_SM90", "0")
+    dtype = KERNEL_DTYPES[-1]  # bf16 on the GPU, fp16 on the interpreter (which computes bf16 wrong)
+    q_abs, q_rope, c_kv, k_rope, scale = _inputs(2, h, 200, 512, 64, dtype)
+    lens = torch.tensor([200, 61], device=DEVICE, dtype=torch.int32)
+
+    def chain(x):
+        outs = []
+        for _ in range(3):
+            x, lse = mla_decode(x, q_rope, c_kv, k_rope, lens, scale=scale, num_splits=splits, validate=False)
+            outs += [x, lse]
+        return outs
+
+    monkeypatch.setenv("ZOO_PDL", "0")
+    plain = chain(q_abs)
+    x = q_abs
+    for i in range(3):
+        ref_out, ref_lse = mla_decode_reference(x, q_rope, c_kv, k_rope, lens, scale=scale)
+        _check(plain[2 * i], plain[2 * i + 1], ref_out, ref_lse, dtype, f"decode {i} of the chain")
+        x = plain[2 * i]
+    monkeypatch.setenv("ZOO_PDL", "1")
+    assert all(torch.equal(a, b) for a, b in zip(plain, chain(q_abs)))
+    if DEVICE == "cuda":
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = chain(q_abs)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(plain, replayed))
