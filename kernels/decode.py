@@ -741,7 +741,9 @@ def pdl(device: torch.device) -> bool:
     slower on others (B4 N32k 44.7 -> 48.6 us), and was not kept. The decode launch (session 25, the combine
     dependent in both): 0.3-0.7 us faster on 12 of 14 grouped shapes (MQA D=64 B1 S1k 5.08 -> 4.52, B128 S1k
     14.32 -> 14.05; GQA D=64 B32 S1k 20.15 -> 19.70), level on the longest, 0.56 us slower on one (B32 S1k H_kv32
-    D=64, 66.08 -> 66.64); outputs the same bit for bit. The MLA decode kernels do not run it."""
+    D=64, 66.08 -> 66.64); outputs the same bit for bit. Of the MLA decode kernels, the narrow Hopper program runs
+    it too (`mla_sm90.launch`: 0.3-0.4 us faster), the 64-head tile does not (3 us slower) and the Triton kernel
+    was not measured with it."""
     if device.type != "cuda" or _checks.interpreting() or os.environ.get("ZOO_PDL", "1") == "0":
         return False
     if torch.version.hip is not None:  # ROCm reports its own capabilities (MI300: 9.4) and has no such launch

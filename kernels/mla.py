@@ -28,7 +28,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
 
 from kernels import _checks
 from kernels import decode as _decode
@@ -48,7 +47,6 @@ from kernels.decode import (
     auto_num_splits,
     combine_splits,
     fused_combine_chunk,
-    pdl,
     split_counters,
     tile_seconds,
 )
@@ -113,13 +111,10 @@ def _mla_decode_kernel(
     H: tl.constexpr, D_C: tl.constexpr, D_R: tl.constexpr,
     BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_DR: tl.constexpr,
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, STATIC_ITERS: tl.constexpr,
-    EVICT: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSE_CHUNK: tl.constexpr, WAIT: tl.constexpr,
+    EVICT: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSE_CHUNK: tl.constexpr,
 ):
     # grid (head tiles, splits, B): the head tiles of one (sequence, split) run side by side and share its
-    # tiles through L2. WAIT: a programmatic dependent launch (`decode.pdl`), whose programs wait here for the
-    # kernel before them.
-    if WAIT:
-        gdc_wait()
+    # tiles through L2.
     tile = tl.program_id(0)
     split = tl.program_id(1)
     b = tl.program_id(2)
@@ -220,7 +215,6 @@ def _launch_mla(q_absorbed, q_rope, c_kv, k_rope, block_table, seq_lens, scale: 
         table = block_table if paged else seq_lens  # unused when contiguous
         table_strides = block_table.stride() if paged else (0, 0)
         static_iters = cdiv(n_tiles, num_splits) if _checks.interpreting() else 0
-        wait = pdl(out.device)
         _mla_decode_kernel[(head_tiles, num_splits, batch)](
             q_absorbed, q_rope, c_kv, k_rope, table, seq_lens, part_o, part_lse, final_o, final_lse,
             counters if fused else seq_lens,
@@ -231,7 +225,7 @@ def _launch_mla(q_absorbed, q_rope, c_kv, k_rope, block_table, seq_lens, scale: 
             PAGED=paged, PAGE_SIZE=page_size, NUM_SPLITS=num_splits, STATIC_ITERS=static_iters,
             # One head tile: each latent tile is read once, so stream it past L2. Several: they share it through L2.
             EVICT="evict_first" if head_tiles == 1 else "", DOT_PRECISION=_dot_precision(q_absorbed.dtype),
-            FUSE_CHUNK=chunk if fused else 0, WAIT=wait, launch_pdl=wait, **cfg,
+            FUSE_CHUNK=chunk if fused else 0, **cfg,
         )
     if num_splits > 1 and not fused:
         combine_splits(part_o, part_lse, out, lse)

@@ -335,8 +335,8 @@ def _mla_decode_sm90_kernel(
 ):
     """grid (head tiles, splits, B). The Q descriptors' block sets the head tile: 64 heads (two consumer
     warpgroups, heads as the wgmma's M) or NARROW_HEADS (one consumer, heads as the N). WAIT: launched as a
-    programmatic dependent of the kernel before it (`decode.pdl`); every thread waits for that kernel's outputs
-    before the first memory access."""
+    programmatic dependent of the kernel before it (`decode.pdl`; the narrow program only, see `launch`); every
+    thread waits for that kernel's outputs before the first memory access."""
     if WAIT:
         gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
                                   pack=1)
@@ -463,7 +463,10 @@ def launch(q_absorbed, q_rope, c_kv, k_rope, seq_lens, part_o, part_lse, scale: 
     rows = min(page_size, BLOCK_N) if paged else BLOCK_N  # rows per TMA copy: one page (or block) at most
     table = block_table if paged else seq_lens  # unused when contiguous
     heads = heads or tile_heads(h)
-    wait = pdl(q_absorbed.device)
+    # A programmatic dependent launch for the narrow program only: H200, 2026-12-01 (rotated caches, A/B in one run,
+    # benchmarks/RESULTS.md, session 25): 16 and 32 heads 0.28-0.43 us faster (B16 N8k 44.46 -> 44.18), the 64-head
+    # tile at 128 heads 3.2 us slower (B16 N8k 72.16 -> 75.31).
+    wait = heads < HEADS_PER_PROGRAM and pdl(q_absorbed.device)
     _mla_decode_sm90_kernel[(cdiv(h, heads), num_splits, batch)](
         descriptor(q_absorbed, [1, heads, HALF_COLUMNS]), descriptor(q_rope, [1, heads, ROPE_DIM]),
         descriptor(c_kv, [1, rows, HALF_COLUMNS]), descriptor(k_rope, [1, rows, ROPE_DIM]),

@@ -299,8 +299,7 @@ kernel = mla._mla_decode_kernel
 cfg = mla._mla_config(128, 512)
 const = dict(H=128, D_C=512, D_R=64, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], BLOCK_DC=512, BLOCK_DR=64,
              PAGED=paged, PAGE_SIZE=64 if paged else 1, NUM_SPLITS=2, STATIC_ITERS=0, EVICT="", DOT_PRECISION="tf32",
-             FUSE_CHUNK=0, WAIT=False)
-# (FUSE_CHUNK: a 64-head tile's partials are merged by the separate combine, decode.fused_combine_chunk)
+             FUSE_CHUNK=0)  # a 64-head tile's partials are merged by the separate combine (decode.fused_combine_chunk)
 assert mla.fused_combine_chunk(2, 64, 512, 1 << 20, torch.device("cpu")) == 0
 pointers = {"QA": "*bf16", "QR": "*bf16", "CKV": "*bf16", "KR": "*bf16", "BLOCK_TABLE": "*i32", "SEQ_LENS": "*i32",
             "OUT": "*fp32", "LSE": "*fp32", "FINAL_OUT": "*bf16", "FINAL_LSE": "*fp32", "COUNTERS": "*i32"}
@@ -341,7 +340,7 @@ def test_128_head_tile_computes_each_score_once(paged):
 
 def _compile_sm90(splits: int, page_size: int, heads: int) -> dict:
     """The Hopper MLA kernel with a tile of `heads` compiled for sm_90 (`conftest.compile_gluon_sm90`), as an sm_90
-    GPU launches it: a programmatic dependent launch (WAIT, `decode.pdl`)."""
+    GPU launches it: the narrow program as a programmatic dependent launch (WAIT, `mla_sm90.launch`)."""
     from kernels import mla_sm90
 
     half, n, rope = mla_sm90.HALF_COLUMNS, mla_sm90.BLOCK_N, mla_sm90.ROPE_DIM
@@ -353,7 +352,7 @@ def _compile_sm90(splits: int, page_size: int, heads: int) -> dict:
                  seq_lens_ptr="*i32", table_ptr="*i32", out_ptr="*bf16" if splits == 1 else "*fp32",
                  lse_ptr="*fp32", num_heads="i32", scale_log2="fp32")
     const = dict(BLOCK_N=n, STAGES=mla_sm90.STAGES, NUM_SPLITS=splits, PAGED=page_size > 0,
-                 PAGE_SIZE=max(page_size, 1), PAGE_ROWS=rows, WAIT=True)
+                 PAGE_SIZE=max(page_size, 1), PAGE_ROWS=rows, WAIT=heads < mla_sm90.HEADS_PER_PROGRAM)
     return compile_gluon_sm90("kernels.mla_sm90", "_mla_decode_sm90_kernel", types, const)
 
 
@@ -368,8 +367,8 @@ def test_sm90_kernel_structure(splits, page_size):
     H100/H200) compiled for sm_90 on any machine: a loader warp that gives its registers to two consumer
     warpgroups (setmaxnreg 40 / 240), TMA loads, the scores of each block computed once (576 / 16 = 36 m64n64k16
     wgmma, by consumer 0 only) and P times each latent half once per consumer (2 x 4 m64n256k16), within the 227 KB
-    of shared memory, no serialized wgmma and no register spills when contiguous, and one wait for the kernel before
-    (griddepcontrol.wait, the dependent launch). Paged, ptxas spills one or two
+    of shared memory, no serialized wgmma and no register spills when contiguous, and no wait for the kernel before
+    (it is not a dependent launch). Paged, ptxas spills one or two
     registers (8-16 bytes stored; two at 8-token pages): the SASS (cuobjdump) shows the stores in the prologue and
     the loads and stores in the softmax consumer's setup, outside every loop, so they run once per program."""
     import re
@@ -388,7 +387,7 @@ def test_sm90_kernel_structure(splits, page_size):
     allowed = 16 if page_size else 0
     assert spills and all(a <= allowed and b <= allowed for a, b in spills), result["ptxas"]
     assert "serialized" not in result["ptxas"], result["ptxas"]
-    assert ptx.count("griddepcontrol.wait") == 1
+    assert "griddepcontrol.wait" not in ptx
 
 
 @pytest.mark.parametrize("splits,page_size,heads", [(1, 0, 16), (4, 16, 16), (2, 0, 32)],
@@ -442,19 +441,14 @@ def test_sm90_eligibility():
     assert not eligible(q[..., :512], q[..., 512:], odd[..., :512], cache[..., 512:]), "unaligned row stride"
 
 
-MLA_KERNELS = ["default", "triton"] if DEVICE == "cuda" else ["default"]
-
-
-@pytest.mark.parametrize("kernel", MLA_KERNELS)
-@pytest.mark.parametrize("h,splits", [(16, 1), (16, 4), (64, 2)], ids=["H16-splits1", "H16-splits4", "H64-splits2"])
-def test_mla_decode_as_dependent_launch(h, splits, kernel, monkeypatch):
-    """MLA decode launches as a programmatic dependent of the kernel before it where `decode.pdl` says so (the
-    Hopper kernels on an H100/H200, and with ZOO_MLA_SM90=0 the Triton kernel): its programs wait for that kernel
-    before they read anything. A chain of three decodes, each taking the previous one's latent output as its
-    absorbed query, eager and replayed from a CUDA graph: the reference's outputs, bit for bit those of plain
-    launches (ZOO_PDL=0)."""
-    if kernel == "triton":
-        monkeypatch.setenv("ZOO_MLA_SM90", "0")
+@pytest.mark.parametrize("h,splits", [(16, 1), (16, 4), (24, 2), (64, 2)],
+                         ids=["H16-splits1", "H16-splits4", "H24-splits2", "H64-splits2"])
+def test_mla_decode_as_dependent_launch(h, splits, monkeypatch):
+    """The narrow Hopper MLA program (up to 32 heads, on an H100/H200) launches as a programmatic dependent of the
+    kernel before it where `decode.pdl` says so: its programs wait for that kernel before they read anything (the
+    64-head tile and the Triton kernel launch plainly). A chain of three decodes, each taking the previous one's
+    latent output as its absorbed query, eager and replayed from a CUDA graph: the reference's outputs, bit for
+    bit those of plain launches (ZOO_PDL=0)."""
     dtype = KERNEL_DTYPES[-1]  # bf16 on the GPU, fp16 on the interpreter (which computes bf16 wrong)
     q_abs, q_rope, c_kv, k_rope, scale = _inputs(2, h, 200, 512, 64, dtype)
     lens = torch.tensor([200, 61], device=DEVICE, dtype=torch.int32)
