@@ -67,6 +67,37 @@ def poison_decode_outputs(monkeypatch):
     monkeypatch.setattr(decode, "new_empty", poisoned)
 
 
+def check_dependent_chain(step, x0: torch.Tensor, check, monkeypatch, links: int = 3):
+    """A chain of `links` decode calls `step(x) -> (out, lse)`, each taking the previous output as its query, so
+    that each launch reads what the launch before it wrote. With plain launches (ZOO_PDL=0) every link passes
+    `check(x, out, lse, name)` (against the reference on its own query); with programmatic dependent launches
+    (ZOO_PDL=1, where `decode.pdl` allows them), eager and replayed from a CUDA graph, every output is bit for bit
+    the plain one."""
+
+    def chain():
+        x, outs = x0, []
+        for _ in range(links):
+            x, lse = step(x)
+            outs += [x, lse]
+        return outs
+
+    monkeypatch.setenv("ZOO_PDL", "0")
+    plain = chain()
+    x = x0
+    for i in range(links):
+        check(x, plain[2 * i], plain[2 * i + 1], f"decode {i} of the chain")
+        x = plain[2 * i]
+    monkeypatch.setenv("ZOO_PDL", "1")
+    assert all(torch.equal(a, b) for a, b in zip(plain, chain()))
+    if x0.is_cuda:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            replayed = chain()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert all(torch.equal(a, b) for a, b in zip(plain, replayed))
+
+
 def ragged_lens(batch: int, s_max: int) -> torch.Tensor:
     """Sequence lengths in [1, s_max] on DEVICE (int32) that always include s_max and 1 (when batch allows)."""
     lens = torch.randint(1, s_max + 1, (batch,))

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 import triton
-from conftest import DEVICE, KERNEL_DTYPES, assert_close, ragged_lens
+from conftest import DEVICE, KERNEL_DTYPES, assert_close, check_dependent_chain, ragged_lens
 
 from kernels import decode, paged_grouped_decode
 from kernels.decode import auto_num_splits, grouped_decode
@@ -694,29 +694,11 @@ def test_decode_as_dependent_launch(splits, monkeypatch):
     v = torch.randn_like(k)
     seq_lens = torch.tensor([300, 77, 1], device=DEVICE, dtype=torch.int32)
 
-    def chain(x):
-        outs = []
-        for _ in range(3):
-            x, lse = grouped_decode(x, k, v, seq_lens, scale=0.125, num_splits=splits, validate=False)
-            outs += [x, lse]
-        return outs
+    def check(x, out, lse, name):
+        _check(out, lse, *decode_reference(x, k, v, seq_lens, scale=0.125), dtype, name)
 
-    monkeypatch.setenv("ZOO_PDL", "0")
-    plain = chain(q)
-    x = q
-    for i in range(3):
-        ref_out, ref_lse = decode_reference(x, k, v, seq_lens, scale=0.125)
-        _check(plain[2 * i], plain[2 * i + 1], ref_out, ref_lse, dtype, f"decode {i} of the chain")
-        x = plain[2 * i]
-    monkeypatch.setenv("ZOO_PDL", "1")
-    assert all(torch.equal(a, b) for a, b in zip(plain, chain(q)))
-    if DEVICE == "cuda":
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            replayed = chain(q)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert all(torch.equal(a, b) for a, b in zip(plain, replayed))
+    check_dependent_chain(lambda x: grouped_decode(x, k, v, seq_lens, scale=0.125, num_splits=splits, validate=False),
+                          q, check, monkeypatch)
 
 
 def test_separate_combine_as_dependent_launch(monkeypatch):

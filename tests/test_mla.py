@@ -11,6 +11,7 @@ from conftest import (
     KERNEL_DTYPES,
     TOLERANCES,
     assert_close,
+    check_dependent_chain,
     compile_gluon_sm90,
     ragged_lens,
     setmaxnreg_counts,
@@ -453,26 +454,8 @@ def test_mla_decode_as_dependent_launch(h, splits, monkeypatch):
     q_abs, q_rope, c_kv, k_rope, scale = _inputs(2, h, 200, 512, 64, dtype)
     lens = torch.tensor([200, 61], device=DEVICE, dtype=torch.int32)
 
-    def chain(x):
-        outs = []
-        for _ in range(3):
-            x, lse = mla_decode(x, q_rope, c_kv, k_rope, lens, scale=scale, num_splits=splits, validate=False)
-            outs += [x, lse]
-        return outs
+    def check(x, out, lse, name):
+        _check(out, lse, *mla_decode_reference(x, q_rope, c_kv, k_rope, lens, scale=scale), dtype, name)
 
-    monkeypatch.setenv("ZOO_PDL", "0")
-    plain = chain(q_abs)
-    x = q_abs
-    for i in range(3):
-        ref_out, ref_lse = mla_decode_reference(x, q_rope, c_kv, k_rope, lens, scale=scale)
-        _check(plain[2 * i], plain[2 * i + 1], ref_out, ref_lse, dtype, f"decode {i} of the chain")
-        x = plain[2 * i]
-    monkeypatch.setenv("ZOO_PDL", "1")
-    assert all(torch.equal(a, b) for a, b in zip(plain, chain(q_abs)))
-    if DEVICE == "cuda":
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            replayed = chain(q_abs)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert all(torch.equal(a, b) for a, b in zip(plain, replayed))
+    check_dependent_chain(lambda x: mla_decode(x, q_rope, c_kv, k_rope, lens, scale=scale, num_splits=splits,
+                                               validate=False), q_abs, check, monkeypatch)
