@@ -16,7 +16,9 @@ its own rows of the buffer); the consumer warpgroup never touches the table.
 Per program: up to 64 query heads of one KV group, padded to the wgmma's M of 64 rows; the
 consumer (four warps) computes S = Q K^T with Q in registers, the online softmax, and O += P V with P in registers,
 then releases the stage. Decode is memory-bound, so one warpgroup's serial loop keeps up with the stream; two
-programs share an SM to hide each one's start and end.
+programs share an SM to hide each one's start and end. A launch of more programs than SMs streams through a ring
+of two stages instead of three (`launch_config`), and on sm_90 the launch is a programmatic dependent of the kernel
+before it (`decode.pdl`): its programs start as that kernel ends and wait for its outputs first.
 
 No row past a sequence's end meets a zero probability (a cache's unused rows may hold anything, NaN included): a
 copy wholly past the end re-reads the last valid page (every tile moves the same bytes, as the mbarrier's expected

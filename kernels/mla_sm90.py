@@ -22,7 +22,8 @@ wgmma's M is at least 64, so a 64-head tile pads 16 heads with 48 rows of zeros 
 tensor-core work, which at 16 heads costs about as long as streaming the block. Swapping the operands makes the
 heads the N (16) and the tokens the M (64): S^T = C Qc^T + R Qr^T, the softmax down the columns, P^T through
 shared memory, and O^T += C^T P^T with the latent tile read transposed (M-major) from the same shared memory.
-One consumer warpgroup does it all; the loader is the same.
+One consumer warpgroup does it all; the loader is the same. Its launches are programmatic dependents of the kernel
+before them (`decode.pdl`; the 64-head tile's measured slower that way, see `launch`).
 
 No row past a sequence's end ever meets a zero probability (the tests' poisoned caches hold NaN there):
 - contiguous: the last block of a split is loaded ending at the split's last token (rows end-64 .. end-1, TMA
