@@ -138,6 +138,13 @@ def _loader(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, table_ptr
 
 
 @gluon.jit
+def gdc_wait():
+    """Gluon's `triton.language.extra.cuda.gdc_wait`: in a programmatic dependent launch (`decode.pdl`), wait until
+    the kernel before it has finished and its writes are visible."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def zero_rows(tile, n_valid, BLOCK_N: gl.constexpr, COLS: gl.constexpr):
     """Rows n_valid.. of a (BLOCK_N, COLS) shared-memory tile set to zero, eight rows at a time (a slice of a
     swizzled tile must start at a multiple of its 8-row swizzle period), then fenced for the tensor cores. Shared
@@ -295,8 +302,7 @@ def _grouped_decode_sm90_kernel(
     shape and split count of a head dim and page size. WAIT: launched as a programmatic dependent of the kernel
     before it (`decode.pdl`); every thread waits for that kernel's outputs before the first memory access."""
     if WAIT:
-        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
-                                  pack=1)
+        gdc_wait()
     tile = gl.program_id(0)
     split = gl.program_id(1)
     b = gl.program_id(2)

@@ -64,7 +64,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from kernels import _checks
 from kernels._host import cdiv
 from kernels.decode import LOG2E, pdl
-from kernels.decode_sm90 import split_range, tile_pages, zero_rows
+from kernels.decode_sm90 import gdc_wait, split_range, tile_pages, zero_rows
 from kernels.flash_sm90 import descriptor, on_hopper
 
 HEADS_PER_PROGRAM = 64  # the M of every wgmma of the 64-head tile
@@ -339,8 +339,7 @@ def _mla_decode_sm90_kernel(
     programmatic dependent of the kernel before it (`decode.pdl`; the narrow program only, see `launch`); every
     thread waits for that kernel's outputs before the first memory access."""
     if WAIT:
-        gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False,
-                                  pack=1)
+        gdc_wait()
     n_h: gl.constexpr = qc_desc.block_type.shape[1]
     h0 = gl.program_id(0) * n_h
     split = gl.program_id(1)
