@@ -112,6 +112,7 @@ import json, os, subprocess, sys, tempfile
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon import language as gl
+from triton.compiler import ASTSource
 from triton.experimental.gluon._runtime import GluonASTSource
 
 spec = json.loads(sys.argv[1])
@@ -124,8 +125,8 @@ def descriptor(block, dtype):
 types = {k: descriptor(**v) if isinstance(v, dict) else v for k, v in spec["types"].items()}
 const = spec["constants"]
 sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in kernel.arg_names}
-compiled = triton.compile(GluonASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=4, **spec["options"]))
+source = (GluonASTSource if spec["gluon"] else ASTSource)(kernel, sig, const)
+compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, **spec["options"]})
 from triton import knobs
 ptxas = knobs.nvidia.ptxas.path  # the ptxas whose version set the PTX's .version (TRITON_PTXAS_PATH, else Triton's own)
 with tempfile.TemporaryDirectory() as tmp:
@@ -136,12 +137,14 @@ print(json.dumps(dict(ptx=compiled.asm["ptx"], shared=compiled.metadata.shared, 
 """
 
 
-def compile_gluon_sm90(module: str, kernel: str, types: dict, constants: dict, options: dict | None = None) -> dict:
-    """Compile a Gluon kernel for sm_90 on any machine (a subprocess without the interpreter; Gluon has none) and
-    assemble it with ptxas: {"ptx", "shared" (bytes), "ptxas" (its -v report: registers, spills, warnings)}.
-    `types` maps argument names to Triton signature strings, or a TMA descriptor as {"block": [...], "dtype":
-    "bfloat16"} (its NVMMA layout is the default for that block); arguments not named are i32. `options` adds
-    compile options (maxnreg) to num_warps=4."""
+def compile_gluon_sm90(module: str, kernel: str, types: dict, constants: dict, options: dict | None = None,
+                       gluon: bool = True) -> dict:
+    """Compile a Gluon kernel (gluon=False: a Triton-language one) for sm_90 on any machine (a subprocess without
+    the interpreter; Gluon has none, and the interpreter never compiles) and assemble it with ptxas: {"ptx",
+    "shared" (bytes), "ptxas" (its -v report: registers, spills, warnings)}. `types` maps argument names to Triton
+    signature strings, or a TMA descriptor as {"block": [...], "dtype": "bfloat16"} (its NVMMA layout is the
+    default for that block); arguments not named are i32. `options` adds compile options (maxnreg, num_stages) to
+    num_warps=4, or replaces it."""
     import json
     import subprocess
     import sys
@@ -149,7 +152,8 @@ def compile_gluon_sm90(module: str, kernel: str, types: dict, constants: dict, o
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    spec = json.dumps(dict(module=module, kernel=kernel, types=types, constants=constants, options=options or {}))
+    spec = json.dumps(dict(module=module, kernel=kernel, types=types, constants=constants, options=options or {},
+                           gluon=gluon))
     run = subprocess.run([sys.executable, "-c", _COMPILE_GLUON_SM90, spec], capture_output=True, text=True, env=env,
                          cwd=root)
     assert run.returncode == 0, run.stderr[-3000:]

@@ -734,3 +734,40 @@ def test_separate_combine_as_dependent_launch(monkeypatch):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, plain[0]) and torch.equal(lse, plain[1])
+
+
+# Per kernel: its pointer arguments' types and its constants besides WAIT. The Triton grouped decode as
+# `_launch_triton` sets it for B32 H_q32/8 D=128 (a tile of four heads, two splits merged in the launch) and the
+# separate split combine of eight splits.
+_TRITON_DECODE_COMPILES = {
+    "_grouped_decode_kernel": (
+        dict(Q="*bf16", K="*bf16", V="*bf16", Q_ROPE="*bf16", K_ROPE="*bf16", BLOCK_TABLE="*i32", SEQ_LENS="*i32",
+             OUT="*fp32", LSE="*fp32", FINAL_OUT="*bf16", FINAL_LSE="*fp32", COUNTERS="*i32", scale_log2="fp32"),
+        dict(GROUP_SIZE=4, D_QK=128, D_ROPE=0, D_V=128, BLOCK_H=16, BLOCK_N=128, BLOCK_DQK=128, BLOCK_DR=16,
+             BLOCK_DV=128, PAGED=False, PAGE_SIZE=1, NUM_SPLITS=2, STATIC_ITERS=0, DOT_PRECISION="tf32",
+             FUSE_CHUNK=2)),
+    "_combine_splits_kernel": (
+        dict(PARTIAL_O="*fp32", PARTIAL_LSE="*fp32", OUT="*bf16", LSE="*fp32"),
+        dict(NUM_SPLITS=8, D_V=128, BLOCK_S=8, BLOCK_DV=128)),
+}
+
+
+@pytest.mark.parametrize("wait", [False, True], ids=["plain", "dependent"])
+@pytest.mark.parametrize("kernel", list(_TRITON_DECODE_COMPILES))
+def test_triton_dependent_launch_compiles(kernel, wait):
+    """The Triton decode kernels' WAIT path, which only an sm_90 GPU runs (`decode.pdl` is off under the
+    interpreter, which cannot execute gdc_wait; the chain tests above run it on a GPU): compiled for sm_90 on any
+    machine, a dependent launch waits exactly once (griddepcontrol.wait), before its first global load or store,
+    so nothing is read before the kernel it depends on has stored it; a plain launch never waits."""
+    import re
+
+    from conftest import compile_gluon_sm90
+
+    types, const = _TRITON_DECODE_COMPILES[kernel]
+    ptx = compile_gluon_sm90("kernels.decode", kernel, types, dict(const, WAIT=wait),
+                             options=dict(num_warps=4, num_stages=3), gluon=False)["ptx"]
+    assert ptx.count("griddepcontrol.wait") == (1 if wait else 0)
+    first_access = re.search(r"\b(ld\.global|st\.global|cp\.async|atom\.global|red\.global)", ptx)
+    assert first_access, "no global memory access in the PTX"
+    if wait:
+        assert ptx.index("griddepcontrol.wait") < first_access.start(), "a global access before the wait"
