@@ -40,6 +40,9 @@ def bench_ms(fn, warmup_ms: int = 25, rep_ms: int = 100) -> float:
     return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
 
 
+MIN_CALLS_PER_REPLAY = 16
+
+
 def rotated_ms(call, copies: int, warmup_ms: float = 25.0, budget_ms: float = 100.0) -> float:
     """Median milliseconds per call of call(i), i = 0 .. copies - 1, each reading its own copy of the inputs:
     the calls are captured in turn in one CUDA graph, and each replay of the graph is timed between two events.
@@ -47,14 +50,22 @@ def rotated_ms(call, copies: int, warmup_ms: float = 25.0, budget_ms: float = 10
     previous copies' lines, not its own, so it reads its inputs from memory. This is a cold L2 without a flush:
     do_bench zeroes a 256 MB buffer before every call, and the L2's dirty lines from that are written back while
     the timed call reads, which cost decode calls 3-30% (benchmarks/RESULTS.md, session 23). The graph also
-    holds the calls back to back, as decode runs in a server, with no host in between."""
+    holds the calls back to back, as decode runs in a server, with no host in between.
+
+    The graph holds the copies' calls in as many rounds as make MIN_CALLS_PER_REPLAY calls (rounds of 0, 1, ...,
+    copies - 1; a copy's lines are still gone when its turn comes again), because each replay's own start is
+    charged to its calls: on an H200 a replay of one tiny kernel took 11.4 us, 0.9 us per call with 32 in the
+    graph, and with the two copies of a 151 MB cache, one round read each call 1.2-1.4 us slower than eight
+    (benchmarks/RESULTS.md, session 27; until then the graph held one round)."""
+    rounds = -(-MIN_CALLS_PER_REPLAY // copies)
     for i in range(copies):
         call(i)
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        for i in range(copies):
-            call(i)
+        for _ in range(rounds):
+            for i in range(copies):
+                call(i)
     # Warm-up replays for at least warmup_ms, as do_bench's. With two warm-up replays and a sync after every timed
     # one, session 23's first grid read some shapes up to 10% apart from a sweep of the same launches.
     t0 = time.perf_counter()
@@ -71,7 +82,7 @@ def rotated_ms(call, copies: int, warmup_ms: float = 25.0, budget_ms: float = 10
         graph.replay()
         end.record()
     torch.cuda.synchronize()
-    return sorted(start.elapsed_time(end) / copies for start, end in events)[reps // 2]
+    return sorted(start.elapsed_time(end) / (rounds * copies) for start, end in events)[reps // 2]
 
 
 def rotation(n_bytes: int) -> int:
