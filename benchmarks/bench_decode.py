@@ -7,8 +7,9 @@
 Decode is memory-bound: the measure is bytes of cache read per second (each K/V byte counted once) against the
 device copy rate (read + write) measured in the same run. Each shape's cache is made in several copies, at least
 four times the L2 together (`common.rotation`), and every call is timed by `common.rotated_ms`: the calls, one
-per copy, are captured in one CUDA graph (the way decode runs in a server, and it keeps the host's launch cost out
-of the numbers) and each call reads a cache the L2 does not hold, with no flush's write-backs in its time. Before
+per copy, in rounds of at least 16 calls, are captured in one CUDA graph (the way decode runs in a server, and it
+keeps the host's launch cost and the replay's own start out of the numbers) and each call reads a cache the L2
+does not hold, with no flush's write-backs in its time. Before
 timing, each kernel's output is checked against an fp32 reference on a few sequences of the batch. Our kernels
 run with num_splits=None (auto) and with the best of a few fixed split counts, to check the heuristic. The --tune
 sweeps time their configs the same way.
