@@ -1,9 +1,10 @@
 """Flash attention for Hopper (sm_90), warp-specialized, in Gluon: FlashAttention-3's structure.
 
 Same math, inputs and outputs as the Triton kernels in kernels/flash.py, which launches these instead on an sm_90
-GPU for fp16/bf16 with TMA-compatible strides: the forward for D_qk == D_v = 128 and 64 (causal from MIN_KEYS keys up);
-the backward (dQ and dK/dV) for D = 128 and 64. The portable Triton kernels run everywhere else (other GPUs and
-head dims, MLA's 192/128, fp32, the CPU interpreter, other Triton releases).
+GPU for fp16/bf16 with TMA-compatible strides: the forward for D_qk == D_v = 128 and 64 (causal from MIN_KEYS keys up)
+and for MLA's D_qk = 192 (128 + 64 RoPE), D_v = 128; the backward (dQ and dK/dV) for D = 128 and 64. The portable
+Triton kernels run everywhere else (other GPUs and head dims, MLA's backward, fp32, the CPU interpreter, other Triton
+releases).
 
 Why a second set of kernels: the Triton-language forward stops at 440-490 TFLOP/s at D=128 on an H200, while SDPA
 runs at 530-690. Its warps issue their own loads and all run the same phase of the loop at the same time, so the
@@ -35,6 +36,12 @@ Forward (`forward`):
   tile's first key blocks before its Q. Before, the consumers stored the output from registers (4-byte stores,
   and ptxas spilled 32-316 bytes of the tile state around them): against that, the TMA store measured 1.00-1.09x
   at D=128 and 0.995-1.07x at D=64 on the grid's shapes, most where tiles are short (session 18).
+- MLA's 192/128: a TMA tile's width must be a power of two, so Q and K arrive as two tiles each, their first 128
+  columns and their last 64, and the scores are two wgmma chains into one accumulator. 64-key blocks in three
+  stages with separate output buffers (205 KB); 128-key blocks in two stages needed the output in the Q buffers
+  and spilled 4 bytes, and measured slower. Against the Triton kernel and SDPA (V padded to 192) in one run
+  (session 27, TFLOP/s GPU alone): B4 H16 S4096 causal 576 vs 471 and 453, full 637 vs 530 and 547; B16 S1024
+  causal 444 vs 317 and 264.
 - causal masking: blocks wholly above the diagonal are never loaded; only blocks on the diagonal or past the
   sequence end are masked (a runtime branch per block), with one compare per score against a per-row limit.
 - launch order (forward tiles and both backward grids): kernels/schedule.py, causal blocks heaviest first in
@@ -120,10 +127,12 @@ LOADER_REGS = gl.constexpr(24)
 # rounded down to setmaxnreg's multiple of 8.
 CONSUMER_REGS = gl.constexpr(240)
 
-# Per head dim: (BLOCK_N, STAGES), measured on an H200 (see benchmarks/RESULTS.md).
+# Per (D_qk, D_v): (BLOCK_N, STAGES), measured on an H200 (see benchmarks/RESULTS.md). MLA's 192/128 (session 27,
+# forward TFLOP/s GPU alone, B4 H16 S4096 causal / full): (64, 3) 576 / 637, (64, 4) 568 / 630, (128, 2) 521 / 597.
 CONFIGS = {
-    64: (128, 3),
-    128: (128, 3),
+    (64, 64): (128, 3),
+    (128, 128): (128, 3),
+    (192, 128): (64, 3),
 }
 # Fewest keys for which flash._forward prefers this kernel, per (head dim, causal); 0 where absent. At D=64 a short
 # causal tile has too few key blocks to hide its start and end. B16 H32/8 S1024 causal, TFLOP/s against the Triton
@@ -200,23 +209,29 @@ def _tile_handover():
 
 
 @gluon.jit
-def _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, g, batch, kv_head, row,
-             STAGES: gl.constexpr):
+def _load_kv(k_desc, kr_desc, v_desc, k_smem, kr_smem, v_smem, k_ready, v_ready, kv_free, g, batch, kv_head, row,
+             STAGES: gl.constexpr, DR: gl.constexpr):
     """Loader: the program's g-th K/V block (rows row.. of one KV head) into stage g % STAGES of the ring, once
-    every consumer has released that stage's previous block (g - STAGES) on kv_free (phase parity)."""
+    every consumer has released that stage's previous block (g - STAGES) on kv_free (phase parity). DR > 0: K's
+    last DR columns (MLA's RoPE part) come as a second copy, on the same barrier."""
     s = g % STAGES
     mbarrier.wait(kv_free.index(s), ((g // STAGES) & 1) ^ 1, pred=g >= STAGES)
-    mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+    if DR > 0:
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes + kr_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(kr_desc, [batch, kv_head, row, k_desc.block_type.shape[3]],
+                                        k_ready.index(s), kr_smem.index(s))
+    else:
+        mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [batch, kv_head, row, 0], k_ready.index(s), k_smem.index(s))
     mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(v_desc, [batch, kv_head, row, 0], v_ready.index(s), v_smem.index(s))
 
 
 @gluon.jit
-def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, kv_free,
-            tile_smem, tile_ready, tile_free, counter_ptr,
+def _loader(q_desc, qr_desc, k_desc, kr_desc, v_desc, q_smem, qr_smem, k_smem, kr_smem, v_smem, q_ready, q_free,
+            k_ready, v_ready, kv_free, tile_smem, tile_ready, tile_free, counter_ptr,
             n_tiles, n_m, bucket, H, M, N, GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
-            STAGES: gl.constexpr, O_IN_Q: gl.constexpr):
+            STAGES: gl.constexpr, O_IN_Q: gl.constexpr, DR: gl.constexpr):
     """One warp: for each tile, each consumer's Q rows, then K and V of every key block into the ring. Key block
     number g (counted over all of the program's tiles) goes into stage g % STAGES once every consumer has released
     block g - STAGES on kv_free; a tile's Q waits until the consumers are done with the previous tile's (O_IN_Q:
@@ -233,17 +248,22 @@ def _loader(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_r
         if O_IN_Q:
             first = gl.minimum(n_blocks, STAGES)
             for j in range(first):
-                _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, g, batch, kv_head, j * BLOCK_N,
-                         STAGES)
+                _load_kv(k_desc, kr_desc, v_desc, k_smem, kr_smem, v_smem, k_ready, v_ready, kv_free, g, batch,
+                         kv_head, j * BLOCK_N, STAGES, DR)
                 g += 1
         for c in gl.static_range(CONSUMERS):
             mbarrier.wait(q_free.index(c), (tc & 1) ^ 1, pred=tc > 0)
-            mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
+            if DR > 0:
+                mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes + qr_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(qr_desc, [batch, head, start_m + c * ROWS, q_desc.block_type.shape[3]],
+                                                q_ready.index(c), qr_smem.index(c))
+            else:
+                mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [batch, head, start_m + c * ROWS, 0], q_ready.index(c),
                                             q_smem.index(c))
         for j in range(first, n_blocks):
-            _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, g, batch, kv_head, j * BLOCK_N,
-                     STAGES)
+            _load_kv(k_desc, kr_desc, v_desc, k_smem, kr_smem, v_smem, k_ready, v_ready, kv_free, g, batch, kv_head,
+                     j * BLOCK_N, STAGES, DR)
             g += 1
         tc += 1
         t = gl.num_programs(0) + gl.atomic_add(counter_ptr, 1)  # the next tile nobody has taken
@@ -274,9 +294,20 @@ def _mask(s, j, n_unmasked, start_m, q_shift, N, CAUSAL: gl.constexpr, BLOCK_N: 
 
 
 @gluon.jit
-def _step(q, k_smem, v_smem, k_ready, v_ready, kv_free, p, p_op, acc, m_i, l_i, gj, j, n_unmasked, start_m,
-          q_shift, N, qk_scale, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-          s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+def _scores(q, qr, k_smem, kr_smem, st, s, BLOCK_N: gl.constexpr, D: gl.constexpr, DR: gl.constexpr):
+    """Issue Q K^T of the block in stage st into s's registers (its old values unused): with DR > 0, as the first D
+    columns' product plus the last DR columns' (MLA's RoPE part, its own TMA tile)."""
+    s = warpgroup_mma(q, k_smem.index(st).reshape([BLOCK_N, D]).permute((1, 0)), s, use_acc=False, is_async=True)
+    if DR > 0:
+        s = warpgroup_mma(qr, kr_smem.index(st).reshape([BLOCK_N, DR]).permute((1, 0)), s, is_async=True)
+    return s
+
+
+@gluon.jit
+def _step(q, qr, k_smem, kr_smem, v_smem, k_ready, v_ready, kv_free, p, p_op, acc, m_i, l_i, gj, j, n_unmasked,
+          start_m, q_shift, N, qk_scale, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+          DR: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
+          p_layout: gl.constexpr):
     """Key block j (the program's gj-th): its scores and block j-1's P V on the tensor cores together, then block
     j's softmax (written to overlap that P V; ptxas waits for it first, see the module docstring)."""
     st = gj % STAGES
@@ -284,8 +315,8 @@ def _step(q, k_smem, v_smem, k_ready, v_ready, kv_free, p, p_op, acc, m_i, l_i, 
     mbarrier.wait(k_ready.index(st), (gj // STAGES) & 1)
     mbarrier.wait(v_ready.index(prev), ((gj - 1) // STAGES) & 1)
     # The scores go into the registers of block j-1's dead fp32 probabilities (use_acc=False).
-    s = warpgroup_mma(q, k_smem.index(st).reshape([BLOCK_N, D]).permute((1, 0)), p, use_acc=False, is_async=True)
-    acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, D]), acc, is_async=True)
+    s = _scores(q, qr, k_smem, kr_smem, st, p, BLOCK_N, D, DR)
+    acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, DV]), acc, is_async=True)
     s = warpgroup_mma_wait(num_outstanding=1, deps=[s])  # scores in; P V of block j-1 may still run
     s = _mask(s, j, n_unmasked, start_m, q_shift, N, CAUSAL, BLOCK_N, s_layout)
     m_ij = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
@@ -300,21 +331,24 @@ def _step(q, k_smem, v_smem, k_ready, v_ready, kv_free, p, p_op, acc, m_i, l_i, 
 
 
 @gluon.jit
-def _consumer(q_smem, k_smem, v_smem, o_smem, q_ready, q_free, k_ready, v_ready, kv_free, tile_smem, tile_ready,
-              tile_free, o_desc, lse_ptr, stride_lb, stride_lh, stride_lm, n_tiles, n_m, bucket, H, M, N, qk_scale,
-              WG: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-              STAGES: gl.constexpr, O_IN_Q: gl.constexpr):
+def _consumer(q_smem, qr_smem, k_smem, kr_smem, v_smem, o_smem, q_ready, q_free, k_ready, v_ready, kv_free,
+              tile_smem, tile_ready, tile_free, o_desc, lse_ptr, stride_lb, stride_lh, stride_lm, n_tiles, n_m, bucket,
+              H, M, N, qk_scale, WG: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+              DR: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr, O_IN_Q: gl.constexpr):
     """One warpgroup: for each tile, the online softmax over its key blocks for query rows
     [start_m + WG*64, +64), then its rows of lse, and of out through shared memory (o_smem, or with O_IN_Q its
     own Q buffer, which the tile no longer reads) and a TMA store, which clips the rows past M."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, D, 16])
+                                                       instr_shape=[16, DV, 16])
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     dtype: gl.constexpr = q_smem.dtype
     q = q_smem.index(WG).reshape([ROWS, D])
+    qr = q  # (unused without a RoPE part)
+    if DR > 0:
+        qr = qr_smem.index(WG).reshape([ROWS, DR])
     q_shift = N - M
     g = 0
     tc = 0
@@ -324,14 +358,13 @@ def _consumer(q_smem, k_smem, v_smem, o_smem, q_ready, q_free, k_ready, v_ready,
         start_m = start_m + WG * ROWS
         mbarrier.wait(q_ready.index(WG), tc & 1)
         m_i = gl.full([ROWS], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
-        acc = gl.zeros([ROWS, D], gl.float32, o_layout)
+        acc = gl.zeros([ROWS, DV], gl.float32, o_layout)
         p = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
 
         # Key block 0: its scores alone.
         st = g % STAGES
         mbarrier.wait(k_ready.index(st), (g // STAGES) & 1)
-        s = warpgroup_mma(q, k_smem.index(st).reshape([BLOCK_N, D]).permute((1, 0)), p, use_acc=False,
-                          is_async=True)
+        s = _scores(q, qr, k_smem, kr_smem, st, p, BLOCK_N, D, DR)
         s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
         s = _mask(s, 0, n_unmasked, start_m, q_shift, N, CAUSAL, BLOCK_N, s_layout)
         m_i = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
@@ -341,15 +374,15 @@ def _consumer(q_smem, k_smem, v_smem, o_smem, q_ready, q_free, k_ready, v_ready,
 
         # Key blocks 1..: each step issues the scores of block j and P V of block j-1 together.
         for j in range(1, n_blocks):
-            p, p_op, acc, m_i, l_i = _step(q, k_smem, v_smem, k_ready, v_ready, kv_free, p, p_op, acc, m_i, l_i,
-                                           g + j, j, n_unmasked, start_m, q_shift, N, qk_scale, CAUSAL,
-                                           BLOCK_N, D, STAGES, s_layout, o_layout, p_layout)
+            p, p_op, acc, m_i, l_i = _step(q, qr, k_smem, kr_smem, v_smem, k_ready, v_ready, kv_free, p, p_op, acc,
+                                           m_i, l_i, g + j, j, n_unmasked, start_m, q_shift, N, qk_scale, CAUSAL,
+                                           BLOCK_N, D, DR, DV, STAGES, s_layout, o_layout, p_layout)
 
         if not O_IN_Q:
             mbarrier.arrive(q_free.index(WG), count=1)  # every Q K^T of the tile has completed
         last = (g + n_blocks - 1) % STAGES
         mbarrier.wait(v_ready.index(last), ((g + n_blocks - 1) // STAGES) & 1)
-        acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, D]), acc, is_async=True)
+        acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, DV]), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         mbarrier.arrive(kv_free.index(last), count=1)
         g += n_blocks
@@ -361,7 +394,7 @@ def _consumer(q_smem, k_smem, v_smem, o_smem, q_ready, q_free, k_ready, v_ready,
         lse = (m_i + gl.log2(l_i)) * 0.6931471805599453  # natural log
         if not O_IN_Q:
             tma.store_wait(0)  # the previous tile's output has been read out of o_smem
-        o_smem.index(WG).reshape([ROWS, D]).store(out.to(dtype))
+        o_smem.index(WG).reshape([ROWS, DV]).store(out.to(dtype))
         fence_async_shared()
         tma.async_copy_shared_to_global(o_desc, [batch, head, start_m, 0], o_smem.index(WG))
         if O_IN_Q:
@@ -376,17 +409,25 @@ def _consumer(q_smem, k_smem, v_smem, o_smem, q_ready, q_free, k_ready, v_ready,
 
 @gluon.jit
 def _flash_fwd_sm90_kernel(
-    q_desc, k_desc, v_desc, o_desc, lse_ptr, counter_ptr, stride_lb, stride_lh, stride_lm,
+    q_desc, qr_desc, k_desc, kr_desc, v_desc, o_desc, lse_ptr, counter_ptr, stride_lb, stride_lh, stride_lm,
     n_tiles, n_m, bucket, H, M, N, qk_scale,
-    GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-    STAGES: gl.constexpr, O_IN_Q: gl.constexpr,
+    GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, DR: gl.constexpr,
+    DV: gl.constexpr, STAGES: gl.constexpr, O_IN_Q: gl.constexpr,
 ):
     """Persistent: one program per SM (or per tile, when fewer). Program p starts with tile p; its loader then takes
     the next tile nobody has taken from a global counter (an atomic add), so programs that drew light causal tiles
     take more of them. The loader hands each tile number to the consumers through shared memory (tile_ready /
-    tile_free, two slots), and streams the next tile's Q and K/V while they finish the previous one."""
+    tile_free, two slots), and streams the next tile's Q and K/V while they finish the previous one.
+    Q and K are TMA tiles of their first D columns, and with DR > 0 a second tile each of their last DR columns
+    (MLA's 128 + 64: a TMA tile's width must be a power of two); the scores add both products."""
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    if DR > 0:
+        qr_smem = gl.allocate_shared_memory(qr_desc.dtype, [CONSUMERS] + qr_desc.block_type.shape, qr_desc.layout)
+        kr_smem = gl.allocate_shared_memory(kr_desc.dtype, [STAGES] + kr_desc.block_type.shape, kr_desc.layout)
+    else:  # (not used)
+        qr_smem = q_smem
+        kr_smem = k_smem
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     q_free = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
@@ -410,15 +451,17 @@ def _flash_fwd_sm90_kernel(
     # The default partition (this program's own four warps) is consumer 0; the others are worker partitions.
     # Worker arguments cannot be constexprs computed here, so every value is passed explicitly.
     gl.warp_specialize([
-        (_consumer, (q_smem, k_smem, v_smem, o_smem, q_ready, q_free, k_ready, v_ready, kv_free, tile_smem,
-                     tile_ready, tile_free, o_desc, lse_ptr, stride_lb, stride_lh, stride_lm,
-                     n_tiles, n_m, bucket, H, M, N, qk_scale, gl.constexpr(0), CAUSAL, BLOCK_N, D, STAGES, O_IN_Q)),
-        (_consumer, (q_smem, k_smem, v_smem, o_smem, q_ready, q_free, k_ready, v_ready, kv_free, tile_smem,
-                     tile_ready, tile_free, o_desc, lse_ptr, stride_lb, stride_lh, stride_lm,
-                     n_tiles, n_m, bucket, H, M, N, qk_scale, gl.constexpr(1), CAUSAL, BLOCK_N, D, STAGES, O_IN_Q)),
-        (_loader, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, kv_free,
-                   tile_smem, tile_ready, tile_free, counter_ptr, n_tiles, n_m, bucket, H, M, N, GROUP_SIZE, CAUSAL,
-                   BLOCK_N, STAGES, O_IN_Q)),
+        (_consumer, (q_smem, qr_smem, k_smem, kr_smem, v_smem, o_smem, q_ready, q_free, k_ready, v_ready, kv_free,
+                     tile_smem, tile_ready, tile_free, o_desc, lse_ptr, stride_lb, stride_lh, stride_lm,
+                     n_tiles, n_m, bucket, H, M, N, qk_scale, gl.constexpr(0), CAUSAL, BLOCK_N, D, DR, DV, STAGES,
+                     O_IN_Q)),
+        (_consumer, (q_smem, qr_smem, k_smem, kr_smem, v_smem, o_smem, q_ready, q_free, k_ready, v_ready, kv_free,
+                     tile_smem, tile_ready, tile_free, o_desc, lse_ptr, stride_lb, stride_lh, stride_lm,
+                     n_tiles, n_m, bucket, H, M, N, qk_scale, gl.constexpr(1), CAUSAL, BLOCK_N, D, DR, DV, STAGES,
+                     O_IN_Q)),
+        (_loader, (q_desc, qr_desc, k_desc, kr_desc, v_desc, q_smem, qr_smem, k_smem, kr_smem, v_smem, q_ready,
+                   q_free, k_ready, v_ready, kv_free, tile_smem, tile_ready, tile_free, counter_ptr, n_tiles, n_m,
+                   bucket, H, M, N, GROUP_SIZE, CAUSAL, BLOCK_N, STAGES, O_IN_Q, DR)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -484,10 +527,10 @@ def supports_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: tor
 
 
 def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
-    """fp16/bf16, D_qk == D_v in CONFIGS, and strides TMA can read (`_checks.tma_readable`)."""
-    if q.dtype not in (torch.float16, torch.bfloat16) or q.shape[-1] not in CONFIGS:
+    """fp16/bf16, (D_qk, D_v) in CONFIGS, and strides TMA can read (`_checks.tma_readable`)."""
+    if q.dtype not in (torch.float16, torch.bfloat16) or (q.shape[-1], v.shape[-1]) not in CONFIGS:
         return False
-    if k.shape[-1] != q.shape[-1] or v.shape[-1] != q.shape[-1]:
+    if k.shape[-1] != q.shape[-1]:
         return False
     return all(_checks.tma_readable(t) for t in (q, k, v))
 
@@ -546,11 +589,12 @@ def _unread_counter(device: torch.device) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.int32, device=device)
 
 
-def output_in_q(d: int, block_n: int, stages: int, itemsize: int = 2) -> bool:
+def output_in_q(d: int, d_v: int, block_n: int, stages: int, itemsize: int = 2) -> bool:
     """Does the forward stage each tile's output in its Q buffers? When separate output buffers would not fit the
-    program's shared memory beside Q and the K/V ring (D=128: 32 + 192 KB, and 32 more would exceed 227 KB)."""
-    q_or_o = PROGRAM_ROWS * d * itemsize
-    return 2 * q_or_o + stages * 2 * block_n * d * itemsize > SMEM_PER_PROGRAM
+    program's shared memory beside Q and the K/V ring (D=128: 32 + 192 KB, and 32 more would exceed 227 KB; MLA's
+    192/128: 48 + 160 KB, and 32 more)."""
+    ring = stages * block_n * (d + d_v) * itemsize
+    return PROGRAM_ROWS * (d + d_v) * itemsize + ring > SMEM_PER_PROGRAM
 
 
 def forward(q, k, v, out, lse, qk_scale: float, causal: bool, config=None):
@@ -563,18 +607,25 @@ def forward(q, k, v, out, lse, qk_scale: float, causal: bool, config=None):
         out.copy_(staged)
         return
     b, h_q, s_q, d = q.shape
-    h_kv, s_kv = k.shape[1], k.shape[2]
-    block_n, stages = config or CONFIGS[d]
+    h_kv, s_kv, d_v = k.shape[1], k.shape[2], v.shape[3]
+    block_n, stages = config or CONFIGS[(d, d_v)]
+    d_main = 1 << (d.bit_length() - 1)  # Q's and K's first TMA tile: the largest power of two in D
+    d_rope = d - d_main
     n_m = cdiv(s_q, PROGRAM_ROWS)
     n_tiles = n_m * h_q * b
     counter = tile_counter(q.device, True)
     grid = (min(n_tiles, num_sms(q.device)),)
+    o_in_q = output_in_q(d, d_v, block_n, stages, q.element_size())
+    assert d_main == d_v or not o_in_q, "the output goes through Q's first tile: their widths must match"
+    q_desc = descriptor(q, [1, 1, ROWS_PER_CONSUMER, d_main])
+    k_desc = descriptor(k, [1, 1, block_n, d_main])
     _flash_fwd_sm90_kernel[grid](
-        _descriptor(q, ROWS_PER_CONSUMER), _descriptor(k, block_n), _descriptor(v, block_n),
+        q_desc, descriptor(q, [1, 1, ROWS_PER_CONSUMER, d_rope]) if d_rope else q_desc,
+        k_desc, descriptor(k, [1, 1, block_n, d_rope]) if d_rope else k_desc, _descriptor(v, block_n),
         _descriptor(out, ROWS_PER_CONSUMER), lse, counter, *lse.stride(), n_tiles, n_m,
         bucket_size(n_m, h_q // h_kv, causal), h_q, s_q, s_kv, qk_scale,
-        GROUP_SIZE=h_q // h_kv, CAUSAL=causal, BLOCK_N=block_n, D=d, STAGES=stages,
-        O_IN_Q=output_in_q(d, block_n, stages, q.element_size()), num_warps=4,
+        GROUP_SIZE=h_q // h_kv, CAUSAL=causal, BLOCK_N=block_n, D=d_main, DR=d_rope, DV=d_v, STAGES=stages,
+        O_IN_Q=o_in_q, num_warps=4,
     )
 
 
@@ -906,7 +957,8 @@ def _dq_load_tile(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_sm
             g = g0 + j
         else:
             g = j
-        _load_kv(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, g, batch, kv_head, j * BLOCK_N, STAGES)
+        _load_kv(k_desc, k_desc, v_desc, k_smem, k_smem, v_smem, k_ready, v_ready, kv_free, g, batch, kv_head,
+                 j * BLOCK_N, STAGES, 0)
     return g0 + n_blocks
 
 

@@ -444,20 +444,26 @@ def test_bad_backward_input_raises(name):
     assert message in str(err.value), str(err.value)
 
 
-def _compile_sm90(d, causal, which):
-    """One of the Hopper kernels of kernels/flash_sm90.py compiled for sm_90 (conftest.compile_gluon_sm90)."""
+def _compile_sm90(d, causal, which, d_v=None):
+    """One of the Hopper kernels of kernels/flash_sm90.py compiled for sm_90 (conftest.compile_gluon_sm90); the
+    forward with D_qk = d and D_v = d_v (default d), Q and K as TMA tiles of their first power-of-two columns and
+    of the rest (MLA's 128 + 64), as `flash_sm90.forward` launches it."""
     from kernels import flash_sm90
 
-    def desc(rows):
-        return dict(block=[1, 1, rows, d], dtype="bfloat16")
+    def desc(rows, cols=d):
+        return dict(block=[1, 1, rows, cols], dtype="bfloat16")
 
     if which == "forward":
-        block_n, stages = flash_sm90.CONFIGS[d]
-        const = dict(GROUP_SIZE=4, CAUSAL=causal, BLOCK_N=block_n, D=d, STAGES=stages,
-                     O_IN_Q=flash_sm90.output_in_q(d, block_n, stages))
+        d_v = d_v or d
+        block_n, stages = flash_sm90.CONFIGS[(d, d_v)]
+        d_main = 1 << (d.bit_length() - 1)
+        const = dict(GROUP_SIZE=4, CAUSAL=causal, BLOCK_N=block_n, D=d_main, DR=d - d_main, DV=d_v, STAGES=stages,
+                     O_IN_Q=flash_sm90.output_in_q(d, d_v, block_n, stages))
         rows = flash_sm90.ROWS_PER_CONSUMER
-        types = dict(q_desc=desc(rows), k_desc=desc(block_n), v_desc=desc(block_n), o_desc=desc(rows),
-                     lse_ptr="*fp32", counter_ptr="*i32", qk_scale="fp32")
+        types = dict(q_desc=desc(rows, d_main), qr_desc=desc(rows, d - d_main or d_main),
+                     k_desc=desc(block_n, d_main), kr_desc=desc(block_n, d - d_main or d_main),
+                     v_desc=desc(block_n, d_v), o_desc=desc(rows, d_v), lse_ptr="*fp32", counter_ptr="*i32",
+                     qk_scale="fp32")
         kernel = "_flash_fwd_sm90_kernel"
     elif which == "dq":
         rows, (block_n, stages, persistent) = flash_sm90.ROWS_PER_CONSUMER, flash_sm90.DQ_CONFIGS[d]
@@ -484,8 +490,8 @@ def _compile_sm90(d, causal, which):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d", [64, 128])
-def test_sm90_kernel_structure(d, causal):
+@pytest.mark.parametrize("d,d_v", [(64, 64), (128, 128), (192, 128)], ids=["D64", "D128", "D192x128"])
+def test_sm90_kernel_structure(d, d_v, causal):
     """The Hopper forward (Gluon, which has no CPU interpreter; its numerics run in every forward test above on an
     H100/H200) compiled for sm_90 on any machine: a loader warp that gives its registers to two consumer
     warpgroups (setmaxnreg 24 / 240), TMA loads, asynchronous wgmma with the scores of the next key block in
@@ -493,11 +499,13 @@ def test_sm90_kernel_structure(d, causal):
     written by TMA from shared memory (one store per warpgroup and tile, whose reads are waited for before the
     buffer is reused), within the 227 KB of shared memory, and no register spills. The persistent kernel keeps a
     tile's state live across its key loop; while the output went out by per-thread stores from registers, ptxas
-    spilled 32 bytes at D=128 full and 316 causal (session 18, benchmarks/RESULTS.md)."""
+    spilled 32 bytes at D=128 full and 316 causal (session 18, benchmarks/RESULTS.md). MLA's 192/128 reads Q and
+    K as two TMA tiles each (128 + 64 columns: a tile's width must be a power of two), so its scores are two
+    products, m64nBLOCK_Nk16 over 128 and over 64 columns."""
     from kernels import flash_sm90
 
-    assert d in flash_sm90.CONFIGS
-    result = _compile_sm90(d, causal, "forward")
+    assert (d, d_v) in flash_sm90.CONFIGS
+    result = _compile_sm90(d, causal, "forward", d_v)
     ptx = result["ptx"]
     regs = setmaxnreg_counts(ptx)
     assert {"24", "240"} <= regs, f"warp roles' register counts {sorted(regs)}"
@@ -505,6 +513,10 @@ def test_sm90_kernel_structure(d, causal):
     assert ptx.count("cp.async.bulk.tensor.4d.global.shared") == 2, "the output: one TMA store per consumer"
     assert "cp.async.bulk.wait_group.read" in ptx, "no wait for the output's reads before its buffer is reused"
     assert "wgmma.mma_async" in ptx and "wgmma.wait_group.sync.aligned 1;" in ptx, "no overlapped wgmma"
+    block_n = flash_sm90.CONFIGS[(d, d_v)][0]
+    # Per consumer warpgroup (each has its own copy of the code): Q K^T (k = 16 per wgmma, over all d columns) in
+    # two places, key block 0 alone and the loop's step, and P V in the step and after the loop.
+    assert ptx.count("wgmma.mma_async") == 2 * (2 * (d // 16) + 2 * (block_n // 16)), "the products' wgmma count"
     assert ptx.count("atom.global") == 1, "the tile counter: one atomic add per tile, by one thread"
     assert result["shared"] <= 232448, f"{result['shared']} bytes of shared memory"
     spills = spill_bytes(result["ptxas"])
@@ -565,8 +577,8 @@ def test_sm90_backward(case, monkeypatch):
 
 def test_sm90_forward_dispatch(monkeypatch):
     """Which inputs the Hopper forward takes (flash_sm90.supports, with the GPU check faked so that it runs
-    anywhere): D = 128 at every length; D = 64 full attention at every length, causal from MIN_KEYS[(64, True)]
-    keys (2048) up, where it measured ahead of the Triton kernel; never MLA's 192/128."""
+    anywhere): D = 128 and MLA's 192/128 at every length; D = 64 full attention at every length, causal from
+    MIN_KEYS[(64, True)] keys (2048) up, where it measured ahead of the Triton kernel; no other pair of head dims."""
     from kernels import flash_sm90
 
     monkeypatch.setattr(flash_sm90, "on_hopper", lambda t: True)
@@ -581,22 +593,26 @@ def test_sm90_forward_dispatch(monkeypatch):
     assert takes(128, 128, 64, True) and takes(128, 128, 64, False)
     assert takes(64, 64, 64, False) and takes(64, 64, 1024, False)
     assert not takes(64, 64, 2047, True) and takes(64, 64, 2048, True)
-    assert not takes(192, 128, 4096, False)
+    assert takes(192, 128, 64, True) and takes(192, 128, 4096, False)
+    assert not takes(192, 64, 4096, False) and not takes(128, 64, 4096, False) and not takes(192, 192, 64, False)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_sm90_forward_d64(causal):
-    """The Hopper forward at D = 64 over many key blocks: causal D = 64 takes it only from MIN_KEYS[(64, True)]
-    keys (2048) up, which no shape in CASES reaches, and CASES' one full-attention D = 64 shape has a single key
-    block. 200 queries over 2100 keys (17 key blocks, a ragged last one, S_q < S_kv), GQA, fp16 and bf16, into
-    NaN-poisoned outputs, against the reference. On other machines the Triton kernel runs the same check."""
+@pytest.mark.parametrize("d_qk,d_v,s_kv", [(64, 64, 2100), (192, 128, 700)], ids=["D64", "D192x128"])
+def test_sm90_forward_many_blocks(d_qk, d_v, s_kv, causal):
+    """The Hopper forward over many key blocks where CASES has none: causal D = 64 takes it only from
+    MIN_KEYS[(64, True)] keys (2048) up, which no shape in CASES reaches, and CASES' one full-attention D = 64 shape
+    and its MLA 192/128 shape have a single key block. 200 queries over 2100 keys (D = 64; 17 key blocks) or 700
+    (192/128, whose Q and K arrive as 128 + 64 columns; 6 blocks), a ragged last block, S_q < S_kv, GQA, fp16 and
+    bf16, into NaN-poisoned outputs, against the reference. On other machines the Triton kernel runs the same
+    check."""
     from kernels import flash_sm90
 
-    case = (1, 4, 2, 200, 2100, 64, 64, causal)
-    assert case[4] >= flash_sm90.MIN_KEYS.get((64, causal), 0)
+    case = (1, 4, 2, 200, s_kv, d_qk, d_v, causal)
+    assert (d_qk, d_v) in flash_sm90.CONFIGS and s_kv >= flash_sm90.MIN_KEYS.get((d_qk, causal), 0)
     for dtype in KERNEL_DTYPES:
         q, k, v, _ = make_inputs(case, dtype)
-        out, lse = _forward(q, k, v, None, causal, out=poisoned((1, 4, 200, 64), dtype),
+        out, lse = _forward(q, k, v, None, causal, out=poisoned((1, 4, 200, d_v), dtype),
                             lse=poisoned((1, 4, 200), torch.float32))
         ref_out, ref_lse = attention_reference(q.float(), k.float(), v.float(), causal=causal)
         assert_close(out, ref_out, dtype, "out")
@@ -681,9 +697,9 @@ def test_sm90_backward_mode(monkeypatch):
 
 
 def test_sm90_eligibility():
-    """Which inputs the Hopper forward takes (on an sm_90 GPU): fp16/bf16 with D_qk == D_v in {64, 128} and
-    TMA-readable strides; everything else (fp32, other head dims, MLA's 192/128, a head dim that is not contiguous,
-    a misaligned stride) goes to the Triton kernel."""
+    """Which inputs the Hopper forward takes (on an sm_90 GPU): fp16/bf16 with D_qk == D_v in {64, 128} or MLA's
+    D_qk, D_v = 192, 128, and TMA-readable strides; everything else (fp32, other head dims, a head dim that is not
+    contiguous, a misaligned stride) goes to the Triton kernel."""
     from kernels.flash_sm90 import eligible
 
     def qkv(d_qk=128, d_v=128, dtype=torch.bfloat16, h=4, s=64):
@@ -697,7 +713,8 @@ def test_sm90_eligibility():
     assert not eligible(*qkv(dtype=torch.float32))
     assert eligible(*qkv(d_qk=64, d_v=64))
     assert not eligible(*qkv(d_qk=96, d_v=96))
-    assert not eligible(*qkv(d_qk=192, d_v=128))
+    assert eligible(*qkv(d_qk=192, d_v=128))
+    assert not eligible(*qkv(d_qk=192, d_v=192)) and not eligible(*qkv(d_qk=128, d_v=64))
     q, k, v = qkv()
     assert not eligible(q.transpose(2, 3).contiguous().transpose(2, 3), k, v), "head dim not contiguous"
     big = torch.zeros(1, 4, 64, 136, dtype=torch.bfloat16)
