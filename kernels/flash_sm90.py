@@ -592,7 +592,8 @@ def _unread_counter(device: torch.device) -> torch.Tensor:
 def output_in_q(d: int, d_v: int, block_n: int, stages: int, itemsize: int = 2) -> bool:
     """Does the forward stage each tile's output in its Q buffers? When separate output buffers would not fit the
     program's shared memory beside Q and the K/V ring (D=128: 32 + 192 KB, and 32 more would exceed 227 KB; MLA's
-    192/128: 48 + 160 KB, and 32 more)."""
+    192/128 with 128-key blocks in two stages: 48 + 160 KB, and 32 more; with CONFIGS' 64-key blocks in three
+    stages, 48 + 120 + 32 KB fit)."""
     ring = stages * block_n * (d + d_v) * itemsize
     return PROGRAM_ROWS * (d + d_v) * itemsize + ring > SMEM_PER_PROGRAM
 
