@@ -598,6 +598,13 @@ def output_in_q(d: int, d_v: int, block_n: int, stages: int, itemsize: int = 2) 
     return PROGRAM_ROWS * (d + d_v) * itemsize + ring > SMEM_PER_PROGRAM
 
 
+def qk_tiles(d: int) -> tuple[int, int]:
+    """The widths of Q's and K's two TMA tiles for head dim d (a tile's width must be a power of two): the largest
+    power of two in d and the rest (0 when d is one; MLA's 192: 128 + 64)."""
+    main = 1 << (d.bit_length() - 1)
+    return main, d - main
+
+
 def forward(q, k, v, out, lse, qk_scale: float, causal: bool, config=None):
     """Launch on inputs `supports` accepted; out (B, H_q, S_q, D) and lse (B, H_q, S_q) fp32 any strides (an out
     TMA cannot write is filled from a contiguous one). qk_scale is the softmax scale times log2(e). `config`
@@ -610,8 +617,7 @@ def forward(q, k, v, out, lse, qk_scale: float, causal: bool, config=None):
     b, h_q, s_q, d = q.shape
     h_kv, s_kv, d_v = k.shape[1], k.shape[2], v.shape[3]
     block_n, stages = config or CONFIGS[(d, d_v)]
-    d_main = 1 << (d.bit_length() - 1)  # Q's and K's first TMA tile: the largest power of two in D
-    d_rope = d - d_main
+    d_main, d_rope = qk_tiles(d)
     n_m = cdiv(s_q, PROGRAM_ROWS)
     n_tiles = n_m * h_q * b
     counter = tile_counter(q.device, True)

@@ -133,7 +133,8 @@ with tempfile.TemporaryDirectory() as tmp:
     open(os.path.join(tmp, "k.ptx"), "w").write(compiled.asm["ptx"])
     run = subprocess.run([ptxas, "-arch=sm_90a", "-v", os.path.join(tmp, "k.ptx"), "-o", os.path.join(tmp, "k.cubin")],
                          capture_output=True, text=True)
-print(json.dumps(dict(ptx=compiled.asm["ptx"], shared=compiled.metadata.shared, ptxas=run.stderr + run.stdout)))
+print(json.dumps(dict(ptx=compiled.asm["ptx"], ttgir=compiled.asm["ttgir"], shared=compiled.metadata.shared,
+                      ptxas=run.stderr + run.stdout)))
 """
 
 
@@ -141,10 +142,10 @@ def compile_gluon_sm90(module: str, kernel: str, types: dict, constants: dict, o
                        gluon: bool = True) -> dict:
     """Compile a Gluon kernel (gluon=False: a Triton-language one) for sm_90 on any machine (a subprocess without
     the interpreter; Gluon has none, and the interpreter never compiles) and assemble it with ptxas: {"ptx",
-    "shared" (bytes), "ptxas" (its -v report: registers, spills, warnings)}. `types` maps argument names to Triton
-    signature strings, or a TMA descriptor as {"block": [...], "dtype": "bfloat16"} (its NVMMA layout is the
-    default for that block); arguments not named are i32. `options` adds compile options (maxnreg, num_stages) to
-    num_warps=4, or replaces it."""
+    "ttgir" (the layouts Triton chose), "shared" (bytes), "ptxas" (its -v report: registers, spills, warnings)}.
+    `types` maps argument names to Triton signature strings, or a TMA descriptor as {"block": [...], "dtype":
+    "bfloat16"} (its NVMMA layout is the default for that block); arguments not named are i32. `options` adds
+    compile options (maxnreg, num_stages) to num_warps=4, or replaces it."""
     import json
     import subprocess
     import sys

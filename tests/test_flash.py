@@ -456,7 +456,7 @@ def _compile_sm90(d, causal, which, d_v=None):
     if which == "forward":
         d_v = d_v or d
         block_n, stages = flash_sm90.CONFIGS[(d, d_v)]
-        d_main = 1 << (d.bit_length() - 1)
+        d_main = flash_sm90.qk_tiles(d)[0]
         const = dict(GROUP_SIZE=4, CAUSAL=causal, BLOCK_N=block_n, D=d_main, DR=d - d_main, DV=d_v, STAGES=stages,
                      O_IN_Q=flash_sm90.output_in_q(d, d_v, block_n, stages))
         rows = flash_sm90.ROWS_PER_CONSUMER

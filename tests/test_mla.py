@@ -287,52 +287,28 @@ def test_compile_fullgraph():
     assert_close(lse, 2 * ref_lse, dtype, "compiled lse")
 
 
-_COMPILE_128_HEADS = """
-import json, sys
-import torch
-import triton
-from triton.backends.compiler import GPUTarget
-from triton.compiler import ASTSource
-from kernels import mla
-
-paged = sys.argv[1] == "paged"
-kernel = mla._mla_decode_kernel
-cfg = mla._mla_config(128, 512)
-const = dict(H=128, D_C=512, D_R=64, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], BLOCK_DC=512, BLOCK_DR=64,
-             PAGED=paged, PAGE_SIZE=64 if paged else 1, NUM_SPLITS=2, STATIC_ITERS=0, EVICT="", DOT_PRECISION="tf32",
-             FUSE_CHUNK=0)  # a 64-head tile's partials are merged by the separate combine (decode.fused_combine_chunk)
-assert mla.fused_combine_chunk(2, 64, 512, 1 << 20, torch.device("cpu")) == 0
-pointers = {"QA": "*bf16", "QR": "*bf16", "CKV": "*bf16", "KR": "*bf16", "BLOCK_TABLE": "*i32", "SEQ_LENS": "*i32",
-            "OUT": "*fp32", "LSE": "*fp32", "FINAL_OUT": "*bf16", "FINAL_LSE": "*fp32", "COUNTERS": "*i32"}
-sig = {n: "constexpr" if n in const else pointers.get(n, "fp32" if n == "scale_log2" else "i32")
-       for n in kernel.arg_names}
-compiled = triton.compile(ASTSource(kernel, sig, const), target=GPUTarget("cuda", 90, 32),
-                          options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
-print(json.dumps(dict(cfg=cfg, ttgir=compiled.asm["ttgir"], shared=compiled.metadata.shared)))
-"""
-
-
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_128_head_tile_computes_each_score_once(paged):
-    """The 64-head tile compiled for sm_90 (in a subprocess without the interpreter; no GPU needed): its eight
-    warps must not both compute the same 64 x 64 scores. Triton lays out a dot that feeds another dot with every
-    warp along M, which at M = 64 makes two warpgroups duplicate one tile (mla._cut_chain). Every tensor-core
-    layout of the kernel must split its warps 4 x 2 (warpgroups side by side along N), never 8 x 1, and the
-    kernel must fit the 227 KB of shared memory an H100/H200 block may use."""
-    import json
-    import os
+    """The 64-head tile compiled for sm_90 (`conftest.compile_gluon_sm90`, no GPU needed): its eight warps must
+    not both compute the same 64 x 64 scores. Triton lays out a dot that feeds another dot with every warp along M,
+    which at M = 64 makes two warpgroups duplicate one tile (mla._cut_chain). Every tensor-core layout of the
+    kernel must split its warps 4 x 2 (warpgroups side by side along N), never 8 x 1, and the kernel must fit the
+    227 KB of shared memory an H100/H200 block may use."""
     import re
-    import subprocess
-    import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    run = subprocess.run([sys.executable, "-c", _COMPILE_128_HEADS, "paged" if paged else "contiguous"],
-                         capture_output=True, text=True, env=env, cwd=root)
-    assert run.returncode == 0, run.stderr[-3000:]
-    result = json.loads(run.stdout.strip().splitlines()[-1])
-    assert result["cfg"]["BLOCK_H"] == 64 and result["cfg"]["num_warps"] == 8, result["cfg"]
+    from kernels import mla
+
+    cfg = mla._mla_config(128, 512)
+    assert cfg["BLOCK_H"] == 64 and cfg["num_warps"] == 8, cfg
+    # A 64-head tile's partials are merged by the separate combine (decode.fused_combine_chunk).
+    assert mla.fused_combine_chunk(2, 64, 512, 1 << 20, torch.device("cpu")) == 0
+    const = dict(H=128, D_C=512, D_R=64, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], BLOCK_DC=512, BLOCK_DR=64,
+                 PAGED=paged, PAGE_SIZE=64 if paged else 1, NUM_SPLITS=2, STATIC_ITERS=0, EVICT="",
+                 DOT_PRECISION="tf32", FUSE_CHUNK=0)
+    types = dict(QA="*bf16", QR="*bf16", CKV="*bf16", KR="*bf16", BLOCK_TABLE="*i32", SEQ_LENS="*i32", OUT="*fp32",
+                 LSE="*fp32", FINAL_OUT="*bf16", FINAL_LSE="*fp32", COUNTERS="*i32", scale_log2="fp32")
+    result = compile_gluon_sm90("kernels.mla", "_mla_decode_kernel", types, const, gluon=False,
+                                options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
     layouts = re.findall(r"nvidia_mma<\{versionMajor = 3[^}]*warpsPerCTA = \[(\d+), (\d+)\]", result["ttgir"])
     assert layouts, "no Hopper tensor-core (wgmma) layout in the compiled kernel"
     assert all(w == ("4", "2") for w in layouts), f"warp grids {layouts}: a score tile is computed twice"
