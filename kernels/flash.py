@@ -12,8 +12,8 @@ keys at positions <= its own (a cached prefix of S_kv - S_q tokens is visible to
 Structure (FlashAttention-2, Dao 2023; Triton's fused-attention tutorial):
 - on Hopper (sm_90, fp16/bf16): separate warp-specialized kernels written in Gluon (kernels/flash_sm90.py: a TMA
   loader warp and two consumer warpgroups, FlashAttention-3's structure) run the forward at D = 128 (and at
-  D = 64: full attention at every length, causal from 2048 keys; and MLA's 192/128) and the backward at D = 128
-  and 64. On an H200
+  D = 64: full attention at every length, causal from 2048 keys; and MLA's 192/128 and 96/64) and the backward at
+  D = 128 and 64. On an H200
   they take the forward from 315-501 to 417-607 TFLOP/s at D = 128 (at D = 64, where they run, from 361-461 to
   416-464) and the backward from 242-408 to 319-487 at D = 128 and from 236-376 to 226-436 at D = 64, where the
   lowest, B16 S1024 causal, varies by 30% from call to call (benchmarks/RESULTS.md, session 19's final grid).
@@ -794,7 +794,7 @@ def _forward(q, k, v, scale: float | None, causal: bool, out=None, lse=None, che
     lse = torch.empty((b, h_q, s_q), device=q.device, dtype=torch.float32) if lse is None else lse
     if out.numel() == 0:
         return out, lse
-    # Hopper, fp16/bf16, D = 64 or 128 or MLA's 192/128: the warp-specialized Gluon kernel (kernels/flash_sm90.py).
+    # Hopper, fp16/bf16, D = 64 or 128 or MLA's 192/128 and 96/64: the warp-specialized Gluon kernel (flash_sm90.py).
     if flash_sm90 is not None and flash_sm90.supports(q, k, v, causal):
         with device_guard(q):
             flash_sm90.forward(q, k, v, out, lse, sm_scale * LOG2E, causal)

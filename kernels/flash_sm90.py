@@ -2,9 +2,9 @@
 
 Same math, inputs and outputs as the Triton kernels in kernels/flash.py, which launches these instead on an sm_90
 GPU for fp16/bf16 with TMA-compatible strides: the forward for D_qk == D_v = 128 and 64 (causal from MIN_KEYS keys up)
-and for MLA's D_qk = 192 (128 + 64 RoPE), D_v = 128; the backward (dQ and dK/dV) for D = 128 and 64. The portable
-Triton kernels run everywhere else (other GPUs and head dims, MLA's backward, fp32, the CPU interpreter, other Triton
-releases).
+and for MLA's D_qk = 192 (128 + 64 RoPE), D_v = 128 and D_qk = 96 (64 + 32), D_v = 64; the backward (dQ and dK/dV)
+for D = 128 and 64. The portable Triton kernels run everywhere else (other GPUs and head dims, MLA's backward, fp32,
+the CPU interpreter, other Triton releases).
 
 Why a second set of kernels: the Triton-language forward stops at 440-490 TFLOP/s at D=128 on an H200, while SDPA
 runs at 530-690. Its warps issue their own loads and all run the same phase of the loop at the same time, so the
@@ -41,7 +41,10 @@ Forward (`forward`):
   stages with separate output buffers (205 KB); 128-key blocks in two stages needed the output in the Q buffers
   and spilled 4 bytes, and measured slower. Against the Triton kernel and SDPA (V padded to 192) in one run
   (session 27, TFLOP/s GPU alone): B4 H16 S4096 causal 576 vs 471 and 453, full 637 vs 530 and 547; B16 S1024
-  causal 444 vs 317 and 264.
+  causal 444 vs 317 and 264. The GPT-2-small MLA's 96/64 (64 + 32 columns) takes 128-key blocks in three stages
+  with separate output buffers (164 KB), at every length, causal too (session 28, GPU alone, against the Triton
+  kernel and SDPA with V padded to 96): B8 H12 S1024 causal 282 vs 250 and 235, B4 H16 S4096 causal 480 vs 418
+  and 362, full 537 vs 491 and 440.
 - causal masking: blocks wholly above the diagonal are never loaded; only blocks on the diagonal or past the
   sequence end are masked (a runtime branch per block), with one compare per score against a per-row limit.
 - launch order (forward tiles and both backward grids): kernels/schedule.py, causal blocks heaviest first in
@@ -129,8 +132,11 @@ CONSUMER_REGS = gl.constexpr(240)
 
 # Per (D_qk, D_v): (BLOCK_N, STAGES), measured on an H200 (see benchmarks/RESULTS.md). MLA's 192/128 (session 27,
 # forward TFLOP/s GPU alone, B4 H16 S4096 causal / full): (64, 3) 576 / 637, (64, 4) 568 / 630, (128, 2) 521 / 597.
+# MLA's 96/64 (the GPT-2-small MLA of configs/mla.py and the benchmarks; session 28, same measure, B8 H12 S1024
+# causal / B4 H16 S4096 causal / full): (128, 3) 282 / 480 / 537, (128, 2) 246 / 399 / 482, (64, 3) 257 / 406 / 452.
 CONFIGS = {
     (64, 64): (128, 3),
+    (96, 64): (128, 3),
     (128, 128): (128, 3),
     (192, 128): (64, 3),
 }

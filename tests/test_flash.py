@@ -490,7 +490,8 @@ def _compile_sm90(d, causal, which, d_v=None):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d,d_v", [(64, 64), (128, 128), (192, 128)], ids=["D64", "D128", "D192x128"])
+@pytest.mark.parametrize("d,d_v", [(64, 64), (128, 128), (192, 128), (96, 64)],
+                         ids=["D64", "D128", "D192x128", "D96x64"])
 def test_sm90_kernel_structure(d, d_v, causal):
     """The Hopper forward (Gluon, which has no CPU interpreter; its numerics run in every forward test above on an
     H100/H200) compiled for sm_90 on any machine: a loader warp that gives its registers to two consumer
@@ -501,7 +502,7 @@ def test_sm90_kernel_structure(d, d_v, causal):
     tile's state live across its key loop; while the output went out by per-thread stores from registers, ptxas
     spilled 32 bytes at D=128 full and 316 causal (session 18, benchmarks/RESULTS.md). MLA's 192/128 reads Q and
     K as two TMA tiles each (128 + 64 columns: a tile's width must be a power of two), so its scores are two
-    products, m64nBLOCK_Nk16 over 128 and over 64 columns."""
+    products, m64nBLOCK_Nk16 over 128 and over 64 columns; the GPT-2-small MLA's 96/64 likewise over 64 and 32."""
     from kernels import flash_sm90
 
     assert (d, d_v) in flash_sm90.CONFIGS
@@ -577,8 +578,9 @@ def test_sm90_backward(case, monkeypatch):
 
 def test_sm90_forward_dispatch(monkeypatch):
     """Which inputs the Hopper forward takes (flash_sm90.supports, with the GPU check faked so that it runs
-    anywhere): D = 128 and MLA's 192/128 at every length; D = 64 full attention at every length, causal from
-    MIN_KEYS[(64, True)] keys (2048) up, where it measured ahead of the Triton kernel; no other pair of head dims."""
+    anywhere): D = 128 and MLA's 192/128 and 96/64 at every length; D = 64 full attention at every length, causal
+    from MIN_KEYS[(64, True)] keys (2048) up, where it measured ahead of the Triton kernel; no other pair of head
+    dims."""
     from kernels import flash_sm90
 
     monkeypatch.setattr(flash_sm90, "on_hopper", lambda t: True)
@@ -594,16 +596,19 @@ def test_sm90_forward_dispatch(monkeypatch):
     assert takes(64, 64, 64, False) and takes(64, 64, 1024, False)
     assert not takes(64, 64, 2047, True) and takes(64, 64, 2048, True)
     assert takes(192, 128, 64, True) and takes(192, 128, 4096, False)
+    assert takes(96, 64, 64, True) and takes(96, 64, 1024, True) and takes(96, 64, 4096, False)
     assert not takes(192, 64, 4096, False) and not takes(128, 64, 4096, False) and not takes(192, 192, 64, False)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d_qk,d_v,s_kv", [(64, 64, 2100), (192, 128, 700)], ids=["D64", "D192x128"])
+@pytest.mark.parametrize("d_qk,d_v,s_kv", [(64, 64, 2100), (192, 128, 700), (96, 64, 700)],
+                         ids=["D64", "D192x128", "D96x64"])
 def test_sm90_forward_many_blocks(d_qk, d_v, s_kv, causal):
     """The Hopper forward over many key blocks where CASES has none: causal D = 64 takes it only from
     MIN_KEYS[(64, True)] keys (2048) up, which no shape in CASES reaches, and CASES' one full-attention D = 64 shape
-    and its MLA 192/128 shape have a single key block. 200 queries over 2100 keys (D = 64; 17 key blocks) or 700
-    (192/128, whose Q and K arrive as 128 + 64 columns; 6 blocks), a ragged last block, S_q < S_kv, GQA, fp16 and
+    and its MLA 192/128 shape have a single key block (and none is 96/64). 200 queries over 2100 keys (D = 64; 17
+    key blocks) or 700 (192/128, whose Q and K arrive as 128 + 64 columns, 11 blocks of 64; 96/64, as 64 + 32
+    columns, 6 blocks of 128), a ragged last block, S_q < S_kv, GQA, fp16 and
     bf16, into NaN-poisoned outputs, against the reference. On other machines the Triton kernel runs the same
     check."""
     from kernels import flash_sm90
@@ -698,8 +703,8 @@ def test_sm90_backward_mode(monkeypatch):
 
 def test_sm90_eligibility():
     """Which inputs the Hopper forward takes (on an sm_90 GPU): fp16/bf16 with D_qk == D_v in {64, 128} or MLA's
-    D_qk, D_v = 192, 128, and TMA-readable strides; everything else (fp32, other head dims, a head dim that is not
-    contiguous, a misaligned stride) goes to the Triton kernel."""
+    D_qk, D_v = 192, 128 or 96, 64, and TMA-readable strides; everything else (fp32, other head dims, a head dim that
+    is not contiguous, a misaligned stride) goes to the Triton kernel."""
     from kernels.flash_sm90 import eligible
 
     def qkv(d_qk=128, d_v=128, dtype=torch.bfloat16, h=4, s=64):
@@ -713,7 +718,7 @@ def test_sm90_eligibility():
     assert not eligible(*qkv(dtype=torch.float32))
     assert eligible(*qkv(d_qk=64, d_v=64))
     assert not eligible(*qkv(d_qk=96, d_v=96))
-    assert eligible(*qkv(d_qk=192, d_v=128))
+    assert eligible(*qkv(d_qk=192, d_v=128)) and eligible(*qkv(d_qk=96, d_v=64))
     assert not eligible(*qkv(d_qk=192, d_v=192)) and not eligible(*qkv(d_qk=128, d_v=64))
     q, k, v = qkv()
     assert not eligible(q.transpose(2, 3).contiguous().transpose(2, 3), k, v), "head dim not contiguous"
