@@ -46,6 +46,7 @@ def full_grid():
             shapes.append((4, 32, 32, 4096, d, d, causal))  # MHA
             shapes.append((4, 32, 4, 4096, d, d, causal))  # group 8
     shapes += [(4, 16, 16, 4096, 192, 128, True), (4, 16, 16, 4096, 192, 128, False)]
+    shapes.append((16, 12, 12, 1024, 96, 64, True))  # the GPT-2-small MLA (configs/mla.py): 64 nope + 32 rope, D_v 64
     return shapes
 
 
