@@ -107,58 +107,89 @@ def ragged_lens(batch: int, s_max: int) -> torch.Tensor:
     return lens.to(torch.int32).to(DEVICE)
 
 
-_COMPILE_GLUON_SM90 = """
-import json, os, subprocess, sys, tempfile
+# One compile worker per test process, started at its first compile and fed one JSON spec per line: a subprocess,
+# because the tests' own process runs the interpreter (which never compiles), and one for all compiles, because a
+# fresh process per kernel spent 4-5 s of a 2-core CI machine importing torch and triton each time (37 kernels).
+_COMPILE_WORKER = """
+import json, os, subprocess, sys, tempfile, traceback
 import triton
+from triton import knobs
 from triton.backends.compiler import GPUTarget
-from triton.experimental.gluon import language as gl
 from triton.compiler import ASTSource
+from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
 
-spec = json.loads(sys.argv[1])
-module = __import__(spec["module"], fromlist=["_"])
-kernel = getattr(module, spec["kernel"])
 def descriptor(block, dtype):
     layout = gl.NVMMASharedLayout.get_default_for(block, getattr(gl, dtype))
     short = dict(bfloat16="bf16", float16="fp16", float32="fp32")[dtype]
     return f"tensordesc<{short}[{','.join(map(str, block))}],{layout!r}>"
-types = {k: descriptor(**v) if isinstance(v, dict) else v for k, v in spec["types"].items()}
-const = spec["constants"]
-sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in kernel.arg_names}
-source = (GluonASTSource if spec["gluon"] else ASTSource)(kernel, sig, const)
-compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, **spec["options"]})
-from triton import knobs
-ptxas = knobs.nvidia.ptxas.path  # the ptxas whose version set the PTX's .version (TRITON_PTXAS_PATH, else Triton's own)
-with tempfile.TemporaryDirectory() as tmp:
-    open(os.path.join(tmp, "k.ptx"), "w").write(compiled.asm["ptx"])
-    run = subprocess.run([ptxas, "-arch=sm_90a", "-v", os.path.join(tmp, "k.ptx"), "-o", os.path.join(tmp, "k.cubin")],
-                         capture_output=True, text=True)
-print(json.dumps(dict(ptx=compiled.asm["ptx"], ttgir=compiled.asm["ttgir"], shared=compiled.metadata.shared,
-                      ptxas=run.stderr + run.stdout)))
+
+def compile_one(spec):
+    kernel = getattr(__import__(spec["module"], fromlist=["_"]), spec["kernel"])
+    types = {k: descriptor(**v) if isinstance(v, dict) else v for k, v in spec["types"].items()}
+    const = spec["constants"]
+    sig = {n: "constexpr" if n in const else types.get(n, "i32") for n in kernel.arg_names}
+    source = (GluonASTSource if spec["gluon"] else ASTSource)(kernel, sig, const)
+    compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, **spec["options"]})
+    ptxas = knobs.nvidia.ptxas.path  # the ptxas whose version set the PTX's .version (TRITON_PTXAS_PATH, else Triton's)
+    with tempfile.TemporaryDirectory() as tmp:
+        open(os.path.join(tmp, "k.ptx"), "w").write(compiled.asm["ptx"])
+        run = subprocess.run([ptxas, "-arch=sm_90a", "-v", os.path.join(tmp, "k.ptx"), "-o",
+                              os.path.join(tmp, "k.cubin")], capture_output=True, text=True)
+    return dict(ptx=compiled.asm["ptx"], ttgir=compiled.asm["ttgir"], shared=compiled.metadata.shared,
+                ptxas=run.stderr + run.stdout)
+
+for line in sys.stdin:
+    try:
+        result = compile_one(json.loads(line))
+    except Exception:
+        result = dict(error=traceback.format_exc())
+    sys.stdout.write("@@compiled " + json.dumps(result) + "\\n")
+    sys.stdout.flush()
 """
+_compile_worker = None  # (subprocess.Popen, its stderr file)
+
+
+def _compile_process():
+    import subprocess
+    import sys
+    import tempfile
+
+    global _compile_worker
+    if _compile_worker is None or _compile_worker[0].poll() is not None:
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+        stderr = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: a full pipe nobody reads would block it
+        proc = subprocess.Popen([sys.executable, "-c", _COMPILE_WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                stderr=stderr, text=True, env=env, cwd=root)
+        _compile_worker = (proc, stderr)
+    return _compile_worker
 
 
 def compile_gluon_sm90(module: str, kernel: str, types: dict, constants: dict, options: dict | None = None,
                        gluon: bool = True) -> dict:
-    """Compile a Gluon kernel (gluon=False: a Triton-language one) for sm_90 on any machine (a subprocess without
-    the interpreter; Gluon has none, and the interpreter never compiles) and assemble it with ptxas: {"ptx",
-    "ttgir" (the layouts Triton chose), "shared" (bytes), "ptxas" (its -v report: registers, spills, warnings)}.
-    `types` maps argument names to Triton signature strings, or a TMA descriptor as {"block": [...], "dtype":
-    "bfloat16"} (its NVMMA layout is the default for that block); arguments not named are i32. `options` adds
-    compile options (maxnreg, num_stages) to num_warps=4, or replaces it."""
+    """Compile a Gluon kernel (gluon=False: a Triton-language one) for sm_90 on any machine (in the compile worker,
+    a subprocess without the interpreter; Gluon has none, and the interpreter never compiles) and assemble it with
+    ptxas: {"ptx", "ttgir" (the layouts Triton chose), "shared" (bytes), "ptxas" (its -v report: registers, spills,
+    warnings)}. `types` maps argument names to Triton signature strings, or a TMA descriptor as {"block": [...],
+    "dtype": "bfloat16"} (its NVMMA layout is the default for that block); arguments not named are i32. `options`
+    adds compile options (maxnreg, num_stages) to num_warps=4, or replaces it."""
     import json
-    import subprocess
-    import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
-    spec = json.dumps(dict(module=module, kernel=kernel, types=types, constants=constants, options=options or {},
-                           gluon=gluon))
-    run = subprocess.run([sys.executable, "-c", _COMPILE_GLUON_SM90, spec], capture_output=True, text=True, env=env,
-                         cwd=root)
-    assert run.returncode == 0, run.stderr[-3000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    global _compile_worker
+    proc, stderr = _compile_process()
+    spec = dict(module=module, kernel=kernel, types=types, constants=constants, options=options or {}, gluon=gluon)
+    proc.stdin.write(json.dumps(spec) + "\n")
+    proc.stdin.flush()
+    for line in proc.stdout:  # anything else the compiler prints to stdout is skipped
+        if line.startswith("@@compiled "):
+            result = json.loads(line[len("@@compiled "):])
+            assert "error" not in result, f"compiling {module}.{kernel}:\n{result.get('error', '')[-3000:]}"
+            return result
+    _compile_worker = None  # it died: the next compile starts a new one
+    stderr.seek(0)
+    raise AssertionError(f"the compile worker exited compiling {module}.{kernel}:\n{stderr.read()[-3000:]}")
 
 
 def setmaxnreg_counts(ptx: str) -> set[str]:
