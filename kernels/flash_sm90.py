@@ -606,7 +606,7 @@ def output_in_q(d: int, d_v: int, block_n: int, stages: int, itemsize: int = 2) 
 
 def qk_tiles(d: int) -> tuple[int, int]:
     """The widths of Q's and K's two TMA tiles for head dim d (a tile's width must be a power of two): the largest
-    power of two in d and the rest (0 when d is one; MLA's 192: 128 + 64)."""
+    power of two in d and the rest (0 when d is itself a power of two; MLA's 192: 128 + 64, 96: 64 + 32)."""
     main = 1 << (d.bit_length() - 1)
     return main, d - main
 

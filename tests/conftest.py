@@ -177,7 +177,6 @@ def compile_gluon_sm90(module: str, kernel: str, types: dict, constants: dict, o
     adds compile options (maxnreg, num_stages) to num_warps=4, or replaces it."""
     import json
 
-    global _compile_worker
     proc, stderr = _compile_process()
     spec = dict(module=module, kernel=kernel, types=types, constants=constants, options=options or {}, gluon=gluon)
     proc.stdin.write(json.dumps(spec) + "\n")
@@ -187,8 +186,7 @@ def compile_gluon_sm90(module: str, kernel: str, types: dict, constants: dict, o
             result = json.loads(line[len("@@compiled "):])
             assert "error" not in result, f"compiling {module}.{kernel}:\n{result.get('error', '')[-3000:]}"
             return result
-    _compile_worker = None  # it died: the next compile starts a new one
-    stderr.seek(0)
+    stderr.seek(0)  # it died (the next compile starts a new one: `_compile_process` polls it)
     raise AssertionError(f"the compile worker exited compiling {module}.{kernel}:\n{stderr.read()[-3000:]}")
 
 
