@@ -3,8 +3,8 @@
 Same math, inputs and outputs as the Triton kernels in kernels/flash.py, which launches these instead on an sm_90
 GPU for fp16/bf16 with TMA-compatible strides: the forward for D_qk == D_v = 128 and 64 (causal from MIN_KEYS keys up)
 and for MLA's D_qk = 192 (128 + 64 RoPE), D_v = 128 and D_qk = 96 (64 + 32), D_v = 64; the backward (dQ and dK/dV)
-for D = 128 and 64. The portable Triton kernels run everywhere else (other GPUs and head dims, MLA's backward, fp32,
-the CPU interpreter, other Triton releases).
+for D = 128 and 64 and MLA's 96/64, and dQ alone for MLA's 192/128. The portable Triton kernels run everywhere else
+(other GPUs and head dims, MLA's 192/128 dK/dV, fp32, the CPU interpreter, other Triton releases).
 
 Why a second set of kernels: the Triton-language forward stops at 440-490 TFLOP/s at D=128 on an H200, while SDPA
 runs at 530-690. Its warps issue their own loads and all run the same phase of the loop at the same time, so the
@@ -65,6 +65,13 @@ Backward, two launches with the same roles (a loader warp, two consumer warpgrou
   arrive while the consumers finish the current one and store its dK and dV): 1.00-1.07x as fast as one program
   per tile on the grid's ten shapes (session 19). At D=128 the tile loop's state makes ptxas spill 72-160 bytes
   and the persistent kernel measured 0.94-0.99x, so there each program keeps its one tile.
+- MLA: Q and K arrive as two TMA tiles each, as in the forward, so S (S^T) is two products into one accumulator
+  and dQ (dK) two accumulators, one per tile. The GPT-2-small MLA's 96/64 runs both kernels (persistent; dK/dV in
+  64-query steps: 128-query steps spill 236-556 bytes); 192/128 runs the dQ kernel beside the Triton dK/dV kernel,
+  whose 64 x 192 dK accumulator would not fit beside the rest (BWD_CONFIGS). The whole backward against the Triton
+  kernels and SDPA (V padded to D_qk) in one run (session 29, GPU alone, TFLOP/s): 96/64 B16 H16 S1024 causal 274
+  vs 207 and 177, B4 H16 S4096 causal 404 vs 326 and 291, full 452 vs 370 and 355; 192/128 B4 H16 S4096 causal 360
+  vs 306 and 255, full 404 vs 356 and 280.
 
 Measured on an H200 beside SDPA and the Triton kernels in one run (bf16, H_q 32, TFLOP/s; benchmarks/RESULTS.md
 has the grid and the history). Forward, persistent vs the previous one-program-per-tile version: B4 H_kv 8 S4096
@@ -500,17 +507,22 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) ->
             and k.shape[2] >= MIN_KEYS.get((q.shape[-1], causal), 0))
 
 
-# dK/dV per head dim: (BLOCK_M, STAGES, PERSISTENT), query rows per streamed step, ring stages, and the schedule.
+# dK/dV per (D_qk, D_v): (BLOCK_M, STAGES, PERSISTENT), query rows per streamed step, ring stages, and the schedule.
 # H200 (session 17, beside the Triton backward in one run): at D=64, 128-query steps read 1.02-1.10x the Triton
 # kernels on the grid's ten shapes and 64-query steps 0.99-1.07x; at D=128, 128-query steps would not fit the
 # registers (S^T, dP^T, dK and dV accumulators: 256 per thread). Persistent programs, against one program per
 # tile in the same run (session 19): at D=64 the kernel 1.00-1.07x as fast on the grid's ten shapes; at D=128, where
-# the tile loop's state makes ptxas spill 72-160 bytes, 0.94-0.99x, so D=128 keeps one program per tile.
+# the tile loop's state makes ptxas spill 72-160 bytes, 0.94-0.99x, so D=128 keeps one program per tile. MLA's
+# 96/64 (session 29, the whole backward GPU alone beside the Triton kernels, B16 H16 S1024 causal / B4 H16 S4096
+# causal / full): (64, 2, True) 1.33 / 1.24 / 1.22x, (64, 3, True) 1.30 / 1.18 / 1.19x, (64, 2, False) 1.16 / 1.10 /
+# 1.15x, (128, 2, True), which spills 236-556 bytes, 1.17 / 1.14 / 1.16x. MLA's 192/128 has no entry: 64-query steps
+# hold 64 x 192 and 64 x 128 accumulators besides S^T and dP^T, and ptxas spills 108-604 bytes and serializes the
+# wgmma, so its dK/dV stays on the Triton kernel (beside the Hopper dQ kernel).
 BWD_CONFIGS = {
-    64: (128, 2, True),
-    128: (64, 2, False),
+    (64, 64): (128, 2, True),
+    (96, 64): (64, 2, True),
+    (128, 128): (64, 2, False),
 }
-BACKWARD_HEAD_DIMS = tuple(BWD_CONFIGS)
 
 
 def backward_mode() -> str:
@@ -526,9 +538,10 @@ def backward_mode() -> str:
 
 
 def supports_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor) -> bool:
-    """Can `backward_dq` and `backward_dkdv` run these inputs? On an sm_90 GPU, `eligible` with D in
-    BACKWARD_HEAD_DIMS and dO TMA-readable too (its shape and dtype are q's, checked by the caller)."""
-    return (enabled() and on_hopper(q) and q.shape[-1] in BACKWARD_HEAD_DIMS and eligible(q, k, v)
+    """Can `backward_dq` run these inputs (and `backward_dkdv`, where (D_qk, D_v) is in BWD_CONFIGS too)? On an
+    sm_90 GPU, `eligible` with (D_qk, D_v) in DQ_CONFIGS and dO TMA-readable too (its shape and dtype are out's,
+    checked by the caller)."""
+    return (enabled() and on_hopper(q) and (q.shape[-1], v.shape[-1]) in DQ_CONFIGS and eligible(q, k, v)
             and _checks.tma_readable(do))
 
 
@@ -661,14 +674,15 @@ def _dkdv_tile(t, n_kb, n_tiles, bucket, H_KV, M, N, CAUSAL: gl.constexpr, BLOCK
 
 
 @gluon.jit
-def _bwd_load_tile(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
-                   delta_smem, kv_ready, kv_free, q_ready, do_ready, qdo_free, batch, kv_head, start_n, m_start,
-                   n_m, step0, tc, H, M_PAD, GROUP_SIZE: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                   PERSISTENT: gl.constexpr):
+def _bwd_load_tile(q_desc, qr_desc, do_desc, k_desc, kr_desc, v_desc, lse_desc, delta_desc, q_smem, qr_smem, do_smem,
+                   k_smem, kr_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_free, q_ready, do_ready, qdo_free,
+                   batch, kv_head, start_n, m_start, n_m, step0, tc, H, M_PAD, GROUP_SIZE: gl.constexpr,
+                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr, DR: gl.constexpr):
     """Loader, the program's tc-th tile: its K and V block into buffer tc % 2 (once the consumers are done with the
     tile before last there), then for every (query head of the group, query block), in the consumers' order, Q with
     its rows' lse and delta (one barrier) and dO into the ring; step0 counts the program's steps over its earlier
-    tiles. Returns the count after this tile."""
+    tiles. Returns the count after this tile. DR > 0: Q's and K's last DR columns (MLA's RoPE part) come as second
+    copies on the same barriers, as in the forward's loader."""
     # When not persistent, step0 is a constexpr 0 and this is, instruction for instruction, the one-tile loader it
     # replaced. Small changes here (the step count made a tensor up front, the query-block count computed here)
     # moved ptxas's register choices in a consumer warpgroup's loop and cost that kernel 3-7% at D=128
@@ -677,7 +691,13 @@ def _bwd_load_tile(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem
     kb = tc % 2
     if PERSISTENT:
         mbarrier.wait(kv_free.index(kb), ((tc // 2) & 1) ^ 1, pred=tc >= 2)
-    mbarrier.expect(kv_ready.index(kb), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    if DR > 0:
+        mbarrier.expect(kv_ready.index(kb), k_desc.block_type.nbytes + kr_desc.block_type.nbytes
+                        + v_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(kr_desc, [batch, kv_head, start_n, k_desc.block_type.shape[3]],
+                                        kv_ready.index(kb), kr_smem.index(kb))
+    else:
+        mbarrier.expect(kv_ready.index(kb), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [batch, kv_head, start_n, 0], kv_ready.index(kb), k_smem.index(kb))
     tma.async_copy_global_to_shared(v_desc, [batch, kv_head, start_n, 0], kv_ready.index(kb), v_smem.index(kb))
     for hh in range(GROUP_SIZE):
@@ -685,8 +705,14 @@ def _bwd_load_tile(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem
         for m in range(m_start, n_m):
             s = it % STAGES
             mbarrier.wait(qdo_free.index(s), ((it // STAGES) & 1) ^ 1, pred=it >= STAGES)
-            mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + lse_desc.block_type.nbytes
-                            + delta_desc.block_type.nbytes)
+            if DR > 0:
+                mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + qr_desc.block_type.nbytes
+                                + lse_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(qr_desc, [batch, head, m * BLOCK_M, q_desc.block_type.shape[3]],
+                                                q_ready.index(s), qr_smem.index(s))
+            else:
+                mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + lse_desc.block_type.nbytes
+                                + delta_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [batch, head, m * BLOCK_M, 0], q_ready.index(s), q_smem.index(s))
             row = (batch * H + head) * M_PAD + m * BLOCK_M
             tma.async_copy_global_to_shared(lse_desc, [row], q_ready.index(s), lse_smem.index(s))
@@ -699,11 +725,11 @@ def _bwd_load_tile(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem
 
 
 @gluon.jit
-def _bwd_loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
-                delta_smem, kv_ready, kv_free, q_ready, do_ready, qdo_free, tile_smem, tile_ready, tile_free,
-                counter_ptr, batch, kv_head, start_n, m_start, n_m, n_tiles, n_kb, bucket, H_KV, M, N, M_PAD,
-                GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-                PERSISTENT: gl.constexpr):
+def _bwd_loader(q_desc, qr_desc, do_desc, k_desc, kr_desc, v_desc, lse_desc, delta_desc, q_smem, qr_smem, do_smem,
+                k_smem, kr_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_free, q_ready, do_ready, qdo_free,
+                tile_smem, tile_ready, tile_free, counter_ptr, batch, kv_head, start_n, m_start, n_m, n_tiles, n_kb,
+                bucket, H_KV, M, N, M_PAD, GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
+                STAGES: gl.constexpr, PERSISTENT: gl.constexpr, DR: gl.constexpr):
     """One warp. PERSISTENT: tiles from the global counter, each handed to the consumers (tile_smem) and loaded;
     the next tile's K/V and first steps arrive while the consumers finish this one. Else the program's own tile
     (batch, kv_head, start_n, m_start)."""
@@ -714,53 +740,68 @@ def _bwd_loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, d
         while t < n_tiles:
             _publish(tile_smem, tile_ready, tile_free, tc, t)
             batch, kv_head, start_n, m_start = _dkdv_tile(t, n_kb, n_tiles, bucket, H_KV, M, N, CAUSAL, BLOCK_M)
-            it = _bwd_load_tile(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem,
-                                v_smem, lse_smem, delta_smem, kv_ready, kv_free, q_ready, do_ready, qdo_free, batch,
-                                kv_head, start_n, m_start, n_m, it, tc, H_KV * GROUP_SIZE, M_PAD, GROUP_SIZE,
-                                BLOCK_M, STAGES, PERSISTENT)
+            it = _bwd_load_tile(q_desc, qr_desc, do_desc, k_desc, kr_desc, v_desc, lse_desc, delta_desc, q_smem,
+                                qr_smem, do_smem, k_smem, kr_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_free,
+                                q_ready, do_ready, qdo_free, batch, kv_head, start_n, m_start, n_m, it, tc,
+                                H_KV * GROUP_SIZE, M_PAD, GROUP_SIZE, BLOCK_M, STAGES, PERSISTENT, DR)
             tc += 1
             t = gl.num_programs(0) + gl.atomic_add(counter_ptr, 1)  # the next tile nobody has taken
         _publish(tile_smem, tile_ready, tile_free, tc, t)
     else:
-        _bwd_load_tile(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
-                       lse_smem, delta_smem, kv_ready, kv_free, q_ready, do_ready, qdo_free, batch, kv_head,
-                       start_n, m_start, n_m, 0, 0, H_KV * GROUP_SIZE, M_PAD, GROUP_SIZE, BLOCK_M, STAGES,
-                       PERSISTENT)
+        _bwd_load_tile(q_desc, qr_desc, do_desc, k_desc, kr_desc, v_desc, lse_desc, delta_desc, q_smem, qr_smem,
+                       do_smem, k_smem, kr_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_free, q_ready, do_ready,
+                       qdo_free, batch, kv_head, start_n, m_start, n_m, 0, 0, H_KV * GROUP_SIZE, M_PAD, GROUP_SIZE,
+                       BLOCK_M, STAGES, PERSISTENT, DR)
 
 
 @gluon.jit
-def _bwd_tile(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_free, q_ready, do_ready, qdo_free,
-              dk_ptr, dv_ptr, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
-              batch, kv_head, start_n, m_start, n_m, it, tc, M, N, sm_scale, qk_scale,
+def _bwd_tile(q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_free, q_ready,
+              do_ready, qdo_free, dk_ptr, dv_ptr, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh,
+              stride_vn, stride_vd, batch, kv_head, start_n, m_start, n_m, it, tc, M, N, sm_scale, qk_scale,
               WG: gl.constexpr, GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-              D: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
+              D: gl.constexpr, DR: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
     """One warpgroup, the program's tc-th tile: dK and dV of key rows [start_n + WG*64, +64), summed over every
     query head of the KV group and every query block; `it` counts the program's steps (returned updated).
     Transposed products, so the key rows are the M of every wgmma:
-    S^T = K Q^T, P^T = exp2(S^T - lse), dP^T = V dO^T, dS^T = P^T (dP^T - delta), dV += P^T dO, dK += dS^T Q."""
+    S^T = K Q^T, P^T = exp2(S^T - lse), dP^T = V dO^T, dS^T = P^T (dP^T - delta), dV += P^T dO, dK += dS^T Q.
+    Q and K are D columns wide, and with DR > 0 have DR more in tiles of their own (MLA's RoPE part): S^T adds
+    both products and dK's last DR columns are a second accumulator; V and dO are DV wide."""
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BLOCK_M, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, D, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    # dV's and dK's RoPE columns: their own widths (the layouts are acc_layout's when DV == D).
+    v_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, DV, 16])
+    v_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=v_layout, k_width=2)
+    r_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, DR if DR > 0 else D, 16])
+    r_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=r_layout, k_width=2)
     cols: gl.constexpr = gl.SliceLayout(0, st_layout)  # one value per query row of the block
     dtype: gl.constexpr = q_smem.dtype
     q_shift = N - M  # query row i sits at key position q_shift + i
     kb = tc % 2
     k_wg = k_smem.index(kb).reshape([CONSUMERS * ROWS, D]).slice(WG * ROWS, ROWS)
-    v_wg = v_smem.index(kb).reshape([CONSUMERS * ROWS, D]).slice(WG * ROWS, ROWS)
+    v_wg = v_smem.index(kb).reshape([CONSUMERS * ROWS, DV]).slice(WG * ROWS, ROWS)
+    kr_wg = k_wg  # (unused without a RoPE part)
+    if DR > 0:
+        kr_wg = kr_smem.index(kb).reshape([CONSUMERS * ROWS, DR]).slice(WG * ROWS, ROWS)
     kv0 = start_n + WG * ROWS
     kv_pos = kv0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, st_layout))
     dk = gl.zeros([ROWS, D], gl.float32, acc_layout)
-    dv = gl.zeros([ROWS, D], gl.float32, acc_layout)
+    dv = gl.zeros([ROWS, DV], gl.float32, v_layout)
+    dkr = dk  # (unused without a RoPE part)
+    if DR > 0:
+        dkr = gl.zeros([ROWS, DR], gl.float32, r_layout)
     nb = n_m - m_start
     total = GROUP_SIZE * nb
     mbarrier.wait(kv_ready.index(kb), (tc // 2) & 1)
     # Software pipeline over the steps (query head, query block): S^T of step t+1 is issued right after dK of
     # step t, so it runs while step t's products finish.
     mbarrier.wait(q_ready.index(it % STAGES), (it // STAGES) & 1)
-    st = warpgroup_mma(k_wg, q_smem.index(it % STAGES).reshape([BLOCK_M, D]).permute((1, 0)),
-                       gl.zeros([ROWS, BLOCK_M], gl.float32, st_layout), use_acc=False, is_async=True)
+    st = _scores_t(k_wg, kr_wg, q_smem, qr_smem, it % STAGES, gl.zeros([ROWS, BLOCK_M], gl.float32, st_layout),
+                   BLOCK_M, D, DR)
     for t in range(total):
         g = it + t  # the program's step number, over all of its tiles
         s = g % STAGES
@@ -775,22 +816,27 @@ def _bwd_tile(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_ready, k
                 first = kv_pos - q_shift - m * BLOCK_M
                 pt = gl.where(gl.arange(0, BLOCK_M, layout=cols)[None, :] >= first[:, None], pt, 0.0)
         mbarrier.wait(do_ready.index(s), phase)
-        do_t = do_smem.index(s).reshape([BLOCK_M, D])
+        do_t = do_smem.index(s).reshape([BLOCK_M, DV])
         dpt = warpgroup_mma(v_wg, do_t.permute((1, 0)), st, use_acc=False, is_async=True)
-        dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do_t, dv, is_async=True)
+        dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), v_op_layout), do_t, dv, is_async=True)
         dpt = warpgroup_mma_wait(num_outstanding=1, deps=[dpt])
         # dS^T from the fp32 P^T: its bf16 copy feeds dV only. Taking dS^T from that copy (round trip through
         # bf16) made ptxas convert one score at a time and unpack again: 64 (full) to 110 (causal) more
         # instructions per 64-query step, and a 4-9% slower backward (benchmarks/RESULTS.md, session 16).
-        dst = pt * (dpt - delta_smem.index(s).load(cols)[None, :])
-        dk = warpgroup_mma(gl.convert_layout(dst.to(dtype), op_layout), q_t, dk, is_async=True)
+        dst = (pt * (dpt - delta_smem.index(s).load(cols)[None, :])).to(dtype)
+        dk = warpgroup_mma(gl.convert_layout(dst, op_layout), q_t, dk, is_async=True)
+        if DR > 0:
+            dkr = warpgroup_mma(gl.convert_layout(dst, r_op_layout), qr_smem.index(s).reshape([BLOCK_M, DR]), dkr,
+                                is_async=True)
         # S^T of the next step (past the tile's last step it reads a stale stage; its result is drained, never
         # used).
         s1 = (g + 1) % STAGES
         mbarrier.wait(q_ready.index(s1), ((g + 1) // STAGES) & 1, pred=t + 1 < total)
-        st = warpgroup_mma(k_wg, q_smem.index(s1).reshape([BLOCK_M, D]).permute((1, 0)), dpt, use_acc=False,
-                           is_async=True)
-        dv, dk = warpgroup_mma_wait(num_outstanding=1, deps=[dv, dk])  # all but the next S^T
+        st = _scores_t(k_wg, kr_wg, q_smem, qr_smem, s1, dpt, BLOCK_M, D, DR)
+        if DR > 0:
+            dv, dk, dkr = warpgroup_mma_wait(num_outstanding=2, deps=[dv, dk, dkr])  # all but the next S^T
+        else:
+            dv, dk = warpgroup_mma_wait(num_outstanding=1, deps=[dv, dk])  # all but the next S^T
         mbarrier.arrive(qdo_free.index(s), count=1)  # Q and dO of step t are no longer read
     st = warpgroup_mma_wait(num_outstanding=0, deps=[st])
     if PERSISTENT:
@@ -802,19 +848,47 @@ def _bwd_tile(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_ready, k
     dk_ptrs = dk_ptr + batch.to(gl.int64) * stride_kb + kv_head.to(gl.int64) * stride_kh \
         + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
     gl.store(dk_ptrs, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=rows_ok)
-    dv_ptrs = dv_ptr + batch.to(gl.int64) * stride_vb + kv_head.to(gl.int64) * stride_vh \
-        + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
-    gl.store(dv_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=rows_ok)
+    if DR > 0:
+        _store_rows(dk_ptr + batch.to(gl.int64) * stride_kb + kv_head.to(gl.int64) * stride_kh, dkr * sm_scale, kv0,
+                    N, stride_kn, stride_kd, D, DR, r_layout)
+    if DV == D:
+        dv_ptrs = dv_ptr + batch.to(gl.int64) * stride_vb + kv_head.to(gl.int64) * stride_vh \
+            + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+        gl.store(dv_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=rows_ok)
+    else:
+        _store_rows(dv_ptr + batch.to(gl.int64) * stride_vb + kv_head.to(gl.int64) * stride_vh, dv, kv0, N,
+                    stride_vn, stride_vd, 0, DV, v_layout)
     return it + total
 
 
 @gluon.jit
-def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_free, q_ready, do_ready,
-                  qdo_free, tile_smem, tile_ready, tile_free, dk_ptr, dv_ptr,
+def _scores_t(k_wg, kr_wg, q_smem, qr_smem, stage, st, BLOCK_M: gl.constexpr, D: gl.constexpr, DR: gl.constexpr):
+    """Issue S^T = K Q^T of the Q block in `stage` into st's registers (its old values unused): with DR > 0, the
+    first D columns' product plus the last DR columns' (two wgmma groups)."""
+    st = warpgroup_mma(k_wg, q_smem.index(stage).reshape([BLOCK_M, D]).permute((1, 0)), st, use_acc=False,
+                       is_async=True)
+    if DR > 0:
+        st = warpgroup_mma(kr_wg, qr_smem.index(stage).reshape([BLOCK_M, DR]).permute((1, 0)), st, is_async=True)
+    return st
+
+
+@gluon.jit
+def _store_rows(base, x, row0, n_rows, stride_r, stride_c, col0, COLS: gl.constexpr, layout: gl.constexpr):
+    """Store x (64 rows from row0, COLS columns from col0, in `layout`) at base, the rows past n_rows left out."""
+    offs_r = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
+    offs_c = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
+    gl.store(base + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c, x.to(base.dtype.element_ty),
+             mask=(offs_r < n_rows)[:, None])
+
+
+@gluon.jit
+def _bwd_consumer(q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_free, q_ready,
+                  do_ready, qdo_free, tile_smem, tile_ready, tile_free, dk_ptr, dv_ptr,
                   stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
                   batch, kv_head, start_n, m_start, n_m, n_tiles, n_kb, bucket, H_KV, M, N, sm_scale, qk_scale,
                   WG: gl.constexpr, GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                  D: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
+                  D: gl.constexpr, DR: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr,
+                  PERSISTENT: gl.constexpr):
     """One warpgroup: `_bwd_tile` for each tile the loader hands over (PERSISTENT), else for the program's own."""
     if PERSISTENT:
         it = 0
@@ -822,30 +896,32 @@ def _bwd_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_read
         tile = _receive(tile_smem, tile_ready, tile_free, 0)
         while tile < n_tiles:
             batch, kv_head, start_n, m_start = _dkdv_tile(tile, n_kb, n_tiles, bucket, H_KV, M, N, CAUSAL, BLOCK_M)
-            it = _bwd_tile(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_free, q_ready,
-                           do_ready, qdo_free, dk_ptr, dv_ptr, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb,
-                           stride_vh, stride_vn, stride_vd, batch, kv_head, start_n, m_start, n_m, it, tc, M, N,
-                           sm_scale, qk_scale, WG, GROUP_SIZE, CAUSAL, BLOCK_M, D, STAGES, PERSISTENT)
+            it = _bwd_tile(q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, lse_smem, delta_smem, kv_ready,
+                           kv_free, q_ready, do_ready, qdo_free, dk_ptr, dv_ptr, stride_kb, stride_kh, stride_kn,
+                           stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, batch, kv_head, start_n, m_start,
+                           n_m, it, tc, M, N, sm_scale, qk_scale, WG, GROUP_SIZE, CAUSAL, BLOCK_M, D, DR, DV, STAGES,
+                           PERSISTENT)
             tc += 1
             tile = _receive(tile_smem, tile_ready, tile_free, tc)
     else:
-        _bwd_tile(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_free, q_ready, do_ready,
-                  qdo_free, dk_ptr, dv_ptr, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh,
-                  stride_vn, stride_vd, batch, kv_head, start_n, m_start, n_m, 0, 0, M, N, sm_scale,
-                  qk_scale, WG, GROUP_SIZE, CAUSAL, BLOCK_M, D, STAGES, PERSISTENT)
+        _bwd_tile(q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_free,
+                  q_ready, do_ready, qdo_free, dk_ptr, dv_ptr, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb,
+                  stride_vh, stride_vn, stride_vd, batch, kv_head, start_n, m_start, n_m, 0, 0, M, N, sm_scale,
+                  qk_scale, WG, GROUP_SIZE, CAUSAL, BLOCK_M, D, DR, DV, STAGES, PERSISTENT)
 
 
 @gluon.jit
 def _flash_bwd_dkdv_sm90_kernel(
-    q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_ptr, dv_ptr, counter_ptr,
+    q_desc, qr_desc, do_desc, k_desc, kr_desc, v_desc, lse_desc, delta_desc, dk_ptr, dv_ptr, counter_ptr,
     stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
     M, M_PAD, N, H_KV, n_tiles, bucket, sm_scale, qk_scale,
-    GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr,
-    STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
+    GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr, DR: gl.constexpr,
+    DV: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
 ):
     """Tiles of (128 key rows, KV head, batch). PERSISTENT, as the forward: one program per SM takes tiles from a
     global counter, its loader streaming the next tile's K/V (two buffers) and first Q/dO steps while the
-    consumers finish the current one and store its dK and dV. Else one program per tile."""
+    consumers finish the current one and store its dK and dV. Else one program per tile. Q and K as TMA tiles of
+    their first D columns and, with DR > 0, of their last DR (as the forward)."""
     n_kb = gl.cdiv(N, CONSUMERS * ROWS)
     n_m = gl.cdiv(M, BLOCK_M)
     # The program's own tile, for one program per tile (the persistent roles ignore it).
@@ -855,6 +931,12 @@ def _flash_bwd_dkdv_sm90_kernel(
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     KV_BUFFERS: gl.constexpr = 2 if PERSISTENT else 1
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [KV_BUFFERS] + k_desc.block_type.shape, k_desc.layout)
+    if DR > 0:
+        qr_smem = gl.allocate_shared_memory(qr_desc.dtype, [STAGES] + qr_desc.block_type.shape, qr_desc.layout)
+        kr_smem = gl.allocate_shared_memory(kr_desc.dtype, [KV_BUFFERS] + kr_desc.block_type.shape, kr_desc.layout)
+    else:  # (not used)
+        qr_smem = q_smem
+        kr_smem = k_smem
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [KV_BUFFERS] + v_desc.block_type.shape, v_desc.layout)
     lse_smem = gl.allocate_shared_memory(lse_desc.dtype, [STAGES] + lse_desc.block_type.shape, lse_desc.layout)
     delta_smem = gl.allocate_shared_memory(delta_desc.dtype, [STAGES] + delta_desc.block_type.shape,
@@ -882,22 +964,21 @@ def _flash_bwd_dkdv_sm90_kernel(
     fence_async_shared()
 
     gl.warp_specialize([
-        (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_free, q_ready,
-                         do_ready, qdo_free, tile_smem, tile_ready, tile_free, dk_ptr, dv_ptr,
+        (_bwd_consumer, (q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_free,
+                         q_ready, do_ready, qdo_free, tile_smem, tile_ready, tile_free, dk_ptr, dv_ptr,
                          stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
                          batch, kv_head, start_n, m_start, n_m, n_tiles, n_kb, bucket, H_KV, M, N, sm_scale,
-                         qk_scale,
-                         gl.constexpr(0), GROUP_SIZE, CAUSAL, BLOCK_M, D, STAGES, PERSISTENT)),
-        (_bwd_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_free, q_ready,
-                         do_ready, qdo_free, tile_smem, tile_ready, tile_free, dk_ptr, dv_ptr,
+                         qk_scale, gl.constexpr(0), GROUP_SIZE, CAUSAL, BLOCK_M, D, DR, DV, STAGES, PERSISTENT)),
+        (_bwd_consumer, (q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_free,
+                         q_ready, do_ready, qdo_free, tile_smem, tile_ready, tile_free, dk_ptr, dv_ptr,
                          stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
                          batch, kv_head, start_n, m_start, n_m, n_tiles, n_kb, bucket, H_KV, M, N, sm_scale,
-                         qk_scale,
-                         gl.constexpr(1), GROUP_SIZE, CAUSAL, BLOCK_M, D, STAGES, PERSISTENT)),
-        (_bwd_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
-                       lse_smem, delta_smem, kv_ready, kv_free, q_ready, do_ready, qdo_free, tile_smem, tile_ready,
-                       tile_free, counter_ptr, batch, kv_head, start_n, m_start, n_m, n_tiles, n_kb, bucket, H_KV,
-                       M, N, M_PAD, GROUP_SIZE, CAUSAL, BLOCK_M, STAGES, PERSISTENT)),
+                         qk_scale, gl.constexpr(1), GROUP_SIZE, CAUSAL, BLOCK_M, D, DR, DV, STAGES, PERSISTENT)),
+        (_bwd_loader, (q_desc, qr_desc, do_desc, k_desc, kr_desc, v_desc, lse_desc, delta_desc, q_smem, qr_smem,
+                       do_smem, k_smem, kr_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_free, q_ready, do_ready,
+                       qdo_free, tile_smem, tile_ready, tile_free, counter_ptr, batch, kv_head, start_n, m_start,
+                       n_m, n_tiles, n_kb, bucket, H_KV, M, N, M_PAD, GROUP_SIZE, CAUSAL, BLOCK_M, STAGES,
+                       PERSISTENT, DR)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -906,21 +987,31 @@ def backward_dkdv(q, k, v, do, lse2, delta, dk, dv, sm_scale: float, causal: boo
     in log2 units) and delta = rowsum(dO * Out) - dlse as `backward_dq` wrote them, contiguous (B, H_q,
     padded_rows(S_q)) fp32."""
     b, h_q, s_q, d = q.shape
-    h_kv, s_kv = k.shape[1], k.shape[2]
-    block_m, stages, persistent = config or BWD_CONFIGS[d]
+    h_kv, s_kv, d_v = k.shape[1], k.shape[2], v.shape[3]
+    block_m, stages, persistent = config or BWD_CONFIGS[(d, d_v)]
     rows = padded_rows(s_q)
     assert lse2.shape == delta.shape == (b, h_q, rows) and lse2.is_contiguous() and delta.is_contiguous()
     n_kb = cdiv(s_kv, PROGRAM_ROWS)
     n_tiles = n_kb * h_kv * b
     counter = tile_counter(q.device, persistent)
+    q_desc, qr_desc = _qk_descriptors(q, block_m)
+    k_desc, kr_desc = _qk_descriptors(k, PROGRAM_ROWS)
     _flash_bwd_dkdv_sm90_kernel[(min(n_tiles, num_sms(q.device)) if persistent else n_tiles,)](
-        _descriptor(q, block_m), _descriptor(do, block_m), _descriptor(k, PROGRAM_ROWS), _descriptor(v, PROGRAM_ROWS),
+        q_desc, qr_desc, _descriptor(do, block_m), k_desc, kr_desc, _descriptor(v, PROGRAM_ROWS),
         descriptor(lse2.view(-1), [block_m]), descriptor(delta.view(-1), [block_m]), dk, dv, counter,
         *dk.stride(), *dv.stride(), s_q, rows, s_kv, h_kv, n_tiles, bucket_size(n_kb, h_q // h_kv, causal), sm_scale,
         sm_scale * LOG2E,
-        GROUP_SIZE=h_q // h_kv, CAUSAL=causal, BLOCK_M=block_m, D=d, STAGES=stages, PERSISTENT=persistent,
-        num_warps=4,
+        GROUP_SIZE=h_q // h_kv, CAUSAL=causal, BLOCK_M=block_m, D=qk_tiles(d)[0], DR=qk_tiles(d)[1], DV=d_v,
+        STAGES=stages, PERSISTENT=persistent, num_warps=4,
     )
+
+
+def _qk_descriptors(t: torch.Tensor, rows: int) -> tuple[TensorDescriptor, TensorDescriptor]:
+    """Q's or K's two TMA descriptors over (B, H, S, D): (rows, first `qk_tiles` columns) tiles and (rows, rest)
+    ones (the first again when D is a power of two, never read)."""
+    d_main, d_rest = qk_tiles(t.shape[-1])
+    main = descriptor(t, [1, 1, rows, d_main])
+    return main, (descriptor(t, [1, 1, rows, d_rest]) if d_rest else main)
 
 
 def padded_rows(s_q: int) -> int:
@@ -950,17 +1041,24 @@ def _dq_tile(t, n_m, n_tiles, bucket, H, M, N, GROUP_SIZE: gl.constexpr, CAUSAL:
 
 
 @gluon.jit
-def _dq_load_tile(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_ready, q_free, k_ready,
-                  v_ready, kv_free, batch, head, kv_head, start_m, n_blocks, g0, tc, BLOCK_N: gl.constexpr,
-                  STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
+def _dq_load_tile(q_desc, qr_desc, do_desc, k_desc, kr_desc, v_desc, q_smem, qr_smem, do_smem, k_smem, kr_smem,
+                  v_smem, q_ready, q_free, k_ready, v_ready, kv_free, batch, head, kv_head, start_m, n_blocks, g0, tc,
+                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr, DR: gl.constexpr):
     """Loader, the program's tc-th tile: each consumer's Q and dO rows (one barrier for both; buffer tc % 2 when
     persistent, once the consumer is done with the tile before last there), then K and V of every key block into
-    the ring, as the forward's loader; g0 counts the program's key blocks over its earlier tiles."""
+    the ring, as the forward's loader; g0 counts the program's key blocks over its earlier tiles. DR > 0: Q's and
+    K's last DR columns as second copies on the same barriers."""
     qb = (tc % 2) * CONSUMERS
     for c in gl.static_range(CONSUMERS):
         if PERSISTENT:
             mbarrier.wait(q_free.index(qb + c), ((tc // 2) & 1) ^ 1, pred=tc >= 2)
-        mbarrier.expect(q_ready.index(qb + c), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        if DR > 0:
+            mbarrier.expect(q_ready.index(qb + c), q_desc.block_type.nbytes + qr_desc.block_type.nbytes
+                            + do_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(qr_desc, [batch, head, start_m + c * ROWS, q_desc.block_type.shape[3]],
+                                            q_ready.index(qb + c), qr_smem.index(qb + c))
+        else:
+            mbarrier.expect(q_ready.index(qb + c), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(q_desc, [batch, head, start_m + c * ROWS, 0], q_ready.index(qb + c),
                                         q_smem.index(qb + c))
         tma.async_copy_global_to_shared(do_desc, [batch, head, start_m + c * ROWS, 0], q_ready.index(qb + c),
@@ -970,16 +1068,17 @@ def _dq_load_tile(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_sm
             g = g0 + j
         else:
             g = j
-        _load_kv(k_desc, k_desc, v_desc, k_smem, k_smem, v_smem, k_ready, v_ready, kv_free, g, batch, kv_head,
-                 j * BLOCK_N, STAGES, 0)
+        _load_kv(k_desc, kr_desc, v_desc, k_smem, kr_smem, v_smem, k_ready, v_ready, kv_free, g, batch, kv_head,
+                 j * BLOCK_N, STAGES, DR)
     return g0 + n_blocks
 
 
 @gluon.jit
-def _dq_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready,
-               kv_free, tile_smem, tile_ready, tile_free, counter_ptr, batch, head, kv_head, start_m, n_blocks,
-               n_m, n_tiles, bucket, H, M, N, GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr,
-               BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
+def _dq_loader(q_desc, qr_desc, do_desc, k_desc, kr_desc, v_desc, q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem,
+               q_ready, q_free, k_ready, v_ready, kv_free, tile_smem, tile_ready, tile_free, counter_ptr, batch, head,
+               kv_head, start_m, n_blocks, n_m, n_tiles, bucket, H, M, N, GROUP_SIZE: gl.constexpr,
+               CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
+               DR: gl.constexpr):
     """One warp. PERSISTENT: tiles from the global counter, each handed to the consumers and loaded, the next
     tile's Q/dO and first key blocks arriving while the consumers finish this one. Else the program's own tile."""
     if PERSISTENT:
@@ -990,34 +1089,40 @@ def _dq_loader(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem,
             _publish(tile_smem, tile_ready, tile_free, tc, t)
             batch, head, kv_head, start_m, n_blocks, _ = _dq_tile(t, n_m, n_tiles, bucket, H, M, N, GROUP_SIZE,
                                                                   CAUSAL, BLOCK_N)
-            g = _dq_load_tile(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_ready, q_free,
-                              k_ready, v_ready, kv_free, batch, head, kv_head, start_m, n_blocks, g, tc, BLOCK_N,
-                              STAGES, PERSISTENT)
+            g = _dq_load_tile(q_desc, qr_desc, do_desc, k_desc, kr_desc, v_desc, q_smem, qr_smem, do_smem, k_smem,
+                              kr_smem, v_smem, q_ready, q_free, k_ready, v_ready, kv_free, batch, head, kv_head,
+                              start_m, n_blocks, g, tc, BLOCK_N, STAGES, PERSISTENT, DR)
             tc += 1
             t = gl.num_programs(0) + gl.atomic_add(counter_ptr, 1)  # the next tile nobody has taken
         _publish(tile_smem, tile_ready, tile_free, tc, t)
     else:
-        _dq_load_tile(q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_ready, q_free, k_ready,
-                      v_ready, kv_free, batch, head, kv_head, start_m, n_blocks, 0, 0, BLOCK_N, STAGES, PERSISTENT)
+        _dq_load_tile(q_desc, qr_desc, do_desc, k_desc, kr_desc, v_desc, q_smem, qr_smem, do_smem, k_smem, kr_smem,
+                      v_smem, q_ready, q_free, k_ready, v_ready, kv_free, batch, head, kv_head, start_m, n_blocks, 0,
+                      0, BLOCK_N, STAGES, PERSISTENT, DR)
 
 
 @gluon.jit
-def _dq_tile_body(q_smem, do_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, kv_free,
+def _dq_tile_body(q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, q_ready, q_free, k_ready, v_ready, kv_free,
                   out_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr, dq_ptr,
                   stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
                   stride_gb, stride_gh, stride_gm, stride_qb, stride_qh, stride_qm, stride_qd,
                   batch, head, H, start_m, M, M_ROWS, N, n_blocks, n_unmasked, sm_scale, qk_scale, it0, tc,
                   WG: gl.constexpr, CAUSAL: gl.constexpr, HAS_DLSE: gl.constexpr, WRITE_LSE2: gl.constexpr,
-                  BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
+                  BLOCK_N: gl.constexpr, D: gl.constexpr, DR: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr,
+                  PERSISTENT: gl.constexpr):
     """One warpgroup, the program's tc-th tile, query rows [start_m + WG*64, +64): first delta = rowsum(dO * Out)
     - dlse (stored for the dK/dV kernel), then per key block S = Q K^T and dP = dO V^T issued together,
     P = exp2(S - lse), dS = P (dP - delta), dQ += dS K; it0 counts the program's key blocks over its earlier tiles
-    (returned updated)."""
+    (returned updated). With DR > 0, Q and K have DR more columns in tiles of their own: S adds both products and
+    dQ's last DR columns are a second accumulator; Out, dO and V are DV wide."""
     s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                        instr_shape=[16, BLOCK_N, 16])
     acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                          instr_shape=[16, D, 16])
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    r_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                       instr_shape=[16, DR if DR > 0 else D, 16])
+    r_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=r_layout, k_width=2)
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
     dtype: gl.constexpr = q_smem.dtype
@@ -1025,7 +1130,10 @@ def _dq_tile_body(q_smem, do_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_r
     q_shift = N - M
     qb = (tc % 2) * CONSUMERS + WG
     q = q_smem.index(qb).reshape([ROWS, D])
-    do = do_smem.index(qb).reshape([ROWS, D])
+    qr = q  # (unused without a RoPE part)
+    if DR > 0:
+        qr = qr_smem.index(qb).reshape([ROWS, DR])
+    do = do_smem.index(qb).reshape([ROWS, DV])
     b64 = batch.to(gl.int64)
     h64 = head.to(gl.int64)
 
@@ -1033,7 +1141,7 @@ def _dq_tile_body(q_smem, do_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_r
     # buffer (rows past M hold 0: dO's rows there are TMA's zero fill), and with WRITE_LSE2 the rows' lse in log2
     # units beside it (0 past M).
     offs_mb = start_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, blk))
-    offs_db = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
+    offs_db = gl.arange(0, DV, layout=gl.SliceLayout(0, blk))
     rows_ok = offs_mb < M
     o_ptrs = out_ptr + b64 * stride_ob + h64 * stride_oh + offs_mb[:, None] * stride_om + offs_db[None, :] * stride_od
     o = gl.load(o_ptrs, mask=rows_ok[:, None], other=0.0)
@@ -1050,6 +1158,9 @@ def _dq_tile_body(q_smem, do_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_r
         gl.store(lse2_ptr + (b64 * H + h64) * M_ROWS + offs_ms, lse, mask=offs_ms < M_ROWS)
 
     dq = gl.zeros([ROWS, D], gl.float32, acc_layout)
+    dqr = dq  # (unused without a RoPE part)
+    if DR > 0:
+        dqr = gl.zeros([ROWS, DR], gl.float32, r_layout)
     s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     dp = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     for j in range(n_blocks):
@@ -1060,10 +1171,9 @@ def _dq_tile_body(q_smem, do_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_r
         st = g % STAGES
         phase = (g // STAGES) & 1
         mbarrier.wait(k_ready.index(st), phase)
-        k_t = k_smem.index(st).reshape([BLOCK_N, D])
-        s = warpgroup_mma(q, k_t.permute((1, 0)), s, use_acc=False, is_async=True)
+        s = _scores(q, qr, k_smem, kr_smem, st, s, BLOCK_N, D, DR)
         mbarrier.wait(v_ready.index(st), phase)
-        dp = warpgroup_mma(do, v_smem.index(st).reshape([BLOCK_N, D]).permute((1, 0)), dp, use_acc=False,
+        dp = warpgroup_mma(do, v_smem.index(st).reshape([BLOCK_N, DV]).permute((1, 0)), dp, use_acc=False,
                            is_async=True)
         s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
         p = gl.exp2(s * qk_scale - lse[:, None])
@@ -1071,8 +1181,14 @@ def _dq_tile_body(q_smem, do_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_r
             p = gl.where(_visible(j, start_m, q_shift, N, CAUSAL, BLOCK_N, s_layout), p, 0.0)
         dp = warpgroup_mma_wait(num_outstanding=0, deps=[dp])
         ds = (p * (dp - delta[:, None])).to(dtype)
-        dq = warpgroup_mma(gl.convert_layout(ds, op_layout), k_t, dq, is_async=True)
-        dq = warpgroup_mma_wait(num_outstanding=0, deps=[dq])
+        dq = warpgroup_mma(gl.convert_layout(ds, op_layout), k_smem.index(st).reshape([BLOCK_N, D]), dq,
+                           is_async=True)
+        if DR > 0:
+            dqr = warpgroup_mma(gl.convert_layout(ds, r_op_layout), kr_smem.index(st).reshape([BLOCK_N, DR]), dqr,
+                                is_async=True)
+            dq, dqr = warpgroup_mma_wait(num_outstanding=0, deps=[dq, dqr])
+        else:
+            dq = warpgroup_mma_wait(num_outstanding=0, deps=[dq])
         mbarrier.arrive(kv_free.index(st), count=1)
     if PERSISTENT:
         mbarrier.arrive(q_free.index(qb), count=1)  # the loader may bring the tile after next's Q and dO here
@@ -1081,18 +1197,21 @@ def _dq_tile_body(q_smem, do_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_r
     offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
     gl.store(dq_ptr + b64 * stride_qb + h64 * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
              (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=(offs_m < M)[:, None])
+    if DR > 0:
+        _store_rows(dq_ptr + b64 * stride_qb + h64 * stride_qh, dqr * sm_scale, start_m, M, stride_qm, stride_qd, D,
+                    DR, r_layout)
     return it0 + n_blocks
 
 
 @gluon.jit
-def _dq_consumer(q_smem, do_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, kv_free, tile_smem, tile_ready,
-                 tile_free, out_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr, dq_ptr,
+def _dq_consumer(q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, q_ready, q_free, k_ready, v_ready, kv_free,
+                 tile_smem, tile_ready, tile_free, out_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr, dq_ptr,
                  stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
                  stride_gb, stride_gh, stride_gm, stride_qb, stride_qh, stride_qm, stride_qd,
                  batch, head, H, start_m, M, M_ROWS, N, n_blocks, n_unmasked, n_m, n_tiles, bucket, sm_scale,
                  qk_scale, WG: gl.constexpr, GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr,
                  HAS_DLSE: gl.constexpr, WRITE_LSE2: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                 STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
+                 DR: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
     """One warpgroup: `_dq_tile_body` for each tile the loader hands over (PERSISTENT), else for the program's
     own."""
     if PERSISTENT:
@@ -1102,34 +1221,36 @@ def _dq_consumer(q_smem, do_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_re
         while tile < n_tiles:
             batch, head, _, start_m, n_blocks, n_unmasked = _dq_tile(tile, n_m, n_tiles, bucket, H, M, N,
                                                                      GROUP_SIZE, CAUSAL, BLOCK_N)
-            it = _dq_tile_body(q_smem, do_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, kv_free,
-                               out_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr, dq_ptr,
+            it = _dq_tile_body(q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, q_ready, q_free, k_ready,
+                               v_ready, kv_free, out_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr, dq_ptr,
                                stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
                                stride_gb, stride_gh, stride_gm, stride_qb, stride_qh, stride_qm, stride_qd,
                                batch, head, H, start_m, M, M_ROWS, N, n_blocks, n_unmasked, sm_scale, qk_scale, it,
-                               tc, WG, CAUSAL, HAS_DLSE, WRITE_LSE2, BLOCK_N, D, STAGES, PERSISTENT)
+                               tc, WG, CAUSAL, HAS_DLSE, WRITE_LSE2, BLOCK_N, D, DR, DV, STAGES, PERSISTENT)
             tc += 1
             tile = _receive(tile_smem, tile_ready, tile_free, tc)
     else:
-        _dq_tile_body(q_smem, do_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, kv_free,
+        _dq_tile_body(q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, q_ready, q_free, k_ready, v_ready, kv_free,
                       out_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr, dq_ptr,
                       stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
                       stride_gb, stride_gh, stride_gm, stride_qb, stride_qh, stride_qm, stride_qd,
                       batch, head, H, start_m, M, M_ROWS, N, n_blocks, n_unmasked, sm_scale, qk_scale, 0, 0,
-                      WG, CAUSAL, HAS_DLSE, WRITE_LSE2, BLOCK_N, D, STAGES, PERSISTENT)
+                      WG, CAUSAL, HAS_DLSE, WRITE_LSE2, BLOCK_N, D, DR, DV, STAGES, PERSISTENT)
 
 
 @gluon.jit
 def _flash_bwd_dq_sm90_kernel(
-    q_desc, do_desc, k_desc, v_desc, out_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr, dq_ptr, counter_ptr,
-    stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
+    q_desc, qr_desc, do_desc, k_desc, kr_desc, v_desc, out_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr, dq_ptr,
+    counter_ptr, stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
     stride_gb, stride_gh, stride_gm, stride_qb, stride_qh, stride_qm, stride_qd,
     M, M_ROWS, N, H, n_tiles, bucket, sm_scale, qk_scale,
     GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, HAS_DLSE: gl.constexpr, WRITE_LSE2: gl.constexpr,
-    BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
+    BLOCK_N: gl.constexpr, D: gl.constexpr, DR: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr,
+    PERSISTENT: gl.constexpr,
 ):
     """Tiles of (128 query rows, query head, batch). PERSISTENT, as the forward: one program per SM takes tiles from
-    a global counter, with two Q/dO buffers per consumer. Else one program per tile."""
+    a global counter, with two Q/dO buffers per consumer. Else one program per tile. Q and K as TMA tiles of their
+    first D columns and, with DR > 0, of their last DR (as the forward)."""
     n_m = gl.cdiv(M, CONSUMERS * ROWS)
     # The program's own tile, for one program per tile (the persistent roles ignore it).
     batch, head, kv_head, start_m, n_blocks, n_unmasked = _dq_tile(gl.program_id(0), n_m, gl.num_programs(0), bucket,
@@ -1139,6 +1260,12 @@ def _flash_bwd_dq_sm90_kernel(
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [Q_BUFFERS] + q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [Q_BUFFERS] + do_desc.block_type.shape, do_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    if DR > 0:
+        qr_smem = gl.allocate_shared_memory(qr_desc.dtype, [Q_BUFFERS] + qr_desc.block_type.shape, qr_desc.layout)
+        kr_smem = gl.allocate_shared_memory(kr_desc.dtype, [STAGES] + kr_desc.block_type.shape, kr_desc.layout)
+    else:  # (not used)
+        qr_smem = q_smem
+        kr_smem = k_smem
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [Q_BUFFERS, 1], mbarrier.MBarrierLayout())
     k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -1162,34 +1289,43 @@ def _flash_bwd_dq_sm90_kernel(
         tile_free = q_ready
     fence_async_shared()
     gl.warp_specialize([
-        (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, kv_free, tile_smem,
-                        tile_ready, tile_free, out_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr, dq_ptr,
-                        stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
+        (_dq_consumer, (q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, q_ready, q_free, k_ready, v_ready,
+                        kv_free, tile_smem, tile_ready, tile_free, out_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr,
+                        dq_ptr, stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
                         stride_gb, stride_gh, stride_gm, stride_qb, stride_qh, stride_qm, stride_qd,
                         batch, head, H, start_m, M, M_ROWS, N, n_blocks, n_unmasked, n_m, n_tiles, bucket, sm_scale,
-                        qk_scale, gl.constexpr(0), GROUP_SIZE, CAUSAL, HAS_DLSE, WRITE_LSE2, BLOCK_N, D, STAGES,
-                        PERSISTENT)),
-        (_dq_consumer, (q_smem, do_smem, k_smem, v_smem, q_ready, q_free, k_ready, v_ready, kv_free, tile_smem,
-                        tile_ready, tile_free, out_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr, dq_ptr,
-                        stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
+                        qk_scale, gl.constexpr(0), GROUP_SIZE, CAUSAL, HAS_DLSE, WRITE_LSE2, BLOCK_N, D, DR, DV,
+                        STAGES, PERSISTENT)),
+        (_dq_consumer, (q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, q_ready, q_free, k_ready, v_ready,
+                        kv_free, tile_smem, tile_ready, tile_free, out_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr,
+                        dq_ptr, stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
                         stride_gb, stride_gh, stride_gm, stride_qb, stride_qh, stride_qm, stride_qd,
                         batch, head, H, start_m, M, M_ROWS, N, n_blocks, n_unmasked, n_m, n_tiles, bucket, sm_scale,
-                        qk_scale, gl.constexpr(1), GROUP_SIZE, CAUSAL, HAS_DLSE, WRITE_LSE2, BLOCK_N, D, STAGES,
-                        PERSISTENT)),
-        (_dq_loader, (q_desc, do_desc, k_desc, v_desc, q_smem, do_smem, k_smem, v_smem, q_ready, q_free, k_ready,
-                      v_ready, kv_free, tile_smem, tile_ready, tile_free, counter_ptr, batch, head, kv_head, start_m,
-                      n_blocks, n_m, n_tiles, bucket, H, M, N, GROUP_SIZE, CAUSAL, BLOCK_N, STAGES, PERSISTENT)),
+                        qk_scale, gl.constexpr(1), GROUP_SIZE, CAUSAL, HAS_DLSE, WRITE_LSE2, BLOCK_N, D, DR, DV,
+                        STAGES, PERSISTENT)),
+        (_dq_loader, (q_desc, qr_desc, do_desc, k_desc, kr_desc, v_desc, q_smem, qr_smem, do_smem, k_smem, kr_smem,
+                      v_smem, q_ready, q_free, k_ready, v_ready, kv_free, tile_smem, tile_ready, tile_free,
+                      counter_ptr, batch, head, kv_head, start_m, n_blocks, n_m, n_tiles, bucket, H, M, N,
+                      GROUP_SIZE, CAUSAL, BLOCK_N, STAGES, PERSISTENT, DR)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
-# Per head dim: (BLOCK_N, STAGES, PERSISTENT) of the dQ kernel, keys per streamed block, ring stages and the
+# Per (D_qk, D_v): (BLOCK_N, STAGES, PERSISTENT) of the dQ kernel, keys per streamed block, ring stages and the
 # schedule. No register spills; 128-key blocks spill at D=128, and at D=64 they made the whole backward 1.02-1.04x
 # faster than 64-key blocks on the grid's ten D=64 shapes (H200, session 18, benchmarks/RESULTS.md). Persistent
 # programs, against one program per tile in the same run (session 19): at D=64 0.996-1.126x on the grid's ten
 # shapes (most where tiles are short: B16 S1024 1.13x causal, 1.06x full); at D=128, where the tile loop's state
 # makes ptxas spill, 0.997-1.020x, inside the run's noise (the one-tile kernel read 0.964-1.011x of its own
-# identical build), so D=128 keeps one program per tile.
-DQ_CONFIGS = {64: (128, 2, True), 128: (64, 2, False)}
+# identical build), so D=128 keeps one program per tile. MLA (session 29, as BWD_CONFIGS): at 96/64, with
+# (64, 2, True) dK/dV, (128, 2, True) 1.33 / 1.24 / 1.22x the Triton kernels, (128, 3, True) 1.32 / 1.23 / 1.22x,
+# (64, 2, True) 1.27 / 1.19 / 1.18x; at 192/128, beside the Triton dK/dV kernel, (64, 2, False) 1.19 / 1.18 / 1.14x
+# (B16 H16 S1024 causal / B4 H16 S4096 causal / full), (64, 3, False) 1.18 / 1.18 / 1.11x.
+DQ_CONFIGS = {
+    (64, 64): (128, 2, True),
+    (96, 64): (128, 2, True),
+    (128, 128): (64, 2, False),
+    (192, 128): (64, 2, False),
+}
 
 
 def backward_dq(q, k, v, out, do, lse, dlse, delta, dq, sm_scale: float, causal: bool, lse2=None, config=None):
@@ -1198,20 +1334,23 @@ def backward_dq(q, k, v, out, do, lse, dlse, delta, dq, sm_scale: float, causal:
     units, written here, same shape). q, k, v, do as `supports_backward` accepted them, dlse None or
     (B, H_q, S_q) fp32."""
     b, h_q, s_q, d = q.shape
-    h_kv, s_kv = k.shape[1], k.shape[2]
+    h_kv, s_kv, d_v = k.shape[1], k.shape[2], v.shape[3]
     rows = delta.shape[-1]
     assert delta.is_contiguous() and delta.shape == (b, h_q, rows) and rows in (s_q, padded_rows(s_q))
     assert lse2 is None or (lse2.is_contiguous() and lse2.shape == delta.shape)
     dlse_arg = dlse if dlse is not None else lse
-    block_n, stages, persistent = config or DQ_CONFIGS[d]
+    block_n, stages, persistent = config or DQ_CONFIGS[(d, d_v)]
     n_m = cdiv(s_q, PROGRAM_ROWS)
     n_tiles = n_m * h_q * b
     counter = tile_counter(q.device, persistent)
+    q_desc, qr_desc = _qk_descriptors(q, ROWS_PER_CONSUMER)
+    k_desc, kr_desc = _qk_descriptors(k, block_n)
     _flash_bwd_dq_sm90_kernel[(min(n_tiles, num_sms(q.device)) if persistent else n_tiles,)](
-        _descriptor(q, ROWS_PER_CONSUMER), _descriptor(do, ROWS_PER_CONSUMER), _descriptor(k, block_n),
-        _descriptor(v, block_n), out, lse, dlse_arg, delta, lse2 if lse2 is not None else delta, dq, counter,
+        q_desc, qr_desc, _descriptor(do, ROWS_PER_CONSUMER), k_desc, kr_desc, _descriptor(v, block_n), out, lse,
+        dlse_arg, delta, lse2 if lse2 is not None else delta, dq, counter,
         *out.stride(), *lse.stride(), *dlse_arg.stride(), *dq.stride(),
         s_q, rows, s_kv, h_q, n_tiles, bucket_size(n_m, h_q // h_kv, causal), sm_scale, sm_scale * LOG2E,
         GROUP_SIZE=h_q // h_kv, CAUSAL=causal, HAS_DLSE=dlse is not None, WRITE_LSE2=lse2 is not None,
-        BLOCK_N=block_n, D=d, STAGES=stages, PERSISTENT=persistent, num_warps=4,
+        BLOCK_N=block_n, D=qk_tiles(d)[0], DR=qk_tiles(d)[1], DV=d_v, STAGES=stages, PERSISTENT=persistent,
+        num_warps=4,
     )

@@ -445,44 +445,47 @@ def test_bad_backward_input_raises(name):
 
 
 def _compile_sm90(d, causal, which, d_v=None):
-    """One of the Hopper kernels of kernels/flash_sm90.py compiled for sm_90 (conftest.compile_gluon_sm90); the
-    forward with D_qk = d and D_v = d_v (default d), Q and K as TMA tiles of their first power-of-two columns and
-    of the rest (MLA's 128 + 64), as `flash_sm90.forward` launches it."""
+    """One of the Hopper kernels of kernels/flash_sm90.py compiled for sm_90 (conftest.compile_gluon_sm90), with
+    D_qk = d and D_v = d_v (default d), Q and K as TMA tiles of their first power-of-two columns and of the rest
+    (MLA's 128 + 64), as `flash_sm90.forward`, `backward_dq` and `backward_dkdv` launch them."""
     from kernels import flash_sm90
 
-    def desc(rows, cols=d):
+    d_v = d_v or d
+    d_main, d_rest = flash_sm90.qk_tiles(d)
+
+    def desc(rows, cols):
         return dict(block=[1, 1, rows, cols], dtype="bfloat16")
 
+    def qk(name, rows):  # Q's or K's two tiles (the second is the first again when d is a power of two)
+        return {f"{name}_desc": desc(rows, d_main), f"{name}r_desc": desc(rows, d_rest or d_main)}
+
     if which == "forward":
-        d_v = d_v or d
         block_n, stages = flash_sm90.CONFIGS[(d, d_v)]
-        d_main = flash_sm90.qk_tiles(d)[0]
-        const = dict(GROUP_SIZE=4, CAUSAL=causal, BLOCK_N=block_n, D=d_main, DR=d - d_main, DV=d_v, STAGES=stages,
+        const = dict(GROUP_SIZE=4, CAUSAL=causal, BLOCK_N=block_n, D=d_main, DR=d_rest, DV=d_v, STAGES=stages,
                      O_IN_Q=flash_sm90.output_in_q(d, d_v, block_n, stages))
         rows = flash_sm90.ROWS_PER_CONSUMER
-        types = dict(q_desc=desc(rows, d_main), qr_desc=desc(rows, d - d_main or d_main),
-                     k_desc=desc(block_n, d_main), kr_desc=desc(block_n, d - d_main or d_main),
-                     v_desc=desc(block_n, d_v), o_desc=desc(rows, d_v), lse_ptr="*fp32", counter_ptr="*i32",
-                     qk_scale="fp32")
+        types = dict(**qk("q", rows), **qk("k", block_n), v_desc=desc(block_n, d_v), o_desc=desc(rows, d_v),
+                     lse_ptr="*fp32", counter_ptr="*i32", qk_scale="fp32")
         kernel = "_flash_fwd_sm90_kernel"
     elif which == "dq":
-        rows, (block_n, stages, persistent) = flash_sm90.ROWS_PER_CONSUMER, flash_sm90.DQ_CONFIGS[d]
+        rows, (block_n, stages, persistent) = flash_sm90.ROWS_PER_CONSUMER, flash_sm90.DQ_CONFIGS[(d, d_v)]
         # Unit last strides of out, dq, lse and dlse, which Triton's launcher specializes as constants, as it does
         # for the tensors autograd passes.
-        const = dict(GROUP_SIZE=4, CAUSAL=causal, HAS_DLSE=False, WRITE_LSE2=True, BLOCK_N=block_n, D=d,
-                     STAGES=stages, PERSISTENT=persistent, stride_od=1, stride_qd=1, stride_lm=1, stride_gm=1)
-        types = dict(q_desc=desc(rows), do_desc=desc(rows), k_desc=desc(block_n), v_desc=desc(block_n),
+        const = dict(GROUP_SIZE=4, CAUSAL=causal, HAS_DLSE=False, WRITE_LSE2=True, BLOCK_N=block_n, D=d_main,
+                     DR=d_rest, DV=d_v, STAGES=stages, PERSISTENT=persistent, stride_od=1, stride_qd=1, stride_lm=1,
+                     stride_gm=1)
+        types = dict(**qk("q", rows), do_desc=desc(rows, d_v), **qk("k", block_n), v_desc=desc(block_n, d_v),
                      out_ptr="*bf16", lse_ptr="*fp32", dlse_ptr="*fp32", delta_ptr="*fp32", lse2_ptr="*fp32",
                      dq_ptr="*bf16", counter_ptr="*i32", sm_scale="fp32", qk_scale="fp32")
         kernel = "_flash_bwd_dq_sm90_kernel"
     else:
-        (block_m, stages, persistent), block_n = flash_sm90.BWD_CONFIGS[d], flash_sm90.PROGRAM_ROWS
+        (block_m, stages, persistent), block_n = flash_sm90.BWD_CONFIGS[(d, d_v)], flash_sm90.PROGRAM_ROWS
         # dK and dV with a unit last stride, which Triton's launcher specializes as a constant, as it does for the
         # gradients autograd allocates: the store addresses then take no registers.
-        const = dict(GROUP_SIZE=4, CAUSAL=causal, BLOCK_M=block_m, D=d, STAGES=stages, PERSISTENT=persistent,
-                     stride_kd=1, stride_vd=1)
+        const = dict(GROUP_SIZE=4, CAUSAL=causal, BLOCK_M=block_m, D=d_main, DR=d_rest, DV=d_v, STAGES=stages,
+                     PERSISTENT=persistent, stride_kd=1, stride_vd=1)
         rows = dict(block=[block_m], dtype="float32")
-        types = dict(q_desc=desc(block_m), do_desc=desc(block_m), k_desc=desc(block_n), v_desc=desc(block_n),
+        types = dict(**qk("q", block_m), do_desc=desc(block_m, d_v), **qk("k", block_n), v_desc=desc(block_n, d_v),
                      lse_desc=rows, delta_desc=rows, dk_ptr="*bf16", dv_ptr="*bf16", counter_ptr="*i32",
                      sm_scale="fp32", qk_scale="fp32")
         kernel = "_flash_bwd_dkdv_sm90_kernel"
@@ -524,10 +527,12 @@ def test_sm90_kernel_structure(d, d_v, causal):
     assert spills and all(a == 0 and b == 0 for a, b in spills), result["ptxas"]
 
 
-@pytest.mark.parametrize("which", ["dq", "dkdv"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d", [64, 128])
-def test_sm90_backward_kernel_structure(d, causal, which):
+@pytest.mark.parametrize("which,d,d_v", [("dq", 64, 64), ("dq", 128, 128), ("dq", 96, 64), ("dq", 192, 128),
+                                         ("dkdv", 64, 64), ("dkdv", 128, 128), ("dkdv", 96, 64)],
+                         ids=["dq-D64", "dq-D128", "dq-D96x64", "dq-D192x128", "dkdv-D64", "dkdv-D128",
+                              "dkdv-D96x64"])
+def test_sm90_backward_kernel_structure(which, d, d_v, causal):
     """The Hopper dQ and dK/dV kernels compiled for sm_90 on any machine: a loader warp and two consumer
     warpgroups (setmaxnreg 24 / 240), TMA loads, within the 227 KB of shared memory, no register spills but one
     measured exception, and ptxas does not serialize their wgmma (it does, with a warning, when a product's
@@ -536,12 +541,17 @@ def test_sm90_backward_kernel_structure(d, causal, which):
     64 x 128 S^T and dP^T per warpgroup, spills 196 bytes (its loop reads and writes local memory; 188 before its
     programs became persistent); it measured 1.02-1.06x the Triton backward on the grid's causal shapes all the
     same, and 64-query steps, which do not spill, 0.99-1.04x (benchmarks/RESULTS.md, session 17). The bound catches
-    growth. The persistent kernels (dQ and dK/dV at D=64) take their tiles with one atomic add each, by one
-    thread."""
+    growth. The persistent kernels (dQ and dK/dV at D=64 and MLA's 96/64) take their tiles with one atomic add
+    each, by one thread. MLA's Q and K arrive as two TMA tiles each (96: 64 + 32 columns, 192: 128 + 64), so S
+    (S^T) is two products and dQ (dK) two accumulators, the RoPE part's own.
+    MLA's 192/128 has a Hopper dQ kernel only: its dK/dV accumulators (64 x 192 and 64 x 128 per warpgroup) spill
+    108-604 bytes and serialize the wgmma, so the Triton dK/dV kernel runs there."""
     from kernels import flash_sm90
 
-    assert d in flash_sm90.BACKWARD_HEAD_DIMS
-    result = _compile_sm90(d, causal, which)
+    configs = flash_sm90.BWD_CONFIGS if which == "dkdv" else flash_sm90.DQ_CONFIGS
+    assert (d, d_v) in configs
+    assert (192, 128) not in flash_sm90.BWD_CONFIGS
+    result = _compile_sm90(d, causal, which, d_v)
     regs = setmaxnreg_counts(result["ptx"])
     assert {"24", "240"} <= regs, f"warp roles' register counts {sorted(regs)}"
     assert "cp.async.bulk.tensor" in result["ptx"] and "wgmma.mma_async" in result["ptx"]
@@ -549,20 +559,31 @@ def test_sm90_backward_kernel_structure(d, causal, which):
     assert "serialized" not in result["ptxas"], result["ptxas"]
     spills = spill_bytes(result["ptxas"])
     bound = 200 if (d, causal, which) == (64, True, "dkdv") else 0
-    persistent = (flash_sm90.BWD_CONFIGS if which == "dkdv" else flash_sm90.DQ_CONFIGS)[d][2]
+    persistent = configs[(d, d_v)][2]
     assert result["ptx"].count("atom.global") == (1 if persistent else 0), "the tile counter"
+    # Per consumer warpgroup (each has its own copy of the code), k = 16 per wgmma: dQ issues S = Q K^T over d
+    # columns, dP = dO V^T over d_v, and dQ = dS K over the block's keys once per Q/K tile (one, or two with a RoPE
+    # part); dK/dV issues S^T = K Q^T over d columns twice (before the loop and in it), dP^T = V dO^T over d_v, and
+    # dV += P^T dO and dK += dS^T Q over the step's queries (dK once per tile).
+    block, tiles = configs[(d, d_v)][0], 1 + (flash_sm90.qk_tiles(d)[1] > 0)
+    products = ((d + d_v) // 16 + tiles * block // 16 if which == "dq"
+                else 2 * (d // 16) + d_v // 16 + (1 + tiles) * block // 16)
+    assert result["ptx"].count("wgmma.mma_async") == 2 * products, "the products' wgmma count"
     assert spills and all(a <= bound and b <= bound for a, b in spills), result["ptxas"]
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c[5] == c[6] in (64, 128)]
+@pytest.mark.parametrize("case", [c for c in CASES if c[5] == c[6] in (64, 128) or (c[5], c[6]) == (192, 128)]
                          + [(1, 2, 2, 200, 200, 128, 128, True), (1, 4, 2, 200, 520, 64, 64, True),
-                            (1, 2, 1, 130, 600, 64, 64, False), (1, 8, 1, 130, 130, 64, 64, True)],
+                            (1, 2, 1, 130, 600, 64, 64, False), (1, 8, 1, 130, 130, 64, 64, True),
+                            (1, 4, 2, 200, 520, 96, 64, True), (1, 2, 1, 130, 600, 96, 64, False),
+                            (1, 2, 2, 130, 330, 192, 128, False)],
                          ids=case_id)
 def test_sm90_backward(case, monkeypatch):
     """dQ and dK/dV through the Hopper kernels wherever they can run (ZOO_FLASH_SM90_BWD=force: on an H100/H200 in
     fp16 and bf16, dK/dV even where its launch would not fill the GPU; on other machines the same call runs the
     Triton kernels, which is what the check then covers), into NaN-poisoned buffers, against the reference:
-    several key blocks, ragged ends, S_q < S_kv, GQA and MHA."""
+    several key blocks, ragged ends, S_q < S_kv, GQA and MHA; MLA's 96/64 (Q and K as 64 + 32 columns) and
+    192/128 (128 + 64; the Hopper dQ kernel beside the Triton dK/dV kernel)."""
     monkeypatch.setenv("ZOO_FLASH_SM90_BWD", "force")
     causal = case[-1]
     for dtype in KERNEL_DTYPES:
@@ -600,6 +621,36 @@ def test_sm90_forward_dispatch(monkeypatch):
     assert not takes(192, 64, 4096, False) and not takes(128, 64, 4096, False) and not takes(192, 192, 64, False)
 
 
+def test_sm90_backward_dispatch(monkeypatch):
+    """Which kernels `_backward` launches per pair of head dims on an sm_90 GPU (faked, with the launchers replaced
+    by recorders, so that it runs anywhere): the Hopper dQ and dK/dV kernels at D = 64 and 128 and MLA's 96/64,
+    the Hopper dQ kernel beside the Triton dK/dV kernel at MLA's 192/128, and the Triton kernels for any other
+    pair; ZOO_FLASH_SM90_BWD=0 keeps every pair on the Triton kernels."""
+    from kernels import flash, flash_sm90
+
+    monkeypatch.setattr(flash_sm90, "on_hopper", lambda t: True)
+    monkeypatch.setenv("ZOO_FLASH_SM90", "1")
+    calls = []
+    for module, name in ((flash_sm90, "backward_dq"), (flash_sm90, "backward_dkdv"), (flash, "_triton_dq"),
+                         (flash, "_triton_dkdv")):
+        monkeypatch.setattr(module, name, lambda *args, _name=name, **kwargs: calls.append(_name))
+
+    def launched(d_qk, d_v, mode="1"):
+        monkeypatch.setenv("ZOO_FLASH_SM90_BWD", mode)
+        q = torch.zeros(1, 4, 256, d_qk, dtype=torch.bfloat16)
+        k = torch.zeros(1, 4, 256, d_qk, dtype=torch.bfloat16)
+        v = torch.zeros(1, 4, 256, d_v, dtype=torch.bfloat16)
+        out, do = torch.zeros(1, 4, 256, d_v, dtype=torch.bfloat16), torch.zeros(1, 4, 256, d_v, dtype=torch.bfloat16)
+        calls.clear()
+        flash._backward(q, k, v, out, torch.zeros(1, 4, 256), do, None, True)
+        return calls[:]
+
+    assert launched(64, 64) == launched(128, 128) == launched(96, 64) == ["backward_dq", "backward_dkdv"]
+    assert launched(192, 128) == ["backward_dq", "_triton_dkdv"]
+    assert launched(64, 32) == launched(80, 80) == launched(192, 192) == ["_triton_dq", "_triton_dkdv"]
+    assert launched(96, 64, "0") == launched(64, 64, "0") == ["_triton_dq", "_triton_dkdv"]
+
+
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d_qk,d_v,s_kv", [(64, 64, 2100), (192, 128, 700), (96, 64, 700)],
                          ids=["D64", "D192x128", "D96x64"])
@@ -624,14 +675,14 @@ def test_sm90_forward_many_blocks(d_qk, d_v, s_kv, causal):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d", [64, 128])
-def test_sm90_persistent_tiles(d, causal, monkeypatch):
-    """The persistent Hopper kernels (the forward; dQ and dK/dV at D = 64) with many tiles per program: the launch
-    sized for a GPU of two SMs, so each program takes 6-12 tiles from the counter, handing each to its consumers
-    and cycling the Q/dO or K/V buffers and barrier phases over tiles, which the other tests' launches (one tile per
-    program or fewer) never do (causal D = 64, below MIN_KEYS, runs the Triton forward and the persistent backward
-    kernels). Forward and backward (ZOO_FLASH_SM90_BWD=force) into NaN-poisoned buffers against the reference. On
-    other machines the Triton kernels run the same check."""
+@pytest.mark.parametrize("d,d_v", [(64, 64), (128, 128), (96, 64)], ids=["D64", "D128", "D96x64"])
+def test_sm90_persistent_tiles(d, d_v, causal, monkeypatch):
+    """The persistent Hopper kernels (the forward; dQ and dK/dV at D = 64 and MLA's 96/64) with many tiles per
+    program: the launch sized for a GPU of two SMs, so each program takes 6-12 tiles from the counter, handing each
+    to its consumers and cycling the Q/dO or K/V buffers and barrier phases over tiles, which the other tests'
+    launches (one tile per program or fewer) never do (causal D = 64, below MIN_KEYS, runs the Triton forward and
+    the persistent backward kernels). Forward and backward (ZOO_FLASH_SM90_BWD=force) into NaN-poisoned buffers
+    against the reference. On other machines the Triton kernels run the same check."""
     from kernels import flash_sm90
 
     monkeypatch.setattr(flash_sm90, "num_sms", lambda device: 2)
@@ -643,7 +694,7 @@ def test_sm90_persistent_tiles(d, causal, monkeypatch):
     # 24 forward and dQ tiles of 128 queries, 12 dK/dV tiles of 128 keys; bf16 on the GPU, fp16 on the CPU (whose
     # interpreter computes bf16 wrong).
     for _ in range(2):
-        check_forward_backward((2, 4, 2, 300, 300, d, d, causal), KERNEL_DTYPES[-1])
+        check_forward_backward((2, 4, 2, 300, 300, d, d_v, causal), KERNEL_DTYPES[-1])
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
