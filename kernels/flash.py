@@ -13,7 +13,7 @@ Structure (FlashAttention-2, Dao 2023; Triton's fused-attention tutorial):
 - on Hopper (sm_90, fp16/bf16): separate warp-specialized kernels written in Gluon (kernels/flash_sm90.py: a TMA
   loader warp and two consumer warpgroups, FlashAttention-3's structure) run the forward at D = 128 (and at
   D = 64: full attention at every length, causal from 2048 keys; and MLA's 192/128 and 96/64) and the backward at
-  D = 128 and 64 and MLA's 96/64 (and MLA's 192/128 dQ). On an H200
+  D = 128 and 64 and MLA's 96/64 and 192/128. On an H200
   they take the forward from 315-501 to 417-607 TFLOP/s at D = 128 (at D = 64, where they run, from 361-461 to
   416-464) and the backward from 242-408 to 319-487 at D = 128 and from 236-376 to 226-436 at D = 64, where the
   lowest, B16 S1024 causal, varies by 30% from call to call (benchmarks/RESULTS.md, session 19's final grid).
@@ -867,7 +867,7 @@ def _backward(q, k, v, out, lse, do, scale: float | None, causal: bool, dlse=Non
     if s_q == 0 or b == 0 or h_q == 0:
         return dq, dk.zero_(), dv.zero_()
     # Hopper, fp16/bf16, D = 64 or 128 or MLA's 96/64 and 192/128 (ZOO_FLASH_SM90_BWD, see flash_sm90.backward_mode):
-    # dQ and delta in the Gluon kernel; dK/dV too (except at 192/128, flash_sm90.BWD_CONFIGS) when its programs (128
+    # dQ and delta in the Gluon kernel; dK/dV too (for the pairs of flash_sm90.BWD_CONFIGS) when its programs (128
     # keys each) fill about a wave of the SMs (`_hopper_dkdv`), else the Triton kernel, which can split a KV group's
     # heads over programs ("force": the Gluon kernel regardless).
     mode = flash_sm90.backward_mode() if flash_sm90 is not None and head_splits is None else "0"

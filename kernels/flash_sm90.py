@@ -3,8 +3,8 @@
 Same math, inputs and outputs as the Triton kernels in kernels/flash.py, which launches these instead on an sm_90
 GPU for fp16/bf16 with TMA-compatible strides: the forward for D_qk == D_v = 128 and 64 (causal from MIN_KEYS keys up)
 and for MLA's D_qk = 192 (128 + 64 RoPE), D_v = 128 and D_qk = 96 (64 + 32), D_v = 64; the backward (dQ and dK/dV)
-for D = 128 and 64 and MLA's 96/64, and dQ alone for MLA's 192/128. The portable Triton kernels run everywhere else
-(other GPUs and head dims, MLA's 192/128 dK/dV, fp32, the CPU interpreter, other Triton releases).
+for D = 128 and 64 and MLA's 96/64 and 192/128. The portable Triton kernels run everywhere else (other GPUs and head
+dims, fp32, the CPU interpreter, other Triton releases).
 
 Why a second set of kernels: the Triton-language forward stops at 440-490 TFLOP/s at D=128 on an H200, while SDPA
 runs at 530-690. Its warps issue their own loads and all run the same phase of the loop at the same time, so the
@@ -67,11 +67,11 @@ Backward, two launches with the same roles (a loader warp, two consumer warpgrou
   and the persistent kernel measured 0.94-0.99x, so there each program keeps its one tile.
 - MLA: Q and K arrive as two TMA tiles each, as in the forward, so S (S^T) is two products into one accumulator
   and dQ (dK) two accumulators, one per tile. The GPT-2-small MLA's 96/64 runs both kernels (persistent; dK/dV in
-  64-query steps: 128-query steps spill 236-556 bytes); 192/128 runs the dQ kernel beside the Triton dK/dV kernel,
-  whose 64 x 192 dK accumulator would not fit beside the rest (BWD_CONFIGS). The whole backward against the Triton
-  kernels and SDPA (V padded to D_qk) in one run (session 29, GPU alone, TFLOP/s): 96/64 B16 H16 S1024 causal 274
-  vs 207 and 177, B4 H16 S4096 causal 404 vs 326 and 291, full 452 vs 370 and 355; 192/128 B4 H16 S4096 causal 360
-  vs 306 and 255, full 404 vs 356 and 280.
+  64-query steps: 128-query steps spill 236-556 bytes); 192/128's dK/dV takes 32-query steps, the only size whose
+  64 x 192 and 64 x 128 accumulators fit beside S^T and dP^T without spills (BWD_CONFIGS). The whole backward
+  against the Triton kernels and SDPA (V padded to D_qk) in one run (session 29, GPU alone, TFLOP/s): 96/64 B16 H16
+  S1024 causal 274 vs 207 and 177, B4 H16 S4096 causal 404 vs 326 and 291, full 452 vs 370 and 355; 192/128 B16
+  H16 S1024 causal 280 vs 217 and 162, B4 H16 S4096 causal 413 vs 309 and 252.
 
 Measured on an H200 beside SDPA and the Triton kernels in one run (bf16, H_q 32, TFLOP/s; benchmarks/RESULTS.md
 has the grid and the history). Forward, persistent vs the previous one-program-per-tile version: B4 H_kv 8 S4096
@@ -515,13 +515,16 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) ->
 # the tile loop's state makes ptxas spill 72-160 bytes, 0.94-0.99x, so D=128 keeps one program per tile. MLA's
 # 96/64 (session 29, the whole backward GPU alone beside the Triton kernels, B16 H16 S1024 causal / B4 H16 S4096
 # causal / full): (64, 2, True) 1.33 / 1.24 / 1.22x, (64, 3, True) 1.30 / 1.18 / 1.19x, (64, 2, False) 1.16 / 1.10 /
-# 1.15x, (128, 2, True), which spills 236-556 bytes, 1.17 / 1.14 / 1.16x. MLA's 192/128 has no entry: 64-query steps
-# hold 64 x 192 and 64 x 128 accumulators besides S^T and dP^T, and ptxas spills 108-604 bytes and serializes the
-# wgmma, so its dK/dV stays on the Triton kernel (beside the Hopper dQ kernel).
+# 1.15x, (128, 2, True), which spills 236-556 bytes, 1.17 / 1.14 / 1.16x. MLA's 192/128: 64-query steps hold 64 x 192
+# and 64 x 128 accumulators besides S^T and dP^T, and ptxas spills 108-604 bytes and serializes the wgmma; 32-query
+# steps do not spill (persistent, 20-184 bytes). The whole backward beside the Triton kernels (B16 H16 S1024 causal /
+# B4 H16 S4096 causal): (32, 4, False) 1.29 / 1.34x, (32, 2, False) 1.28 / 1.31x, (32, 3, False) 1.26 / 1.29x,
+# (32, 3, True) 1.32 / 1.30x, the Triton dK/dV kernel beside the Hopper dQ kernel 1.18 / 1.16x.
 BWD_CONFIGS = {
     (64, 64): (128, 2, True),
     (96, 64): (64, 2, True),
     (128, 128): (64, 2, False),
+    (192, 128): (32, 4, False),
 }
 
 

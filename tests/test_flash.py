@@ -529,9 +529,10 @@ def test_sm90_kernel_structure(d, d_v, causal):
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("which,d,d_v", [("dq", 64, 64), ("dq", 128, 128), ("dq", 96, 64), ("dq", 192, 128),
-                                         ("dkdv", 64, 64), ("dkdv", 128, 128), ("dkdv", 96, 64)],
+                                         ("dkdv", 64, 64), ("dkdv", 128, 128), ("dkdv", 96, 64),
+                                         ("dkdv", 192, 128)],
                          ids=["dq-D64", "dq-D128", "dq-D96x64", "dq-D192x128", "dkdv-D64", "dkdv-D128",
-                              "dkdv-D96x64"])
+                              "dkdv-D96x64", "dkdv-D192x128"])
 def test_sm90_backward_kernel_structure(which, d, d_v, causal):
     """The Hopper dQ and dK/dV kernels compiled for sm_90 on any machine: a loader warp and two consumer
     warpgroups (setmaxnreg 24 / 240), TMA loads, within the 227 KB of shared memory, no register spills but one
@@ -544,13 +545,12 @@ def test_sm90_backward_kernel_structure(which, d, d_v, causal):
     growth. The persistent kernels (dQ and dK/dV at D=64 and MLA's 96/64) take their tiles with one atomic add
     each, by one thread. MLA's Q and K arrive as two TMA tiles each (96: 64 + 32 columns, 192: 128 + 64), so S
     (S^T) is two products and dQ (dK) two accumulators, the RoPE part's own.
-    MLA's 192/128 has a Hopper dQ kernel only: its dK/dV accumulators (64 x 192 and 64 x 128 per warpgroup) spill
-    108-604 bytes and serialize the wgmma, so the Triton dK/dV kernel runs there."""
+    MLA's 192/128 dK/dV takes 32-query steps: with 64, its accumulators (64 x 192 and 64 x 128 per warpgroup) beside
+    S^T and dP^T spill 108-604 bytes and serialize the wgmma."""
     from kernels import flash_sm90
 
     configs = flash_sm90.BWD_CONFIGS if which == "dkdv" else flash_sm90.DQ_CONFIGS
     assert (d, d_v) in configs
-    assert (192, 128) not in flash_sm90.BWD_CONFIGS
     result = _compile_sm90(d, causal, which, d_v)
     regs = setmaxnreg_counts(result["ptx"])
     assert {"24", "240"} <= regs, f"warp roles' register counts {sorted(regs)}"
@@ -583,7 +583,7 @@ def test_sm90_backward(case, monkeypatch):
     fp16 and bf16, dK/dV even where its launch would not fill the GPU; on other machines the same call runs the
     Triton kernels, which is what the check then covers), into NaN-poisoned buffers, against the reference:
     several key blocks, ragged ends, S_q < S_kv, GQA and MHA; MLA's 96/64 (Q and K as 64 + 32 columns) and
-    192/128 (128 + 64; the Hopper dQ kernel beside the Triton dK/dV kernel)."""
+    192/128 (128 + 64; dK/dV in 32-query steps)."""
     monkeypatch.setenv("ZOO_FLASH_SM90_BWD", "force")
     causal = case[-1]
     for dtype in KERNEL_DTYPES:
@@ -623,9 +623,9 @@ def test_sm90_forward_dispatch(monkeypatch):
 
 def test_sm90_backward_dispatch(monkeypatch):
     """Which kernels `_backward` launches per pair of head dims on an sm_90 GPU (faked, with the launchers replaced
-    by recorders, so that it runs anywhere): the Hopper dQ and dK/dV kernels at D = 64 and 128 and MLA's 96/64,
-    the Hopper dQ kernel beside the Triton dK/dV kernel at MLA's 192/128, and the Triton kernels for any other
-    pair; ZOO_FLASH_SM90_BWD=0 keeps every pair on the Triton kernels."""
+    by recorders, so that it runs anywhere): the Hopper dQ and dK/dV kernels at D = 64 and 128 and MLA's 96/64 and
+    192/128, and the Triton kernels for any other pair; ZOO_FLASH_SM90_BWD=0 keeps every pair on the Triton
+    kernels."""
     from kernels import flash, flash_sm90
 
     monkeypatch.setattr(flash_sm90, "on_hopper", lambda t: True)
@@ -646,8 +646,8 @@ def test_sm90_backward_dispatch(monkeypatch):
         flash._backward(q, k, v, out, torch.zeros(1, 4, 256), do, None, True, checked=True)
         return calls[:]
 
-    assert launched(64, 64) == launched(128, 128) == launched(96, 64) == ["backward_dq", "backward_dkdv"]
-    assert launched(192, 128) == ["backward_dq", "_triton_dkdv"]
+    assert launched(64, 64) == launched(128, 128) == launched(96, 64) == launched(192, 128) == ["backward_dq",
+                                                                                              "backward_dkdv"]
     assert launched(64, 32) == launched(80, 80) == launched(192, 192) == ["_triton_dq", "_triton_dkdv"]
     assert launched(96, 64, "0") == launched(64, 64, "0") == ["_triton_dq", "_triton_dkdv"]
 
