@@ -646,11 +646,8 @@ def forward(q, k, v, out, lse, qk_scale: float, causal: bool, config=None):
     grid = (min(n_tiles, num_sms(q.device)),)
     o_in_q = output_in_q(d, d_v, block_n, stages, q.element_size())
     assert d_main == d_v or not o_in_q, "the output goes through Q's first tile: their widths must match"
-    q_desc = descriptor(q, [1, 1, ROWS_PER_CONSUMER, d_main])
-    k_desc = descriptor(k, [1, 1, block_n, d_main])
     _flash_fwd_sm90_kernel[grid](
-        q_desc, descriptor(q, [1, 1, ROWS_PER_CONSUMER, d_rope]) if d_rope else q_desc,
-        k_desc, descriptor(k, [1, 1, block_n, d_rope]) if d_rope else k_desc, _descriptor(v, block_n),
+        *_qk_descriptors(q, ROWS_PER_CONSUMER), *_qk_descriptors(k, block_n), _descriptor(v, block_n),
         _descriptor(out, ROWS_PER_CONSUMER), lse, counter, *lse.stride(), n_tiles, n_m,
         bucket_size(n_m, h_q // h_kv, causal), h_q, s_q, s_kv, qk_scale,
         GROUP_SIZE=h_q // h_kv, CAUSAL=causal, BLOCK_N=block_n, D=d_main, DR=d_rope, DV=d_v, STAGES=stages,
@@ -845,6 +842,9 @@ def _bwd_tile(q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, lse_smem, delta
     if PERSISTENT:
         mbarrier.arrive(kv_free.index(kb), count=1)  # the loader may bring the tile after next's K and V here
 
+    # dK's first D columns (and dV when DV == D) keep their stores as written before the RoPE part existed: through
+    # `_store_rows` the D = 64 / 128 kernels' PTX came out in another order (session 29), and session 19 measured
+    # such reorderings at 3-7%.
     offs_n = kv0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
     offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
     rows_ok = (offs_n < N)[:, None]
@@ -999,12 +999,13 @@ def backward_dkdv(q, k, v, do, lse2, delta, dk, dv, sm_scale: float, causal: boo
     counter = tile_counter(q.device, persistent)
     q_desc, qr_desc = _qk_descriptors(q, block_m)
     k_desc, kr_desc = _qk_descriptors(k, PROGRAM_ROWS)
+    d_main, d_rope = qk_tiles(d)
     _flash_bwd_dkdv_sm90_kernel[(min(n_tiles, num_sms(q.device)) if persistent else n_tiles,)](
         q_desc, qr_desc, _descriptor(do, block_m), k_desc, kr_desc, _descriptor(v, PROGRAM_ROWS),
         descriptor(lse2.view(-1), [block_m]), descriptor(delta.view(-1), [block_m]), dk, dv, counter,
         *dk.stride(), *dv.stride(), s_q, rows, s_kv, h_kv, n_tiles, bucket_size(n_kb, h_q // h_kv, causal), sm_scale,
         sm_scale * LOG2E,
-        GROUP_SIZE=h_q // h_kv, CAUSAL=causal, BLOCK_M=block_m, D=qk_tiles(d)[0], DR=qk_tiles(d)[1], DV=d_v,
+        GROUP_SIZE=h_q // h_kv, CAUSAL=causal, BLOCK_M=block_m, D=d_main, DR=d_rope, DV=d_v,
         STAGES=stages, PERSISTENT=persistent, num_warps=4,
     )
 
@@ -1348,12 +1349,12 @@ def backward_dq(q, k, v, out, do, lse, dlse, delta, dq, sm_scale: float, causal:
     counter = tile_counter(q.device, persistent)
     q_desc, qr_desc = _qk_descriptors(q, ROWS_PER_CONSUMER)
     k_desc, kr_desc = _qk_descriptors(k, block_n)
+    d_main, d_rope = qk_tiles(d)
     _flash_bwd_dq_sm90_kernel[(min(n_tiles, num_sms(q.device)) if persistent else n_tiles,)](
         q_desc, qr_desc, _descriptor(do, ROWS_PER_CONSUMER), k_desc, kr_desc, _descriptor(v, block_n), out, lse,
         dlse_arg, delta, lse2 if lse2 is not None else delta, dq, counter,
         *out.stride(), *lse.stride(), *dlse_arg.stride(), *dq.stride(),
         s_q, rows, s_kv, h_q, n_tiles, bucket_size(n_m, h_q // h_kv, causal), sm_scale, sm_scale * LOG2E,
         GROUP_SIZE=h_q // h_kv, CAUSAL=causal, HAS_DLSE=dlse is not None, WRITE_LSE2=lse2 is not None,
-        BLOCK_N=block_n, D=qk_tiles(d)[0], DR=qk_tiles(d)[1], DV=d_v, STAGES=stages, PERSISTENT=persistent,
-        num_warps=4,
+        BLOCK_N=block_n, D=d_main, DR=d_rope, DV=d_v, STAGES=stages, PERSISTENT=persistent, num_warps=4,
     )
