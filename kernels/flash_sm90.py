@@ -95,8 +95,10 @@ dQ per step from the consumers costs 30% (without that write it ran 1.08-1.24x; 
 reductions from shared memory, which Gluon does not expose on Hopper in Triton 3.6). In the forward (session 16):
 the row sums of P on the tensor cores (a second wgmma against a block of ones; 1-14% slower), pipelining across
 tiles (the next tile's first scores beside this tile's last P V; +1-5% at D=64 causal, -2% to +4%
-elsewhere, more spills at D=128), three consumer warpgroups at D=64 (3-19% slower). In the backward: persistent dQ and
-dK/dV programs at D=128 (above).
+elsewhere, more spills at D=128), three consumer warpgroups at D=64 (3-19% slower); session 30: one or two of every
+eight exponentials on the FMA units by a polynomial (FlashAttention-4's trick, for the D=64 forward whose 16 MUFU.EX2
+a clock per SM take as many clocks as its products): 0.94-0.997x, so the MUFU is not what bounds it. In the
+backward: persistent dQ and dK/dV programs at D=128 (above).
 
 No kernel spills registers, except the causal dK/dV kernel at D=64 (196 bytes, inside its loop; it is faster than
 the Triton kernel all the same).
@@ -1010,12 +1012,12 @@ def backward_dkdv(q, k, v, do, lse2, delta, dk, dv, sm_scale: float, causal: boo
     )
 
 
-def _qk_descriptors(t: torch.Tensor, rows: int) -> tuple[TensorDescriptor, TensorDescriptor]:
+def _qk_descriptors(t: torch.Tensor, rows: int) -> tuple[TensorDescriptor, TensorDescriptor | None]:
     """Q's or K's two TMA descriptors over (B, H, S, D): (rows, first `qk_tiles` columns) tiles and (rows, rest)
-    ones (the first again when D is a power of two, never read)."""
+    ones; None for the second when D is a power of two (a constexpr, which the kernels never touch without a RoPE
+    part, so Triton's launcher encodes no descriptor for it on every call)."""
     d_main, d_rest = qk_tiles(t.shape[-1])
-    main = descriptor(t, [1, 1, rows, d_main])
-    return main, (descriptor(t, [1, 1, rows, d_rest]) if d_rest else main)
+    return descriptor(t, [1, 1, rows, d_main]), (descriptor(t, [1, 1, rows, d_rest]) if d_rest else None)
 
 
 def padded_rows(s_q: int) -> int:

@@ -456,8 +456,8 @@ def _compile_sm90(d, causal, which, d_v=None):
     def desc(rows, cols):
         return dict(block=[1, 1, rows, cols], dtype="bfloat16")
 
-    def qk(name, rows):  # Q's or K's two tiles (the second is the first again when d is a power of two)
-        return {f"{name}_desc": desc(rows, d_main), f"{name}r_desc": desc(rows, d_rest or d_main)}
+    def qk(name, rows):  # Q's or K's two tiles (the second None when d is a power of two, as the launchers pass it)
+        return {f"{name}_desc": desc(rows, d_main), **({f"{name}r_desc": desc(rows, d_rest)} if d_rest else {})}
 
     if which == "forward":
         block_n, stages = flash_sm90.CONFIGS[(d, d_v)]
@@ -489,6 +489,8 @@ def _compile_sm90(d, causal, which, d_v=None):
                      lse_desc=rows, delta_desc=rows, dk_ptr="*bf16", dv_ptr="*bf16", counter_ptr="*i32",
                      sm_scale="fp32", qk_scale="fp32")
         kernel = "_flash_bwd_dkdv_sm90_kernel"
+    if not d_rest:
+        const.update(qr_desc=None, kr_desc=None)
     return compile_gluon_sm90("kernels.flash_sm90", kernel, types, const)
 
 
