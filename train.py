@@ -516,16 +516,25 @@ def main(argv: list[str] | None = None) -> dict:
     """Parse the config, join the process group if torchrun started us, set up, train; returns the final state."""
     config = parse_config(DEFAULTS, sys.argv[1:] if argv is None else argv)
     d, device = setup_distributed(config)
+    finished = False
     try:
         with stop_on_signal() as stop_requested:
             s = setup(config, d, device)
             try:
-                return train(config, d, device, s, stop_requested)
+                result = train(config, d, device, s, stop_requested)
+                finished = True
+                return result
             finally:
                 if s.run is not None:  # marked failed when an exception (NaN loss, ...) is on its way out
                     s.run.finish(exit_code=0 if sys.exc_info()[0] is None else 1)
     finally:
         if d.ddp:
+            # Every rank finished (a stop request is agreed on by all): leave together. Without the barrier a rank
+            # that tears its gloo pairs down first can make its peer's gloo thread abort the process
+            # ("terminate called without an active exception") after a run that completed. On an error the peers
+            # may be gone, so no barrier there.
+            if finished:
+                dist.barrier()
             dist.destroy_process_group()
 
 
