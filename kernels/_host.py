@@ -1,9 +1,14 @@
 """Host-side helpers of the launchers. Integers: Triton 3.6 wraps `triton.cdiv` and `triton.next_power_of_2` as
 constexpr functions (for use inside kernels), which costs about 3 us a call on the host; a backward launch
-computed a dozen of them. Inside kernels, keep Triton's. Timing: `behind_sleep`, the GPU-alone timing that the
-config tuner (flash._gpu_ms) and the benchmarks (benchmarks/common.bench_gpu_ms) share."""
+computed a dozen of them. Inside kernels, keep Triton's. Launches: `Launcher`, which takes a kernel's repeated
+launches past `JITFunction.run`. Timing: `behind_sleep`, the GPU-alone timing that the config tuner
+(flash._gpu_ms) and the benchmarks (benchmarks/common.bench_gpu_ms) share."""
+
+import os
 
 import torch
+from triton import knobs
+from triton.runtime import driver
 
 
 def cdiv(a: int, b: int) -> int:
@@ -27,3 +32,99 @@ def behind_sleep(enqueue, seconds: float) -> bool:
     asleep = not awake.query()
     torch.cuda.synchronize()
     return asleep
+
+
+class Launcher:
+    """`Launcher(kernel)[grid](*args, **kwargs)` launches like `kernel[grid](*args, **kwargs)`, and repeated launches
+    skip Triton's `JITFunction.run`. That run binds and specializes every argument in Python and looks up the
+    compiled kernel on each call: on the H200's host 40-90 us of a 67-127 us launch, against 24-38 us for the
+    compiled kernel's own launcher (benchmarks/RESULTS.md, session 31). A small training step is bound by that
+    host time (a GPT-2-small layer makes three such launches per step).
+
+    The first launch of each specialization goes through `kernel[grid]`, which compiles (or finds) the kernel; the
+    compiled kernel is kept under a key that is at least as fine as Triton's own: the device, every keyword (the
+    constexprs and options such as num_warps), each constexpr passed by position by value, and for the other
+    arguments what Triton specializes on (`_spec`: an int's value 1, divisibility by 16 and width; a tensor's dtype
+    and 16-byte alignment; a TMA descriptor's dtype, block and layout). Later launches with the same key call the
+    compiled kernel's launcher with the arguments in parameter order, which is what `JITFunction.run` ends with.
+    Everything else takes Triton's own path: the interpreter, launch hooks (profilers), callable grids, arguments
+    of other types, parameters left to their defaults. ZOO_LAUNCH_CACHE=0 turns the cache off."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+        self.cache: dict = {}
+        params = getattr(kernel, "params", None)
+        self.names = [p.name for p in params] if params is not None else None
+        self.constexpr_at = frozenset(p.num for p in params if p.is_constexpr) if params is not None else frozenset()
+        # Only a compiled JITFunction (not the interpreter's) has device caches and a compiled kernel to keep.
+        self.compiled_path = params is not None and hasattr(kernel, "device_caches")
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+
+    def launch(self, grid, args, kwargs):
+        if not (self.compiled_path and _launch_cache_on() and type(grid) is tuple and 1 <= len(grid) <= 3):
+            return self.kernel[grid](*args, **kwargs)
+        if _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook) \
+                or self.kernel.pre_run_hooks:
+            return self.kernel[grid](*args, **kwargs)
+        try:
+            key = (driver.active.get_current_device(), knobs.runtime.debug, knobs.compilation.instrumentation_mode,
+                   tuple(kwargs.items()),
+                   tuple(a if i in self.constexpr_at else _spec(a) for i, a in enumerate(args)))
+            entry = self.cache.get(key)
+        except (TypeError, _Unkeyed):  # an unhashable constexpr, an argument `_spec` does not know
+            return self.kernel[grid](*args, **kwargs)
+        if entry is None:
+            compiled = self.kernel[grid](*args, **kwargs)
+            if hasattr(compiled, "result"):  # an asynchronous compile's future
+                compiled = compiled.result()
+            if all(name in kwargs for name in self.names[len(args):]):  # else a default: left to Triton's path
+                self.cache[key] = compiled
+            return compiled
+        values = list(args) + [kwargs[name] for name in self.names[len(args):]]  # every parameter, in order
+        stream = driver.active.get_current_stream(key[0])
+        entry.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, entry.function,
+                  entry.packed_metadata, None, None, None, *values)
+        return entry
+
+
+class _Unkeyed(Exception):
+    """An argument whose specialization `_spec` does not reproduce: its launch takes Triton's own path."""
+
+
+def _spec(a):
+    """What Triton specializes a non-constexpr argument on (`native_specialize_impl`), as a hashable key, or
+    _Unkeyed. tests/test_host.py checks that Triton's specialization is a function of this key."""
+    if a is None or isinstance(a, bool):
+        return a
+    if isinstance(a, int):
+        return (a == 1, a % 16 == 0, -(2 ** 31) <= a < 2 ** 31, a >= 2 ** 63)
+    if isinstance(a, float):
+        return float
+    if isinstance(a, torch.Tensor):
+        return (a.dtype, a.data_ptr() % 16 == 0)
+    base, block = getattr(a, "base", None), getattr(a, "block_shape", None)
+    if isinstance(base, torch.Tensor) and block is not None:  # a host TMA descriptor (Gluon's or Triton's)
+        return type(a), base.dtype, tuple(block), len(a.shape), getattr(a, "layout", None), getattr(a, "padding", None)
+    raise _Unkeyed
+
+
+def _hooked(hook) -> bool:
+    """Is a launch hook installed (a profiler's)? Triton 3.6 keeps them in a HookChain, empty by default."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def _launch_cache_on() -> bool:
+    return os.environ.get("ZOO_LAUNCH_CACHE", "1") != "0"
+
+
+_LAUNCHERS: dict = {}
+
+
+def launcher(kernel) -> Launcher:
+    """The one `Launcher` of `kernel` (its cache of compiled kernels lives as long as the process)."""
+    found = _LAUNCHERS.get(id(kernel))
+    if found is None or found.kernel is not kernel:
+        found = _LAUNCHERS[id(kernel)] = Launcher(kernel)
+    return found

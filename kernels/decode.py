@@ -63,7 +63,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from kernels import _checks
-from kernels._host import cdiv, next_power_of_2
+from kernels._host import cdiv, launcher, next_power_of_2
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -644,7 +644,7 @@ def _launch_triton(q, k, v, q_rope, k_rope, block_table, seq_lens, part_o, part_
     static_iters = cdiv(cdiv(capacity, block_n), num_splits) if _checks.interpreting() else 0
     out, lse, counters, chunk = fused if fused is not None else (part_o[:, :, 0], part_lse[:, :, 0], seq_lens, 0)
     wait = pdl(q.device)
-    _grouped_decode_kernel[(h_kv * cdiv(group, block_h), num_splits, batch)](
+    launcher(_grouped_decode_kernel)[(h_kv * cdiv(group, block_h), num_splits, batch)](
         q, k, v, q_rope if q_rope is not None else q, k_rope if k_rope is not None else k, table, seq_lens,
         part_o, part_lse, out, lse, counters,
         *q.stride(), *k_strides, *v_strides, *qr_strides, *kr_strides, *table_strides,
@@ -720,7 +720,7 @@ def combine_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tens
     batch, heads, splits, d_v = part_o.shape
     block_dv = min(_pow2(d_v), max(16, 4096 // _pow2(splits, 2)))  # at most 4096 fp32 values per program
     wait = pdl(part_o.device)
-    _combine_splits_kernel[(heads, batch, cdiv(d_v, block_dv))](
+    launcher(_combine_splits_kernel)[(heads, batch, cdiv(d_v, block_dv))](
         part_o, part_lse, out, lse, *part_o.stride(), *part_lse.stride(), *out.stride(), *lse.stride(),
         NUM_SPLITS=splits, D_V=d_v, BLOCK_S=_pow2(splits, 2), BLOCK_DV=block_dv, WAIT=wait, num_warps=4,
         launch_pdl=wait,

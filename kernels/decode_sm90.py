@@ -50,7 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from kernels import _checks
-from kernels._host import cdiv, next_power_of_2
+from kernels._host import cdiv, launcher, next_power_of_2
 from kernels.decode import num_sms, pdl
 from kernels.flash_sm90 import descriptor, on_hopper
 
@@ -395,7 +395,7 @@ def launch(q, k_pages, v_pages, block_table, seq_lens, part_o, part_lse, scale_l
     rows = min(page_size, block_n)  # rows per TMA copy: one page (or a tile's slice of one)
     out, lse, counters, chunk = fused if fused is not None else (part_o[:, :, 0], part_lse[:, :, 0], seq_lens, 0)
     wait = pdl(q.device)
-    _grouped_decode_sm90_kernel[grid](
+    launcher(_grouped_decode_sm90_kernel)[grid](
         q, descriptor(k_pages.flatten(2), [1, rows, d]), descriptor(v_pages.flatten(2), [1, rows, d]), seq_lens,
         block_table, part_o, part_lse, out, lse, counters, *q.stride(), *block_table.stride(), *part_o.stride(),
         *part_lse.stride(), *out.stride(), *lse.stride(), scale_log2, group, block_h, num_splits,

@@ -71,7 +71,7 @@ import triton
 import triton.language as tl
 
 from kernels import _checks
-from kernels._host import behind_sleep, cdiv, next_power_of_2
+from kernels._host import behind_sleep, cdiv, launcher, next_power_of_2
 from kernels.decode import device_guard, num_sms
 from kernels.schedule import bucket_size, ranked
 
@@ -804,7 +804,7 @@ def _forward(q, k, v, scale: float | None, causal: bool, out=None, lse=None, che
     def launch(cfg):
         block_m, block_n, warps, stages = cfg
         n_m = cdiv(s_q, block_m)
-        _flash_fwd_kernel[(n_m * h_q * b,)](
+        launcher(_flash_fwd_kernel)[(n_m * h_q * b,)](
             q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
             s_q, s_kv, h_q, bucket_size(n_m, h_q // h_kv, causal), sm_scale * LOG2E,
             D_QK=d_qk, D_V=d_v, **_qk_blocks(d_qk), BLOCK_DV=_head_block(d_v),
@@ -907,7 +907,7 @@ def _triton_dq(q, k, v, out, lse, do, dlse, delta, dq, sm_scale: float, causal: 
     def launch(cfg):
         block_m, block_n, warps, stages = cfg
         n_m = cdiv(s_q, block_m)
-        _flash_bwd_dq_kernel[(n_m * h_q * b,)](
+        launcher(_flash_bwd_dq_kernel)[(n_m * h_q * b,)](
             q, k, v, do, lse, delta, dq, out, dlse_arg, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
             *lse.stride(), *dq.stride(), *out.stride(), *dlse_arg.stride(),
             s_q, s_kv, h_q, bucket_size(n_m, h_q // h_kv, causal), sm_scale, sm_scale * LOG2E,
@@ -934,7 +934,7 @@ def _triton_dkdv(q, k, v, lse, do, delta, dk, dv, sm_scale: float, causal: bool,
             dk_out = torch.empty((b, h_kv * splits, s_kv, d_qk), device=q.device, dtype=torch.float32)
             dv_out = torch.empty((b, h_kv * splits, s_kv, d_v), device=q.device, dtype=torch.float32)
         n_kb = cdiv(s_kv, block_n)
-        _flash_bwd_dkdv_kernel[(n_kb * h_kv * splits * b,)](
+        launcher(_flash_bwd_dkdv_kernel)[(n_kb * h_kv * splits * b,)](
             q, k, v, do, lse, delta, dk_out, dv_out, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
             *lse.stride(), *dk_out.stride(), *dv_out.stride(),
             s_q, s_kv, h_q, bucket_size(n_kb, h_q // h_kv, causal), sm_scale, sm_scale * LOG2E,

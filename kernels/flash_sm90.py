@@ -125,7 +125,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from kernels import _checks
-from kernels._host import cdiv
+from kernels._host import cdiv, launcher
 from kernels.decode import LOG2E, num_sms
 from kernels.schedule import bucket_size, ranked
 
@@ -648,7 +648,7 @@ def forward(q, k, v, out, lse, qk_scale: float, causal: bool, config=None):
     grid = (min(n_tiles, num_sms(q.device)),)
     o_in_q = output_in_q(d, d_v, block_n, stages, q.element_size())
     assert d_main == d_v or not o_in_q, "the output goes through Q's first tile: their widths must match"
-    _flash_fwd_sm90_kernel[grid](
+    launcher(_flash_fwd_sm90_kernel)[grid](
         *_qk_descriptors(q, ROWS_PER_CONSUMER), *_qk_descriptors(k, block_n), _descriptor(v, block_n),
         _descriptor(out, ROWS_PER_CONSUMER), lse, counter, *lse.stride(), n_tiles, n_m,
         bucket_size(n_m, h_q // h_kv, causal), h_q, s_q, s_kv, qk_scale,
@@ -1002,7 +1002,7 @@ def backward_dkdv(q, k, v, do, lse2, delta, dk, dv, sm_scale: float, causal: boo
     q_desc, qr_desc = _qk_descriptors(q, block_m)
     k_desc, kr_desc = _qk_descriptors(k, PROGRAM_ROWS)
     d_main, d_rope = qk_tiles(d)
-    _flash_bwd_dkdv_sm90_kernel[(min(n_tiles, num_sms(q.device)) if persistent else n_tiles,)](
+    launcher(_flash_bwd_dkdv_sm90_kernel)[(min(n_tiles, num_sms(q.device)) if persistent else n_tiles,)](
         q_desc, qr_desc, _descriptor(do, block_m), k_desc, kr_desc, _descriptor(v, PROGRAM_ROWS),
         descriptor(lse2.view(-1), [block_m]), descriptor(delta.view(-1), [block_m]), dk, dv, counter,
         *dk.stride(), *dv.stride(), s_q, rows, s_kv, h_kv, n_tiles, bucket_size(n_kb, h_q // h_kv, causal), sm_scale,
@@ -1352,7 +1352,7 @@ def backward_dq(q, k, v, out, do, lse, dlse, delta, dq, sm_scale: float, causal:
     q_desc, qr_desc = _qk_descriptors(q, ROWS_PER_CONSUMER)
     k_desc, kr_desc = _qk_descriptors(k, block_n)
     d_main, d_rope = qk_tiles(d)
-    _flash_bwd_dq_sm90_kernel[(min(n_tiles, num_sms(q.device)) if persistent else n_tiles,)](
+    launcher(_flash_bwd_dq_sm90_kernel)[(min(n_tiles, num_sms(q.device)) if persistent else n_tiles,)](
         q_desc, qr_desc, _descriptor(do, ROWS_PER_CONSUMER), k_desc, kr_desc, _descriptor(v, block_n), out, lse,
         dlse_arg, delta, lse2 if lse2 is not None else delta, dq, counter,
         *out.stride(), *lse.stride(), *dlse_arg.stride(), *dq.stride(),

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from kernels import _checks
 from kernels import decode as _decode
-from kernels._host import cdiv
+from kernels._host import cdiv, launcher
 from kernels.decode import (
     LOG2E,
     MAX_SPLITS,
@@ -215,7 +215,7 @@ def _launch_mla(q_absorbed, q_rope, c_kv, k_rope, block_table, seq_lens, scale: 
         table = block_table if paged else seq_lens  # unused when contiguous
         table_strides = block_table.stride() if paged else (0, 0)
         static_iters = cdiv(n_tiles, num_splits) if _checks.interpreting() else 0
-        _mla_decode_kernel[(head_tiles, num_splits, batch)](
+        launcher(_mla_decode_kernel)[(head_tiles, num_splits, batch)](
             q_absorbed, q_rope, c_kv, k_rope, table, seq_lens, part_o, part_lse, final_o, final_lse,
             counters if fused else seq_lens,
             *q_absorbed.stride(), *q_rope.stride(), *c_kv.stride(), *k_rope.stride(), *table_strides,

@@ -62,7 +62,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from kernels import _checks
-from kernels._host import cdiv
+from kernels._host import cdiv, launcher
 from kernels.decode import LOG2E, pdl
 from kernels.decode_sm90 import gdc_wait, split_range, tile_pages, zero_rows
 from kernels.flash_sm90 import descriptor, on_hopper
@@ -467,7 +467,7 @@ def launch(q_absorbed, q_rope, c_kv, k_rope, seq_lens, part_o, part_lse, scale: 
     # benchmarks/RESULTS.md, session 25): 16 and 32 heads 0.28-0.43 us faster (B16 N8k 44.46 -> 44.18), the 64-head
     # tile at 128 heads 3.2 us slower (B16 N8k 72.16 -> 75.31).
     wait = heads < HEADS_PER_PROGRAM and pdl(q_absorbed.device)
-    _mla_decode_sm90_kernel[(cdiv(h, heads), num_splits, batch)](
+    launcher(_mla_decode_sm90_kernel)[(cdiv(h, heads), num_splits, batch)](
         descriptor(q_absorbed, [1, heads, HALF_COLUMNS]), descriptor(q_rope, [1, heads, ROPE_DIM]),
         descriptor(c_kv, [1, rows, HALF_COLUMNS]), descriptor(k_rope, [1, rows, ROPE_DIM]),
         seq_lens, table, part_o, part_lse, h, *(block_table.stride() if paged else (0, 0)), *part_o.stride(),
