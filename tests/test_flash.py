@@ -6,6 +6,7 @@ are poisoned with NaN first so an unwritten element fails. Runs on the CPU (TRIT
 the GPU (fp16/bf16): the same tests, the dtypes each machine computes right (conftest.KERNEL_DTYPES).
 """
 
+import itertools
 import math
 
 import pytest
@@ -325,6 +326,21 @@ def test_outputs_in_the_inputs_memory_order(dtype):
     q, k, v, do = make_inputs((1, 4, 2, 17, 17, 32, 32, True), dtype)
     out, lse = flash_gqa_forward(q, k, v, causal=True)
     assert all(t.is_contiguous() for t in (out, *flash_gqa_backward(q, k, v, out, lse, do, causal=True)))
+
+
+def test_empty_in_order_for_every_memory_order():
+    """`flash._empty_in_order` takes two orders by a shortcut ((B, H, S, D) and (B, S, H, D) memory); for every order
+    of the first three dims, with size-1 dims (whose strides tie) too, its strides are those of a sort by stride."""
+    from kernels.flash import _empty_in_order
+
+    for dims in [(2, 3, 5, 4), (1, 3, 5, 4), (2, 1, 5, 4), (2, 3, 1, 4), (1, 1, 1, 4), (3, 3, 3, 4)]:
+        for perm in itertools.permutations(range(3)):
+            like = torch.empty([dims[i] for i in perm] + [dims[3]]).permute([perm.index(i) for i in range(3)] + [3])
+            for shape in (dims, dims[:3] + (7,)):
+                order = sorted(range(3), key=lambda i: (-like.stride(i), i)) + [3]
+                want = torch.empty([shape[i] for i in order]).permute([order.index(i) for i in range(4)])
+                got = _empty_in_order(like, shape)
+                assert got.shape == want.shape and got.stride() == want.stride(), (dims, perm, shape)
 
 
 def test_custom_ops_fake_strides_match_the_kernels():
