@@ -596,17 +596,20 @@ def tile_counter(device: torch.device, persistent: bool) -> torch.Tensor:
     stream = torch.cuda.current_stream(device).cuda_stream
     ring = _RINGS.get((device, stream))
     if ring is None:
-        ring = _RINGS[(device, stream)] = [torch.zeros(_RING_SIZE * 4, dtype=torch.int32, device=device), 0]
+        ring = _RINGS[(device, stream)] = [torch.zeros(_RING_SIZE * _SLOT, dtype=torch.int32, device=device), 0]
     elif ring[1] == _RING_SIZE:
         ring[0].zero_()
         ring[1] = 0
+    start = ring[1] * _SLOT
     ring[1] += 1
-    # 16 bytes apart: Triton specializes a pointer on 16-byte alignment, so counters 4 bytes apart compiled every
-    # persistent kernel twice, and a launch cache key changed with the counter's place in the ring (session 31).
-    return ring[0][4 * ring[1] - 4:4 * ring[1] - 3]
+    return ring[0][start:start + 1]
 
 
 _RING_SIZE = 1024
+# int32s per counter: 16 bytes apart. Triton specializes a pointer on 16-byte alignment, so counters 4 bytes apart
+# compiled every persistent kernel twice, and the launch cache's key changed with a counter's place in the ring
+# (session 31).
+_SLOT = 4
 _RINGS: dict[tuple[torch.device, int], list] = {}
 
 
