@@ -46,7 +46,12 @@ Forward (`forward`):
   kernel and SDPA with V padded to 96): B8 H12 S1024 causal 282 vs 250 and 235, B4 H16 S4096 causal 480 vs 418
   and 362, full 537 vs 491 and 440.
 - causal masking: blocks wholly above the diagonal are never loaded; only blocks on the diagonal or past the
-  sequence end are masked (a runtime branch per block), with one compare per score against a per-row limit.
+  sequence end are masked (a runtime branch per block), with one compare per score against a per-row limit. A
+  program's 128 rows are two warpgroups' 64, so where blocks are 64 wide a warpgroup skips the products of those
+  its own rows never see and only releases their ring slots: the first consumer the tile's last key block in the
+  forward (MLA's 192/128) and in dQ (D=128 and 192/128), and in MHA's dK/dV the second consumer the query blocks
+  before its keys (`_release_kv`, `_dkdv_lead`; session 32: the whole backward 1.02-1.07x at 1024 keys causal,
+  1.03-1.05x for MHA and MLA at 4096, bitwise the same gradients).
 - launch order (forward tiles and both backward grids): kernels/schedule.py, causal blocks heaviest first in
   buckets that keep a KV group's programs together.
 
@@ -387,19 +392,25 @@ def _consumer(q_smem, qr_smem, k_smem, kr_smem, v_smem, o_smem, q_ready, q_free,
         l_i = gl.sum(p, 1)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
 
-        # Key blocks 1..: each step issues the scores of block j and P V of block j-1 together.
-        for j in range(1, n_blocks):
+        # Key blocks 1..: each step issues the scores of block j and P V of block j-1 together. Causal, with key
+        # blocks of at most 64: the tile's last blocks can lie wholly past these 64 rows (_release_kv).
+        n_own = n_blocks
+        if CAUSAL and BLOCK_N <= ROWS:
+            n_own = gl.minimum(n_blocks, gl.cdiv(q_shift + start_m + ROWS, BLOCK_N))
+        for j in range(1, n_own):
             p, p_op, acc, m_i, l_i = _step(q, qr, k_smem, kr_smem, v_smem, k_ready, v_ready, kv_free, p, p_op, acc,
                                            m_i, l_i, g + j, j, n_unmasked, start_m, q_shift, N, qk_scale, CAUSAL,
                                            BLOCK_N, D, DR, DV, STAGES, s_layout, o_layout, p_layout)
 
         if not O_IN_Q:
             mbarrier.arrive(q_free.index(WG), count=1)  # every Q K^T of the tile has completed
-        last = (g + n_blocks - 1) % STAGES
-        mbarrier.wait(v_ready.index(last), ((g + n_blocks - 1) // STAGES) & 1)
+        last = (g + n_own - 1) % STAGES
+        mbarrier.wait(v_ready.index(last), ((g + n_own - 1) // STAGES) & 1)
         acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, DV]), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         mbarrier.arrive(kv_free.index(last), count=1)
+        if CAUSAL and BLOCK_N <= ROWS:
+            _release_kv(k_ready, v_ready, kv_free, g, n_own, n_blocks, STAGES, True)
         g += n_blocks
         tc += 1
 
@@ -681,6 +692,24 @@ def _dkdv_tile(t, n_kb, n_tiles, bucket, H_KV, M, N, CAUSAL: gl.constexpr, BLOCK
 
 
 @gluon.jit
+def _dkdv_lead(start_n, m_start, M, N, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
+    """Causal dK/dV with query blocks of at most 64 rows: how many query blocks from m_start on end before the
+    second consumer's keys [start_n + 64, +64), so that they are wholly masked for that warpgroup (1 for 64-query
+    blocks where the diagonal meets a block's edge, up to 2 for 32; 0 past the queries' end).
+
+    Only MHA skips them (GROUP_SIZE 1, where they are the tile's first steps): with a KV group they are each query
+    head's first steps, and skipped slots between a warpgroup's own steps would stall it (each step issues the next
+    step's S^T before it releases its own slot, so with two ring stages it would wait for a slot the loader can
+    only fill after that release). Bringing the group's skipped blocks first (query block by query block over the
+    heads) made the GQA backward 4-8% slower at 4096 keys (session 32, benchmarks/RESULTS.md)."""
+    if CAUSAL and BLOCK_M <= ROWS:
+        first = gl.maximum(start_n + ROWS - (N - M), 0) // BLOCK_M
+        return gl.maximum(gl.minimum(first, gl.cdiv(M, BLOCK_M)) - m_start, 0)
+    else:
+        return 0
+
+
+@gluon.jit
 def _bwd_load_tile(q_desc, qr_desc, do_desc, k_desc, kr_desc, v_desc, lse_desc, delta_desc, q_smem, qr_smem, do_smem,
                    k_smem, kr_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_free, q_ready, do_ready, qdo_free,
                    batch, kv_head, start_n, m_start, n_m, step0, tc, H, M_PAD, GROUP_SIZE: gl.constexpr,
@@ -806,14 +835,32 @@ def _bwd_tile(q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, lse_smem, delta
     mbarrier.wait(kv_ready.index(kb), (tc // 2) & 1)
     # Software pipeline over the steps (query head, query block): S^T of step t+1 is issued right after dK of
     # step t, so it runs while step t's products finish.
-    mbarrier.wait(q_ready.index(it % STAGES), (it // STAGES) & 1)
-    st = _scores_t(k_wg, kr_wg, q_smem, qr_smem, it % STAGES, gl.zeros([ROWS, BLOCK_M], gl.float32, st_layout),
-                   BLOCK_M, D, DR)
-    for t in range(total):
+    if CAUSAL and BLOCK_M <= ROWS and GROUP_SIZE == 1:
+        t0 = 0
+        if WG > 0:
+            # The tile's first _dkdv_lead(...) query blocks lie wholly before this warpgroup's keys: it skips them
+            # and releases their slots, each once its Q and dO have arrived (as _release_kv).
+            t0 = _dkdv_lead(start_n, m_start, M, N, CAUSAL, BLOCK_M)
+            for t in range(t0):
+                mbarrier.wait(q_ready.index((it + t) % STAGES), ((it + t) // STAGES) & 1)
+                mbarrier.wait(do_ready.index((it + t) % STAGES), ((it + t) // STAGES) & 1)
+                mbarrier.arrive(qdo_free.index((it + t) % STAGES), count=1)
+        mbarrier.wait(q_ready.index((it + t0) % STAGES), ((it + t0) // STAGES) & 1, pred=t0 < total)
+        st = _scores_t(k_wg, kr_wg, q_smem, qr_smem, (it + t0) % STAGES,
+                       gl.zeros([ROWS, BLOCK_M], gl.float32, st_layout), BLOCK_M, D, DR)
+    else:
+        t0 = 0
+        mbarrier.wait(q_ready.index(it % STAGES), (it // STAGES) & 1)
+        st = _scores_t(k_wg, kr_wg, q_smem, qr_smem, it % STAGES, gl.zeros([ROWS, BLOCK_M], gl.float32, st_layout),
+                       BLOCK_M, D, DR)
+    for t in range(t0, total):
         g = it + t  # the program's step number, over all of its tiles
         s = g % STAGES
         phase = (g // STAGES) & 1
-        m = m_start + t % nb
+        if CAUSAL and BLOCK_M <= ROWS and GROUP_SIZE == 1:
+            m = m_start + t  # (one query head: t < nb)
+        else:
+            m = m_start + t % nb
         st = warpgroup_mma_wait(num_outstanding=0, deps=[st])
         q_t = q_smem.index(s).reshape([BLOCK_M, D])
         # The step's lse (log2 units) and delta came with Q (q_ready), read straight in the columns' layout.
@@ -1174,7 +1221,10 @@ def _dq_tile_body(q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, q_ready, q_
         dqr = gl.zeros([ROWS, DR], gl.float32, r_layout)
     s = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
     dp = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
-    for j in range(n_blocks):
+    n_own = n_blocks
+    if CAUSAL and BLOCK_N <= ROWS:  # the tile's last key blocks can lie wholly past these rows' diagonal
+        n_own = gl.minimum(n_blocks, gl.cdiv(gl.maximum(q_shift + start_m + ROWS, 0), BLOCK_N))
+    for j in range(n_own):
         if PERSISTENT:
             g = it0 + j  # the program's key block count over all of its tiles
         else:
@@ -1201,6 +1251,8 @@ def _dq_tile_body(q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, q_ready, q_
         else:
             dq = warpgroup_mma_wait(num_outstanding=0, deps=[dq])
         mbarrier.arrive(kv_free.index(st), count=1)
+    if CAUSAL and BLOCK_N <= ROWS:
+        _release_kv(k_ready, v_ready, kv_free, it0, n_own, n_blocks, STAGES, PERSISTENT)
     if PERSISTENT:
         mbarrier.arrive(q_free.index(qb), count=1)  # the loader may bring the tile after next's Q and dO here
 
@@ -1212,6 +1264,23 @@ def _dq_tile_body(q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, q_ready, q_
         _store_rows(dq_ptr + b64 * stride_qb + h64 * stride_qh, dqr * sm_scale, start_m, M, stride_qm, stride_qd, D,
                     DR, r_layout)
     return it0 + n_blocks
+
+
+@gluon.jit
+def _release_kv(k_ready, v_ready, kv_free, it0, j0, n_blocks, STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
+    """Forward or dQ consumer, causal: key blocks [j0, n_blocks) of the tile lie wholly past this warpgroup's 64
+    query rows (the tile's other 64 rows reach them), so it skips their products and only releases their ring
+    slots, each once the block has arrived. The waits keep this warpgroup's view of every barrier's phase exact: an
+    arrival before the block's own would count towards the slot's previous block. With key blocks of 64, the tile's
+    first 64 rows skip its last block: at 1024 keys, 1 of the 9 blocks they would read on average."""
+    for j in range(j0, n_blocks):
+        if PERSISTENT:
+            g = it0 + j
+        else:
+            g = j
+        mbarrier.wait(k_ready.index(g % STAGES), (g // STAGES) & 1)
+        mbarrier.wait(v_ready.index(g % STAGES), (g // STAGES) & 1)
+        mbarrier.arrive(kv_free.index(g % STAGES), count=1)
 
 
 @gluon.jit
