@@ -694,8 +694,8 @@ def _dkdv_tile(t, n_kb, n_tiles, bucket, H_KV, M, N, CAUSAL: gl.constexpr, BLOCK
 @gluon.jit
 def _dkdv_lead(start_n, m_start, M, N, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr):
     """Causal dK/dV with query blocks of at most 64 rows: how many query blocks from m_start on end before the
-    second consumer's keys [start_n + 64, +64), so that they are wholly masked for that warpgroup (1 for 64-query
-    blocks where the diagonal meets a block's edge, up to 2 for 32; 0 past the queries' end).
+    second consumer's keys [start_n + 64, +64), so that they are wholly masked for that warpgroup. With 64-query
+    blocks, 1 wherever the tile's first key sits at or past the first query's position (else 0); with 32, up to 2.
 
     Only MHA skips them (GROUP_SIZE 1, where they are the tile's first steps): with a KV group they are each query
     head's first steps, and skipped slots between a warpgroup's own steps would stall it (each step issues the next
