@@ -1,0 +1,142 @@
+"""Another revision's Hopper flash kernels against the working tree's, in one process: the measure of a lever.
+
+    git show HEAD:kernels/flash_sm90.py > benchmarks/flash_sm90_old.py     # (git ignores *_old.py there)
+    python3 benchmarks/ab_flash.py --old benchmarks/flash_sm90_old.py      # on the GPU machine
+    python3 benchmarks/ab_flash.py --old benchmarks/flash_sm90_old.py --shapes 4,32,32,4096,128,128,causal \
+        16,12,12,1024,96,64,full --what backward
+
+Per shape (B, H_q, H_kv, S, D_qk, D_v, causal or full): the forward and the whole backward (`flash._forward` and
+`flash._backward`, every launch the autograd path makes) run through each version (`flash.flash_sm90` swapped for
+the old module), their outputs and gradients are compared (bitwise, else the relative L2 difference), and both are
+timed on the GPU alone (`common.bench_gpu_ms`) in alternated rounds, after two seconds of matmuls that bring the
+clocks up. Identical kernels on both sides read up to 2% apart on an H200 at 4096 keys, their single samples up to
+13% (benchmarks/RESULTS.md, session 32): quote the best and the median pair, beside a shape the change leaves alone.
+"""
+
+import argparse
+import importlib.util
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from benchmarks.common import bench_gpu_ms, header  # noqa: E402
+from kernels import flash  # noqa: E402
+
+# Session 32's: causal D=128 GQA at three lengths, MHA, group 8, MLA's two training shapes, a full-attention control.
+SHAPES = [
+    (16, 32, 8, 1024, 128, 128, True),
+    (4, 32, 8, 4096, 128, 128, True),
+    (1, 32, 8, 16384, 128, 128, True),
+    (4, 32, 32, 4096, 128, 128, True),
+    (4, 32, 4, 4096, 128, 128, True),
+    (8, 12, 12, 1024, 128, 128, True),
+    (4, 16, 16, 4096, 192, 128, True),
+    (16, 12, 12, 1024, 96, 64, True),
+    (4, 32, 8, 4096, 128, 128, False),
+]
+
+
+def parse_shape(text: str) -> tuple:
+    """"B,H_q,H_kv,S,D_qk,D_v,causal" (or "full" last) -> the shape tuple."""
+    parts = text.split(",")
+    if len(parts) != 7 or parts[6] not in ("causal", "full") or not all(p.isdigit() for p in parts[:6]):
+        raise argparse.ArgumentTypeError(f"{text!r}: expected B,H_q,H_kv,S,D_qk,D_v,causal|full, e.g. "
+                                         "4,32,8,4096,128,128,causal")
+    return (*(int(p) for p in parts[:6]), parts[6] == "causal")
+
+
+def load_old(path: str):
+    if not os.path.isfile(path):
+        raise SystemExit(f"--old {path!r}: no such file (make it with git show REV:kernels/flash_sm90.py > PATH)")
+    spec = importlib.util.spec_from_file_location("flash_sm90_old", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def compare(new, old) -> str:
+    """'=' where bitwise equal, else the relative L2 difference, per tensor."""
+    return " ".join("=" if torch.equal(a, b) else f"{((a.float() - b.float()).norm() / b.float().norm()).item():.1e}"
+                    for a, b in zip(new, old))
+
+
+def ab(fn, versions: dict, rounds: int) -> dict:
+    """GPU-alone ms of fn() under each version, alternated for `rounds` rounds."""
+    times = {name: [] for name in versions}
+    for _ in range(rounds):
+        for name, module in versions.items():
+            flash.flash_sm90 = module
+            times[name].append(bench_gpu_ms(fn))
+    flash.flash_sm90 = versions["new"]
+    return times
+
+
+def row(name: str, what: str, flops: float, times: dict, diff: str) -> str:
+    old, new = times["old"], times["new"]
+    pairs = sorted(o / n for o, n in zip(old, new))
+    samples = " ".join(f"{t * 1e3:.0f}" for t in old + new)
+    return (f"| {name} | {what} | {min(old) * 1e3:.1f} ({flops / min(old) / 1e9:.1f}) | {min(new) * 1e3:.1f} "
+            f"({flops / min(new) / 1e9:.1f}) | {min(old) / min(new):.3f} | {pairs[len(pairs) // 2]:.3f} | {diff} "
+            f"| {samples} |")
+
+
+def run_shape(shape, versions: dict, rounds: int, what: str) -> list[str]:
+    """The table's rows for one shape: forward and/or backward, old against new."""
+    b, h_q, h_kv, s, d_qk, d_v, causal = shape
+    q = torch.randn(b, h_q, s, d_qk, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(b, h_kv, s, d_qk, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn(b, h_kv, s, d_v, device="cuda", dtype=torch.bfloat16)
+    do = torch.randn(b, h_q, s, d_v, device="cuda", dtype=torch.bfloat16)
+    name = f"B{b} H{h_q}/{h_kv} S{s} D{d_qk}/{d_v} {'causal' if causal else 'full'}"
+    flops = 2.0 * b * h_q * s * s * (d_qk + d_v) * (0.5 if causal else 1.0)
+    results = {}
+    for version, module in versions.items():
+        flash.flash_sm90 = module
+        out, lse = flash._forward(q, k, v, None, causal)
+        results[version] = (out, lse, *flash._backward(q, k, v, out, lse, do, None, causal))
+    flash.flash_sm90 = versions["new"]
+    out, lse = results["new"][:2]  # the backward's inputs on both sides
+    lines = []
+    if what != "backward":
+        times = ab(lambda: flash._forward(q, k, v, None, causal), versions, rounds)
+        lines.append(row(name, "forward", flops, times, compare(results["new"][:2], results["old"][:2])))
+    if what != "forward":
+        times = ab(lambda: flash._backward(q, k, v, out, lse, do, None, causal), versions, rounds)
+        lines.append(row(name, "backward", 2.5 * flops, times, compare(results["new"][2:], results["old"][2:])))
+    flash.flash_sm90 = versions["new"]
+    return lines
+
+
+def main():
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--old", required=True, help="a copy of another revision's kernels/flash_sm90.py")
+    parser.add_argument("--shapes", nargs="+", type=parse_shape, default=SHAPES,
+                        help="B,H_q,H_kv,S,D_qk,D_v,causal|full ... (default: session 32's nine)")
+    parser.add_argument("--rounds", type=int, default=5, help="alternated rounds per shape (default 5)")
+    parser.add_argument("--what", choices=["both", "forward", "backward"], default="both")
+    args = parser.parse_args()
+    if (flash.flash_sm90 is None or not torch.cuda.is_available()
+            or not flash.flash_sm90.on_hopper(torch.empty(0, device="cuda"))):
+        raise SystemExit("needs an sm_90 GPU and Triton 3.6 (the Hopper kernels are what it compares)")
+    versions = {"old": load_old(args.old), "new": flash.flash_sm90}
+    print(header())
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    for _ in range(200):
+        a @ a
+    torch.cuda.synchronize()
+    lines = []
+    for shape in args.shapes:
+        lines += run_shape(shape, versions, args.rounds, args.what)
+        print("\n".join(lines[-2 if args.what == "both" else -1:]), flush=True)
+        torch.cuda.empty_cache()
+    print("\nGPU alone, best of the rounds, us (TFLOP/s); speed = old / new: best, and the median round's pair")
+    print("| shape | pass | old | new | speed | median pair | new vs old (out lse / dq dk dv) | samples: old, new |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
