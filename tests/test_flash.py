@@ -615,12 +615,13 @@ def test_sm90_mha_causal_dkdv_structure(d, d_v):
                             (1, 2, 1, 130, 600, 64, 64, False), (1, 8, 1, 130, 130, 64, 64, True),
                             (1, 4, 2, 200, 520, 96, 64, True), (1, 2, 1, 130, 600, 96, 64, False),
                             (1, 2, 2, 130, 330, 192, 128, False),
-                            # MHA, causal, S_q < S_kv off the blocks' grid: the second consumer of a dK/dV tile skips
-                            # the query blocks that end before its keys (flash_sm90._dkdv_lead: one of 64 rows, up to
-                            # two of 32 at 192/128), and the first consumer of a dQ (forward) tile the key blocks of
-                            # 64 past its rows (_release_kv).
-                            (1, 2, 2, 70, 200, 128, 128, True), (1, 2, 2, 70, 170, 192, 128, True),
-                            (1, 2, 2, 70, 200, 96, 64, True)],
+                            # MHA, causal, S_q < S_kv off the blocks' grid (query row i at key 30 + i): the second
+                            # consumer of a dK/dV tile skips the query blocks that end before its keys, real keys
+                            # (flash_sm90._dkdv_lead: one of 64 rows; one, then two of 32 at 192/128), and the first
+                            # consumer of a dQ tile (and of the forward's at 192/128) the key block of 64 past its rows
+                            # (_release_kv).
+                            (1, 2, 2, 200, 230, 128, 128, True), (1, 2, 2, 200, 230, 192, 128, True),
+                            (1, 2, 2, 200, 230, 96, 64, True)],
                          ids=case_id)
 def test_sm90_backward(case, monkeypatch):
     """dQ and dK/dV through the Hopper kernels wherever they can run (ZOO_FLASH_SM90_BWD=force: on an H100/H200 in
