@@ -51,7 +51,7 @@ Forward (`forward`):
   its own rows never see and only releases their ring slots: the first consumer the tile's last key block in the
   forward (MLA's 192/128) and in dQ (D=128 and 192/128), and in MHA's dK/dV the second consumer the query blocks
   before its keys (`_release_kv`, `_dkdv_lead`; session 32: the whole backward 1.02-1.07x at 1024 keys causal,
-  1.03-1.05x for MHA and MLA at 4096, bitwise the same gradients).
+  1.03-1.04x for MHA and MLA at 4096, bitwise the same gradients).
 - launch order (forward tiles and both backward grids): kernels/schedule.py, causal blocks heaviest first in
   buckets that keep a KV group's programs together.
 
