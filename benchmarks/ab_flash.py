@@ -22,6 +22,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from benchmarks.bench_flash import flops  # noqa: E402
 from benchmarks.common import bench_gpu_ms, header  # noqa: E402
 from kernels import flash  # noqa: E402
 
@@ -74,12 +75,12 @@ def ab(fn, versions: dict, rounds: int) -> dict:
     return times
 
 
-def row(name: str, what: str, flops: float, times: dict, diff: str) -> str:
+def row(name: str, what: str, n_flops: float, times: dict, diff: str) -> str:
     old, new = times["old"], times["new"]
     pairs = sorted(o / n for o, n in zip(old, new))
     samples = " ".join(f"{t * 1e3:.0f}" for t in old + new)
-    return (f"| {name} | {what} | {min(old) * 1e3:.1f} ({flops / min(old) / 1e9:.1f}) | {min(new) * 1e3:.1f} "
-            f"({flops / min(new) / 1e9:.1f}) | {min(old) / min(new):.3f} | {pairs[len(pairs) // 2]:.3f} | {diff} "
+    return (f"| {name} | {what} | {min(old) * 1e3:.1f} ({n_flops / min(old) / 1e9:.1f}) | {min(new) * 1e3:.1f} "
+            f"({n_flops / min(new) / 1e9:.1f}) | {min(old) / min(new):.3f} | {pairs[len(pairs) // 2]:.3f} | {diff} "
             f"| {samples} |")
 
 
@@ -91,7 +92,6 @@ def run_shape(shape, versions: dict, rounds: int, what: str) -> list[str]:
     v = torch.randn(b, h_kv, s, d_v, device="cuda", dtype=torch.bfloat16)
     do = torch.randn(b, h_q, s, d_v, device="cuda", dtype=torch.bfloat16)
     name = f"B{b} H{h_q}/{h_kv} S{s} D{d_qk}/{d_v} {'causal' if causal else 'full'}"
-    flops = 2.0 * b * h_q * s * s * (d_qk + d_v) * (0.5 if causal else 1.0)
     results = {}
     for version, module in versions.items():
         flash.flash_sm90 = module
@@ -102,10 +102,10 @@ def run_shape(shape, versions: dict, rounds: int, what: str) -> list[str]:
     lines = []
     if what != "backward":
         times = ab(lambda: flash._forward(q, k, v, None, causal), versions, rounds)
-        lines.append(row(name, "forward", flops, times, compare(results["new"][:2], results["old"][:2])))
+        lines.append(row(name, "forward", flops(shape), times, compare(results["new"][:2], results["old"][:2])))
     if what != "forward":
         times = ab(lambda: flash._backward(q, k, v, out, lse, do, None, causal), versions, rounds)
-        lines.append(row(name, "backward", 2.5 * flops, times, compare(results["new"][2:], results["old"][2:])))
+        lines.append(row(name, "backward", 2.5 * flops(shape), times, compare(results["new"][2:], results["old"][2:])))
     flash.flash_sm90 = versions["new"]
     return lines
 

@@ -835,20 +835,18 @@ def _bwd_tile(q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, lse_smem, delta
     mbarrier.wait(kv_ready.index(kb), (tc // 2) & 1)
     # Software pipeline over the steps (query head, query block): S^T of step t+1 is issued right after dK of
     # step t, so it runs while step t's products finish.
-    if CAUSAL and BLOCK_M <= ROWS and GROUP_SIZE == 1:
+    SKIPS: gl.constexpr = CAUSAL and BLOCK_M <= ROWS and GROUP_SIZE == 1  # (see _dkdv_lead)
+    if SKIPS:
         t0 = 0
         if WG > 0:
             # The tile's first _dkdv_lead(...) query blocks lie wholly before this warpgroup's keys: it skips them
-            # and releases their slots, each once its Q and dO have arrived (as _release_kv).
+            # and releases their slots, each once its Q and dO have arrived.
             t0 = _dkdv_lead(start_n, m_start, M, N, CAUSAL, BLOCK_M)
-            for t in range(t0):
-                mbarrier.wait(q_ready.index((it + t) % STAGES), ((it + t) // STAGES) & 1)
-                mbarrier.wait(do_ready.index((it + t) % STAGES), ((it + t) // STAGES) & 1)
-                mbarrier.arrive(qdo_free.index((it + t) % STAGES), count=1)
+            _release_kv(q_ready, do_ready, qdo_free, it, 0, t0, STAGES, True)
         mbarrier.wait(q_ready.index((it + t0) % STAGES), ((it + t0) // STAGES) & 1, pred=t0 < total)
         st = _scores_t(k_wg, kr_wg, q_smem, qr_smem, (it + t0) % STAGES,
                        gl.zeros([ROWS, BLOCK_M], gl.float32, st_layout), BLOCK_M, D, DR)
-    else:
+    else:  # (as before the skip, so that these kernels compile to the same code)
         t0 = 0
         mbarrier.wait(q_ready.index(it % STAGES), (it // STAGES) & 1)
         st = _scores_t(k_wg, kr_wg, q_smem, qr_smem, it % STAGES, gl.zeros([ROWS, BLOCK_M], gl.float32, st_layout),
@@ -857,7 +855,7 @@ def _bwd_tile(q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, lse_smem, delta
         g = it + t  # the program's step number, over all of its tiles
         s = g % STAGES
         phase = (g // STAGES) & 1
-        if CAUSAL and BLOCK_M <= ROWS and GROUP_SIZE == 1:
+        if SKIPS:
             m = m_start + t  # (one query head: t < nb)
         else:
             m = m_start + t % nb
@@ -1268,11 +1266,13 @@ def _dq_tile_body(q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, q_ready, q_
 
 @gluon.jit
 def _release_kv(k_ready, v_ready, kv_free, it0, j0, n_blocks, STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
-    """Forward or dQ consumer, causal: key blocks [j0, n_blocks) of the tile lie wholly past this warpgroup's 64
-    query rows (the tile's other 64 rows reach them), so it skips their products and only releases their ring
-    slots, each once the block has arrived. The waits keep this warpgroup's view of every barrier's phase exact: an
-    arrival before the block's own would count towards the slot's previous block. With key blocks of 64, the tile's
-    first 64 rows skip its last block: at 1024 keys, 1 of the 9 blocks they would read on average."""
+    """Causal: ring slots [j0, n_blocks) of the tile (counted from it0 when PERSISTENT) hold blocks wholly masked for
+    this warpgroup's 64 rows (the tile's other 64 rows need them), so it skips their products and only releases the
+    slots, each once both of its ready barriers have fired. The waits keep this warpgroup's view of every barrier's
+    phase exact: an arrival before the block's own would count towards the slot's previous block. Forward and dQ:
+    K and V past the first consumer's rows (with key blocks of 64, the tile's last block: at 1024 keys 1 of the 9
+    blocks it would read on average); MHA's dK/dV: Q and dO (q_ready, do_ready, qdo_free) of the query blocks
+    before the second consumer's keys."""
     for j in range(j0, n_blocks):
         if PERSISTENT:
             g = it0 + j
