@@ -102,8 +102,10 @@ the row sums of P on the tensor cores (a second wgmma against a block of ones; 1
 tiles (the next tile's first scores beside this tile's last P V; +1-5% at D=64 causal, -2% to +4%
 elsewhere, more spills at D=128), three consumer warpgroups at D=64 (3-19% slower); session 30: one or two of every
 eight exponentials on the FMA units by a polynomial (FlashAttention-4's trick, for the D=64 forward whose 16 MUFU.EX2
-a clock per SM take as many clocks as its products): 0.94-0.997x, so the MUFU is not what bounds it. In the
-backward: persistent dQ and dK/dV programs at D=128 (above).
+a clock per SM take as many clocks as its products): 0.94-0.997x, so the MUFU is not what bounds it; session 33:
+with 128-key blocks, the first consumer's last causal block (of which its rows see 64 keys at most) over 64 keys
+(wgmma N = 64 and K = 64 on slices of the K and V buffers): 0.98-1.005x, so the second consumer's path sets a
+tile's end. In the backward: persistent dQ and dK/dV programs at D=128 (above).
 
 No kernel spills registers, except the causal dK/dV kernel at D=64 (196 bytes, inside its loop; it is faster than
 the Triton kernel all the same).
