@@ -69,7 +69,11 @@ Backward, two launches with the same roles (a loader warp, two consumer warpgrou
   persistent, as in the forward (tiles from a global counter, two K/V buffers: the next tile's K/V and first steps
   arrive while the consumers finish the current one and store its dK and dV): 1.00-1.07x as fast as one program
   per tile on the grid's ten shapes (session 19). At D=128 the tile loop's state makes ptxas spill 72-160 bytes
-  and the persistent kernel measured 0.94-0.99x, so there each program keeps its one tile.
+  and the persistent kernel measured 0.94-0.99x, so there each program keeps its one tile. Those programs (D=128
+  and 192/128) write dK and dV through their own K and V buffers, which the tile no longer reads, by TMA store:
+  the whole backward 1.03-1.08x for MHA at D=128, 1.03x for GQA and 1.07x for 192/128 at 1024 keys, 1.01x at
+  16384, and within the run's noise (3%) for GQA and 192/128 at 4096 (session 33, best of five, against the
+  stores from registers).
 - MLA: Q and K arrive as two TMA tiles each, as in the forward, so S (S^T) is two products into one accumulator
   and dQ (dK) two accumulators, one per tile. The GPT-2-small MLA's 96/64 runs both kernels (persistent; dK/dV in
   64-query steps: 128-query steps spill 236-556 bytes); 192/128's dK/dV takes 32-query steps, the only size whose
@@ -794,8 +798,9 @@ def _bwd_loader(q_desc, qr_desc, do_desc, k_desc, kr_desc, v_desc, lse_desc, del
 
 @gluon.jit
 def _bwd_tile(q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_free, q_ready,
-              do_ready, qdo_free, dk_ptr, dv_ptr, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh,
-              stride_vn, stride_vd, batch, kv_head, start_n, m_start, n_m, it, tc, M, N, sm_scale, qk_scale,
+              do_ready, qdo_free, dk_desc, dkr_desc, dv_desc, dk_ptr, dv_ptr, stride_kb, stride_kh, stride_kn,
+              stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, batch, kv_head, start_n, m_start, n_m, it, tc, M,
+              N, sm_scale, qk_scale,
               WG: gl.constexpr, GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
               D: gl.constexpr, DR: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
     """One warpgroup, the program's tc-th tile: dK and dV of key rows [start_n + WG*64, +64), summed over every
@@ -893,28 +898,45 @@ def _bwd_tile(q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, lse_smem, delta
             dv, dk = warpgroup_mma_wait(num_outstanding=1, deps=[dv, dk])  # all but the next S^T
         mbarrier.arrive(qdo_free.index(s), count=1)  # Q and dO of step t are no longer read
     st = warpgroup_mma_wait(num_outstanding=0, deps=[st])
-    if PERSISTENT:
+    if not PERSISTENT:
+        # One tile per program: this warpgroup's K and V rows are no longer read (every wgmma has completed), so
+        # dK and dV go out through them, by TMA (which clips the rows past N), and the registers' stores are gone.
+        k_wg.store((dk * sm_scale).to(dtype))
+        v_wg.store(dv.to(dtype))
+        if DR > 0:
+            kr_wg.store((dkr * sm_scale).to(dtype))
+        fence_async_shared()
+        # (The same rows as TMA tiles: a 4-D view of each buffer's slice.)
+        tma.async_copy_shared_to_global(dk_desc, [batch, kv_head, kv0, 0],
+                                        k_smem.index(kb).slice(WG * ROWS, ROWS, dim=2))
+        tma.async_copy_shared_to_global(dv_desc, [batch, kv_head, kv0, 0],
+                                        v_smem.index(kb).slice(WG * ROWS, ROWS, dim=2))
+        if DR > 0:
+            tma.async_copy_shared_to_global(dkr_desc, [batch, kv_head, kv0, D],
+                                            kr_smem.index(kb).slice(WG * ROWS, ROWS, dim=2))
+        tma.store_wait(0)  # the program's shared memory is read out before it exits
+    else:
         mbarrier.arrive(kv_free.index(kb), count=1)  # the loader may bring the tile after next's K and V here
 
-    # dK's first D columns (and dV when DV == D) keep their stores as written before the RoPE part existed: through
-    # `_store_rows` the D = 64 / 128 kernels' PTX came out in another order (session 29), and session 19 measured
-    # such reorderings at 3-7%.
-    offs_n = kv0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
-    offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
-    rows_ok = (offs_n < N)[:, None]
-    dk_ptrs = dk_ptr + batch.to(gl.int64) * stride_kb + kv_head.to(gl.int64) * stride_kh \
-        + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
-    gl.store(dk_ptrs, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=rows_ok)
-    if DR > 0:
-        _store_rows(dk_ptr + batch.to(gl.int64) * stride_kb + kv_head.to(gl.int64) * stride_kh, dkr * sm_scale, kv0,
-                    N, stride_kn, stride_kd, D, DR, r_layout)
-    if DV == D:
-        dv_ptrs = dv_ptr + batch.to(gl.int64) * stride_vb + kv_head.to(gl.int64) * stride_vh \
-            + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
-        gl.store(dv_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=rows_ok)
-    else:
-        _store_rows(dv_ptr + batch.to(gl.int64) * stride_vb + kv_head.to(gl.int64) * stride_vh, dv, kv0, N,
-                    stride_vn, stride_vd, 0, DV, v_layout)
+        # Persistent (D=64, 96/64): the stores from registers. dK's first D columns (and dV when DV == D) keep them
+        # as written before the RoPE part existed: through `_store_rows` the D = 64 kernels' PTX came out in another
+        # order (session 29), and session 19 measured such reorderings at 3-7%.
+        offs_n = kv0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
+        offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
+        rows_ok = (offs_n < N)[:, None]
+        dk_ptrs = dk_ptr + batch.to(gl.int64) * stride_kb + kv_head.to(gl.int64) * stride_kh \
+            + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+        gl.store(dk_ptrs, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=rows_ok)
+        if DR > 0:
+            _store_rows(dk_ptr + batch.to(gl.int64) * stride_kb + kv_head.to(gl.int64) * stride_kh, dkr * sm_scale, kv0,
+                        N, stride_kn, stride_kd, D, DR, r_layout)
+        if DV == D:
+            dv_ptrs = dv_ptr + batch.to(gl.int64) * stride_vb + kv_head.to(gl.int64) * stride_vh \
+                + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+            gl.store(dv_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=rows_ok)
+        else:
+            _store_rows(dv_ptr + batch.to(gl.int64) * stride_vb + kv_head.to(gl.int64) * stride_vh, dv, kv0, N,
+                        stride_vn, stride_vd, 0, DV, v_layout)
     return it + total
 
 
@@ -940,7 +962,7 @@ def _store_rows(base, x, row0, n_rows, stride_r, stride_c, col0, COLS: gl.conste
 
 @gluon.jit
 def _bwd_consumer(q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_free, q_ready,
-                  do_ready, qdo_free, tile_smem, tile_ready, tile_free, dk_ptr, dv_ptr,
+                  do_ready, qdo_free, tile_smem, tile_ready, tile_free, dk_desc, dkr_desc, dv_desc, dk_ptr, dv_ptr,
                   stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
                   batch, kv_head, start_n, m_start, n_m, n_tiles, n_kb, bucket, H_KV, M, N, sm_scale, qk_scale,
                   WG: gl.constexpr, GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
@@ -954,23 +976,24 @@ def _bwd_consumer(q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, lse_smem, d
         while tile < n_tiles:
             batch, kv_head, start_n, m_start = _dkdv_tile(tile, n_kb, n_tiles, bucket, H_KV, M, N, CAUSAL, BLOCK_M)
             it = _bwd_tile(q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, lse_smem, delta_smem, kv_ready,
-                           kv_free, q_ready, do_ready, qdo_free, dk_ptr, dv_ptr, stride_kb, stride_kh, stride_kn,
-                           stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, batch, kv_head, start_n, m_start,
-                           n_m, it, tc, M, N, sm_scale, qk_scale, WG, GROUP_SIZE, CAUSAL, BLOCK_M, D, DR, DV, STAGES,
-                           PERSISTENT)
+                           kv_free, q_ready, do_ready, qdo_free, dk_desc, dkr_desc, dv_desc, dk_ptr, dv_ptr,
+                           stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
+                           batch, kv_head, start_n, m_start, n_m, it, tc, M, N, sm_scale, qk_scale, WG, GROUP_SIZE,
+                           CAUSAL, BLOCK_M, D, DR, DV, STAGES, PERSISTENT)
             tc += 1
             tile = _receive(tile_smem, tile_ready, tile_free, tc)
     else:
         _bwd_tile(q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_free,
-                  q_ready, do_ready, qdo_free, dk_ptr, dv_ptr, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb,
-                  stride_vh, stride_vn, stride_vd, batch, kv_head, start_n, m_start, n_m, 0, 0, M, N, sm_scale,
-                  qk_scale, WG, GROUP_SIZE, CAUSAL, BLOCK_M, D, DR, DV, STAGES, PERSISTENT)
+                  q_ready, do_ready, qdo_free, dk_desc, dkr_desc, dv_desc, dk_ptr, dv_ptr, stride_kb, stride_kh,
+                  stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, batch, kv_head, start_n, m_start,
+                  n_m, 0, 0, M, N, sm_scale, qk_scale, WG, GROUP_SIZE, CAUSAL, BLOCK_M, D, DR, DV, STAGES,
+                  PERSISTENT)
 
 
 @gluon.jit
 def _flash_bwd_dkdv_sm90_kernel(
-    q_desc, qr_desc, do_desc, k_desc, kr_desc, v_desc, lse_desc, delta_desc, dk_ptr, dv_ptr, counter_ptr,
-    stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
+    q_desc, qr_desc, do_desc, k_desc, kr_desc, v_desc, lse_desc, delta_desc, dk_desc, dkr_desc, dv_desc, dk_ptr,
+    dv_ptr, counter_ptr, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
     M, M_PAD, N, H_KV, n_tiles, bucket, sm_scale, qk_scale,
     GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr, DR: gl.constexpr,
     DV: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
@@ -1022,12 +1045,14 @@ def _flash_bwd_dkdv_sm90_kernel(
 
     gl.warp_specialize([
         (_bwd_consumer, (q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_free,
-                         q_ready, do_ready, qdo_free, tile_smem, tile_ready, tile_free, dk_ptr, dv_ptr,
+                         q_ready, do_ready, qdo_free, tile_smem, tile_ready, tile_free, dk_desc, dkr_desc, dv_desc,
+                         dk_ptr, dv_ptr,
                          stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
                          batch, kv_head, start_n, m_start, n_m, n_tiles, n_kb, bucket, H_KV, M, N, sm_scale,
                          qk_scale, gl.constexpr(0), GROUP_SIZE, CAUSAL, BLOCK_M, D, DR, DV, STAGES, PERSISTENT)),
         (_bwd_consumer, (q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_free,
-                         q_ready, do_ready, qdo_free, tile_smem, tile_ready, tile_free, dk_ptr, dv_ptr,
+                         q_ready, do_ready, qdo_free, tile_smem, tile_ready, tile_free, dk_desc, dkr_desc, dv_desc,
+                         dk_ptr, dv_ptr,
                          stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
                          batch, kv_head, start_n, m_start, n_m, n_tiles, n_kb, bucket, H_KV, M, N, sm_scale,
                          qk_scale, gl.constexpr(1), GROUP_SIZE, CAUSAL, BLOCK_M, D, DR, DV, STAGES, PERSISTENT)),
@@ -1046,6 +1071,13 @@ def backward_dkdv(q, k, v, do, lse2, delta, dk, dv, sm_scale: float, causal: boo
     b, h_q, s_q, d = q.shape
     h_kv, s_kv, d_v = k.shape[1], k.shape[2], v.shape[3]
     block_m, stages, persistent = config or BWD_CONFIGS[(d, d_v)]
+    if not persistent and not (_checks.tma_readable(dk) and _checks.tma_readable(dv)):
+        # One program per tile writes dK and dV by TMA: through contiguous buffers where their strides cannot.
+        staged = [torch.empty(x.shape, device=x.device, dtype=x.dtype) for x in (dk, dv)]
+        backward_dkdv(q, k, v, do, lse2, delta, *staged, sm_scale, causal, config)
+        dk.copy_(staged[0])
+        dv.copy_(staged[1])
+        return
     rows = padded_rows(s_q)
     assert lse2.shape == delta.shape == (b, h_q, rows) and lse2.is_contiguous() and delta.is_contiguous()
     n_kb = cdiv(s_kv, PROGRAM_ROWS)
@@ -1054,9 +1086,13 @@ def backward_dkdv(q, k, v, do, lse2, delta, dk, dv, sm_scale: float, causal: boo
     q_desc, qr_desc = _qk_descriptors(q, block_m)
     k_desc, kr_desc = _qk_descriptors(k, PROGRAM_ROWS)
     d_main, d_rope = qk_tiles(d)
+    # The persistent kernels store dK and dV from registers (their K/V buffers take the next tiles).
+    dk_desc, dkr_desc = (None, None) if persistent else _qk_descriptors(dk, ROWS_PER_CONSUMER)
+    dv_desc = None if persistent else _descriptor(dv, ROWS_PER_CONSUMER)
     launcher(_flash_bwd_dkdv_sm90_kernel)[(min(n_tiles, num_sms(q.device)) if persistent else n_tiles,)](
         q_desc, qr_desc, _descriptor(do, block_m), k_desc, kr_desc, _descriptor(v, PROGRAM_ROWS),
-        descriptor(lse2.view(-1), [block_m]), descriptor(delta.view(-1), [block_m]), dk, dv, counter,
+        descriptor(lse2.view(-1), [block_m]), descriptor(delta.view(-1), [block_m]), dk_desc, dkr_desc, dv_desc,
+        dk, dv, counter,
         *dk.stride(), *dv.stride(), s_q, rows, s_kv, h_kv, n_tiles, bucket_size(n_kb, h_q // h_kv, causal), sm_scale,
         sm_scale * LOG2E,
         GROUP_SIZE=h_q // h_kv, CAUSAL=causal, BLOCK_M=block_m, D=d_main, DR=d_rope, DV=d_v,
