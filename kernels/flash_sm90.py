@@ -1071,9 +1071,10 @@ def backward_dkdv(q, k, v, do, lse2, delta, dk, dv, sm_scale: float, causal: boo
     b, h_q, s_q, d = q.shape
     h_kv, s_kv, d_v = k.shape[1], k.shape[2], v.shape[3]
     block_m, stages, persistent = config or BWD_CONFIGS[(d, d_v)]
-    if not persistent and not (_checks.tma_readable(dk) and _checks.tma_readable(dv)):
-        # One program per tile writes dK and dV by TMA: through contiguous buffers where their strides cannot.
-        staged = [torch.empty(x.shape, device=x.device, dtype=x.dtype) for x in (dk, dv)]
+    if not persistent and not (dk.dtype == dv.dtype == q.dtype and _checks.tma_readable(dk)
+                               and _checks.tma_readable(dv)):
+        # One program per tile writes dK and dV by TMA, in q's dtype: through contiguous buffers where they cannot.
+        staged = [torch.empty(x.shape, device=x.device, dtype=q.dtype) for x in (dk, dv)]
         backward_dkdv(q, k, v, do, lse2, delta, *staged, sm_scale, causal, config)
         dk.copy_(staged[0])
         dv.copy_(staged[1])
