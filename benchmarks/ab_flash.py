@@ -1,9 +1,11 @@
-"""Another revision's Hopper flash kernels against the working tree's, in one process: the measure of a lever.
+"""Another revision's Hopper flash kernels against the working tree's (or a variant's), in one process: the
+measure of a lever.
 
-    git show HEAD:kernels/flash_sm90.py > benchmarks/flash_sm90_old.py     # (git ignores *_old.py there)
+    git show HEAD:kernels/flash_sm90.py > benchmarks/flash_sm90_old.py     # (git ignores flash_sm90_*.py there)
     python3 benchmarks/ab_flash.py --old benchmarks/flash_sm90_old.py      # on the GPU machine
     python3 benchmarks/ab_flash.py --old benchmarks/flash_sm90_old.py --shapes 4,32,32,4096,128,128,causal \
         16,12,12,1024,96,64,full --what backward
+    python3 benchmarks/ab_flash.py --old kernels/flash_sm90.py --new benchmarks/flash_sm90_try.py   # a variant
 
 Per shape (B, H_q, H_kv, S, D_qk, D_v, causal or full): the forward and the whole backward (`flash._forward` and
 `flash._backward`, every launch the autograd path makes) run through each version (`flash.flash_sm90` swapped for
@@ -49,10 +51,11 @@ def parse_shape(text: str) -> tuple:
     return (*(int(p) for p in parts[:6]), parts[6] == "causal")
 
 
-def load_old(path: str):
+def load_module(path: str, name: str):
+    """A copy of kernels/flash_sm90.py loaded as its own module (its kernels compile and cache apart)."""
     if not os.path.isfile(path):
-        raise SystemExit(f"--old {path!r}: no such file (make it with git show REV:kernels/flash_sm90.py > PATH)")
-    spec = importlib.util.spec_from_file_location("flash_sm90_old", path)
+        raise SystemExit(f"--{name} {path!r}: no such file (make it with git show REV:kernels/flash_sm90.py > PATH)")
+    spec = importlib.util.spec_from_file_location(f"flash_sm90_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -113,6 +116,7 @@ def run_shape(shape, versions: dict, rounds: int, what: str) -> list[str]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--old", required=True, help="a copy of another revision's kernels/flash_sm90.py")
+    parser.add_argument("--new", help="a copy to measure in place of the working tree's kernels/flash_sm90.py")
     parser.add_argument("--shapes", nargs="+", type=parse_shape, default=SHAPES,
                         help="B,H_q,H_kv,S,D_qk,D_v,causal|full ... (default: session 32's nine)")
     parser.add_argument("--rounds", type=int, default=5, help="alternated rounds per shape (default 5)")
@@ -121,7 +125,8 @@ def main():
     if (flash.flash_sm90 is None or not torch.cuda.is_available()
             or not flash.flash_sm90.on_hopper(torch.empty(0, device="cuda"))):
         raise SystemExit("needs an sm_90 GPU and Triton 3.6 (the Hopper kernels are what it compares)")
-    versions = {"old": load_old(args.old), "new": flash.flash_sm90}
+    versions = {"old": load_module(args.old, "old"),
+                "new": load_module(args.new, "new") if args.new else flash.flash_sm90}
     print(header())
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     for _ in range(200):
