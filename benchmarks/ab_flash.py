@@ -54,7 +54,8 @@ def parse_shape(text: str) -> tuple:
 def load_module(path: str, name: str):
     """A copy of kernels/flash_sm90.py loaded as its own module (its kernels compile and cache apart)."""
     if not os.path.isfile(path):
-        raise SystemExit(f"--{name} {path!r}: no such file (make it with git show REV:kernels/flash_sm90.py > PATH)")
+        raise SystemExit(f"--{name} {path!r}: no such file (a copy of kernels/flash_sm90.py, e.g. git show "
+                         "REV:kernels/flash_sm90.py > PATH)")
     spec = importlib.util.spec_from_file_location(f"flash_sm90_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)

@@ -72,8 +72,9 @@ Backward, two launches with the same roles (a loader warp, two consumer warpgrou
   and the persistent kernel measured 0.94-0.99x, so there each program keeps its one tile. Those programs (D=128
   and 192/128) write dK and dV through their own K and V buffers, which the tile no longer reads, by TMA store:
   the whole backward 1.03-1.08x for MHA at D=128, 1.03x for GQA and 1.07x for 192/128 at 1024 keys, 1.01x at
-  16384, and within the run's noise (3%) for GQA and 192/128 at 4096 (session 33, best of five, against the
-  stores from registers).
+  16384 (session 33, best of five, GPU alone, against the stores from registers); for GQA at 4096 keys it read
+  0.95-1.01x (best) and 0.97-1.00x (median), beside an identical-code control at 0.99 and 0.97: unresolved, a
+  loss of up to 5% there not ruled out. Its two or three more descriptors per launch cost host time, unmeasured.
 - MLA: Q and K arrive as two TMA tiles each, as in the forward, so S (S^T) is two products into one accumulator
   and dQ (dK) two accumulators, one per tile. The GPT-2-small MLA's 96/64 runs both kernels (persistent; dK/dV in
   64-query steps: 128-query steps spill 236-556 bytes); 192/128's dK/dV takes 32-query steps, the only size whose
@@ -111,8 +112,9 @@ with 128-key blocks, the first consumer's last causal block (of which its rows s
 (wgmma N = 64 and K = 64 on slices of the K and V buffers): 0.98-1.005x (a guess: the second consumer's path sets
 a tile's end). In the backward: persistent dQ and dK/dV programs at D=128 (above).
 
-No kernel spills registers, except the causal dK/dV kernel at D=64 (196 bytes, inside its loop; it is faster than
-the Triton kernel all the same).
+No kernel spills registers inside its loops, except the causal dK/dV kernel at D=64 (196 bytes; it is faster than
+the Triton kernel all the same). The causal dK/dV at D=128 keeps one to three setup values in local memory
+outside its step loop (4 bytes with a KV group, 12/16 for MHA; tests/test_flash.py bounds them).
 
 Gluon has no CPU interpreter, so these kernels' numerics are tested on the GPU (every forward and backward test in
 tests/test_flash.py runs through them on an H100/H200); on the CPU, tests/test_flash.py compiles them for sm_90
@@ -590,7 +592,7 @@ def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
 @functools.cache
 def _nvmma_layout(block: tuple[int, ...], dtype: torch.dtype) -> gl.NVMMASharedLayout:
     """The shared-memory layout of a TMA tile, once per (block, dtype): building it costs more host time than
-    the launch it is for (a backward takes ten descriptors)."""
+    the launch it is for (a backward takes ten to seventeen descriptors)."""
     gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
     return gl.NVMMASharedLayout.get_default_for(list(block), gl_dtype)
 
@@ -1067,18 +1069,21 @@ def _flash_bwd_dkdv_sm90_kernel(
 def backward_dkdv(q, k, v, do, lse2, delta, dk, dv, sm_scale: float, causal: bool, config=None):
     """dK and dV into dk (B, H_kv, S_kv, D) and dv; q, k, v, do as `supports` accepted them (and do too); lse2 (lse
     in log2 units) and delta = rowsum(dO * Out) - dlse as `backward_dq` wrote them, contiguous (B, H_q,
-    padded_rows(S_q)) fp32."""
+    padded_rows(S_q)) fp32. The one-tile kernels (not `persistent`) write dK and dV by TMA in q's dtype: a dk or dv
+    that TMA cannot write (its strides) or of another dtype is filled from a contiguous buffer in q's dtype."""
     b, h_q, s_q, d = q.shape
     h_kv, s_kv, d_v = k.shape[1], k.shape[2], v.shape[3]
     block_m, stages, persistent = config or BWD_CONFIGS[(d, d_v)]
-    if not persistent and not (dk.dtype == dv.dtype == q.dtype and _checks.tma_readable(dk)
-                               and _checks.tma_readable(dv)):
-        # One program per tile writes dK and dV by TMA, in q's dtype: through contiguous buffers where they cannot.
-        staged = [torch.empty(x.shape, device=x.device, dtype=q.dtype) for x in (dk, dv)]
-        backward_dkdv(q, k, v, do, lse2, delta, *staged, sm_scale, causal, config)
-        dk.copy_(staged[0])
-        dv.copy_(staged[1])
-        return
+    if not persistent:  # dK and dV by TMA, in q's dtype: each through a contiguous buffer where it cannot go so
+        direct = [x.dtype == q.dtype and _checks.tma_readable(x) for x in (dk, dv)]
+        if not all(direct):
+            staged = [x if ok else torch.empty(x.shape, device=x.device, dtype=q.dtype)
+                      for x, ok in zip((dk, dv), direct)]
+            backward_dkdv(q, k, v, do, lse2, delta, *staged, sm_scale, causal, config)
+            for x, y, ok in zip((dk, dv), staged, direct):
+                if not ok:
+                    x.copy_(y)
+            return
     rows = padded_rows(s_q)
     assert lse2.shape == delta.shape == (b, h_q, rows) and lse2.is_contiguous() and delta.is_contiguous()
     n_kb = cdiv(s_kv, PROGRAM_ROWS)

@@ -791,22 +791,40 @@ def test_forward_into_strided_out(d, causal):
 
 @pytest.mark.parametrize("d,d_v", [(128, 128), (192, 128), (64, 64)], ids=["D128", "D192x128", "D64"])
 def test_backward_into_strided_grads(d, d_v, monkeypatch):
-    """dq, dk and dv preallocated as views whose row strides TMA cannot write (D + 1 elements): the Hopper dK/dV
-    kernel that writes dK and dV by TMA (D=128 and 192/128, one program per tile) fills them from contiguous
-    buffers, the persistent one (D=64) stores through the strides; every element is written and nothing outside
-    the views (ZOO_FLASH_SM90_BWD=force: the Hopper kernels even for this small launch). On other machines the
-    Triton kernels write through the strides."""
+    """dq and dk preallocated as views whose row strides TMA cannot write (D + 1 elements), dv contiguous: the Hopper
+    dK/dV kernel that writes dK and dV by TMA (D=128 and 192/128, one program per tile) fills dk from a contiguous
+    buffer and dv directly (on an H100/H200 a spy checks that: the launcher runs again into the staged dk), the
+    persistent one (D=64) stores through the strides; every element is written and nothing outside the views
+    (ZOO_FLASH_SM90_BWD=force: the Hopper kernels even for this small launch). On other machines the Triton
+    kernels write through the strides."""
+    from kernels import flash
+
     monkeypatch.setenv("ZOO_FLASH_SM90_BWD", "force")
     case = (2, 4, 2, 200, 200, d, d_v, True)
     dtype = KERNEL_DTYPES[-1]
     q, k, v, do = make_inputs(case, dtype)
     out, lse = _forward(q, k, v, None, True)
-    bases = [poisoned((*x.shape[:-1], x.shape[-1] + 1), dtype) for x in (q, k, v)]
+    bases = [poisoned((*x.shape[:-1], x.shape[-1] + 1), dtype) for x in (q, k)] + [poisoned(v.shape, dtype)]
     grads = tuple(base[..., :x.shape[-1]] for base, x in zip(bases, (q, k, v)))
+    hopper = flash.flash_sm90
+    launches = []  # per launch of backward_dkdv: (dk is the caller's view, dv is the caller's tensor)
+    if hopper is not None:
+        launch = hopper.backward_dkdv
+
+        def spy(q_, k_, v_, do_, lse2, delta, dk, dv, *rest, **kwargs):
+            launches.append((dk is grads[1], dv is grads[2]))
+            return launch(q_, k_, v_, do_, lse2, delta, dk, dv, *rest, **kwargs)
+
+        monkeypatch.setattr(hopper, "backward_dkdv", spy)
     got = _backward(q, k, v, out, lse, do, None, True, grads=grads)
     for name, g, want, base in zip(("dq", "dk", "dv"), got, reference_grads(q, k, v, do, True)[2:], bases):
         assert_close(g, want, dtype, name, grad=True)
-        assert g.data_ptr() == base.data_ptr() and torch.isnan(base[..., -1]).all(), f"{name}: outside the view"
+        assert g.data_ptr() == base.data_ptr(), name
+        if g.shape != base.shape:
+            assert torch.isnan(base[..., -1]).all(), f"{name}: written outside the view"
+    if hopper is not None and hopper.supports_backward(q, k, v, do):  # an H100/H200: the Hopper dK/dV ran
+        persistent = hopper.BWD_CONFIGS[(d, d_v)][2]
+        assert launches == ([(True, True)] if persistent else [(True, True), (False, True)]), launches
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
