@@ -109,7 +109,7 @@ elsewhere, more spills at D=128), three consumer warpgroups at D=64 (3-19% slowe
 eight exponentials on the FMA units by a polynomial (FlashAttention-4's trick, for the D=64 forward whose 16 MUFU.EX2
 a clock per SM take as many clocks as its products): 0.94-0.997x, so the MUFU is not what bounds it; session 33:
 with 128-key blocks, the first consumer's last causal block (of which its rows see 64 keys at most) over 64 keys
-(wgmma N = 64 and K = 64 on slices of the K and V buffers): 0.98-1.005x (a guess: the second consumer's path sets
+(wgmma N = 64 and K = 64 on slices of the K and V buffers): 0.98-1.003x (a guess: the second consumer's path sets
 a tile's end). In the backward: persistent dQ and dK/dV programs at D=128 (above).
 
 No kernel spills registers inside its loops, except the causal dK/dV kernel at D=64 (196 bytes; it is faster than
