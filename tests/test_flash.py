@@ -460,13 +460,6 @@ def test_bad_backward_input_raises(name):
     assert message in str(err.value), str(err.value)
 
 
-def tiles_of(d: int) -> int:
-    """TMA tiles per row of Q or K at head dim d: one, or two with a RoPE part (flash_sm90.qk_tiles)."""
-    from kernels import flash_sm90
-
-    return 1 + (flash_sm90.qk_tiles(d)[1] > 0)
-
-
 def _compile_sm90(d, causal, which, d_v=None, group=4):
     """One of the Hopper kernels of kernels/flash_sm90.py compiled for sm_90 (conftest.compile_gluon_sm90), with
     D_qk = d and D_v = d_v (default d), `group` query heads per KV head, Q and K as TMA tiles of their first
@@ -599,14 +592,14 @@ def test_sm90_backward_kernel_structure(which, d, d_v, causal):
     bound = {(64, True, "dkdv"): 200, (128, True, "dkdv"): 8}.get((d, causal, which), 0)
     persistent = configs[(d, d_v)][2]
     assert result["ptx"].count("atom.global") == (1 if persistent else 0), "the tile counter"
+    block, tiles = configs[(d, d_v)][0], 1 + (flash_sm90.qk_tiles(d)[1] > 0)
     if which == "dkdv":  # dK (one or two tiles) and dV by TMA store, per warpgroup, where one program takes one tile
-        stores = 0 if persistent else 2 * (1 + tiles_of(d))
+        stores = 0 if persistent else 2 * (1 + tiles)
         assert result["ptx"].count("cp.async.bulk.tensor.4d.global.shared") == stores, "dK and dV's TMA stores"
     # Per consumer warpgroup (each has its own copy of the code), k = 16 per wgmma: dQ issues S = Q K^T over d
     # columns, dP = dO V^T over d_v, and dQ = dS K over the block's keys once per Q/K tile (one, or two with a RoPE
     # part); dK/dV issues S^T = K Q^T over d columns twice (before the loop and in it), dP^T = V dO^T over d_v, and
     # dV += P^T dO and dK += dS^T Q over the step's queries (dK once per tile).
-    block, tiles = configs[(d, d_v)][0], 1 + (flash_sm90.qk_tiles(d)[1] > 0)
     products = ((d + d_v) // 16 + tiles * block // 16 if which == "dq"
                 else 2 * (d // 16) + d_v // 16 + (1 + tiles) * block // 16)
     assert result["ptx"].count("wgmma.mma_async") == 2 * products, "the products' wgmma count"
