@@ -112,9 +112,10 @@ with 128-key blocks, the first consumer's last causal block (of which its rows s
 (wgmma N = 64 and K = 64 on slices of the K and V buffers): 0.98-1.003x (a guess: the second consumer's path sets
 a tile's end). In the backward: persistent dQ and dK/dV programs at D=128 (above).
 
-No kernel spills registers inside its loops, except the causal dK/dV kernel at D=64 (196 bytes; it is faster than
-the Triton kernel all the same). The causal dK/dV at D=128 keeps one to three setup values in local memory
-outside its step loop (4 bytes with a KV group, 12/16 for MHA; tests/test_flash.py bounds them).
+No kernel spills registers inside its step loops. The causal dK/dV keeps a few setup values in local memory outside
+them: at D=128 one to three (4 bytes with a KV group, 12/16 for MHA), at D=64 16 bytes (4 for MHA), where it spilled
+196 bytes inside the loop before its mask was written against immediates (session 34; tests/test_flash.py bounds
+them).
 
 Gluon has no CPU interpreter, so these kernels' numerics are tested on the GPU (every forward and backward test in
 tests/test_flash.py runs through them on an H100/H200); on the CPU, tests/test_flash.py compiles them for sm_90
@@ -860,12 +861,20 @@ def _bwd_tile(q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, lse_smem, delta
         mbarrier.wait(q_ready.index(it % STAGES), (it // STAGES) & 1)
         st = _scores_t(k_wg, kr_wg, q_smem, qr_smem, it % STAGES, gl.zeros([ROWS, BLOCK_M], gl.float32, st_layout),
                        BLOCK_M, D, DR)
+    # 128-query steps (D=64) carry their query block instead of taking t % nb each step (16 fewer instructions).
+    CARRY_M: gl.constexpr = CAUSAL and BLOCK_M > ROWS
+    mc = m_start
     for t in range(t0, total):
         g = it + t  # the program's step number, over all of its tiles
         s = g % STAGES
         phase = (g // STAGES) & 1
         if SKIPS:
             m = m_start + t  # (one query head: t < nb)
+        elif CARRY_M:
+            m = mc
+            mc += 1
+            if mc == n_m:
+                mc = m_start
         else:
             m = m_start + t % nb
         st = warpgroup_mma_wait(num_outstanding=0, deps=[st])
@@ -875,7 +884,16 @@ def _bwd_tile(q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, lse_smem, delta
         if CAUSAL:
             if q_shift + m * BLOCK_M < start_n + CONSUMERS * ROWS - 1:  # the block crosses the diagonal
                 first = kv_pos - q_shift - m * BLOCK_M
-                pt = gl.where(gl.arange(0, BLOCK_M, layout=cols)[None, :] >= first[:, None], pt, 0.0)
+                qc = gl.arange(0, BLOCK_M, layout=cols)
+                if BLOCK_M > ROWS:
+                    # qc >= first written as (qc & ~6) >= first - (qc & 6): a column's index is its thread's
+                    # 2 * (lane % 4) (bits 1-2) plus a constant, so each compare takes an immediate against the
+                    # row's first - 2 * (lane % 4). Written plainly, the 32 column indices of a thread's 128-query
+                    # step were hoisted out of the loop, stayed live across it, and ptxas spilled 196 bytes inside
+                    # the loop (D=64 causal; now 16, outside it).
+                    pt = gl.where((qc & ~6)[None, :] >= first[:, None] - (qc & 6)[None, :], pt, 0.0)
+                else:
+                    pt = gl.where(qc[None, :] >= first[:, None], pt, 0.0)
         mbarrier.wait(do_ready.index(s), phase)
         do_t = do_smem.index(s).reshape([BLOCK_M, DV])
         dpt = warpgroup_mma(v_wg, do_t.permute((1, 0)), st, use_acc=False, is_async=True)
