@@ -68,13 +68,13 @@ Backward, two launches with the same roles (a loader warp, two consumer warpgrou
   are software-pipelined: S^T of the next step is issued right after dK of this one. At D=64 the programs are
   persistent, as in the forward (tiles from a global counter, two K/V buffers: the next tile's K/V and first steps
   arrive while the consumers finish the current one and store its dK and dV): 1.00-1.07x as fast as one program
-  per tile on the grid's ten shapes (session 19). At D=128 the tile loop's state makes ptxas spill 72-160 bytes
-  and the persistent kernel measured 0.94-0.99x, so there each program keeps its one tile. Those programs (D=128
-  and 192/128) write dK and dV through their own K and V buffers, which the tile no longer reads, by TMA store:
-  the whole backward 1.03-1.08x for MHA at D=128, 1.03x for GQA and 1.07x for 192/128 at 1024 keys, 1.01x at
-  16384 (session 33, best of five, GPU alone, against the stores from registers); for GQA at 4096 keys it read
-  0.95-1.01x (best) and 0.97-1.00x (median), beside an identical-code control at 0.99 and 0.97: unresolved, a
-  loss of up to 5% there not ruled out. Its two or three more descriptors per launch cost host time, unmeasured.
+  per tile on the grid's ten shapes (session 19). At D=128 the persistent kernel measured 0.94-0.99x when its tile
+  loop's state spilled 72-160 bytes (session 19), and 0.95-0.99x again with the causal mask against immediates,
+  which brings those spills to 4-12 bytes for MHA (session 34), so there each program keeps its one tile. Those
+  programs (D=128 and 192/128) write dK and dV through their own K and V buffers, which the tile no longer reads,
+  by TMA store: the whole backward 1.03-1.08x for MHA at D=128, 1.03x for GQA and 1.07x for 192/128 at 1024 keys,
+  1.01x at 16384 (session 33, best of five, GPU alone, against the stores from registers); for GQA at 4096 keys
+  1.01-1.07x (best of seven; session 34). Its two or three more descriptors per launch cost host time, unmeasured.
 - MLA: Q and K arrive as two TMA tiles each, as in the forward, so S (S^T) is two products into one accumulator
   and dQ (dK) two accumulators, one per tile. The GPT-2-small MLA's 96/64 runs both kernels (persistent; dK/dV in
   64-query steps: 128-query steps spill 236-556 bytes); 192/128's dK/dV takes 32-query steps, the only size whose
@@ -110,7 +110,8 @@ eight exponentials on the FMA units by a polynomial (FlashAttention-4's trick, f
 a clock per SM take as many clocks as its products): 0.94-0.997x, so the MUFU is not what bounds it; session 33:
 with 128-key blocks, the first consumer's last causal block (of which its rows see 64 keys at most) over 64 keys
 (wgmma N = 64 and K = 64 on slices of the K and V buffers): 0.98-1.003x (a guess: the second consumer's path sets
-a tile's end). In the backward: persistent dQ and dK/dV programs at D=128 (above).
+a tile's end). In the backward: persistent dQ and dK/dV programs at D=128 (above); session 34: the causal dK/dV
+mask against immediates at D=128 and 192/128 too (no spills left; 0.974-1.003x, GQA causal lowest).
 
 No kernel spills registers inside its step loops. The causal dK/dV keeps a few setup values in local memory outside
 them: at D=128 one to three (4 bytes with a KV group, 12/16 for MHA), at D=64 16 bytes (4 for MHA), where it spilled
@@ -534,7 +535,8 @@ def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) ->
 # kernels on the grid's ten shapes and 64-query steps 0.99-1.07x; at D=128, 128-query steps would not fit the
 # registers (S^T, dP^T, dK and dV accumulators: 256 per thread). Persistent programs, against one program per
 # tile in the same run (session 19): at D=64 the kernel 1.00-1.07x as fast on the grid's ten shapes; at D=128, where
-# the tile loop's state makes ptxas spill 72-160 bytes, 0.94-0.99x, so D=128 keeps one program per tile. MLA's
+# the tile loop's state made ptxas spill 72-160 bytes, 0.94-0.99x, and 0.95-0.99x with those spills at 4-12 bytes
+# for MHA (session 34), so D=128 keeps one program per tile. MLA's
 # 96/64 (session 29, the whole backward GPU alone beside the Triton kernels, B16 H16 S1024 causal / B4 H16 S4096
 # causal / full): (64, 2, True) 1.33 / 1.24 / 1.22x, (64, 3, True) 1.30 / 1.18 / 1.19x, (64, 2, False) 1.16 / 1.10 /
 # 1.15x, (128, 2, True), which spills 236-556 bytes, 1.17 / 1.14 / 1.16x. MLA's 192/128: 64-query steps hold 64 x 192
