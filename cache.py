@@ -13,7 +13,7 @@ its rows (a batch-1 view prefills one prompt of a ragged batch; a view of the ac
 the finished ones are gone). Views share storage and bookkeeping with their cache; `reserve` grows only the
 view's rows, and `append`/`attend` act on the rows and positions of the view's last `reserve`.
 
-Layouts (the letters of kernels/reference.py):
+Layouts (the letters of attention_kernels/reference.py):
     grouped      K (B, H_kv, S_max, D_qk), V (B, H_kv, S_max, D_v) per layer: only the KV heads are stored
     paged        K pool (num_pages, page_size, H_kv, D_qk), V pool (num_pages, page_size, H_kv, D_v) per layer,
                  one BlockAllocator and one block table (B, max_pages) int32 shared by all layers
@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import torch
 
-import kernels
-from kernels import reference
+import attention_kernels
+from attention_kernels import reference
 
 CACHE_KINDS = ("grouped", "paged", "mla", "paged_mla")
 
@@ -375,7 +375,7 @@ class GroupedCache(_KVCache):
         v = self.store.prefix(self.v[layer], self.rows, self._rows_t, n).transpose(1, 2)
         if self.backend == "torch":
             return reference.decode_reference(q, k, v, self._step.seq_lens, scale=scale)[0]
-        return kernels.grouped_decode(q, k, v, self._step.seq_lens, scale=scale, validate=False)[0]
+        return attention_kernels.grouped_decode(q, k, v, self._step.seq_lens, scale=scale, validate=False)[0]
 
 
 class PagedCache(_KVCache):
@@ -389,8 +389,8 @@ class PagedCache(_KVCache):
         if self.backend == "torch":
             return reference.paged_decode_reference(q, self.k[layer], self.v[layer], table, self._step.seq_lens,
                                                     scale=scale)[0]
-        return kernels.paged_grouped_decode(q, self.k[layer], self.v[layer], table, self._step.seq_lens,
-                                            scale=scale, validate=False)[0]
+        return attention_kernels.paged_grouped_decode(q, self.k[layer], self.v[layer], table, self._step.seq_lens,
+                                                      scale=scale, validate=False)[0]
 
 
 class _LatentCache(_Cache):
@@ -435,7 +435,7 @@ class MLACache(_LatentCache):
         r = self.store.prefix(self.r[layer], self.rows, self._rows_t, n)
         if self.backend == "torch":
             return reference.mla_decode_reference(q_abs, q_rope, c, r, self._step.seq_lens, scale=scale)[0]
-        return kernels.mla_decode(q_abs, q_rope, c, r, self._step.seq_lens, scale=scale, validate=False)[0]
+        return attention_kernels.mla_decode(q_abs, q_rope, c, r, self._step.seq_lens, scale=scale, validate=False)[0]
 
 
 class PagedMLACache(_LatentCache):
@@ -449,8 +449,8 @@ class PagedMLACache(_LatentCache):
         if self.backend == "torch":
             return reference.paged_mla_decode_reference(q_abs, q_rope, self.c[layer], self.r[layer], table,
                                                         self._step.seq_lens, scale=scale)[0]
-        return kernels.paged_mla_decode(q_abs, q_rope, self.c[layer], self.r[layer], table, self._step.seq_lens,
-                                        scale=scale, validate=False)[0]
+        return attention_kernels.paged_mla_decode(q_abs, q_rope, self.c[layer], self.r[layer], table,
+                                                  self._step.seq_lens, scale=scale, validate=False)[0]
 
 
 def valid_cache_kinds(config) -> tuple[str, ...]:

@@ -2,7 +2,7 @@
 
 The model is nanoGPT's GPT-2 (pre-LayerNorm blocks, GELU MLP, tied embeddings) with the attention made
 configurable. Every variant has two interchangeable attention paths behind one switch (`causal_attention`):
-our Triton flash-attention kernel (`kernels.flash_gqa_attention`, differentiable, no K/V repetition for GQA)
+our Triton flash-attention kernel (`attention_kernels.flash_gqa_attention`, differentiable, no K/V repetition for GQA)
 and plain PyTorch (the reference, and the fallback on machines without a GPU). `attn_backend="auto"` picks
 Triton on CUDA and PyTorch elsewhere.
 
@@ -47,8 +47,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels import flash_gqa_attention
-from kernels.reference import causal_mask
+from attention_kernels import flash_gqa_attention
+from attention_kernels.reference import causal_mask
 
 ATTENTIONS = ("mha", "gqa", "mqa", "mla")
 POS_EMBEDDINGS = ("learned", "rope")
@@ -180,7 +180,7 @@ def causal_attention(q, k, v, backend: str) -> torch.Tensor:
     cached prefix of S_kv - S_q tokens is visible to every query. Query head h reads K/V head h // (H_q // H_kv)."""
     if backend == "triton":
         return flash_gqa_attention(q, k, v, causal=True)
-    # Plain PyTorch: the math of kernels.reference.attention_reference, differentiable, in the input dtype
+    # Plain PyTorch: the math of attention_kernels.reference.attention_reference, differentiable, in the input dtype
     # (SDPA accumulates in fp32 like the flash kernel; an fp32 (S_q, S_kv) score matrix per head would not fit
     # at training sizes). K/V are repeated to the query heads explicitly.
     group = q.shape[1] // k.shape[1]

@@ -1,11 +1,11 @@
 """Another revision's Hopper flash kernels against the working tree's (or a variant's), in one process: the
 measure of a lever.
 
-    git show HEAD:kernels/flash_sm90.py > benchmarks/flash_sm90_old.py     # (git ignores flash_sm90_*.py there)
-    python3 benchmarks/ab_flash.py --old benchmarks/flash_sm90_old.py      # on the GPU machine
+    git show HEAD:attention_kernels/flash_sm90.py > benchmarks/flash_sm90_old.py  # git ignores flash_sm90_*.py here
+    python3 benchmarks/ab_flash.py --old benchmarks/flash_sm90_old.py            # on the GPU machine
     python3 benchmarks/ab_flash.py --old benchmarks/flash_sm90_old.py --shapes 4,32,32,4096,128,128,causal \
         16,12,12,1024,96,64,full --what backward
-    python3 benchmarks/ab_flash.py --old kernels/flash_sm90.py --new benchmarks/flash_sm90_try.py   # a variant
+    python3 benchmarks/ab_flash.py --old attention_kernels/flash_sm90.py --new benchmarks/flash_sm90_try.py  # a variant
 
 Per shape (B, H_q, H_kv, S, D_qk, D_v, causal or full): the forward and the whole backward (`flash._forward` and
 `flash._backward`, every launch the autograd path makes) run through each version (`flash.flash_sm90` swapped for
@@ -24,9 +24,9 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from attention_kernels import flash  # noqa: E402
 from benchmarks.bench_flash import flops  # noqa: E402
 from benchmarks.common import bench_gpu_ms, header  # noqa: E402
-from kernels import flash  # noqa: E402
 
 # Session 32's: causal D=128 GQA at three lengths, MHA, group 8, MLA's two training shapes, a full-attention control.
 SHAPES = [
@@ -52,10 +52,10 @@ def parse_shape(text: str) -> tuple:
 
 
 def load_module(path: str, name: str):
-    """A copy of kernels/flash_sm90.py loaded as its own module (its kernels compile and cache apart)."""
+    """A copy of attention_kernels/flash_sm90.py loaded as its own module (its kernels compile and cache apart)."""
     if not os.path.isfile(path):
-        raise SystemExit(f"--{name} {path!r}: no such file (a copy of kernels/flash_sm90.py, e.g. git show "
-                         "REV:kernels/flash_sm90.py > PATH)")
+        raise SystemExit(f"--{name} {path!r}: no such file (a copy of attention_kernels/flash_sm90.py, e.g. git show "
+                         "REV:attention_kernels/flash_sm90.py > PATH)")
     spec = importlib.util.spec_from_file_location(f"flash_sm90_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -116,8 +116,9 @@ def run_shape(shape, versions: dict, rounds: int, what: str) -> list[str]:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--old", required=True, help="a copy of another revision's kernels/flash_sm90.py")
-    parser.add_argument("--new", help="a copy to measure in place of the working tree's kernels/flash_sm90.py")
+    parser.add_argument("--old", required=True, help="a copy of another revision's attention_kernels/flash_sm90.py")
+    parser.add_argument("--new",
+                        help="a copy to measure in place of the working tree's attention_kernels/flash_sm90.py")
     parser.add_argument("--shapes", nargs="+", type=parse_shape, default=SHAPES,
                         help="B,H_q,H_kv,S,D_qk,D_v,causal|full ... (default: session 32's nine)")
     parser.add_argument("--rounds", type=int, default=5, help="alternated rounds per shape (default 5)")

@@ -30,10 +30,10 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from common import ceilings, env, header, print_table, rotated_ms, rotation  # noqa: E402
 
-from kernels import decode as decode_mod  # noqa: E402
-from kernels import mla as mla_mod  # noqa: E402
-from kernels.decode import grouped_decode, paged_grouped_decode  # noqa: E402
-from kernels.mla import mla_decode, paged_mla_decode  # noqa: E402
+from attention_kernels import decode as decode_mod  # noqa: E402
+from attention_kernels import mla as mla_mod  # noqa: E402
+from attention_kernels.decode import grouped_decode, paged_grouped_decode  # noqa: E402
+from attention_kernels.mla import mla_decode, paged_mla_decode  # noqa: E402
 
 DTYPE = torch.bfloat16
 MAX_CACHE_BYTES = 24 * 1024**3  # K + V of one shape; larger shapes of the grid are skipped
@@ -228,8 +228,8 @@ def bench_mla(shapes, fixed_splits: bool) -> list[dict]:
 
 
 def tune(sections: list[str], quick: bool = False):
-    """Launch-config sweeps on a few shapes: the data behind the defaults in kernels/decode.py, kernels/decode_sm90.py
-    and kernels/mla.py (quick: the paged sweep on its last two shapes only)."""
+    """Launch-config sweeps on a few shapes: the data behind the defaults in attention_kernels/decode.py,
+    decode_sm90.py and mla.py (quick: the paged sweep on its last two shapes only)."""
     rows = []
     grouped_shapes = [(64, 8192, 8, 128), (8, 32768, 8, 128), (64, 8192, 1, 128), (64, 8192, 8, 64),
                       (64, 1024, 8, 128)]
@@ -294,8 +294,8 @@ PAGED_TUNE_SHAPES = [(b, s, h, 128) for b, s in ((1, 65536), (64, 8192), (8, 327
 
 
 def tune_paged(shapes=PAGED_TUNE_SHAPES, configs=((64, 3), (64, 4), (64, 2)), page_size: int = 16) -> list[dict]:
-    """The Hopper paged kernel (kernels/decode_sm90.py): every ring config at every power-of-two split count, on a
-    full-length and a ragged batch of each shape (lengths from [S/8, S]): the data behind decode_sm90.CONFIGS and
+    """The Hopper paged kernel (attention_kernels/decode_sm90.py): every ring config at every power-of-two split count,
+    on a full-length and a ragged batch of each shape (lengths from [S/8, S]): the data behind decode_sm90.CONFIGS and
     decode.ragged_num_splits. Rows: ms per (config, lens, split), and which split the model picks."""
     rows = []
     for b, s, h_kv, d in shapes:

@@ -1,16 +1,16 @@
-"""Flash attention training kernels (kernels/flash.py) against PyTorch SDPA and FlexAttention on one GPU.
+"""Flash attention training kernels (attention_kernels/flash.py) against PyTorch SDPA and FlexAttention on one GPU.
 
     python3 benchmarks/bench_flash.py            # the full grid (a few minutes)
     python3 benchmarks/bench_flash.py --quick    # four shapes (under two minutes)
     python3 benchmarks/bench_flash.py --part 2/3 # the second third of the full grid (one device call each)
 
 Per shape: our forward output and gradients are checked against SDPA (relative L2 error, bf16 budget) before
-anything is timed; then the forward and the backward alone (autograd.grad over a retained graph) are timed for
-ours, SDPA (`enable_gqa=True`, is_causal; MLA's D_v is padded to D_qk for it) and FlexAttention (compiled, causal
-block mask). Where the forward or the backward runs on the Hopper kernels (kernels/flash_sm90.py), the portable
-Triton one is timed too (`fwd_triton` with ZOO_FLASH_SM90=0, `bwd_triton` with ZOO_FLASH_SM90_BWD=0), so the run
-shows that lever beside the peers. `fwd_gpu` / `bwd_gpu` and their ratios time ours and SDPA again on the GPU
-alone (common.bench_gpu_ms: the calls enqueued while the GPU sleeps), so a shape whose launch takes the host longer
+anything is timed; then the forward and the backward alone (autograd.grad over a retained graph) are timed for ours,
+SDPA (`enable_gqa=True`, is_causal; MLA's D_v is padded to D_qk for it) and FlexAttention (compiled, causal block mask).
+Where the forward or the backward runs on the Hopper kernels (attention_kernels/flash_sm90.py), the portable Triton one
+is timed too (`fwd_triton` with ZOO_FLASH_SM90=0, `bwd_triton` with ZOO_FLASH_SM90_BWD=0), so the run shows that lever
+beside the peers. `fwd_gpu` / `bwd_gpu` and their ratios time ours and SDPA again on the GPU alone (common.bench_gpu_ms:
+the calls enqueued while the GPU sleeps), so a shape whose launch takes the host longer
 than the kernels take the GPU shows both numbers: the kernels' speed, and what a caller waits. FLOPs:
 2*B*H_q*S_q*S_kv*(D_qk + D_v) for the forward (= 4*B*H*M*N*D for equal dims), half of it when causal; the
 backward counts 2.5x the forward. Ceilings (copy bandwidth, bf16 matmul) come from the same run.
@@ -25,8 +25,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from attention_kernels import flash, flash_gqa_attention  # noqa: E402
 from benchmarks.common import bench_gpu_ms, bench_ms, ceilings, env, header, print_table  # noqa: E402
-from kernels import flash, flash_gqa_attention  # noqa: E402
 
 # (B, H_q, H_kv, S, D_qk, D_v, causal); B * S = 16k tokens per shape.
 QUICK = [

@@ -4,11 +4,11 @@
     python3 benchmarks/bench_generate.py --device=cpu --tiny   # a smoke run of the same code on the CPU
 
 For each variant (mha, gqa with 4 KV heads, mqa, mla) and each cache that fits it, a batch of random prompts of
---prompt_len tokens is prefilled and then --new_tokens tokens are decoded greedily through sample.generate, with
-the Triton kernels; decode tokens/s = batch * decode steps / decode seconds (device-synchronized). Baselines in the
-same run: the same caches on the plain PyTorch attention (backend "torch", kernels/reference.py) and, at batch 1,
-no cache at all (the full forward every step). "cache GB/s" is the bytes of cache every decode step reads (the
-whole context of every sequence, all layers) over the step time, an end-to-end lower bound on the attention's
+--prompt_len tokens is prefilled and then --new_tokens tokens are decoded greedily through sample.generate, with the
+Triton kernels; decode tokens/s = batch * decode steps / decode seconds (device-synchronized). Baselines in the same
+run: the same caches on the plain PyTorch attention (backend "torch", attention_kernels/reference.py) and, at batch 1,
+no cache at all (the full forward every step). "cache GB/s" is the bytes of cache every decode step reads (the whole
+context of every sequence, all layers) over the step time, an end-to-end lower bound on the attention's
 bandwidth: the step also runs the projections, the MLP and Python, so it is not a kernel measurement.
 """
 

@@ -6,7 +6,7 @@ kernels and on PyTorch SDPA, in the same run.
     python3 benchmarks/bench_train.py --device=cpu --tiny --modes=eager   # a smoke run of the same code on the CPU
 
 Per variant (mha, gqa with 4 KV heads, mqa, mla; the shapes of bench_generate.py) and backend ("triton":
-kernels.flash_gqa_attention; "torch": F.scaled_dot_product_attention with K/V repeated to the query heads, the
+attention_kernels.flash_gqa_attention; "torch": F.scaled_dot_product_attention with K/V repeated to the query heads, the
 model's plain PyTorch path): fp32 weights under bf16 autocast, batch 8 of 1024-token sequences, a step of
 forward, cross-entropy loss and backward. Step time is the median of --steps synchronized steps after warm-up;
 MFU counts model.flops_per_token against the GPU's dense bf16 peak.

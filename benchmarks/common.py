@@ -11,7 +11,7 @@ import time
 import torch
 import triton
 
-from kernels._host import behind_sleep
+from attention_kernels._host import behind_sleep
 
 
 def header() -> str:
@@ -94,11 +94,11 @@ def rotation(n_bytes: int) -> int:
 
 def bench_gpu_ms(fn, n: int = 30) -> float:
     """Median milliseconds of fn() on the GPU alone. bench_ms times from an event recorded before the call to one
-    after it, so where the host takes longer to launch fn's kernels than the GPU takes to run them, the GPU waits
-    inside the timed window and the host's time is measured. Here n calls, each after an L2 flush and between its
-    own events, are all enqueued while the GPU sleeps, so they run back to back from a cold L2 with no wait for the
-    host. The sleep is sized from one call and must outlast the enqueueing (`kernels._host.behind_sleep` checks;
-    else a longer one)."""
+    after it, so where the host takes longer to launch fn's kernels than the GPU takes to run them, the GPU waits inside
+    the timed window and the host's time is measured. Here n calls, each after an L2 flush and between its own events,
+    are all enqueued while the GPU sleeps, so they run back to back from a cold L2 with no wait for the host. The sleep
+    is sized from one call and must outlast the enqueueing (`attention_kernels._host.behind_sleep` checks; else a longer
+    one)."""
     cache = torch.empty(int(256e6 // 4), dtype=torch.int, device="cuda")  # do_bench's flush
     fn()
     torch.cuda.synchronize()

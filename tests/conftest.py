@@ -59,7 +59,7 @@ def _seed():
 def poison_decode_outputs(monkeypatch):
     """Outputs and split partials of the decode kernels start as NaN: an element a kernel forgets to write fails
     the NaN check of assert_close."""
-    from kernels import decode
+    from attention_kernels import decode
 
     def poisoned(shape, device, dtype):
         return torch.full(shape, float("nan"), device=device, dtype=dtype)

@@ -9,8 +9,8 @@ import pytest
 import torch
 from conftest import DEVICE, KERNEL_DTYPES, assert_close
 
+from attention_kernels import reference
 from cache import BlockAllocator, CacheFullError, make_cache
-from kernels import reference
 
 GQA = SimpleNamespace(attention="gqa", n_layer=2, n_head=4, n_kv_head=2, n_embd=64)  # head_dim 16
 MLA = SimpleNamespace(attention="mla", n_layer=2, n_head=4, kv_lora_rank=32, qk_rope_head_dim=8)

@@ -1,6 +1,6 @@
-"""grouped_decode and paged_grouped_decode against kernels.reference, on the CPU (interpreter, fp32/fp16) and the GPU
-(fp16/bf16): head dims 32-128 including 48 and 80, D_qk != D_v, group sizes 1, 2, 3, 4, MQA and groups wider than
-one head tile, ragged lengths including 1, explicit and automatic splits (more splits than tiles too), shuffled
+"""grouped_decode and paged_grouped_decode against attention_kernels.reference, on the CPU (interpreter, fp32/fp16) and
+the GPU (fp16/bf16): head dims 32-128 including 48 and 80, D_qk != D_v, group sizes 1, 2, 3, 4, MQA and groups wider
+than one head tile, ragged lengths including 1, explicit and automatic splits (more splits than tiles too), shuffled
 block tables at page sizes 8-256, RoPE score terms, non-contiguous inputs, every bad input, torch.compile."""
 
 import math
@@ -10,9 +10,9 @@ import torch
 import triton
 from conftest import DEVICE, KERNEL_DTYPES, assert_close, check_dependent_chain, ragged_lens
 
-from kernels import decode, paged_grouped_decode
-from kernels.decode import auto_num_splits, grouped_decode
-from kernels.reference import decode_reference, paged_decode_reference
+from attention_kernels import decode, paged_grouped_decode
+from attention_kernels.decode import auto_num_splits, grouped_decode
+from attention_kernels.reference import decode_reference, paged_decode_reference
 
 DTYPE_IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
@@ -179,8 +179,8 @@ def test_paged_matches_contiguous_on_ragged_batch():
     assert_close(lse_p, lse_a, dtype, "paged vs contiguous lse")
 
 
-# The inputs the Hopper kernel (kernels/decode_sm90.py) takes on an H100/H200 in fp16/bf16: D 64 or 128, no RoPE;
-# (B, H_q, H_kv, S_max, D, page_size (0: contiguous), splits (None: automatic)). Group sizes 4, 32 (MQA), 1 and 80
+# The inputs the Hopper kernel (attention_kernels/decode_sm90.py) takes on an H100/H200 in fp16/bf16: D 64 or 128, no
+# RoPE; (B, H_q, H_kv, S_max, D, page_size (0: contiguous), splits (None: automatic)). Group sizes 4, 32 (MQA), 1 and 80
 # (two head tiles, the second one of 16 heads); pages smaller than, equal to and larger than a tile; 300 tokens in
 # one split run several tiles per program. On the CPU the Triton kernel runs them (the interpreter), and on the GPU
 # also with ZOO_DECODE_SM90=0.
@@ -231,7 +231,7 @@ def test_decode_never_reads_past_the_end(dtype, case, kernel, monkeypatch):
         out, lse = grouped_decode(q, k, v, seq_lens, scale=0.1, num_splits=splits)
     _check(out, lse, ref_out, ref_lse, dtype, "decode" + (f" page {page_size}" if page_size else ""))
     if DEVICE == "cuda" and kernel == "default" and page_size:  # the Hopper kernel's inputs on an H100/H200
-        from kernels import decode_sm90
+        from attention_kernels import decode_sm90
         assert decode._sm90_supports(q, k_pages, v_pages, None) == decode_sm90.on_hopper(q)
 
 
@@ -239,7 +239,7 @@ def test_sm90_eligibility():
     """Which paged inputs the Hopper decode kernel takes (on an sm_90 GPU): fp16/bf16, D_qk == D_v in {64, 128}, no
     RoPE, pools whose slots hold their heads side by side (TMA reads them as (pages, page_size, H_kv * D)).
     Everything else, and every contiguous cache, runs the Triton kernel."""
-    from kernels.decode_sm90 import eligible
+    from attention_kernels.decode_sm90 import eligible
 
     def inputs(d=128, dv=None, dtype=torch.bfloat16):
         return (torch.zeros(2, 8, d, dtype=dtype), torch.zeros(6, 16, 2, d, dtype=dtype),
@@ -278,7 +278,7 @@ def test_sm90_kernel_structure(d, page_size, splits, crowded):
 
     from conftest import compile_gluon_sm90, setmaxnreg_counts, spill_bytes
 
-    from kernels import decode_sm90
+    from attention_kernels import decode_sm90
 
     block_n, stages = decode_sm90.CONFIGS[d]
     if crowded:
@@ -292,7 +292,7 @@ def test_sm90_kernel_structure(d, page_size, splits, crowded):
     assert (chunk > 0) == (splits > 1)
     const = dict(BLOCK_N=block_n, D=d, STAGES=stages, PAGE_SIZE=page_size, PAGE_ROWS=rows, MERGE_H=4, CHUNK=chunk,
                  WAIT=crowded)
-    result = compile_gluon_sm90("kernels.decode_sm90", "_grouped_decode_sm90_kernel", types, const,
+    result = compile_gluon_sm90("attention_kernels.decode_sm90", "_grouped_decode_sm90_kernel", types, const,
                                 options=dict(maxnreg=decode_sm90.MAX_REGS))
     ptx = result["ptx"]
     assert "40" in setmaxnreg_counts(ptx), setmaxnreg_counts(ptx)
@@ -310,7 +310,7 @@ def test_sm90_kernel_structure(d, page_size, splits, crowded):
 def test_sm90_crowded_launch_config(monkeypatch):
     """The Hopper paged kernel's ring: CONFIGS up to one program per SM, CROWDED_STAGES (D=128) beyond, and the
     split model's count of programs per SM (shared_bytes) stays that of CONFIGS' ring."""
-    from kernels import decode_sm90
+    from attention_kernels import decode_sm90
 
     gpu = torch.device("cuda", 0)
     monkeypatch.setattr(decode_sm90, "num_sms", lambda device: 132)
@@ -329,7 +329,7 @@ def test_paged_decode_crowded(case, monkeypatch):
     """The paged D=128 cases above with the GPU counted as one SM, so that their launches (six programs or more)
     take the crowded ring on an H100/H200 (elsewhere the same calls run the Triton kernel): NaN past every end,
     outputs and lse against the reference."""
-    from kernels import decode_sm90
+    from attention_kernels import decode_sm90
 
     monkeypatch.setattr(decode_sm90, "num_sms", lambda device: 1)
     b, hq, hkv, s, d, page_size, splits = case
@@ -764,7 +764,7 @@ def test_triton_dependent_launch_compiles(kernel, wait):
     from conftest import compile_gluon_sm90
 
     types, const = _TRITON_DECODE_COMPILES[kernel]
-    ptx = compile_gluon_sm90("kernels.decode", kernel, types, dict(const, WAIT=wait),
+    ptx = compile_gluon_sm90("attention_kernels.decode", kernel, types, dict(const, WAIT=wait),
                              options=dict(num_warps=4, num_stages=3), gluon=False)["ptx"]
     assert ptx.count("griddepcontrol.wait") == (1 if wait else 0)
     first_access = re.search(r"\b(ld\.global|st\.global|cp\.async|atom\.global|red\.global)", ptx)

@@ -1,4 +1,4 @@
-"""flash_gqa_attention / flash_gqa_forward / flash_gqa_backward against kernels.reference.attention_reference.
+"""flash_gqa_attention / flash_gqa_forward / flash_gqa_backward against attention_kernels.reference.attention_reference.
 
 Forward (out, lse) and backward (dq, dk, dv) on shapes that are not powers of two, MHA/GQA/MQA, D_qk != D_v,
 causal and not, S_q < S_kv (bottom-right causal alignment over a cached prefix), non-contiguous inputs; outputs
@@ -15,10 +15,10 @@ import triton
 import triton.language as tl
 from conftest import DEVICE, KERNEL_DTYPES, assert_close, compile_gluon_sm90, setmaxnreg_counts, spill_bytes
 
-from kernels import flash_gqa_attention, flash_gqa_backward, flash_gqa_forward
-from kernels.flash import _backward, _forward
-from kernels.reference import attention_reference
-from kernels.schedule import bucket_size, ranked
+from attention_kernels import flash_gqa_attention, flash_gqa_backward, flash_gqa_forward
+from attention_kernels.flash import _backward, _forward
+from attention_kernels.reference import attention_reference
+from attention_kernels.schedule import bucket_size, ranked
 
 # (B, H_q, H_kv, S_q, S_kv, D_qk, D_v, causal). Every S in {1, 17, 63, 65, 130}, D in {32, 48, 64, 80, 128},
 # group sizes 1, 2, 3, 4 and MQA, D_qk != D_v (MLA's 192/128 included), S_q < S_kv, causal and not appear.
@@ -43,7 +43,8 @@ CASES = [
     # key blocks than its ring has stages, the causal diagonal inside the sequence, S_q < S_kv.
     (1, 4, 2, 200, 520, 128, 128, True),
     (1, 2, 1, 130, 600, 128, 128, False),
-    # Group 8, causal: the launch order puts every pair's heaviest blocks first (kernels/schedule.py, buckets of one).
+    # Group 8, causal: the launch order puts every pair's heaviest blocks first (attention_kernels/schedule.py,
+    # buckets of one).
     (1, 8, 1, 130, 130, 128, 128, True),
 ]
 
@@ -137,7 +138,7 @@ def test_qk_head_dim_tiling():
     """The Q/K head dim is tiled as one power-of-two block, or as two when that pads less (MLA's 192 = 128 + 64):
     for every head dim the blocks cover every column, are powers of two from 16, and never pad more than the
     one block would."""
-    from kernels.flash import _head_block, _qk_blocks
+    from attention_kernels.flash import _head_block, _qk_blocks
 
     assert _qk_blocks(192) == dict(BLOCK_DK=128, BLOCK_DK2=64, SPLIT_DK=True)
     for d_qk in range(16, 257):
@@ -188,7 +189,7 @@ def test_dkdv_head_splits(case, head_splits):
 def test_head_splits_rule(monkeypatch):
     """Shares only when the dK/dV launch has fewer than two programs per SM, never more than the group, and about
     the fewest that reach two programs per SM."""
-    from kernels import flash
+    from attention_kernels import flash
 
     monkeypatch.setattr(flash, "num_sms", lambda device: 132)
     cuda = torch.device("cuda")
@@ -202,7 +203,7 @@ def test_head_splits_rule(monkeypatch):
 def test_config_tuner_picks_the_fastest_that_fits(monkeypatch):
     """The tuner skips a config that does not fit the GPU, times the others in two alternating rounds and keeps each
     one's faster time (a config slowed once by noise is not lost), picks the fastest and caches it per bucket."""
-    from kernels import flash
+    from attention_kernels import flash
 
     monkeypatch.setattr(flash._checks, "interpreting", lambda: False)  # as on a GPU: the tuner runs
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
@@ -233,7 +234,7 @@ def test_config_tuner_picks_the_fastest_that_fits(monkeypatch):
 @pytest.mark.skipif(DEVICE != "cuda", reason="times GPU work; the tuner never times under the interpreter")
 def test_gpu_ms_times_the_gpu_alone():
     """_gpu_ms of a call that keeps the GPU busy for about 1 ms reads about 1 ms."""
-    from kernels import flash
+    from attention_kernels import flash
 
     ms = flash._gpu_ms(lambda: torch.cuda._sleep(2_000_000))  # 2e6 cycles: 1.0-1.3 ms at an H200's 1.5-2 GHz
     assert 0.5 < ms < 2.5, ms
@@ -243,7 +244,7 @@ def test_hopper_dkdv_rule(monkeypatch):
     """The Hopper dK/dV kernel takes MHA at any size, a GQA/MQA launch from one wave of programs up, and from 124
     programs (of 132 SMs) keys of at most 1024 (fewer go to the Triton kernel, which shares the group's heads:
     `_head_splits`)."""
-    from kernels import flash
+    from attention_kernels import flash
 
     monkeypatch.setattr(flash, "num_sms", lambda device: 132)
     cuda = torch.device("cuda")
@@ -331,7 +332,7 @@ def test_outputs_in_the_inputs_memory_order(dtype):
 def test_empty_in_order_for_every_memory_order():
     """`flash._empty_in_order` takes two orders by a shortcut ((B, H, S, D) and (B, S, H, D) memory); for every order
     of the first three dims, with size-1 dims (whose strides tie) too, its strides are those of a sort by stride."""
-    from kernels.flash import _empty_in_order
+    from attention_kernels.flash import _empty_in_order
 
     for dims in [(2, 3, 5, 4), (1, 3, 5, 4), (2, 1, 5, 4), (2, 3, 1, 4), (1, 1, 1, 4), (3, 3, 3, 4)]:
         for perm in itertools.permutations(range(3)):
@@ -347,7 +348,7 @@ def test_custom_ops_fake_strides_match_the_kernels():
     """torch.compile plans the graph around the custom ops from their fake (meta) outputs; their shapes and strides
     must be the real outputs' (torch.library.opcheck compares them), for the model's (B, S, H, D)-ordered inputs
     and for contiguous ones."""
-    from kernels.flash import _flash_bwd_op, _flash_fwd_op
+    from attention_kernels.flash import _flash_bwd_op, _flash_fwd_op
 
     dtype = KERNEL_DTYPES[0]
     views = projection_views(1, 17, 4, 2, 32, dtype)
@@ -461,11 +462,11 @@ def test_bad_backward_input_raises(name):
 
 
 def _compile_sm90(d, causal, which, d_v=None, group=4):
-    """One of the Hopper kernels of kernels/flash_sm90.py compiled for sm_90 (conftest.compile_gluon_sm90), with
-    D_qk = d and D_v = d_v (default d), `group` query heads per KV head, Q and K as TMA tiles of their first
-    power-of-two columns and of the rest (MLA's 128 + 64), as `flash_sm90.forward`, `backward_dq` and
-    `backward_dkdv` launch them."""
-    from kernels import flash_sm90
+    """One of the Hopper kernels of attention_kernels/flash_sm90.py compiled for sm_90 (conftest.compile_gluon_sm90),
+    with D_qk = d and D_v = d_v (default d), `group` query heads per KV head, Q and K as TMA tiles of their first
+    power-of-two columns and of the rest (MLA's 128 + 64), as `flash_sm90.forward`, `backward_dq` and `backward_dkdv`
+    launch them."""
+    from attention_kernels import flash_sm90
 
     d_v = d_v or d
     d_main, d_rest = flash_sm90.qk_tiles(d)
@@ -517,7 +518,7 @@ def _compile_sm90(d, causal, which, d_v=None, group=4):
         kernel = "_flash_bwd_dkdv_sm90_kernel"
     if not d_rest:
         const.update(qr_desc=None, kr_desc=None)
-    return compile_gluon_sm90("kernels.flash_sm90", kernel, types, const)
+    return compile_gluon_sm90("attention_kernels.flash_sm90", kernel, types, const)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -534,7 +535,7 @@ def test_sm90_kernel_structure(d, d_v, causal):
     spilled 32 bytes at D=128 full and 316 causal (session 18, benchmarks/RESULTS.md). MLA's 192/128 reads Q and
     K as two TMA tiles each (128 + 64 columns: a tile's width must be a power of two), so its scores are two
     products, m64nBLOCK_Nk16 over 128 and over 64 columns; the GPT-2-small MLA's 96/64 likewise over 64 and 32."""
-    from kernels import flash_sm90
+    from attention_kernels import flash_sm90
 
     assert (d, d_v) in flash_sm90.CONFIGS
     result = _compile_sm90(d, causal, "forward", d_v)
@@ -578,7 +579,7 @@ def test_sm90_backward_kernel_structure(which, d, d_v, causal):
     writes dK and dV through its K and V buffers by TMA, one store per tile of them and warpgroup; at D=128 causal
     ptxas keeps one value (4 bytes) in local memory there, stored and loaded after the step loop (session 33's
     disassembly), which the bound of 8 allows."""
-    from kernels import flash_sm90
+    from attention_kernels import flash_sm90
 
     configs = flash_sm90.BWD_CONFIGS if which == "dkdv" else flash_sm90.DQ_CONFIGS
     assert (d, d_v) in configs
@@ -615,7 +616,7 @@ def test_sm90_mha_causal_dkdv_structure(d, d_v):
     kernel's entry, before the step loop and after it, and loaded outside the loop (sessions 32 and 33's
     disassembly; session 32's skip measured 1.01-1.07x the whole MHA backward without it, session 33's TMA store of
     dK and dV, which added 8 of those bytes, 1.03-1.08x)."""
-    from kernels import flash_sm90
+    from attention_kernels import flash_sm90
 
     result = _compile_sm90(d, True, "dkdv", d_v, group=1)
     assert "serialized" not in result["ptxas"], result["ptxas"]
@@ -663,7 +664,7 @@ def test_sm90_forward_dispatch(monkeypatch):
     anywhere): D = 128 and MLA's 192/128 and 96/64 at every length; D = 64 full attention at every length, causal
     from MIN_KEYS[(64, True)] keys (2048) up, where it measured ahead of the Triton kernel; no other pair of head
     dims."""
-    from kernels import flash_sm90
+    from attention_kernels import flash_sm90
 
     monkeypatch.setattr(flash_sm90, "on_hopper", lambda t: True)
     monkeypatch.setenv("ZOO_FLASH_SM90", "1")
@@ -687,7 +688,7 @@ def test_sm90_backward_dispatch(monkeypatch):
     by recorders, so that it runs anywhere): the Hopper dQ and dK/dV kernels at D = 64 and 128 and MLA's 96/64 and
     192/128, and the Triton kernels for any other pair; ZOO_FLASH_SM90_BWD=0 keeps every pair on the Triton
     kernels."""
-    from kernels import flash, flash_sm90
+    from attention_kernels import flash, flash_sm90
 
     monkeypatch.setattr(flash_sm90, "on_hopper", lambda t: True)
     monkeypatch.setenv("ZOO_FLASH_SM90", "1")
@@ -723,7 +724,7 @@ def test_sm90_forward_many_blocks(d_qk, d_v, s_kv, causal):
     blocks) or 700 (192/128, whose Q and K arrive as 128 + 64 columns: 11 blocks of 64 keys; 96/64, as 64 + 32
     columns: 6 blocks of 128), a ragged last block, S_q < S_kv, GQA, fp16 and bf16, into NaN-poisoned outputs,
     against the reference. On other machines the Triton kernel runs the same check."""
-    from kernels import flash_sm90
+    from attention_kernels import flash_sm90
 
     case = (1, 4, 2, 200, s_kv, d_qk, d_v, causal)
     assert (d_qk, d_v) in flash_sm90.CONFIGS and s_kv >= flash_sm90.MIN_KEYS.get((d_qk, causal), 0)
@@ -745,7 +746,7 @@ def test_sm90_persistent_tiles(d, d_v, causal, monkeypatch):
     launches (one tile per program or fewer) never do (causal D = 64, below MIN_KEYS, runs the Triton forward and
     the persistent backward kernels). Forward and backward (ZOO_FLASH_SM90_BWD=force) into NaN-poisoned buffers
     against the reference. On other machines the Triton kernels run the same check."""
-    from kernels import flash_sm90
+    from attention_kernels import flash_sm90
 
     monkeypatch.setattr(flash_sm90, "num_sms", lambda device: 2)
     monkeypatch.setenv("ZOO_FLASH_SM90_BWD", "force")
@@ -790,7 +791,7 @@ def test_backward_into_strided_grads(d, d_v, monkeypatch):
     persistent one (D=64) stores through the strides; every element is written and nothing outside the views
     (ZOO_FLASH_SM90_BWD=force: the Hopper kernels even for this small launch). On other machines the Triton
     kernels write through the strides."""
-    from kernels import flash
+    from attention_kernels import flash
 
     monkeypatch.setenv("ZOO_FLASH_SM90_BWD", "force")
     case = (2, 4, 2, 200, 200, d, d_v, True)
@@ -827,7 +828,7 @@ def test_sm90_descriptor_matches_from_tensor(dtype):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    from kernels.flash_sm90 import descriptor
+    from attention_kernels.flash_sm90 import descriptor
 
     gl_dtype = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float32: gl.float32}[dtype]
     t = torch.zeros(2, 8, 100, 256, dtype=dtype)[:, 1:5, :, :128]
@@ -843,7 +844,7 @@ def test_sm90_descriptor_matches_from_tensor(dtype):
 
 def test_sm90_backward_mode(monkeypatch):
     """ZOO_FLASH_SM90_BWD is 1 (default), 0 or force; anything else is an error that says what is valid."""
-    from kernels.flash_sm90 import backward_mode
+    from attention_kernels.flash_sm90 import backward_mode
 
     monkeypatch.delenv("ZOO_FLASH_SM90_BWD", raising=False)
     assert backward_mode() == "1"
@@ -859,7 +860,7 @@ def test_sm90_eligibility():
     """Which inputs the Hopper forward takes (on an sm_90 GPU): fp16/bf16 with D_qk == D_v in {64, 128} or MLA's
     D_qk, D_v = 192, 128 or 96, 64, and TMA-readable strides; everything else (fp32, other head dims, a head dim that
     is not contiguous, a misaligned stride) goes to the Triton kernel."""
-    from kernels.flash_sm90 import eligible
+    from attention_kernels.flash_sm90 import eligible
 
     def qkv(d_qk=128, d_v=128, dtype=torch.bfloat16, h=4, s=64):
         return (torch.zeros(1, h, s, d_qk, dtype=dtype), torch.zeros(1, 2, s, d_qk, dtype=dtype),

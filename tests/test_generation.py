@@ -97,9 +97,9 @@ def test_every_decode_step_matches_full_forward(variant, kind, backend, dtype):
 
 def test_paged_cache_at_head_dim_64(monkeypatch):
     """GQA with 64-wide heads through the paged cache: on an H100/H200 (fp16) its decode steps run the Hopper paged
-    kernel (kernels/decode_sm90.py) on the cache's own pools and block tables, and every step's logits still equal
-    the plain model's full forward. Elsewhere the Triton kernel runs the same check."""
-    from kernels import decode_sm90
+    kernel (attention_kernels/decode_sm90.py) on the cache's own pools and block tables, and every step's logits still
+    equal the plain model's full forward. Elsewhere the Triton kernel runs the same check."""
+    from attention_kernels import decode_sm90
 
     launches = []
     launch = decode_sm90.launch

@@ -1,4 +1,4 @@
-"""kernels/_host.py: the launch cache (`Launcher`) that takes repeated launches past Triton's JITFunction.run.
+"""attention_kernels/_host.py: the launch cache (`Launcher`) that takes repeated launches past Triton's JITFunction.run.
 
 Its key must be at least as fine as Triton's specialization, or a launch would reuse a kernel compiled for other
 arguments; `test_spec_determines_triton_specialization` checks that against Triton's own specializer on the CPU.
@@ -13,7 +13,7 @@ from conftest import DEVICE
 from triton._C.libtriton import native_specialize_impl
 from triton.backends.nvidia.compiler import CUDABackend
 
-from kernels import _host
+from attention_kernels import _host
 
 
 def _triton_spec(a):
@@ -24,7 +24,7 @@ def _descriptors():
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from kernels import flash_sm90
+    from attention_kernels import flash_sm90
 
     out = []
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -161,7 +161,7 @@ def test_launcher_falls_back_to_triton(stand_in, monkeypatch, case):
 
 def test_launcher_of_an_interpreted_kernel_is_triton_s_path():
     """Under the interpreter (the CPU suite) every launch is the kernel's own; `launcher` keeps one per kernel."""
-    from kernels import flash
+    from attention_kernels import flash
 
     launch = _host.launcher(flash._flash_fwd_kernel)
     assert launch is _host.launcher(flash._flash_fwd_kernel)
@@ -174,7 +174,7 @@ def test_launcher_of_an_interpreted_kernel_is_triton_s_path():
 def test_cached_launches_match_triton_launches(monkeypatch):
     """On the GPU, flash attention forward and backward twice through the cache (the second call never enters
     JITFunction.run) give bitwise the results of Triton's own launches (ZOO_LAUNCH_CACHE=0)."""
-    from kernels import flash_gqa_attention
+    from attention_kernels import flash_gqa_attention
 
     q = torch.randn(2, 8, 300, 64, device="cuda", dtype=torch.bfloat16)
     k = torch.randn(2, 2, 300, 64, device="cuda", dtype=torch.bfloat16)

@@ -1,4 +1,4 @@
-"""mla_decode and paged_mla_decode against kernels.reference on the CPU (interpreter, fp32/fp16) and the GPU
+"""mla_decode and paged_mla_decode against attention_kernels.reference on the CPU (interpreter, fp32/fp16) and the GPU
 (fp16/bf16): DeepSeek's 512 + 64 latent at small S, other latent widths and head counts (masked heads, two head
 tiles), ragged lengths including 1, explicit/automatic splits, shuffled page tables at page sizes 8-256, the
 absorbed kernel against the unabsorbed math (per-head K/V materialized), non-contiguous inputs, bad inputs and
@@ -18,8 +18,8 @@ from conftest import (
     spill_bytes,
 )
 
-from kernels import mla_decode, paged_mla_decode
-from kernels.reference import (
+from attention_kernels import mla_decode, paged_mla_decode
+from attention_kernels.reference import (
     absorb_query,
     mla_decode_reference,
     mla_unabsorbed_reference,
@@ -51,7 +51,7 @@ def _check(out, lse, ref_out, ref_lse, dtype, name):
 
 
 # (B, H, S_max, D_c, D_r, explicit splits): 512 + 64 at 7, 16, 24, 40, 64 and 128 heads, 5 heads (masked rows) and
-# non-powers of 2. On an H100/H200 the 512 + 64 cases run the Gluon kernels (kernels/mla_sm90.py; 7, 16 and 24
+# non-powers of 2. On an H100/H200 the 512 + 64 cases run the Gluon kernels (attention_kernels/mla_sm90.py; 7, 16 and 24
 # heads the narrow one, in tiles of 16 or 32 heads; 40 heads a zero-padded 64-head tile): a sequence shorter than
 # one 64-token block, ragged last blocks, several blocks per split, empty splits.
 CASES = [(2, 16, 33, 512, 64, 3), (3, 7, 130, 512, 64, 2), (2, 24, 100, 512, 64, 2), (1, 40, 70, 512, 64, 2),
@@ -125,7 +125,7 @@ def _poison_past_end(c_pages, r_pages, table, seq_lens):
     return [p.masked_fill(~used[..., None], float("nan")) for p in (c_pages, r_pages)]
 
 
-# On an H100/H200 paged 512 + 64 caches run the Gluon kernels (kernels/mla_sm90.py), whose loader copies
+# On an H100/H200 paged 512 + 64 caches run the Gluon kernels (attention_kernels/mla_sm90.py), whose loader copies
 # 64 // page_size pages per 64-token block below 64 and a 64-row slice of larger pages: 5 or 16 heads the narrow
 # kernel in a tile of 16 heads, 32 heads in a tile of 32, 128 heads two 64-head tiles. "wide" runs 16 heads in a
 # zero-padded 64-head tile (ZOO_MLA_NARROW=0), "triton" turns both off (ZOO_MLA_SM90=0): the Triton kernel
@@ -296,7 +296,7 @@ def test_128_head_tile_computes_each_score_once(paged):
     227 KB of shared memory an H100/H200 block may use."""
     import re
 
-    from kernels import mla
+    from attention_kernels import mla
 
     cfg = mla._mla_config(128, 512)
     assert cfg["BLOCK_H"] == 64 and cfg["num_warps"] == 8, cfg
@@ -307,7 +307,7 @@ def test_128_head_tile_computes_each_score_once(paged):
                  DOT_PRECISION="tf32", FUSE_CHUNK=0)
     types = dict(QA="*bf16", QR="*bf16", CKV="*bf16", KR="*bf16", BLOCK_TABLE="*i32", SEQ_LENS="*i32", OUT="*fp32",
                  LSE="*fp32", FINAL_OUT="*bf16", FINAL_LSE="*fp32", COUNTERS="*i32", scale_log2="fp32")
-    result = compile_gluon_sm90("kernels.mla", "_mla_decode_kernel", types, const, gluon=False,
+    result = compile_gluon_sm90("attention_kernels.mla", "_mla_decode_kernel", types, const, gluon=False,
                                 options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
     layouts = re.findall(r"nvidia_mma<\{versionMajor = 3[^}]*warpsPerCTA = \[(\d+), (\d+)\]", result["ttgir"])
     assert layouts, "no Hopper tensor-core (wgmma) layout in the compiled kernel"
@@ -318,7 +318,7 @@ def test_128_head_tile_computes_each_score_once(paged):
 def _compile_sm90(splits: int, page_size: int, heads: int) -> dict:
     """The Hopper MLA kernel with a tile of `heads` compiled for sm_90 (`conftest.compile_gluon_sm90`), as an sm_90
     GPU launches it: the narrow program as a programmatic dependent launch (WAIT, `mla_sm90.launch`)."""
-    from kernels import mla_sm90
+    from attention_kernels import mla_sm90
 
     half, n, rope = mla_sm90.HALF_COLUMNS, mla_sm90.BLOCK_N, mla_sm90.ROPE_DIM
     rows = min(page_size, n) if page_size else n
@@ -330,7 +330,7 @@ def _compile_sm90(splits: int, page_size: int, heads: int) -> dict:
                  lse_ptr="*fp32", num_heads="i32", scale_log2="fp32")
     const = dict(BLOCK_N=n, STAGES=mla_sm90.STAGES, NUM_SPLITS=splits, PAGED=page_size > 0,
                  PAGE_SIZE=max(page_size, 1), PAGE_ROWS=rows, WAIT=heads < mla_sm90.HEADS_PER_PROGRAM)
-    return compile_gluon_sm90("kernels.mla_sm90", "_mla_decode_sm90_kernel", types, const)
+    return compile_gluon_sm90("attention_kernels.mla_sm90", "_mla_decode_sm90_kernel", types, const)
 
 
 # (splits, page_size): contiguous (page 0), and paged with several pages per 64-token block, one, or a slice of one.
@@ -350,7 +350,7 @@ def test_sm90_kernel_structure(splits, page_size):
     the loads and stores in the softmax consumer's setup, outside every loop, so they run once per program."""
     import re
 
-    from kernels import mla_sm90
+    from attention_kernels import mla_sm90
 
     result = _compile_sm90(splits, page_size, mla_sm90.HEADS_PER_PROGRAM)
     ptx = result["ptx"]
@@ -397,7 +397,7 @@ def test_sm90_eligibility():
     """Which inputs the Hopper MLA kernels take (on an sm_90 GPU): fp16/bf16, 512 + 64, up to 64 heads or a multiple
     of 64, TMA-readable strides (the model's slices of one (B, H, 576) tensor are); everything else
     runs the Triton kernel."""
-    from kernels.mla_sm90 import eligible
+    from attention_kernels.mla_sm90 import eligible
 
     def inputs(h=128, d_c=512, d_r=64, dtype=torch.bfloat16):
         return (torch.zeros(2, h, d_c, dtype=dtype), torch.zeros(2, h, d_r, dtype=dtype),

@@ -15,7 +15,7 @@ import torch
 from conftest import DEVICE
 
 import model as model_module
-from kernels import reference
+from attention_kernels import reference
 from model import GPT, GPTConfig, peak_bf16_flops
 
 TINY = dict(vocab_size=96, block_size=32, n_layer=2, dropout=0.0)
@@ -133,7 +133,7 @@ def test_torch_path_is_the_reference_math(s_q):
 
 class ReferenceCache:
     """The model <-> cache protocol in its plainest form: every sequence has the same length, tensors grow by
-    torch.cat, and decode runs the kernels.reference math. It records each call, so the tests check the
+    torch.cat, and decode runs the attention_kernels.reference math. It records each call, so the tests check the
     protocol as well as the numbers. (cache.py's real caches are tested in test_generation.py.)"""
 
     def __init__(self, batch_size: int, device=DEVICE):

@@ -10,7 +10,7 @@ Causal masking is bottom-right aligned: with S_q <= S_kv, query row i sits at po
 keys at positions <= its own (a cached prefix of S_kv - S_q tokens is visible to every query).
 
 Structure (FlashAttention-2, Dao 2023; Triton's fused-attention tutorial):
-- on Hopper (sm_90, fp16/bf16): separate warp-specialized kernels written in Gluon (kernels/flash_sm90.py: a TMA
+- on Hopper (sm_90, fp16/bf16): separate warp-specialized kernels written in Gluon (flash_sm90.py: a TMA
   loader warp and two consumer warpgroups, FlashAttention-3's structure) run the forward at D = 128 (and at
   D = 64: full attention at every length, causal from 2048 keys; and MLA's 192/128 and 96/64) and the backward at
   D = 128 and 64 and MLA's 96/64 and 192/128. On an H200
@@ -70,13 +70,13 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _checks
-from kernels._host import behind_sleep, cdiv, launcher, next_power_of_2
-from kernels.decode import device_guard, num_sms
-from kernels.schedule import bucket_size, ranked
+from attention_kernels import _checks
+from attention_kernels._host import behind_sleep, cdiv, launcher, next_power_of_2
+from attention_kernels.decode import device_guard, num_sms
+from attention_kernels.schedule import bucket_size, ranked
 
 try:
-    from kernels import flash_sm90
+    from attention_kernels import flash_sm90
 except ImportError:  # a triton without Gluon's Hopper API: the Triton kernel runs on every GPU
     flash_sm90 = None
 

@@ -1,9 +1,9 @@
 """Paged grouped decode for Hopper (sm_90) in Gluon: K/V pages streamed by TMA from a loader warp.
 
-Same math, inputs and outputs as `decode._grouped_decode_kernel` over a paged cache (see kernels/decode.py, whose
-paged launcher runs this kernel instead on an sm_90 GPU for fp16/bf16, D_qk == D_v in {64, 128}, no RoPE term and
-pools whose heads sit side by side in each slot; everything else, and every contiguous cache, keeps the Triton
-kernel). Splits, their partial outputs and the combine are decode.py's.
+Same math, inputs and outputs as `decode._grouped_decode_kernel` over a paged cache (see decode.py, whose paged launcher
+runs this kernel instead on an sm_90 GPU for fp16/bf16, D_qk == D_v in {64, 128}, no RoPE term and pools whose heads sit
+side by side in each slot; everything else, and every contiguous cache, keeps the Triton kernel). Splits, their partial
+outputs and the combine are decode.py's.
 
 Why: in the Triton kernel each paged tile's K/V addresses come from a block-table load inside the loop, so the
 compiler's pipeline waits for every tile before it starts the next; a paged program alone runs several times
@@ -49,10 +49,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from kernels import _checks
-from kernels._host import cdiv, launcher, next_power_of_2
-from kernels.decode import num_sms, pdl
-from kernels.flash_sm90 import descriptor, on_hopper
+from attention_kernels import _checks
+from attention_kernels._host import cdiv, launcher, next_power_of_2
+from attention_kernels.decode import num_sms, pdl
+from attention_kernels.flash_sm90 import descriptor, on_hopper
 
 HEAD_DIMS = (64, 128)
 MMA_ROWS = 64  # the M of every wgmma: a program's query heads, padded
@@ -84,7 +84,7 @@ CROWDED_STAGES = {128: 2}
 
 @gluon.jit
 def split_range(seq_lens_ptr, b, split, num_splits, BLOCK_N: gl.constexpr):
-    """(start, end, tiles) of sequence b's split: kernels.decode's split rule (chunks rounded up to whole tiles)."""
+    """(start, end, tiles) of sequence b's split: decode.py's split rule (chunks rounded up to whole tiles)."""
     seq_len = gl.load(seq_lens_ptr + b)
     chunk = gl.cdiv(gl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * chunk
@@ -95,10 +95,9 @@ def split_range(seq_lens_ptr, b, split, num_splits, BLOCK_N: gl.constexpr):
 @gluon.jit
 def tile_pages(table_row, stride_tp, start, end, j, copy_idx, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr,
                PAGE_ROWS: gl.constexpr):
-    """Pool page and first slot of each of tile j's BLOCK_N // PAGE_ROWS copies (one vector load of the block
-    table; scalars for a single copy). A copy wholly past `end` reads the last valid page instead, so every tile
-    moves the same bytes; the consumer masks and zeroes those rows (`zero_rows`). Shared with kernels/mla_sm90.py's
-    paged loader."""
+    """Pool page and first slot of each of tile j's BLOCK_N // PAGE_ROWS copies (one vector load of the block table;
+    scalars for a single copy). A copy wholly past `end` reads the last valid page instead, so every tile moves the same
+    bytes; the consumer masks and zeroes those rows (`zero_rows`). Shared with mla_sm90.py's paged loader."""
     first = start + j * BLOCK_N
     if BLOCK_N // PAGE_ROWS > 1:
         first = first + copy_idx * PAGE_ROWS
@@ -148,7 +147,7 @@ def gdc_wait():
 def zero_rows(tile, n_valid, BLOCK_N: gl.constexpr, COLS: gl.constexpr):
     """Rows n_valid.. of a (BLOCK_N, COLS) shared-memory tile set to zero, eight rows at a time (a slice of a
     swizzled tile must start at a multiple of its 8-row swizzle period), then fenced for the tensor cores. Shared
-    with kernels/mla_sm90.py."""
+    with mla_sm90.py."""
     per_row: gl.constexpr = min(16, COLS // 8)  # threads along a row, 8 columns each (wider tiles wrap)
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [32 // per_row, per_row], [4, 1], [1, 0])
     for c in gl.static_range(BLOCK_N // 8):
@@ -240,10 +239,10 @@ def _combine_if_last(counters_ptr, counter, part_o_ptr, part_lse_ptr, out_ptr, l
                      num_splits, stride_pb, stride_ph, stride_ps, stride_pd, stride_plb, stride_plh, stride_pls,
                      stride_ob, stride_oh, stride_od, stride_lb, stride_lh,
                      D: gl.constexpr, MERGE_H: gl.constexpr, CHUNK: gl.constexpr):
-    """kernels/decode.py's `_combine_if_last` for this kernel's consumer warpgroup: a ticket per (sequence, head
-    tile) after the partials are stored (a barrier of the warpgroup, then a release-acquire atomic); the last
-    split resets it and merges the num_splits partials of its n_heads heads, CHUNK splits per load, online (the
-    split count is a runtime argument here)."""
+    """decode.py's `_combine_if_last` for this kernel's consumer warpgroup: a ticket per (sequence, head tile) after the
+    partials are stored (a barrier of the warpgroup, then a release-acquire atomic); the last split resets it and merges
+    the num_splits partials of its n_heads heads, CHUNK splits per load, online (the split count is a runtime argument
+    here)."""
     gl.thread_barrier()
     ticket = gl.atomic_add(counters_ptr + counter, 1, sem="acq_rel", scope="gpu")
     if ticket == num_splits - 1:

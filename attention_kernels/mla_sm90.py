@@ -1,7 +1,7 @@
 """Absorbed MLA decode for Hopper (sm_90) in Gluon: 64 heads per program (the compute-bound case, many heads) or,
 for at most 32 heads, a narrow program with every product transposed (the memory-bound case).
 
-Same math, inputs and outputs as `mla._mla_decode_kernel` (see kernels/mla.py, whose launcher runs this kernel
+Same math, inputs and outputs as `mla._mla_decode_kernel` (see mla.py, whose launcher runs this kernel
 instead on an sm_90 GPU for fp16/bf16, D_c = 512, D_r = 64, at most 64 heads or a multiple of 64, and
 TMA-readable strides, contiguous or paged; everything else keeps the Triton kernel).
 
@@ -61,11 +61,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from kernels import _checks
-from kernels._host import cdiv, launcher
-from kernels.decode import LOG2E, pdl
-from kernels.decode_sm90 import gdc_wait, split_range, tile_pages, zero_rows
-from kernels.flash_sm90 import descriptor, on_hopper
+from attention_kernels import _checks
+from attention_kernels._host import cdiv, launcher
+from attention_kernels.decode import LOG2E, pdl
+from attention_kernels.decode_sm90 import gdc_wait, split_range, tile_pages, zero_rows
+from attention_kernels.flash_sm90 import descriptor, on_hopper
 
 HEADS_PER_PROGRAM = 64  # the M of every wgmma of the 64-head tile
 NARROW_HEADS = 16  # heads per program of the narrow kernel (twice that from 17 heads): the N of its wgmma
@@ -155,7 +155,7 @@ def _mla_loader(qc_desc, qr_desc, c_desc, r_desc, qc0_smem, qc1_smem, qr_smem, c
 def _store_half(o, l_o, out_ptr, b, h0, num_heads, split, col0, stride_ob, stride_oh, stride_os, stride_od,
                 o_layout: gl.constexpr):
     """O / l for 64 heads and 256 columns: the final output for one split, else a partial in fp32; a split that
-    saw no token (l = 0) writes zeros (as kernels.decode)."""
+    saw no token (l = 0) writes zeros (as attention_kernels.decode)."""
     rows: gl.constexpr = gl.SliceLayout(1, o_layout)
     l_o = gl.convert_layout(l_o, rows)
     out = o / gl.where(l_o > 0.0, l_o, 1.0)[:, None]
@@ -310,7 +310,7 @@ def _mla_narrow_consumer(qc0_smem, qc1_smem, qr_smem, c0_smem, c1_smem, r_smem, 
         o1 = warpgroup_mma(c1.permute((1, 0)), pt_smem, o1 * alpha[None, :], is_async=True)
         o0, o1 = warpgroup_mma_wait(num_outstanding=0, deps=[o0, o1])
         mbarrier.arrive(kv_free.index(st), count=1)
-    has_tokens = l_i > 0.0  # a split that saw no token writes zeros and lse -inf (as kernels.decode)
+    has_tokens = l_i > 0.0  # a split that saw no token writes zeros and lse -inf (as attention_kernels.decode)
     l_safe = gl.where(has_tokens, l_i, 1.0)
     heads = h0 + gl.arange(0, n_h, layout=cols_s)
     cols = gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
@@ -454,7 +454,7 @@ def launch(q_absorbed, q_rope, c_kv, k_rope, seq_lens, part_o, part_lse, scale: 
            block_table=None, heads: int | None = None):
     """On inputs `supports` accepted, seq_lens (B,) int32 contiguous: each split's output into part_o (B, H,
     splits, D_c) (the final output, in q's dtype, for one split; fp32 partials otherwise) and its lse into
-    part_lse (B, H, splits) (natural log for one split, log2 units for partials), as kernels.decode's splits.
+    part_lse (B, H, splits) (natural log for one split, log2 units for partials), as attention_kernels.decode's splits.
     With block_table (B, max_pages) int32, c_kv and k_rope are the page pools (num_pages, page_size, D), page_size
     a power of two from 8 to 256. `heads`: heads per program (default `tile_heads`)."""
     batch, h, _ = q_absorbed.shape

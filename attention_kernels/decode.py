@@ -31,11 +31,11 @@ Levers (issue 7):
   of whatever kernel runs before it: its start overlaps that kernel's end.
 - Paged caches: when a page holds at least one tile, the tile's page id is one scalar load; smaller pages are
   gathered per token from the block-table row (a few distinct addresses, served by L1). On Hopper, paged caches in
-  fp16/bf16 with D 64 or 128 (no RoPE) run kernels/decode_sm90.py instead: a loader warp copies whole pages by TMA,
+  fp16/bf16 with D 64 or 128 (no RoPE) run decode_sm90.py instead: a loader warp copies whole pages by TMA,
   so no tile waits on a table load, and its split count (`ragged_num_splits`) serves full-length and ragged
   batches alike.
 
-Layouts (as in kernels/reference.py):
+Layouts (as in reference.py):
     q (B, H_q, D)  k (B, H_kv, S_max, D)  v (B, H_kv, S_max, D_v)  seq_lens (B,) int32
     paged: k_pages (num_pages, page_size, H_kv, D)  v_pages (num_pages, page_size, H_kv, D_v)
            block_table (B, max_pages) int32: token n of sequence b lives in page block_table[b, n // page_size],
@@ -62,8 +62,8 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from kernels import _checks
-from kernels._host import cdiv, launcher, next_power_of_2
+from attention_kernels import _checks
+from attention_kernels._host import cdiv, launcher, next_power_of_2
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -480,7 +480,7 @@ def _block_h(group: int) -> int:
 def grouped_num_splits(batch: int, h_q: int, h_kv: int, capacity: int, d_qk: int, d_v: int, itemsize: int,
                        device: torch.device, paged: bool = False, sm90: bool = False) -> int:
     """The split count grouped and paged decode use with num_splits=None (d_qk includes a RoPE part); sm90: a
-    paged launch of the Hopper kernel (kernels/decode_sm90.py), which `ragged_num_splits` models."""
+    paged launch of the Hopper kernel (decode_sm90.py), which `ragged_num_splits` models."""
     group = h_q // h_kv
     block_h = _block_h(group)
     programs = batch * h_kv * cdiv(group, block_h)
@@ -557,10 +557,10 @@ def _simulate(lengths: list[int], heads: int, splits: int, block_n: int, tile_by
 
 @functools.cache
 def _sm90():
-    """kernels/decode_sm90.py (the Hopper paged kernel), imported on first use: it imports flash_sm90, which
+    """decode_sm90.py (the Hopper paged kernel), imported on first use: it imports flash_sm90, which
     imports this module. None on a Triton build without Gluon (the Triton kernel then runs everywhere)."""
     try:
-        from kernels import decode_sm90
+        from attention_kernels import decode_sm90
     except ImportError:  # pragma: no cover
         return None
     return decode_sm90
@@ -586,7 +586,7 @@ def _launch_decode(q, k, v, q_rope, k_rope, block_table, seq_lens, scale: float,
     d_rope = q_rope.shape[-1] if q_rope is not None else 0
     seq_lens = seq_lens.contiguous()  # the kernel reads seq_lens[b] at SEQ_LENS + b (no stride)
     block_h = _block_h(h_q // h_kv)
-    # Paged on Hopper, fp16/bf16, D 64 or 128 without RoPE: the TMA-fed Gluon kernel (kernels/decode_sm90.py). The
+    # Paged on Hopper, fp16/bf16, D 64 or 128 without RoPE: the TMA-fed Gluon kernel (decode_sm90.py). The
     # tuning sweeps pass their own config: {"sm90": (BLOCK_N, STAGES)} for it, else the Triton kernel's BLOCK_N,
     # num_warps and num_stages.
     sm90 = paged and (config is None or "sm90" in config) and _sm90_supports(q, k, v, q_rope)
@@ -729,7 +729,7 @@ def combine_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tens
 
 def pdl(device: torch.device) -> bool:
     """Are the split combine and the grouped decode launch (the Triton kernel and the Hopper paged kernel of
-    kernels/decode_sm90.py) programmatic dependents of the kernel before each (sm_90 and newer; ZOO_PDL=0 turns it
+    decode_sm90.py) programmatic dependents of the kernel before each (sm_90 and newer; ZOO_PDL=0 turns it
     off)? The GPU then starts a launch's programs as the previous kernel's programs exit, without the gap between
     two launches, and `gdc_wait` holds each one until that kernel's outputs are stored and visible (the combine's
     partials; the decode's query and cache, whatever wrote them). Measured on an H200 (bf16, rotated caches in one

@@ -1,13 +1,13 @@
 """Absorbed multi-head latent attention (DeepSeek-V2 MLA) decode over a latent cache, contiguous or paged.
 
 Math, per sequence b and head h, with the key up-projection absorbed into the query (q_absorbed = q_nope W_UK[h])
-and the value up-projection left to the caller (out = latent W_UV[h]^T, `kernels.reference.unabsorb_output`):
+and the value up-projection left to the caller (out = latent W_UV[h]^T, `attention_kernels.reference.unabsorb_output`):
     s_n = scale * (q_absorbed_h . c_kv_n + q_rope_h . k_rope_n)     for n < seq_lens[b]
     latent_h = sum_n softmax(s)_n c_kv_n,   lse_h = log sum_n exp(s_n)
 Every head reads the same cache row, so this is grouped decode with one KV head, all H query heads in its group,
 and V = K's latent part. The kernel reads each c_kv tile once and uses it twice: as K in the scores (the 512-wide
 latent and the 64-wide RoPE key as two dots) and as V in the output. Splits, their combine and the interpreter's
-compile-time trip count are those of `kernels.decode`.
+compile-time trip count are those of `attention_kernels.decode`.
 
 Layouts:
     contiguous  q_absorbed (B, H, D_c)  q_rope (B, H, D_r)  c_kv (B, S_max, D_c)  k_rope (B, S_max, D_r)
@@ -18,7 +18,7 @@ Layouts:
 Outputs: latent (B, H, D_c) in q_absorbed's dtype, lse (B, H) fp32, natural log.
 
 On Hopper, 512 + 64 in fp16/bf16 with up to 64 heads or heads in multiples of 64 run the warp-specialized Gluon
-kernels of kernels/mla_sm90.py instead (on an H200: 1.5x this kernel at 128 heads, 1.7-1.9x paged; at 16 heads
+kernels of mla_sm90.py instead (on an H200: 1.5x this kernel at 128 heads, 1.7-1.9x paged; at 16 heads
 1.0-1.15x contiguous and 1.2-1.31x with 16-token pages; at 32 heads 1.2-1.8x); everything else runs the Triton
 kernel below.
 """
@@ -29,10 +29,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels import _checks
-from kernels import decode as _decode
-from kernels._host import cdiv, launcher
-from kernels.decode import (
+from attention_kernels import _checks
+from attention_kernels import decode as _decode
+from attention_kernels._host import cdiv, launcher
+from attention_kernels.decode import (
     LOG2E,
     MAX_SPLITS,
     _block_h,
@@ -50,10 +50,10 @@ from kernels.decode import (
     split_counters,
     tile_seconds,
 )
-from kernels.decode import num_sms as _num_sms
+from attention_kernels.decode import num_sms as _num_sms
 
 try:  # Gluon (triton.experimental) is missing from some Triton builds; the Triton kernel then runs everywhere.
-    from kernels import mla_sm90
+    from attention_kernels import mla_sm90
 except ImportError:  # pragma: no cover
     mla_sm90 = None
 
@@ -131,14 +131,14 @@ def _mla_decode_kernel(
     m_i = tl.full([BLOCK_H], -float("inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DC], tl.float32)
-    for i in range(0, _tile_count(start, end, BLOCK_N, STATIC_ITERS)):  # kernels/decode.py's trip count
+    for i in range(0, _tile_count(start, end, BLOCK_N, STATIC_ITERS)):  # decode.py's trip count
         m_i, l_i, acc = _mla_tile(CKV, KR, BLOCK_TABLE, q, q_rope, m_i, l_i, acc, b, start + i * BLOCK_N, end,
                                   offs_c, offs_r, stride_cp, stride_cn, stride_cd, stride_rp, stride_rn,
                                   stride_rd, stride_tb, stride_tp, scale_log2, D_C, D_R, BLOCK_N, PAGED,
                                   PAGE_SIZE, EVICT, DOT_PRECISION)
     _store_split(OUT, LSE, acc, m_i, l_i, b, heads, mask_h, split, offs_c, D_C,
                  stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls, NUM_SPLITS)
-    if FUSE_CHUNK > 0:  # the split combine in this launch (kernels/decode.py)
+    if FUSE_CHUNK > 0:  # the split combine in this launch (decode.py)
         _combine_if_last(COUNTERS, b * tl.num_programs(0) + tile, OUT, LSE, FINAL_OUT, FINAL_LSE, b, tile * BLOCK_H,
                          H, offs_c, D_C, stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls,
                          stride_fb, stride_fh, stride_fd, stride_flb, stride_flh, NUM_SPLITS,
@@ -171,7 +171,7 @@ def _launch_mla(q_absorbed, q_rope, c_kv, k_rope, block_table, seq_lens, scale: 
     batch, h, d_c = q_absorbed.shape
     d_r = q_rope.shape[-1]
     seq_lens = seq_lens.contiguous()  # the kernel reads seq_lens[b] at SEQ_LENS + b (no stride)
-    # Hopper, fp16/bf16, 512 + 64, heads in tiles of 64: the warp-specialized Gluon kernel (kernels/mla_sm90.py).
+    # Hopper, fp16/bf16, 512 + 64, heads in tiles of 64: the warp-specialized Gluon kernel (mla_sm90.py).
     # `config` (benchmark sweeps) always means the Triton kernel.
     sm90 = config is None and mla_sm90 is not None and mla_sm90.supports(q_absorbed, q_rope, c_kv, k_rope, paged)
     cfg = dict(_mla_config(h, d_c), **(config or {}))

@@ -1,6 +1,6 @@
 """Flash attention for Hopper (sm_90), warp-specialized, in Gluon: FlashAttention-3's structure.
 
-Same math, inputs and outputs as the Triton kernels in kernels/flash.py, which launches these instead on an sm_90
+Same math, inputs and outputs as the Triton kernels in flash.py, which launches these instead on an sm_90
 GPU for fp16/bf16 with TMA-compatible strides: the forward for D_qk == D_v = 128 and 64 (causal from MIN_KEYS keys up)
 and for MLA's D_qk = 192 (128 + 64 RoPE), D_v = 128 and D_qk = 96 (64 + 32), D_v = 64; the backward (dQ and dK/dV)
 for D = 128 and 64 and MLA's 96/64 and 192/128. The portable Triton kernels run everywhere else (other GPUs and head
@@ -52,7 +52,7 @@ Forward (`forward`):
   forward (MLA's 192/128) and in dQ (D=128 and 192/128), and in MHA's dK/dV the second consumer the query blocks
   before its keys (`_release_kv`, `_dkdv_lead`; session 32: the whole backward 1.02-1.07x at 1024 keys causal,
   1.03-1.04x for MHA and MLA at 4096, bitwise the same gradients).
-- launch order (forward tiles and both backward grids): kernels/schedule.py, causal blocks heaviest first in
+- launch order (forward tiles and both backward grids): schedule.py, causal blocks heaviest first in
   buckets that keep a KV group's programs together.
 
 Backward, two launches with the same roles (a loader warp, two consumer warpgroups of 64 rows):
@@ -139,10 +139,10 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-from kernels import _checks
-from kernels._host import cdiv, launcher
-from kernels.decode import LOG2E, num_sms
-from kernels.schedule import bucket_size, ranked
+from attention_kernels import _checks
+from attention_kernels._host import cdiv, launcher
+from attention_kernels.decode import LOG2E, num_sms
+from attention_kernels.schedule import bucket_size, ranked
 
 SMEM_PER_PROGRAM = 227 * 1024  # Hopper: the most shared memory one program may take
 ROWS_PER_CONSUMER = 64  # query rows per consumer warpgroup: the M of one wgmma
@@ -507,7 +507,7 @@ def _flash_fwd_sm90_kernel(
 
 
 def on_hopper(t: torch.Tensor) -> bool:
-    """Can Gluon's Hopper kernels (this module's and kernels/mla_sm90.py's) run on t's device? An sm_90 GPU, and
+    """Can Gluon's Hopper kernels (this module's and mla_sm90.py's) run on t's device? An sm_90 GPU, and
     the Triton release they were written and verified against (3.6): Gluon is experimental and its API moves
     between releases, so with another one the Triton kernels run."""
     return t.is_cuda and triton.__version__.startswith("3.6") and _is_sm90(t.device.index)
