@@ -76,7 +76,7 @@ def can_read_values(x: torch.Tensor) -> bool:
     return True
 
 
-# ---- Decode-kernel checks (grouped, paged and MLA decode; decode.py and mla.py) ----------------
+# ---- Decode-kernel checks (grouped, paged and MLA decode; decode.py and mla.py) --------------------------------------
 
 
 def check_head_dim(name: str, dim: int, low: int, high: int):
