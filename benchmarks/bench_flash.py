@@ -1,23 +1,27 @@
 """Flash attention training kernels (attention_kernels/flash.py) against PyTorch SDPA and FlexAttention on one GPU.
 
-    python3 benchmarks/bench_flash.py            # the full grid (a few minutes)
+    python3 benchmarks/bench_flash.py            # the full grid (about nine minutes)
     python3 benchmarks/bench_flash.py --quick    # four shapes (under two minutes)
     python3 benchmarks/bench_flash.py --part 2/3 # the second third of the full grid (one device call each)
 
 Per shape: our forward output and gradients are checked against SDPA (relative L2 error, bf16 budget) before
 anything is timed; then the forward and the backward alone (autograd.grad over a retained graph) are timed for ours,
-SDPA (`enable_gqa=True`, is_causal; MLA's D_v is padded to D_qk for it) and FlexAttention (compiled, causal block mask).
-Where the forward or the backward runs on the Hopper kernels (attention_kernels/flash_sm90.py), the portable Triton one
-is timed too (`fwd_triton` with ZOO_FLASH_SM90=0, `bwd_triton` with ZOO_FLASH_SM90_BWD=0), so the run shows that lever
-beside the peers. `fwd_gpu` / `bwd_gpu` and their ratios time ours and SDPA again on the GPU alone (common.bench_gpu_ms:
-the calls enqueued while the GPU sleeps), so a shape whose launch takes the host longer
-than the kernels take the GPU shows both numbers: the kernels' speed, and what a caller waits. FLOPs:
-2*B*H_q*S_q*S_kv*(D_qk + D_v) for the forward (= 4*B*H*M*N*D for equal dims), half of it when causal; the
-backward counts 2.5x the forward. Ceilings (copy bandwidth, bf16 matmul) come from the same run.
+SDPA (`enable_gqa=True`, is_causal; MLA's D_v is padded to D_qk for it) and FlexAttention (compiled, causal block
+mask). Ours and SDPA alternate for `--rounds` rounds (default 5), and each ratio to SDPA is the median of the rounds'
+paired ratios, with their range beside it: single samples of one kernel spread by up to 13% on the H200, so one
+sample of each could not tell 1.00x from 1.03x (benchmarks/RESULTS.md, sessions 32 and 36). Where the forward or the
+backward runs on the Hopper kernels (attention_kernels/flash_sm90.py), the portable Triton one is timed too
+(`fwd_triton` with ZOO_FLASH_SM90=0, `bwd_triton` with ZOO_FLASH_SM90_BWD=0), so the run shows that lever beside the
+peers. `fwd_gpu` / `bwd_gpu` and their ratios time ours and SDPA on the GPU alone too (common.bench_gpu_ms: the calls
+enqueued while the GPU sleeps), so a shape whose launch takes the host longer than the kernels take the GPU shows
+both numbers: the kernels' speed, and what a caller waits. FLOPs: 2*B*H_q*S_q*S_kv*(D_qk + D_v) for the forward
+(= 4*B*H*M*N*D for equal dims), half of it when causal; the backward counts 2.5x the forward. Ceilings (copy
+bandwidth, bf16 matmul) come from the same run.
 """
 
 import argparse
 import os
+import statistics
 import sys
 
 import torch
@@ -104,27 +108,39 @@ def rel_err(got, want) -> float:
     return ((got.float() - want.float()).norm() / want.float().norm()).item()
 
 
-def time_fwd_bwd(fn, q, k, v, do, gpu=False):
-    """(forward ms, backward-alone ms, out, grads, GPU-alone forward ms, GPU-alone backward ms); the last two
-    (bench_gpu_ms: the host's launch time hidden) with gpu=True, else None."""
-    fwd = lambda: fn(q, k, v)  # noqa: E731
-    with torch.no_grad():
-        fwd_ms = bench_ms(fwd)
-        fwd_gpu = bench_gpu_ms(fwd) if gpu else None
+def prepare(fn, q, k, v, do):
+    """(forward closure, backward-alone closure, out, grads) of fn(q, k, v): the forward runs under no_grad, the
+    backward is autograd.grad over a retained graph."""
+
+    def fwd():
+        with torch.no_grad():
+            return fn(q, k, v)
+
     leaves = [x.detach().requires_grad_() for x in (q, k, v)]
     out = fn(*leaves)
     grads = torch.autograd.grad(out, leaves, do, retain_graph=True)
     bwd = lambda: torch.autograd.grad(out, leaves, do, retain_graph=True)  # noqa: E731
-    bwd_ms = bench_ms(bwd)
-    bwd_gpu = bench_gpu_ms(bwd) if gpu else None
-    return fwd_ms, bwd_ms, out.detach(), grads, fwd_gpu, bwd_gpu
+    return fwd, bwd, out.detach(), grads
 
 
-def run_ours(q, k, v, do, causal, tma: str, gpu=False):
-    """Time our kernels with ZOO_FLASH_TMA set to `tma` ("auto": descriptors for the backward on Hopper; "0":
-    plain pointers everywhere)."""
-    with env("ZOO_FLASH_TMA", tma):
-        return time_fwd_bwd(lambda q, k, v: flash_gqa_attention(q, k, v, causal=causal), q, k, v, do, gpu)
+def paired(ref_fn, our_fn, rounds: int, tma: str = "auto") -> dict:
+    """SDPA's and our call timed in alternated rounds, in events (bench_ms) and on the GPU alone (bench_gpu_ms),
+    ours with ZOO_FLASH_TMA=`tma` ("auto": descriptors for the backward on Hopper; "0": plain pointers
+    everywhere). Per timing, the median ms of each over the rounds and the ref / ours ratio of every round's pair.
+    Identical kernels read up to 2% apart at 4096 keys and single samples up to 13% (benchmarks/RESULTS.md,
+    session 32): a ratio from one sample of each cannot tell 1.00x from 1.03x; the median of paired rounds can,
+    and the pairs' range shows how well."""
+    times = {key: [] for key in ("ref", "ours", "ref_gpu", "ours_gpu")}
+    for _ in range(rounds):
+        times["ref"].append(bench_ms(ref_fn))
+        times["ref_gpu"].append(bench_gpu_ms(ref_fn))
+        with env("ZOO_FLASH_TMA", tma):
+            times["ours"].append(bench_ms(our_fn))
+            times["ours_gpu"].append(bench_gpu_ms(our_fn))
+    result = {key: statistics.median(ts) for key, ts in times.items()}
+    for suffix in ("", "_gpu"):
+        result["pairs" + suffix] = sorted(r / o for r, o in zip(times["ref" + suffix], times["ours" + suffix]))
+    return result
 
 
 def triton_ms(q, k, v, do, causal):
@@ -152,44 +168,58 @@ def check(name, ours, ref):
     return max(errs)
 
 
-def run_shape(shape, dtype, with_flex=True, with_pointers=False):
+def span(pairs: list) -> str:
+    """The range of a shape's paired ratios, lowest-highest."""
+    return f"{pairs[0]:.3f}-{pairs[-1]:.3f}"
+
+
+def run_shape(shape, dtype, rounds: int, with_flex=True, with_pointers=False):
     b, h_q, h_kv, s, d_qk, d_v, causal = shape
     q = torch.randn(b, h_q, s, d_qk, device="cuda", dtype=dtype)
     k = torch.randn(b, h_kv, s, d_qk, device="cuda", dtype=dtype)
     v = torch.randn(b, h_kv, s, d_v, device="cuda", dtype=dtype)
     do = torch.randn(b, h_q, s, d_v, device="cuda", dtype=dtype)
     name = f"B{b}-Hq{h_q}-Hkv{h_kv}-S{s}-D{d_qk}" + (f"x{d_v}" if d_v != d_qk else "") + ("-causal" if causal else "")
-    ref = time_fwd_bwd(lambda q, k, v: sdpa(q, k, v, causal), q, k, v, do, gpu=True)
-    ours = run_ours(q, k, v, do, causal, "auto", gpu=True)
+    ours_fn = lambda q, k, v: flash_gqa_attention(q, k, v, causal=causal)  # noqa: E731
+    ref = prepare(lambda q, k, v: sdpa(q, k, v, causal), q, k, v, do)
+    with env("ZOO_FLASH_TMA", "auto"):
+        ours = prepare(ours_fn, q, k, v, do)
     err = check(name, ours, ref)
+    fwd = paired(ref[0], ours[0], rounds)
+    bwd = paired(ref[1], ours[1], rounds)
     fwd_triton, bwd_triton = triton_ms(q, k, v, do, causal)
-    ptr = None
+    ptr_ms = None
     if with_pointers:
-        ptr = run_ours(q, k, v, do, causal, "0")
-        err = max(err, check(name + " (pointers)", ptr, ref))
+        with env("ZOO_FLASH_TMA", "0"):
+            ptr = prepare(ours_fn, q, k, v, do)
+            err = max(err, check(name + " (pointers)", ptr, ref))
+            ptr_ms = bench_ms(ptr[0]), bench_ms(ptr[1])
     flex_fwd = flex_bwd = None
     if with_flex:
         try:
             mask = causal_block_mask(s, causal)
-            flex_fwd, flex_bwd = time_fwd_bwd(lambda q, k, v: flex(q, k, v, causal, mask), q, k, v, do)[:2]
+            flex_fns = prepare(lambda q, k, v: flex(q, k, v, causal, mask), q, k, v, do)
+            flex_fwd, flex_bwd = bench_ms(flex_fns[0]), bench_ms(flex_fns[1])
         except Exception as e:  # noqa: BLE001 - a peer that cannot run this shape is reported, not fatal
             print(f"{name}: FlexAttention failed: {type(e).__name__}: {str(e)[:200]}")
     f = flops(shape)
     tf = lambda ms, mult=1.0: None if ms is None else mult * f / ms / 1e9  # noqa: E731
     row = dict(shape=name, err=err,
-               fwd=tf(ours[0]), fwd_triton=tf(fwd_triton), fwd_sdpa=tf(ref[0]), fwd_flex=tf(flex_fwd),
-               bwd=tf(ours[1], 2.5), bwd_triton=tf(bwd_triton, 2.5), bwd_sdpa=tf(ref[1], 2.5),
+               fwd=tf(fwd["ours"]), fwd_triton=tf(fwd_triton), fwd_sdpa=tf(fwd["ref"]), fwd_flex=tf(flex_fwd),
+               bwd=tf(bwd["ours"], 2.5), bwd_triton=tf(bwd_triton, 2.5), bwd_sdpa=tf(bwd["ref"], 2.5),
                bwd_flex=tf(flex_bwd, 2.5))
-    row["fwd/sdpa"] = ref[0] / ours[0]
-    row["bwd/sdpa"] = ref[1] / ours[1]
-    row["fwd_gpu"], row["bwd_gpu"] = tf(ours[4]), tf(ours[5], 2.5)
-    row["fwd_gpu/sdpa"], row["bwd_gpu/sdpa"] = ref[4] / ours[4], ref[5] / ours[5]
-    row["fwd/flex"] = None if flex_fwd is None else flex_fwd / ours[0]
-    row["bwd/flex"] = None if flex_bwd is None else flex_bwd / ours[1]
-    if ptr is not None:
-        row["fwd_ptr"], row["bwd_ptr"] = tf(ptr[0]), tf(ptr[1], 2.5)
+    for what, t, mult in (("fwd", fwd, 1.0), ("bwd", bwd, 2.5)):
+        row[f"{what}/sdpa"] = statistics.median(t["pairs"])
+        row[f"{what}/sdpa range"] = span(t["pairs"])
+        row[f"{what}_gpu"], row[f"{what}_gpu_sdpa"] = tf(t["ours_gpu"], mult), tf(t["ref_gpu"], mult)
+        row[f"{what}_gpu/sdpa"] = statistics.median(t["pairs_gpu"])
+        row[f"{what}_gpu/sdpa range"] = span(t["pairs_gpu"])
+    row["fwd/flex"] = None if flex_fwd is None else flex_fwd / fwd["ours"]
+    row["bwd/flex"] = None if flex_bwd is None else flex_bwd / bwd["ours"]
+    if ptr_ms is not None:
+        row["fwd_ptr"], row["bwd_ptr"] = tf(ptr_ms[0]), tf(ptr_ms[1], 2.5)
     print(row, flush=True)
-    del q, k, v, do, ours, ref, ptr
+    del q, k, v, do, ours, ref
     torch.cuda.empty_cache()
     return row
 
@@ -199,24 +229,31 @@ def main():
     parser.add_argument("--quick", action="store_true", help="four shapes instead of the full grid")
     parser.add_argument("--part", default="1/1", help="i/n: run the i-th of n slices of the grid (default all)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--rounds", type=int, default=5,
+                        help="alternated rounds of SDPA and ours per shape (default 5): medians and paired ratios")
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (saves its compile time)")
     parser.add_argument("--pointers", action="store_true",
                         help="also time our kernels with plain pointer loads everywhere (ZOO_FLASH_TMA=0): "
                              "the backward's TMA lever")
     args = parser.parse_args()
+    if args.rounds < 1:
+        raise SystemExit(f"--rounds {args.rounds}: expected at least 1")
     dtype = getattr(torch, args.dtype)
     shapes = grid_part(QUICK if args.quick else full_grid(), args.part)
     print(header())
     c = ceilings()
     print(f"ceilings: copy {c['copy_TBps']:.2f} TB/s, bf16 matmul {c['matmul_bf16_TFLOPs']:.0f} TFLOP/s")
-    rows = [run_shape(shape, dtype, not args.no_flex, args.pointers) for shape in shapes]
+    rows = [run_shape(shape, dtype, args.rounds, not args.no_flex, args.pointers) for shape in shapes]
     print("configs picked (BLOCK_M, BLOCK_N, warps, stages):")
     for key, cfg in flash._TUNED.items():
         print(f"  {key[0]:5s} D{key[1]}/{key[2]} causal={key[3]} {key[5]} tma={key[6]}: {cfg}")
-    print(f"\n{args.dtype}, TFLOP/s (forward; backward alone = 2.5x forward FLOPs); ratio > 1: ours faster")
-    columns = ["shape", "fwd", "fwd_triton", "fwd_sdpa", "fwd_flex", "fwd/sdpa", "fwd/flex",
-               "bwd", "bwd_triton", "bwd_sdpa", "bwd_flex", "bwd/sdpa", "bwd/flex",
-               "fwd_gpu", "fwd_gpu/sdpa", "bwd_gpu", "bwd_gpu/sdpa", "err"]
+    print(f"\n{args.dtype}, TFLOP/s (forward; backward alone = 2.5x forward FLOPs); ratio > 1: ours faster. Ours "
+          f"and SDPA: medians of {args.rounds} alternated rounds, each ratio the median of the rounds' pairs (range: "
+          "their lowest-highest); Triton and Flex: one sample each")
+    columns = ["shape", "fwd", "fwd_triton", "fwd_sdpa", "fwd_flex", "fwd/sdpa", "fwd/sdpa range", "fwd/flex",
+               "bwd", "bwd_triton", "bwd_sdpa", "bwd_flex", "bwd/sdpa", "bwd/sdpa range", "bwd/flex",
+               "fwd_gpu", "fwd_gpu_sdpa", "fwd_gpu/sdpa", "fwd_gpu/sdpa range",
+               "bwd_gpu", "bwd_gpu_sdpa", "bwd_gpu/sdpa", "bwd_gpu/sdpa range", "err"]
     if args.pointers:
         columns[1:1] = ["fwd_ptr", "bwd_ptr"]
     print_table(rows, columns)
