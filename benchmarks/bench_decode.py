@@ -102,7 +102,8 @@ def bench_grouped(shapes, fixed_splits: bool, copy_tbps: float, rounds: int = 3)
         check(f"grouped B{b} S{s} Hkv{h_kv} D{d}", out[picks], ref_decode_rows(q, k, v, lens, scale, picks))
         sdpa = lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, enable_gqa=True)  # noqa: E731
         check("sdpa", sdpa()[picks, :, 0], ref_decode_rows(q, k, v, lens, scale, picks))
-        # Ours and SDPA alternate: a ratio from one sample of each moved by 1-2% between runs (session 36).
+        # Ours and SDPA alternate, so a drift of the machine between two timings falls on both; the pairs' range
+        # shows how firm each ratio is (benchmarks/RESULTS.md, session 36).
         times = {"ours": [], "sdpa": []}
         for _ in range(rounds):
             times["ours"].append(rotated_ms(lambda i: grouped_decode(q, *kv[i], lens, scale=scale, validate=False),
@@ -388,8 +389,7 @@ def main():
           "H_q = 32; GB/s = K+V bytes read once per second; x_sdpa > 1: we are faster")
     if g_rows:
         print_table(g_rows, ["B", "S", "H_kv", "D", "splits", "us", "GBps", "sdpa_GBps", "x_sdpa", "x_sdpa_range",
-                             "of_copy",
-                             "best_fixed", "auto_vs_best"])
+                             "of_copy", "best_fixed", "auto_vs_best"])
     if p_rows:
         print()
         print_table(p_rows, ["B", "S", "H_kv", "D", "page", "lens", "splits", "us", "GBps", "contig_GBps", "x_contig",
