@@ -1,6 +1,7 @@
 """Decode kernels on the GPU: grouped, paged and MLA decode against PyTorch SDPA and the machine's ceilings.
 
-    python3 benchmarks/bench_decode.py            # the full grid (under 6 minutes on one H200)
+    python3 benchmarks/bench_decode.py            # the full grid (several minutes on one H200)
+    python3 benchmarks/bench_decode.py --sections grouped  # one table (grouped: 3 minutes with 3 rounds)
     python3 benchmarks/bench_decode.py --quick    # a small grid (under 2 minutes)
     python3 benchmarks/bench_decode.py --tune     # launch-config sweeps (block sizes, warps, stages, splits)
 
