@@ -139,14 +139,38 @@ def dataset_dir(name: str, data_dir: str = "") -> str:
 
 
 def load_dataset_dir(directory: str) -> TokenData:
-    """Open a prepared dataset directory (train.bin, val.bin, meta.json)."""
+    """Open a prepared dataset directory (train.bin, val.bin, meta.json). Each file is checked against meta.json
+    first: a missing, unreadable, empty or truncated one is a DataError that names it, not a traceback later."""
+    redo = "re-prepare the dataset (`python -m data.prepare NAME`; pydoc: delete the directory, train.py rebuilds it)"
     meta_path = os.path.join(directory, "meta.json")
     if not os.path.isfile(meta_path):
         raise DataError(f"dataset directory {directory!r}: no meta.json (prepare it with `python -m data.prepare`)")
-    with open(meta_path, encoding="utf-8") as f:
-        meta = json.load(f)
+    try:
+        with open(meta_path, encoding="utf-8") as f:
+            meta = json.load(f)
+    except (OSError, ValueError) as e:  # unreadable, not UTF-8, not JSON
+        raise DataError(f"{meta_path}: not a readable JSON file ({type(e).__name__}: {e}); {redo}") from None
+    tok = meta.get("tokenizer") if isinstance(meta, dict) else None
+    if not isinstance(tok, dict) or not isinstance(tok.get("vocab_size"), int) or "dtype" not in meta:
+        raise DataError(f"{meta_path}: expected keys 'tokenizer' (with 'vocab_size') and 'dtype'; {redo}")
+    if tok.get("kind") == "char" and len(tok.get("chars", "")) != tok["vocab_size"]:
+        raise DataError(f"{meta_path}: vocab_size {tok['vocab_size']} but {len(tok.get('chars', ''))} characters; "
+                        f"{redo}")
+    if meta["dtype"] not in ("uint16", "uint32"):
+        raise DataError(f"{meta_path}: dtype {meta['dtype']!r}; valid: 'uint16' or 'uint32'; {redo}")
     dtype = np.dtype(meta["dtype"])
-    splits = [np.memmap(os.path.join(directory, f"{s}.bin"), dtype=dtype, mode="r") for s in ("train", "val")]
+    splits = []
+    for split in ("train", "val"):
+        path = os.path.join(directory, f"{split}.bin")
+        if not os.path.isfile(path):
+            raise DataError(f"{path}: missing; {redo}")
+        size = os.path.getsize(path)
+        expected = meta.get(f"{split}_tokens")
+        if size == 0 or size % dtype.itemsize or (expected is not None and size != expected * dtype.itemsize):
+            want = f"{expected:,} {dtype.name} tokens" if expected is not None else f"whole {dtype.name} tokens"
+            raise DataError(f"{path}: {size:,} bytes, where meta.json says {want}: the file is empty, truncated or "
+                            f"from another preparation; {redo}")
+        splits.append(np.memmap(path, dtype=dtype, mode="r"))
     return TokenData(train=splits[0], val=splits[1], meta=meta)
 
 

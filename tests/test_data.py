@@ -131,3 +131,47 @@ def test_unprepared_and_unknown_datasets(tmp_path):
         ensure_dataset("shakespeare", str(tmp_path / "sh"))
     with pytest.raises(DataError, match="meta\\['kind'\\]: got 'bpe'"):
         get_tokenizer({"kind": "bpe"})
+
+
+def _damage(directory, how: str):
+    """One kind of damage to a prepared dataset's files."""
+    meta_path = os.path.join(directory, "meta.json")
+    meta = json.load(open(meta_path))
+    if how == "no val.bin":
+        os.remove(os.path.join(directory, "val.bin"))
+    elif how == "meta not json":
+        open(meta_path, "w").write("{not json")
+    elif how == "meta without dtype":
+        del meta["dtype"]
+        json.dump(meta, open(meta_path, "w"))
+    elif how == "odd bytes":
+        with open(os.path.join(directory, "train.bin"), "ab") as f:
+            f.write(b"\0")
+    elif how == "empty val.bin":
+        open(os.path.join(directory, "val.bin"), "wb").close()
+    elif how == "truncated train.bin":
+        os.truncate(os.path.join(directory, "train.bin"), 1000)
+    elif how == "vocab_size lowered":
+        meta["tokenizer"]["vocab_size"] = 10
+        json.dump(meta, open(meta_path, "w"))
+    return {
+        "no val.bin": r"val\.bin: missing",
+        "meta not json": r"meta\.json: not a readable JSON file",
+        "meta without dtype": r"meta\.json: expected keys 'tokenizer' \(with 'vocab_size'\) and 'dtype'",
+        "odd bytes": r"train\.bin: [\d,]+ bytes, where meta\.json says [\d,]+ uint16 tokens",
+        "empty val.bin": r"val\.bin: 0 bytes, where meta\.json says [\d,]+ uint16 tokens",
+        "truncated train.bin": r"train\.bin: 1,000 bytes, where meta\.json says [\d,]+ uint16 tokens",
+        "vocab_size lowered": r"meta\.json: vocab_size 10 but \d+ characters",
+    }[how]
+
+
+@pytest.mark.parametrize("how", ["no val.bin", "meta not json", "meta without dtype", "odd bytes", "empty val.bin",
+                                 "truncated train.bin", "vocab_size lowered"])
+def test_damaged_dataset_is_a_data_error(tmp_path, how):
+    """A prepared dataset whose files do not match its meta.json is refused with a message naming the file and
+    the fix, never a traceback from numpy or json, and never silently trained on (a truncated train.bin)."""
+    directory = str(tmp_path / "pydoc")
+    ensure_dataset("pydoc", directory)
+    pattern = _damage(directory, how)
+    with pytest.raises(DataError, match=pattern + ".*re-prepare the dataset"):
+        load_dataset_dir(directory)
