@@ -22,9 +22,11 @@ NCCL_IB_DISABLE=1 where there is no InfiniBand):
 On CPUs, torchrun runs DDP over gloo (`--nproc_per_node=2 train.py` works on a laptop).
 
 Every eval appends a line to out_dir/metrics.jsonl and writes out_dir/last.pt (and best.pt when val loss
-improves) atomically. Ctrl-C (or SIGTERM) finishes the current iteration, saves last.pt and exits cleanly; a
-NaN/inf loss stops the run with a message and leaves the last good checkpoint untouched. Data order depends only
-on `seed` and the iteration, so `--init_from=resume` reproduces an uninterrupted run exactly.
+improves) atomically. A new run refuses an out_dir that holds another run's files (resume it, pick another out_dir,
+or --overwrite=True). Ctrl-C (or SIGTERM) finishes the current iteration, saves last.pt and exits with status 130
+(143), so a shell loop over runs stops too; a NaN/inf loss stops the run with a message and leaves the last good
+checkpoint untouched. Data order depends only on `seed` and the iteration, so `--init_from=resume` reproduces an
+uninterrupted run exactly; on resume the model is the checkpoint's, and a model setting it does not take is named.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ DEFAULTS = dict(
     eval_iters=20,  # batches per split per eval (always the same batches: curves are comparable)
     eval_only=False,
     init_from="scratch",  # "scratch", "resume" (out_dir/last.pt), a GPT-2 name (GPT2_NAMES) or its local dir
+    overwrite=False,  # a run that does not resume refuses an out_dir holding another run's files, unless True
     seed=1337,
     # wandb (offline automatically without credentials or network)
     wandb_log=False,
@@ -106,6 +109,7 @@ DEFAULTS = dict(
     backend="auto",  # DDP backend: "auto" (nccl on CUDA, gloo on CPU), "nccl", "gloo"
 )
 MODEL_KEYS = [f.name for f in fields(GPTConfig)]
+RUN_FILES = ("last.pt", "best.pt", "metrics.jsonl")  # what a run writes into out_dir
 PTDTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -192,6 +196,15 @@ def check_config(config: dict, d: Dist) -> None:
     if init not in ("scratch", "resume", *GPT2_NAMES) and not os.path.isdir(init):
         raise ConfigError(f"init_from: got {init!r}; valid: 'scratch', 'resume', {', '.join(GPT2_NAMES)} or a "
                           "directory saved by GPT2LMHeadModel.save_pretrained")
+    out_dir = config["out_dir"]
+    if not out_dir or (os.path.exists(out_dir) and not os.path.isdir(out_dir)):
+        raise ConfigError(f"out_dir: got {out_dir!r}{' (a file)' if out_dir else ''}; valid: a directory path "
+                          "(created if missing)")
+    held = [f for f in RUN_FILES if os.path.exists(os.path.join(out_dir, f))]
+    if init != "resume" and held and not config["overwrite"]:
+        raise ConfigError(f"out_dir: {out_dir!r} already holds a run ({', '.join(held)}); valid: --init_from=resume "
+                          "to continue it, another --out_dir, or --overwrite=True to start over there (its "
+                          "checkpoints and metrics are deleted)")
 
 
 def model_config(config: dict, vocab_size: int) -> GPTConfig:
@@ -210,9 +223,13 @@ def model_config(config: dict, vocab_size: int) -> GPTConfig:
 def build_model(config: dict, vocab_size: int, ckpt: dict | None) -> GPT:
     """A fresh model, the one of a checkpoint (its architecture wins over the config), or OpenAI's GPT-2."""
     if ckpt is not None:
-        args = dict(ckpt["model_args"], attn_backend=config["attn_backend"], dropout=config["dropout"])
-        model = GPT(GPTConfig(**args))
-        model.load_state_dict(clean_state_dict(ckpt["model"]))
+        try:
+            args = dict(ckpt["model_args"], attn_backend=config["attn_backend"], dropout=config["dropout"])
+            model = GPT(GPTConfig(**args))
+            model.load_state_dict(clean_state_dict(ckpt["model"]))
+        except (TypeError, ValueError, RuntimeError, KeyError) as e:  # damaged, or from another model.py
+            raise CheckpointError(f"checkpoint {resume_path(config)!r}: its model_args and weights do not make a "
+                                  f"model ({type(e).__name__}: {_first_line(e)})") from None
     elif config["init_from"] == "scratch":
         model = GPT(model_config(config, vocab_size))
     else:
@@ -380,15 +397,37 @@ def gather_rng_states(d: Dist) -> list[dict]:
     return states
 
 
+def resume_path(config: dict) -> str:
+    return os.path.join(config["out_dir"], "last.pt")
+
+
+def _first_line(e: Exception) -> str:
+    return str(e).splitlines()[0] if str(e) else "no detail"
+
+
 def load_resume_checkpoint(config: dict) -> dict:
-    ckpt = load_checkpoint(os.path.join(config["out_dir"], "last.pt"), map_location="cpu", required_keys=TRAIN_KEYS)
-    old = ckpt["config"]
-    changed = [k for k in ("batch_size", "block_size", "gradient_accumulation_steps", "seed", "dataset")
+    ckpt = load_checkpoint(resume_path(config), map_location="cpu", required_keys=TRAIN_KEYS)
+    old = ckpt["config"] if isinstance(ckpt["config"], dict) else {}
+    changed = [k for k in ("batch_size", "gradient_accumulation_steps", "seed", "dataset")
                if old.get(k) != config[k]]
     if changed:  # allowed (e.g. a larger batch for the rest of the run), but then it is no longer the same run
         print(f"resume: {', '.join(f'{k} {old.get(k)!r} -> {config[k]!r}' for k in changed)} changed since the "
               "checkpoint; the run will not match an uninterrupted one")
     return ckpt
+
+
+def note_ignored_model_args(config: dict, ckpt: dict, vocab_size: int) -> None:
+    """On resume the model is the checkpoint's (only attn_backend and dropout follow this run's config): say which
+    of this run's model settings it does not take, so an override is never dropped in silence."""
+    try:
+        wanted = asdict(model_config(config, vocab_size))
+    except ConfigError:  # settings that would not even build a model: compare them as written
+        wanted = {k: config[k] for k in MODEL_KEYS if k in config}
+    saved = ckpt["model_args"] if isinstance(ckpt["model_args"], dict) else {}
+    differ = [k for k in saved if k not in ("attn_backend", "dropout") and k in wanted and wanted[k] != saved[k]]
+    if differ:
+        print("resume: the model is the checkpoint's; not taken from this run's config: "
+              + ", ".join(f"{k}={wanted[k]!r} (checkpoint: {saved[k]!r})" for k in differ))
 
 
 # ----------------------------------------------------------------------------------------------- logging
@@ -470,6 +509,7 @@ def stop_on_signal():
         if requested["stop"] and signum == signal.SIGINT:
             raise KeyboardInterrupt
         requested["stop"] = True
+        requested["signal"] = signum
         print(f"\n{signal.Signals(signum).name}: stopping after this iteration (Ctrl-C again to abort at once)")
 
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -557,6 +597,8 @@ def setup(config: dict, d: Dist, device: str) -> Setup:
     ckpt = load_resume_checkpoint(config) if config["init_from"] == "resume" else None
     if ckpt is not None and ckpt["tokenizer"] != data.meta["tokenizer"]:
         raise ConfigError(f"dataset: {config['dataset']!r} is tokenized differently from the checkpoint's data")
+    if ckpt is not None and d.master:
+        note_ignored_model_args(config, ckpt, data.vocab_size)
     raw_model = build_model(config, data.vocab_size, ckpt).to(device)
     optimizer = raw_model.configure_optimizers(config["weight_decay"], config["learning_rate"],
                                                (config["beta1"], config["beta2"]), device_type)
@@ -564,16 +606,21 @@ def setup(config: dict, d: Dist, device: str) -> Setup:
     sampler = BatchSampler(len(data.train), config, d)
     iter_num, best_val_loss = 0, float("inf")
     if ckpt is not None:
-        impl = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in optimizer.param_groups]
-        optimizer.load_state_dict(ckpt["optimizer"])
-        for group, flags in zip(optimizer.param_groups, impl):  # this device's AdamW (fused on CUDA), not the saver's
-            group.update(flags)
-        scaler.load_state_dict(ckpt["scaler"])
-        sampler.load_state_dict(ckpt["data_state"])
-        iter_num, best_val_loss = ckpt["iter_num"], ckpt["best_val_loss"]
-        if len(ckpt["rng"]) == d.world_size:
-            set_rng_states(ckpt["rng"][d.rank])
-        elif d.master:
+        try:
+            impl = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in optimizer.param_groups]
+            optimizer.load_state_dict(ckpt["optimizer"])
+            for group, flags in zip(optimizer.param_groups, impl):  # this device's AdamW (fused on CUDA)
+                group.update(flags)
+            scaler.load_state_dict(ckpt["scaler"])
+            sampler.load_state_dict(ckpt["data_state"])
+            iter_num, best_val_loss = int(ckpt["iter_num"]), float(ckpt["best_val_loss"])
+            if len(ckpt["rng"]) == d.world_size:
+                set_rng_states(ckpt["rng"][d.rank])
+        except (TypeError, ValueError, RuntimeError, KeyError, IndexError) as e:
+            raise CheckpointError(f"checkpoint {resume_path(config)!r}: its training state (optimizer, scaler, "
+                                  f"sampler, RNG) does not fit this model ({type(e).__name__}: {_first_line(e)})") \
+                from None
+        if len(ckpt["rng"]) != d.world_size and d.master:
             print(f"resume: the checkpoint has RNG states of {len(ckpt['rng'])} processes, this run has "
                   f"{d.world_size}; RNGs stay seeded (only dropout is affected)")
     model = torch.compile(raw_model) if config["compile"] else raw_model
@@ -581,7 +628,15 @@ def setup(config: dict, d: Dist, device: str) -> Setup:
     stop_group = dist.new_group(backend="gloo") if d.ddp and dist.get_backend() != "gloo" else None
     run = None
     if d.master:
-        os.makedirs(config["out_dir"], exist_ok=True)
+        try:
+            os.makedirs(config["out_dir"], exist_ok=True)
+        except OSError as e:
+            raise ConfigError(f"out_dir: cannot create {config['out_dir']!r} ({e.strerror}); valid: a writable "
+                              "directory path") from None
+        if config["init_from"] != "resume" and config["overwrite"]:  # a new run: none of the old one's files
+            for name in RUN_FILES:
+                if os.path.exists(os.path.join(config["out_dir"], name)):
+                    os.remove(os.path.join(config["out_dir"], name))
         print_setup(config, raw_model, d)
         run = init_wandb(config, raw_model) if config["wandb_log"] else None
     return Setup(data, raw_model, model, train_model, optimizer, scaler, sampler, ctx, iter_num, best_val_loss,
@@ -598,6 +653,7 @@ def train(config: dict, d: Dist, device: str, s: Setup, stop_requested: dict) ->
     window_loss, window_iters = torch.zeros((), device=device), 0  # summed on the device: no sync until a log
     t_window, tok_s, mfu, losses = time.perf_counter(), None, None, {}
     graphed = None  # the GraphedMicroStep, built at the first micro-step when cuda_graphs=True
+    interrupted = None  # the signal that stopped the run early
     while True:
         lr = get_lr(iter_num, config)
         for group in optimizer.param_groups:
@@ -628,6 +684,7 @@ def train(config: dict, d: Dist, device: str, s: Setup, stop_requested: dict) ->
         if should_stop(stop_requested, d, s.stop_group):
             check_window(window_loss, window_iters, iter_num, d)
             save_interrupted(raw_model, optimizer, scaler, sampler, config, iter_num, best_val_loss, data, d)
+            interrupted = stop_requested.get("signal", signal.SIGINT)  # another rank's signal: as Ctrl-C
             break
 
         # One optimizer step over the global batch: local_accum micro-steps on each rank; DDP all-reduces the
@@ -671,7 +728,7 @@ def train(config: dict, d: Dist, device: str, s: Setup, stop_requested: dict) ->
 
     if s.run is not None:
         s.run.summary["best_val_loss"] = best_val_loss
-    return dict(iter_num=iter_num, losses=losses, best_val_loss=best_val_loss)
+    return dict(iter_num=iter_num, losses=losses, best_val_loss=best_val_loss, interrupted=interrupted)
 
 
 def check_window(window_loss: torch.Tensor, window_iters: int, iter_num: int, d: Dist) -> float:
@@ -705,6 +762,8 @@ def training_state(raw_model, optimizer, scaler, sampler, config, iter_num, best
 
 if __name__ == "__main__":
     try:
-        main()
+        result = main()
     except (ConfigError, DataError, CheckpointError, NonFiniteLoss) as e:  # a message, not a traceback
         raise SystemExit(f"error: {e}") from None
+    if result["interrupted"]:  # saved, but not finished: 130 after Ctrl-C, 143 after SIGTERM, so a script stops too
+        sys.exit(128 + int(result["interrupted"]))

@@ -106,7 +106,7 @@ def test_ctrl_c_saves_the_last_iteration_and_resumes(data_dir, tmp_path):
     proc.send_signal(signal.SIGINT)
     out, _ = proc.communicate(timeout=120)
     output = "".join(lines) + out
-    assert proc.returncode == 0, output
+    assert proc.returncode == 128 + signal.SIGINT, output  # saved, not finished: a shell loop over runs stops
     assert "SIGINT: stopping after this iteration" in output and "interrupted: saved" in output
     last_logged = max(int(line.split()[1].split("/")[0]) for line in output.splitlines() if line.startswith("iter "))
     ckpt = load_checkpoint(tmp_path / "last.pt", required_keys=TRAIN_KEYS)
@@ -267,6 +267,65 @@ def test_corrupt_checkpoint_fails_to_resume_clearly(data_dir, tmp_path):
         run_inprocess(data_dir, tmp_path, "--max_iters=4", "--init_from=resume")
     shutil.rmtree(tmp_path)
     with pytest.raises(CheckpointError, match="no such file"):
+        run_inprocess(data_dir, tmp_path, "--max_iters=4", "--init_from=resume")
+
+
+def test_a_new_run_never_replaces_another_runs_files_unasked(data_dir, tmp_path):
+    """A scratch run into an out_dir that holds a run is refused (the old checkpoint untouched) until it resumes,
+    moves, or says --overwrite=True; then the old run's files are gone, not mixed with the new run's."""
+    run_inprocess(data_dir, tmp_path, "--max_iters=4", "--eval_interval=2")
+    before = (tmp_path / "last.pt").read_bytes()
+    with pytest.raises(ConfigError, match=r"out_dir: .* already holds a run \(last\.pt, best\.pt, metrics\.jsonl\); "
+                                          r"valid: --init_from=resume .* --overwrite=True"):
+        run_inprocess(data_dir, tmp_path, "--max_iters=2", "--eval_interval=2")
+    assert (tmp_path / "last.pt").read_bytes() == before
+    run_inprocess(data_dir, tmp_path, "--max_iters=2", "--eval_interval=2", "--overwrite=True")
+    assert [m["iter"] for m in metrics(tmp_path)] == [0, 2]
+    assert load_checkpoint(tmp_path / "last.pt")["iter_num"] == 2
+
+
+@pytest.mark.parametrize("out_dir, needle", [("", r"out_dir: got ''; valid: a directory path"),
+                                             ("FILE", r"out_dir: got '.*FILE' \(a file\); valid: a directory path")])
+def test_bad_out_dir_fails_clearly(data_dir, tmp_path, out_dir, needle):
+    if out_dir == "FILE":
+        out_dir = str(tmp_path / "FILE")
+        open(out_dir, "w").close()
+    with pytest.raises(ConfigError, match=needle):
+        train.main([*TINY, f"--data_dir={data_dir}", f"--out_dir={out_dir}", "--max_iters=1"])
+
+
+def test_resume_names_the_model_settings_it_does_not_take(data_dir, tmp_path, capsys):
+    """On resume the model is the checkpoint's: a changed architecture or block_size is named, not dropped in
+    silence (and block_size is not reported as changed, since the run keeps the checkpoint's)."""
+    run_inprocess(data_dir, tmp_path, "--max_iters=2", "--eval_interval=2")
+    capsys.readouterr()
+    result = run_inprocess(data_dir, tmp_path, "--max_iters=3", "--init_from=resume", "--n_layer=2",
+                           "--block_size=16")
+    out = capsys.readouterr().out
+    assert result["iter_num"] == 3
+    assert "resume: the model is the checkpoint's; not taken from this run's config: " in out
+    assert "n_layer=2 (checkpoint: 1)" in out and "block_size=16 (checkpoint: 32)" in out
+    assert "block_size 32 -> 16 changed" not in out
+
+
+@pytest.mark.parametrize("damage, needle", [
+    ("n_layer", r"its model_args and weights do not make a model \(RuntimeError: Error\(s\) in loading"),
+    ("new_field", r"its model_args and weights do not make a model \(TypeError: .*new_field"),
+    ("rng", r"its training state \(optimizer, scaler, sampler, RNG\) does not fit this model \(KeyError"),
+])
+def test_checkpoint_that_does_not_fit_its_model_fails_clearly(data_dir, tmp_path, damage, needle):
+    """A loadable checkpoint whose contents disagree (edited model_args, a field from another model.py, a broken RNG
+    state) is a CheckpointError naming the file, not a traceback from load_state_dict or GPTConfig."""
+    run_inprocess(data_dir, tmp_path, "--max_iters=2", "--eval_interval=2")
+    ckpt = load_checkpoint(tmp_path / "last.pt")
+    if damage == "n_layer":
+        ckpt["model_args"]["n_layer"] = 2
+    elif damage == "new_field":
+        ckpt["model_args"]["new_field"] = 1
+    else:
+        ckpt["rng"] = [{}]
+    save_checkpoint(tmp_path / "last.pt", ckpt)
+    with pytest.raises(CheckpointError, match=r"checkpoint '.*last\.pt': " + needle):
         run_inprocess(data_dir, tmp_path, "--max_iters=4", "--init_from=resume")
 
 
