@@ -3,7 +3,9 @@
 `save_checkpoint` writes to a temporary file in the target's directory, fsyncs it and renames it over the target
 (`os.replace` is atomic on POSIX and Windows), so a reader sees the old file or the new one, never half of one.
 `load_checkpoint` maps tensors to `map_location` (a GPU checkpoint loads on a CPU machine) and turns a missing,
-truncated or corrupt file into a `CheckpointError` that says which file and what is wrong with it.
+truncated or corrupt file (the archive's CRCs are checked: torch.load does not) into a `CheckpointError` that says
+which file and what is wrong with it. A save that was killed leaves a hidden temporary file; the next save of the
+same checkpoint removes it.
 
 Training checkpoints (`out_dir/last.pt`, `out_dir/best.pt`) are dicts with the keys of `TRAIN_KEYS`; their
 contents are plain tensors, numbers, strings and containers, so they load with `torch.load(weights_only=True)`.
@@ -11,8 +13,10 @@ contents are plain tensors, numbers, strings and containers, so they load with `
 
 from __future__ import annotations
 
+import glob
 import os
 import tempfile
+import zipfile
 
 import torch
 
@@ -39,7 +43,10 @@ def save_checkpoint(path: str | os.PathLike, obj: dict) -> None:
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    prefix = f".{os.path.basename(path)}."
+    for stale in glob.glob(os.path.join(glob.escape(directory), glob.escape(prefix) + "*.tmp")):
+        os.unlink(stale)  # left by a save that was killed (SIGKILL, power loss): never a checkpoint of its own
+    fd, tmp = tempfile.mkstemp(prefix=prefix, suffix=".tmp", dir=directory)
     os.chmod(tmp, 0o666 & ~_umask())  # mkstemp makes 0600 files; give the checkpoint a normal file's mode
     try:
         with os.fdopen(fd, "wb") as f:
@@ -77,6 +84,10 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu", required_keys: 
     if not os.path.isfile(path):
         raise CheckpointError(f"checkpoint {path!r}: no such file (train.py writes out_dir/last.pt and best.pt)")
     size = os.path.getsize(path)
+    damaged = _failed_crc(path)
+    if damaged:
+        raise CheckpointError(f"checkpoint {path!r} ({size} bytes) is corrupt: its entry {damaged!r} fails its CRC "
+                              "check (the bytes changed after it was written)")
     try:
         obj = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # torch raises RuntimeError, EOFError, UnpicklingError, ... depending on the damage
@@ -90,6 +101,17 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu", required_keys: 
     if missing:
         raise CheckpointError(f"checkpoint {path!r}: missing keys {missing}; it has {sorted(obj)}")
     return obj
+
+
+def _failed_crc(path: str) -> str | None:
+    """The first entry of a torch.save zip archive whose bytes fail their CRC-32, else None. torch.load itself reads
+    the tensors without checking, so flipped bits would load as wrong weights. Not a zip archive: None (torch.load
+    then reports what is wrong)."""
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return archive.testzip()
+    except (zipfile.BadZipFile, zipfile.LargeZipFile, OSError, EOFError):
+        return None
 
 
 def clean_state_dict(state_dict: dict) -> dict:

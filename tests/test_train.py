@@ -329,6 +329,23 @@ def test_checkpoint_that_does_not_fit_its_model_fails_clearly(data_dir, tmp_path
         run_inprocess(data_dir, tmp_path, "--max_iters=4", "--init_from=resume")
 
 
+def test_checkpoint_with_flipped_bytes_or_stale_temp_files(tmp_path):
+    """torch.load does not check the archive's CRCs, so changed tensor bytes would load as wrong weights:
+    load_checkpoint checks them. A save killed mid-write leaves a hidden temp file; the next save removes it."""
+    path = tmp_path / "last.pt"
+    save_checkpoint(path, {"w": torch.randn(1000, 100)})
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"is corrupt: its entry 'archive/data/0' fails its CRC check"):
+        load_checkpoint(path)
+    (tmp_path / ".last.pt.killed.tmp").write_bytes(b"half a checkpoint")
+    (tmp_path / ".best.pt.other.tmp").write_bytes(b"another checkpoint's")
+    save_checkpoint(path, {"a": 1})
+    assert sorted(os.listdir(tmp_path)) == [".best.pt.other.tmp", "last.pt"]
+    assert load_checkpoint(path) == {"a": 1}
+
+
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(data_dir, tmp_path, monkeypatch):
     forward, calls = GPT.forward, {"train": 0}
 
