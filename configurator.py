@@ -10,6 +10,13 @@ against the type of its default: an int is accepted for a float, a `None` defaul
 default takes the raw text (so `--wandb_run_name=2024` stays the string "2024"). An unknown key or a value of the
 wrong type raises `ConfigError` naming it and listing the valid keys, before anything runs; so does a config file
 that fails to run (a misspelt name: its line and the names it may read).
+
+Order matters, and a wrong order is an error rather than a silent surprise:
+- a config file that derives values from a key (`n_kv_head = n_head // 4`) fixes them when it runs, so that key
+  set again after it (`configs/gqa.py --n_head=16`) would leave them stale: refused, unless the derived values
+  are set again after it too;
+- a config file that sets a key an earlier `--key=value` set, without reading it, would silently drop that
+  override (`--n_kv_head=4 configs/gqa.py`): refused.
 """
 
 from __future__ import annotations
@@ -27,13 +34,47 @@ class ConfigError(ValueError):
 def parse_config(defaults: dict, argv: list[str]) -> dict:
     """Return a copy of `defaults` with the config files and `--key=value` overrides of `argv` applied in order."""
     config = dict(defaults)
+    overrides: dict[str, str] = {}  # key -> the override that set it, until a config file sets it again
+    derived: dict[str, tuple[set[str], str]] = {}  # key -> (the keys a config file computed it from, that file)
+    stale: dict[str, tuple[str, str, str]] = {}  # key -> (source key, file, the argument that set the source again)
+
+    def set_again(keys: list[str], by: str):
+        for key in keys:
+            for target, (sources, file) in derived.items():
+                if key in sources and target not in keys:
+                    stale[target] = (key, file, by)
+        for key in keys:
+            stale.pop(key, None)
+
     for arg in argv:
         if arg.startswith("--"):
             key, value = _parse_override(arg)
             config[key] = _checked(defaults, key, value, source=f"override {arg!r}")
+            set_again([key], f"override {arg!r}")
+            derived.pop(key, None)
+            overrides[key] = arg
         else:
-            for key, value in _read_config_file(arg, config).items():
+            values, reads = _read_config_file(arg, config)
+            for key, value in values.items():
                 config[key] = _checked(defaults, key, value, source=f"config file {arg!r}")
+                if key in overrides and key not in reads[key]:
+                    raise ConfigError(f"config file {arg!r} sets {key}, which would silently replace the earlier "
+                                      f"override {overrides[key]!r}; valid: put that override after the file "
+                                      "(arguments apply left to right)")
+                overrides.pop(key, None)
+            set_again(list(values), f"config file {arg!r}")
+            for key in values:
+                sources = reads[key] - {key}
+                if sources:
+                    derived[key] = (sources, arg)
+                else:
+                    derived.pop(key, None)
+    if stale:
+        key, (source, file, by) = next(iter(stale.items()))
+        targets = sorted(t for t, (s, f, b) in stale.items() if (s, f, b) == (source, file, by))
+        raise ConfigError(f"{by} sets {source} after config file {file!r}, which computed {', '.join(targets)} from "
+                          f"it, so they would not follow; valid: put it before that file (arguments apply left to "
+                          f"right), or set {', '.join(targets)} after it too")
     return config
 
 
@@ -55,16 +96,21 @@ class _RawText:
         self.raw, self.parsed = raw, parsed
 
 
-def _read_config_file(path: str, config: dict) -> dict:
-    """Execute a config file with the current config visible and return its top-level assignments."""
+def _read_config_file(path: str, config: dict) -> tuple[dict, dict]:
+    """Execute a config file with the current config visible; return its top-level assignments, and for each the
+    config keys its value was computed from (`_reads`)."""
     if not os.path.isfile(path):
         raise ConfigError(f"config file {path!r}: no such file (arguments are config files or --key=value)")
-    with open(path, encoding="utf-8") as f:
-        source = f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        raise ConfigError(f"config file {path!r}: cannot be read as UTF-8 text ({e})") from None
     try:
         tree = ast.parse(source, filename=path)
-    except SyntaxError as e:
-        raise ConfigError(f"config file {path!r}: syntax error at line {e.lineno}: {e.msg}") from None
+    except (SyntaxError, ValueError) as e:  # ValueError: a NUL byte in the source
+        where = f" at line {e.lineno}" if getattr(e, "lineno", None) else ""
+        raise ConfigError(f"config file {path!r}: syntax error{where}: {getattr(e, 'msg', e)}") from None
     assigned = _top_level_names(tree)
     namespace = dict(config)
     try:
@@ -73,7 +119,34 @@ def _read_config_file(path: str, config: dict) -> dict:
         line = next((f.lineno for f in reversed(traceback.extract_tb(e.__traceback__)) if f.filename == path), "?")
         raise ConfigError(f"config file {path!r}: line {line}: {type(e).__name__}: {e}; valid names to read: "
                           f"{', '.join(sorted(config))}") from None
-    return {name: namespace[name] for name in assigned if name in namespace and not name.startswith("_")}
+    values = {name: namespace[name] for name in assigned if name in namespace and not name.startswith("_")}
+    reads = _reads(tree, config)
+    return values, {name: reads.get(name, set()) for name in values}
+
+
+def _reads(tree: ast.Module, config: dict) -> dict[str, set[str]]:
+    """For each top-level name a config file assigns, the config keys its value reads, directly or through the
+    file's `_private` helpers and its own earlier assignments (`kv_lora_rank = 4 * _head_dim` reads n_embd and
+    n_head when `_head_dim = n_embd // n_head`)."""
+    reads: dict[str, set[str]] = {}
+    for node in tree.body:
+        if not isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) or node.value is None:
+            continue
+        names = {n.id for n in ast.walk(node.value) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        targets = [t for target in targets for t in (target.elts if isinstance(target, (ast.Tuple, ast.List))
+                                                      else [target]) if isinstance(t, ast.Name)]
+        if isinstance(node, ast.AugAssign):
+            names |= {t.id for t in targets}
+        keys = set()
+        for name in names:
+            if name in reads:  # assigned earlier in this file: what it read, and itself when it is a config key
+                keys |= reads[name] | ({name} if name in config else set())
+            elif name in config:
+                keys.add(name)
+        for t in targets:
+            reads[t.id] = keys
+    return reads
 
 
 def _top_level_names(tree: ast.Module) -> list[str]:

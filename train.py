@@ -9,7 +9,7 @@ A GPT-2-small-sized GQA model on one GPU, with the Triton kernels and torch.comp
     python train.py configs/gpt2_small_gqa.py --cuda_graphs=True   # each micro-step replayed from a CUDA graph
 Stack a size file and a variant file to compare the KV cache at GPU scale (later files override earlier ones):
     python train.py configs/kv_h200.py configs/mla.py
-Override anything (`--key=value`, applied left to right after the files), resume exactly, or finetune GPT-2:
+Override anything (`--key=value`; files and overrides apply left to right), resume exactly, or finetune GPT-2:
     python train.py configs/gqa.py --batch_size=32 --max_iters=200
     python train.py configs/gqa.py --init_from=resume    # continues out-gqa/last.pt where it stopped
     python train.py --init_from=gpt2 --dataset=tinystories --learning_rate=3e-5 --block_size=512 --compile=True
@@ -47,6 +47,7 @@ import torch
 import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from attention_kernels.flash import MAX_HEAD_DIM, MIN_HEAD_DIM
 from checkpoint import TRAIN_KEYS, CheckpointError, clean_state_dict, load_checkpoint, save_checkpoint
 from configurator import ConfigError, parse_config
 from data import DataError, ensure_dataset
@@ -65,8 +66,8 @@ DEFAULTS = dict(
     # wandb (offline automatically without credentials or network)
     wandb_log=False,
     wandb_project="attention-zoo",
-    wandb_run_name="",  # "": derived from the attention variant
-    wandb_group="",  # runs of one comparison share a group, so they land on one chart
+    wandb_run_name="",  # "": the attention variant ("gqa-kv2")
+    wandb_group="",  # runs of one comparison share a group (one chart); "": dataset and size ("pydoc-L4-E128-H8-T128")
     # data
     dataset="pydoc",  # data/<dataset>/ (see data/__init__.py); pydoc is embedded and prepared on first use
     data_dir="",  # "" = data/<dataset>
@@ -218,6 +219,31 @@ def model_config(config: dict, vocab_size: int) -> GPTConfig:
         return GPTConfig(**args)
     except ValueError as e:  # GPTConfig names the field and its valid values
         raise ConfigError(f"model config: {e}") from None
+
+
+def check_backend(model: GPT, device: str) -> None:
+    """Where the model will run our Triton kernels, their limits as a config error before training starts, not a
+    kernel's ValueError at the first step."""
+    if model.attn_backend_for(device) != "triton":
+        return
+    if not device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
+        raise ConfigError(f"attn_backend: got 'triton' on device {device!r}; valid: 'torch' or 'auto' there, or "
+                          "TRITON_INTERPRET=1 in the environment (Triton's CPU interpreter: slow, what the tests use)")
+    cfg = model.config
+    for name, dim in (("query/key", cfg.qk_head_dim), ("value", cfg.v_dim)):
+        if not MIN_HEAD_DIM <= dim <= MAX_HEAD_DIM:
+            raise ConfigError(f"attn_backend: {cfg.attn_backend!r} runs the Triton kernels here, which take head dims "
+                              f"from {MIN_HEAD_DIM} to {MAX_HEAD_DIM}, and this model's {name} head dim is {dim}; "
+                              "valid: --attn_backend=torch, or a size whose head dims are in that range")
+
+
+def run_names(config: dict) -> tuple[str, str]:
+    """The wandb group and run name, where the config leaves them empty: the group from the data and the size,
+    which the four variant files leave alike (so their runs land on one chart), the name from the attention."""
+    group = config["wandb_group"] or (f"{config['dataset']}-L{config['n_layer']}-E{config['n_embd']}-"
+                                      f"H{config['n_head']}-T{config['block_size']}")
+    kv = f"-kv{config['n_kv_head']}" if config["attention"] == "gqa" else ""
+    return group, config["wandb_run_name"] or f"{config['attention']}{kv}"
 
 
 def build_model(config: dict, vocab_size: int, ckpt: dict | None) -> GPT:
@@ -453,10 +479,10 @@ def init_wandb(config: dict, model: GPT):
     except ImportError:
         print("wandb: not installed (pip install wandb); metrics go to metrics.jsonl only")
         return None
-    name = config["wandb_run_name"] or f"{config['attention']}-{time.strftime('%m%d-%H%M%S')}"
+    name = config["wandb_run_name"]
     summary = dict(config, n_kv_head=model.config.n_kv_head, params=model.num_params(),
                    kv_cache_bytes_per_token=model.kv_cache_bytes_per_token())
-    kwargs = dict(project=config["wandb_project"], group=config["wandb_group"] or None, name=name, config=summary,
+    kwargs = dict(project=config["wandb_project"], group=config["wandb_group"], name=name, config=summary,
                   dir=os.environ.get("WANDB_DIR") or config["out_dir"])  # each run's files beside its checkpoints
     mode = os.environ.get("WANDB_MODE") or ("online" if _wandb_has_credentials() else "offline")
     run = None
@@ -600,6 +626,8 @@ def setup(config: dict, d: Dist, device: str) -> Setup:
     if ckpt is not None and d.master:
         note_ignored_model_args(config, ckpt, data.vocab_size)
     raw_model = build_model(config, data.vocab_size, ckpt).to(device)
+    config["wandb_group"], config["wandb_run_name"] = run_names(config)  # from the final values (a resume's model)
+    check_backend(raw_model, device)
     optimizer = raw_model.configure_optimizers(config["weight_decay"], config["learning_rate"],
                                                (config["beta1"], config["beta2"]), device_type)
     scaler = torch.amp.GradScaler(device_type, enabled=config["dtype"] == "float16")
@@ -654,6 +682,11 @@ def train(config: dict, d: Dist, device: str, s: Setup, stop_requested: dict) ->
     t_window, tok_s, mfu, losses = time.perf_counter(), None, None, {}
     graphed = None  # the GraphedMicroStep, built at the first micro-step when cuda_graphs=True
     interrupted = None  # the signal that stopped the run early
+    if s.resumed and iter_num >= config["max_iters"] and not config["eval_only"]:  # no eval line appended twice
+        if d.master:
+            print(f"resume: the run already finished at iteration {iter_num} (max_iters={config['max_iters']}); "
+                  "nothing to do: raise --max_iters to train on")
+        return dict(iter_num=iter_num, losses=losses, best_val_loss=best_val_loss, interrupted=None)
     while True:
         lr = get_lr(iter_num, config)
         for group in optimizer.param_groups:

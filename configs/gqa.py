@@ -5,5 +5,3 @@
 attention = "gqa"
 n_kv_head = max(1, n_head // 4)  # noqa: F821 (config files see the values set before them)
 out_dir = f"{out_dir}-gqa"  # noqa: F821
-wandb_group = wandb_group or f"{dataset}-L{n_layer}-E{n_embd}-H{n_head}-T{block_size}"  # noqa: F821
-wandb_run_name = f"gqa-kv{n_kv_head}"

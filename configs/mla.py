@@ -14,5 +14,3 @@ qk_nope_head_dim = _head_dim
 v_head_dim = _head_dim
 n_kv_head = None  # not used by MLA (the model sets n_head)
 out_dir = f"{out_dir}-mla"  # noqa: F821
-wandb_group = wandb_group or f"{dataset}-L{n_layer}-E{n_embd}-H{n_head}-T{block_size}"  # noqa: F821
-wandb_run_name = "mla"

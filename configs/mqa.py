@@ -5,5 +5,3 @@
 attention = "mqa"
 n_kv_head = None  # the model sets 1
 out_dir = f"{out_dir}-mqa"  # noqa: F821 (config files see the values set before them)
-wandb_group = wandb_group or f"{dataset}-L{n_layer}-E{n_embd}-H{n_head}-T{block_size}"  # noqa: F821
-wandb_run_name = "mqa"

@@ -78,7 +78,7 @@ def test_shipped_configs_parse_and_build_a_model(files):
     from model import GPTConfig
 
     config = parse_config(train.DEFAULTS, [os.path.join(ROOT, f) for f in files])
-    assert config["wandb_group"], "every config sets wandb_group so that a comparison lands on one chart"
+    assert train.run_names(config)[0], "every run has a wandb group, so that a comparison lands on one chart"
     gpt_config = train.model_config(config, vocab_size=50257)  # raises ConfigError if the fields disagree
     assert isinstance(gpt_config, GPTConfig)
     if config["attention"] == "gqa":
@@ -89,13 +89,55 @@ def test_variant_configs_share_size_and_budget():
     import train
 
     keys = ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "gradient_accumulation_steps", "max_iters",
-            "learning_rate", "dataset", "wandb_group")
+            "learning_rate", "dataset")
     configs = {v: parse_config(train.DEFAULTS, [os.path.join(ROOT, "configs", f"{v}.py")])
                for v in ("mha", "gqa", "mqa", "mla")}
     first = configs["mha"]
     for v, c in configs.items():
         assert {k: c[k] for k in keys} == {k: first[k] for k in keys}, v
         assert c["attention"] == v and c["out_dir"] == f"out-{v}"
+    names = {v: train.run_names(dict(c, n_kv_head=2 if v == "gqa" else c["n_kv_head"])) for v, c in configs.items()}
+    assert {group for group, _ in names.values()} == {"pydoc-L4-E128-H8-T128"}, "one chart for the four runs"
+    assert [name for _, name in names.values()] == ["mha", "gqa-kv2", "mqa", "mla"]
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["configs/gqa.py", "--n_head=16"],
+     r"override '--n_head=16' sets n_head after config file '.*gqa\.py', which computed n_kv_head from it, so they "
+     r"would not follow; valid: put it before that file .* or set n_kv_head after it too"),
+    (["configs/mla.py", "--n_embd=256"],
+     r"override '--n_embd=256' sets n_embd after config file '.*mla\.py', which computed kv_lora_rank, "
+     r"qk_nope_head_dim, qk_rope_head_dim, v_head_dim from it"),
+    (["configs/gqa.py", "configs/kv_h200.py"],
+     r"config file '.*kv_h200\.py' sets n_head after config file '.*gqa\.py', which computed n_kv_head from it"),
+    (["--n_kv_head=4", "configs/gqa.py"],
+     r"config file '.*gqa\.py' sets n_kv_head, which would silently replace the earlier override '--n_kv_head=4'; "
+     r"valid: put that override after the file"),
+])
+def test_an_order_that_would_drop_or_stale_a_value_is_refused(argv, needle):
+    """Arguments apply left to right, and a config file computes its values when it runs: a size set after a
+    variant file would leave that file's derived values stale, and a file would silently replace an earlier
+    override. Both are refused with the order that works."""
+    import train
+
+    argv = [os.path.join(ROOT, a) if a.startswith("configs/") else a for a in argv]
+    with pytest.raises(ConfigError, match=needle):
+        parse_config(train.DEFAULTS, argv)
+
+
+@pytest.mark.parametrize("argv, expect", [
+    (["--n_head=16", "configs/gqa.py"], dict(n_head=16, n_kv_head=4)),
+    (["configs/gqa.py", "--n_kv_head=1"], dict(n_head=8, n_kv_head=1)),
+    (["configs/gqa.py", "--n_head=16", "--n_kv_head=4"], dict(n_head=16, n_kv_head=4)),
+    (["--out_dir=/tmp/x", "configs/gqa.py", "--batch_size=2"], dict(out_dir="/tmp/x-gqa", batch_size=2)),
+    (["configs/kv_h200.py", "configs/mla.py", "--out_dir=o"], dict(n_head=16, kv_lora_rank=256, out_dir="o")),
+])
+def test_orders_that_keep_every_value_apply(argv, expect):
+    import train
+
+    argv = [os.path.join(ROOT, a) if a.startswith("configs/") else a for a in argv]
+    config = parse_config(train.DEFAULTS, argv)
+    assert {k: config[k] for k in expect} == expect
 
 
 # ----------------------------------------------------------------------------------------------- checkpoints

@@ -306,6 +306,28 @@ def test_resume_names_the_model_settings_it_does_not_take(data_dir, tmp_path, ca
     assert "resume: the model is the checkpoint's; not taken from this run's config: " in out
     assert "n_layer=2 (checkpoint: 1)" in out and "block_size=16 (checkpoint: 32)" in out
     assert "block_size 32 -> 16 changed" not in out
+    lines = len(metrics(tmp_path))
+    again = run_inprocess(data_dir, tmp_path, "--max_iters=3", "--init_from=resume")
+    assert again["iter_num"] == 3 and len(metrics(tmp_path)) == lines, "a finished run resumed appends nothing"
+    assert "resume: the run already finished at iteration 3 (max_iters=3)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, needle", [
+    (["--attn_backend=triton"], r"attn_backend: got 'triton' on device 'cpu'; valid: 'torch' or 'auto' there, or "
+                                r"TRITON_INTERPRET=1"),
+    (["--attn_backend=triton", "--n_head=16"], r"which take head dims from 16 to 256, and this model's query/key "
+                                               r"head dim is 4; valid: --attn_backend=torch"),
+])
+def test_triton_backend_limits_fail_before_training(data_dir, tmp_path, monkeypatch, argv, needle):
+    """The Triton kernels' limits (a GPU or the interpreter; head dims 16-256) are config errors before anything is
+    written, not a kernel's ValueError at the first step."""
+    if "--n_head=16" not in argv:
+        monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    else:
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    with pytest.raises(ConfigError, match=needle):
+        run_inprocess(data_dir, tmp_path / "out", *argv)
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("damage, needle", [
