@@ -292,6 +292,8 @@ class _Cache:
 
     def reserve(self, T: int) -> torch.Tensor:
         """Grow every sequence of this view by T tokens; returns their positions (B, T) on the device."""
+        if not isinstance(T, int) or isinstance(T, bool) or T < 0:
+            raise ValueError(f"T: got {T!r}; valid: an int >= 0 (the new tokens of each sequence)")
         starts = self.lens
         self.store.grow(self.rows, T)  # raises (CacheFullError / ValueError) before anything changes
         starts_t = torch.tensor(starts, dtype=torch.int64).to(self.store.device)
@@ -300,11 +302,19 @@ class _Cache:
 
     def release(self, row: int):
         """A finished sequence gives its storage back (its pages, for a paged cache)."""
+        self._check_row(row, "row")
         self.store.release(row)
 
     def compact(self, rows: list[int]) -> list[int]:
         """Keep only the sequences of `rows`; returns the row each now lives in (see the store's compact)."""
+        for row in rows:
+            self._check_row(row, "rows")
         return self.store.compact(sorted(rows))
+
+    def _check_row(self, row, name: str):
+        """A row of the store, as an int: a negative one would pick a row from the end (and free its pages)."""
+        if not isinstance(row, int) or isinstance(row, bool) or not 0 <= row < self.store.batch_size:
+            raise ValueError(f"{name}: got {row!r}; valid: a row in [0, {self.store.batch_size})")
 
     def _new_tokens(self, x: torch.Tensor, layer: int, name: str):
         if self._step is None:
@@ -338,6 +348,7 @@ class _KVCache(_Cache):
 
     def __init__(self, store, n_layer, n_kv_head, d_qk, d_v, backend):
         super().__init__(store, n_layer, backend)
+        self.layout = dict(kind="K/V", n_layer=n_layer, n_kv_head=n_kv_head, d_qk=d_qk, d_v=d_v)  # GPT.forward checks
         self.k = [store.new_buffer((n_kv_head, d_qk)) for _ in range(n_layer)]  # token-major views / pools
         self.v = [store.new_buffer((n_kv_head, d_v)) for _ in range(n_layer)]
 
@@ -398,6 +409,7 @@ class _LatentCache(_Cache):
 
     def __init__(self, store, n_layer, d_c, d_r, backend):
         super().__init__(store, n_layer, backend)
+        self.layout = dict(kind="latent", n_layer=n_layer, d_c=d_c, d_r=d_r)  # GPT.forward checks it
         self.c = [store.new_buffer((d_c,)) for _ in range(n_layer)]
         self.r = [store.new_buffer((d_r,)) for _ in range(n_layer)]
 
@@ -468,6 +480,9 @@ def make_cache(kind: str, config, batch_size: int, max_len: int, *, device, dtyp
     for name, value in (("batch_size", batch_size), ("max_len", max_len)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}: got {value!r}; valid: an int >= 1")
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise ValueError(f"dtype: got {dtype}; valid: torch.float32, torch.bfloat16 or torch.float16 (a cache of "
+                         "another type would round K and V to it)")
     common = dict(device=device, dtype=dtype, backend=backend)
     paged = dict(page_size=page_size, num_pages=num_pages)
     if config.attention == "mla":

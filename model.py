@@ -25,9 +25,11 @@ k_rope) whatever pos_embedding says, because the absorbed decode needs position-
 pos_embedding="learned" additionally adds the learned absolute embedding, "rope" adds nothing else.
 
 Generation: `forward(idx, cache=cache)` appends idx to every sequence held by `cache` and returns their logits.
-The model calls only `cache.reserve(T)` (positions of the new tokens), then per layer `cache.append` /
-`cache.attend` (GQA family) or `cache.append_latent` / `cache.attend_latent` (MLA); prefill (T > 1) runs the
-flash kernel over the cached prefix (bottom-right causal), decode (T == 1) lets the cache run its decode kernel.
+Before anything changes it checks the cache's `batch_size` (and, where the cache declares them, its `layout` and
+`lens`: cache.py's caches do); then it calls only `cache.reserve(T)` (positions of the new tokens), then per layer
+`cache.append` / `cache.attend` (GQA family) or `cache.append_latent` / `cache.attend_latent` (MLA); prefill
+(T > 1) runs the flash kernel over the cached prefix (bottom-right causal), decode (T == 1) lets the cache run its
+decode kernel.
 MLA decodes in the absorbed form: q_absorbed = q_nope W_UK[h] attends to the latent cache, and the value
 up-projection W_UV[h] is applied to the latent output afterwards, so the cache holds only
 kv_lora_rank + qk_rope_head_dim numbers per token per layer.
@@ -404,6 +406,7 @@ class GPT(nn.Module):
         appended to every cached sequence (positions from cache.reserve); without one, idx is the whole sequence."""
         B, T = idx.shape
         if cache is not None:
+            self._check_cache(cache, B, T)  # before reserve, which changes the cache
             positions = cache.reserve(T)  # (B, T)
         else:
             positions = torch.arange(T, device=idx.device)[None]  # (1, T)
@@ -421,6 +424,27 @@ class GPT(nn.Module):
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
         return logits, loss
+
+    def _check_cache(self, cache, B: int, T: int):
+        """A cache made for another model or batch, or a step past learned positions, is refused before
+        cache.reserve grows anything (the lengths live on the host: no device sync)."""
+        cfg = self.config
+        if cfg.attention == "mla":
+            want = dict(kind="latent", n_layer=cfg.n_layer, d_c=cfg.kv_lora_rank, d_r=cfg.qk_rope_head_dim)
+        else:
+            head_dim = cfg.n_embd // cfg.n_head
+            want = dict(kind="K/V", n_layer=cfg.n_layer, n_kv_head=cfg.n_kv_head, d_qk=head_dim, d_v=head_dim)
+        got = getattr(cache, "layout", want)  # cache.py's caches declare theirs; a minimal cache need not
+        if got != want:
+            raise ValueError(f"cache: made for {got}; valid: a cache for this model, {want} (cache.make_cache with "
+                             "this model's config)")
+        if B != cache.batch_size:
+            raise ValueError(f"idx: got a batch of {B}; valid: the cache's {cache.batch_size} sequences (or a "
+                             "cache.view of some of them)")
+        lens = getattr(cache, "lens", None)
+        if cfg.pos_embedding == "learned" and T > 0 and lens and max(lens) + T > cfg.block_size:
+            raise ValueError(f"cache: position {max(lens) + T - 1} reached; valid: positions < "
+                             f"block_size={cfg.block_size} (learned position embeddings)")
 
     def _check_positions(self, positions, T: int, cache):
         """Learned positions stop at block_size; RoPE has no table, so it may go on (extrapolating)."""

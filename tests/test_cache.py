@@ -308,3 +308,50 @@ def test_bad_use_raises():
         view.append(2, torch.zeros(2, 2, 2, 16), torch.zeros(2, 2, 2, 16))
     with pytest.raises(ValueError, match="k: got shape"):
         view.append(0, torch.zeros(2, 2, 3, 16), torch.zeros(2, 2, 3, 16))
+
+
+@pytest.mark.parametrize("kind", ["grouped", "paged"])
+def test_bad_rows_steps_and_dtypes_change_nothing(kind):
+    """A negative or fractional step, a row out of range (a negative one would free the last row's pages through
+    Python's indexing), or a cache dtype that would round K and V are refused, and the lengths and pages stay."""
+    paged = dict(page_size=8, num_pages=6) if kind == "paged" else {}
+    cache = make_cache(kind, GQA, 2, 20, device="cpu", **paged)
+    cache.reserve(8)
+    free = cache.store.allocator.num_free if kind == "paged" else None
+    for T in (-1, 2.5, True):
+        with pytest.raises(ValueError, match=r"T: got .*; valid: an int >= 0"):
+            cache.reserve(T)
+    for row in (-1, 2, 1.0):
+        with pytest.raises(ValueError, match=r"row: got .*; valid: a row in \[0, 2\)"):
+            cache.release(row)
+    with pytest.raises(ValueError, match=r"rows: got 5; valid: a row in \[0, 2\)"):
+        cache.compact([0, 5])
+    assert cache.lens == [8, 8]
+    if kind == "paged":
+        assert cache.store.allocator.num_free == free
+    with pytest.raises(ValueError, match=r"dtype: got torch.int32; valid: torch.float32, torch.bfloat16"):
+        make_cache(kind, GQA, 2, 20, device="cpu", dtype=torch.int32, **paged)
+
+
+def test_model_refuses_a_cache_it_cannot_use_before_it_grows():
+    """GPT.forward checks the cache (made for this model, this batch, positions within learned ones) before
+    cache.reserve: a refused step leaves the lengths as they were."""
+    from model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, vocab_size=32, block_size=16, pos_embedding="learned",
+                          attn_backend="torch")).eval()
+    other = make_cache("grouped", GQA, 1, 16, device="cpu")  # 2 KV heads: made for a GQA model
+    with pytest.raises(ValueError, match=r"cache: made for .*'n_kv_head': 2.*valid: a cache for this model"):
+        model(torch.zeros(1, 3, dtype=torch.long), cache=other)
+    mla = make_cache("mla", MLA, 1, 16, device="cpu")
+    with pytest.raises(ValueError, match=r"cache: made for \{'kind': 'latent'"):
+        model(torch.zeros(1, 3, dtype=torch.long), cache=mla)
+    cache = make_cache("grouped", model.config, 1, 32, device="cpu")
+    with pytest.raises(ValueError, match=r"idx: got a batch of 2; valid: the cache's 1 sequences"):
+        model(torch.zeros(2, 3, dtype=torch.long), cache=cache)
+    with torch.no_grad():
+        model(torch.zeros(1, 16, dtype=torch.long), cache=cache)
+        with pytest.raises(ValueError, match=r"cache: position 16 reached; valid: positions < block_size=16"):
+            model(torch.zeros(1, 1, dtype=torch.long), cache=cache)
+    assert other.lens == [0] and mla.lens == [0] and cache.lens == [16]
