@@ -167,7 +167,10 @@ def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | Non
     """logits (B, V) -> next tokens (B,). temperature 0 is greedy (argmax); top_k / top_p filter before sampling."""
     if temperature == 0:
         return logits.argmax(dim=-1)
-    logits = logits.float() / temperature
+    logits = logits.float()
+    # The row's max subtracted first: a tiny temperature then sends the others to -inf, never the max to +inf
+    # (inf - inf would be NaN in the softmax). The same distribution otherwise.
+    logits = (logits - logits.max(dim=-1, keepdim=True).values) / temperature
     if top_k:
         kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[:, -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -266,6 +269,8 @@ def generate(model, prompts: list[list[int]], cache_kind: str = "auto", *, max_n
         device = next(model.parameters()).device
         rows = min(len(prompts), max_batch or len(prompts))
         max_len = max(len(p) for p in prompts) + max_new_tokens - 1
+        if kind in ("paged", "paged_mla") and num_pages:
+            _check_pages(prompts, max_new_tokens, page_size, num_pages, wait_for_pages, rows)
         cache = make_cache(kind, config, rows, max_len, device=device,
                            dtype=dtype or next(model.parameters()).dtype, backend=model.attn_backend_for(device),
                            page_size=page_size, num_pages=num_pages or None)
@@ -401,6 +406,18 @@ def _prefill(model, cache, seqs, sched, admitted, pick, on_logits, stats, device
 # ----------------------------------------------------------------------------------------------- the CLI
 
 
+def _check_pages(prompts, max_new_tokens: int, page_size: int, num_pages: int, wait: bool, rows: int):
+    """A pool that cannot hold what must be resident at once would run out partway through, after tokens were
+    generated: one sequence at full length when waiting for pages, else the `rows` largest together."""
+    per_sample = sorted((-(-(len(p) + max_new_tokens - 1) // page_size) for p in prompts), reverse=True)
+    need = per_sample[0] if wait else sum(per_sample[:rows])
+    if num_pages < need:
+        who = "the longest sequence" if wait else f"{rows} sequences at once"
+        raise ValueError(f"num_pages: got {num_pages}; the pool must hold {need} pages of {page_size} tokens for "
+                         f"{who} at full length; valid: None (enough for all) or >= {need}"
+                         + ("" if wait else f", or wait_for_pages=True with >= {per_sample[0]}"))
+
+
 def load_model(cfg: dict):
     """(model, tokenizer meta, checkpoint config) from --init_from: resume (out_dir), a directory, or gpt2*."""
     from model import GPT, GPT2_NAMES, GPTConfig
@@ -412,12 +429,22 @@ def load_model(cfg: dict):
     from checkpoint import clean_state_dict, load_checkpoint
 
     directory = cfg["out_dir"] if cfg["init_from"] == "resume" else cfg["init_from"]
+    if cfg["init_from"] != "resume" and not os.path.isdir(directory):
+        raise ValueError(f"--init_from: got {cfg['init_from']!r}, which is not a directory; valid: 'resume' (the "
+                         "checkpoint in --out_dir), a directory holding best.pt or last.pt, or "
+                         f"{', '.join(GPT2_NAMES)}")
     path = os.path.join(directory, "best.pt")
     if not os.path.isfile(path):
         path = os.path.join(directory, "last.pt")
     ckpt = load_checkpoint(path, map_location="cpu", required_keys=("model", "model_args", "tokenizer"))
-    model = GPT(GPTConfig(**ckpt["model_args"]))
-    model.load_state_dict(clean_state_dict(ckpt["model"]))
+    try:
+        model = GPT(GPTConfig(**ckpt["model_args"]))
+        model.load_state_dict(clean_state_dict(ckpt["model"]))
+    except (TypeError, ValueError, RuntimeError, KeyError) as e:  # damaged, or from another model.py
+        from checkpoint import CheckpointError
+
+        raise CheckpointError(f"checkpoint {path!r}: its model_args and weights do not make a model "
+                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no detail'})") from None
     print(f"loaded {path} (iter {ckpt.get('iter_num', '?')})", file=sys.stderr)
     return model, ckpt["tokenizer"], ckpt.get("config", {})
 
@@ -428,8 +455,9 @@ def read_start(start: str) -> str:
     try:
         with open(start[5:], encoding="utf-8") as f:
             return f.read()
-    except OSError as e:
-        raise ValueError(f"--start: got {start!r}, which cannot be read ({e.strerror}); valid: the prompt text, "
+    except (OSError, UnicodeDecodeError) as e:
+        why = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
+        raise ValueError(f"--start: got {start!r}, which cannot be read ({why}); valid: the prompt text, "
                          "or FILE:path of a readable UTF-8 file") from None
 
 

@@ -12,7 +12,6 @@ import torch
 from conftest import DEVICE, KERNEL_DTYPES, TOLERANCES
 
 import sample
-from cache import CacheFullError
 from model import GPT, GPTConfig
 from sample import check_length, generate, resolve_cache_kind, sample_next
 
@@ -157,8 +156,8 @@ def test_ragged_batch_equals_each_sequence_alone(variant, kind):
 
 def test_paged_scheduler_waits_for_pages_or_raises():
     """A pool that holds two sequences at a time: with waiting, five prompts go through three rows as pages free
-    up and give the same tokens as an unconstrained run; without waiting the pool runs out with the promised
-    error."""
+    up and give the same tokens as an unconstrained run; a pool that could run out partway (without waiting, or
+    smaller than one sequence) is refused at start, before any token is generated and lost."""
     model = tiny_model("mha")
     ps = prompts((5, 9, 3, 12, 7), seed=3)
     ref, _ = generate(model, ps, "grouped", max_new_tokens=6)
@@ -166,9 +165,10 @@ def test_paged_scheduler_waits_for_pages_or_raises():
                           max_batch=3)
     assert out == ref
     assert stats.cache_bytes_peak <= stats.cache_bytes_allocated == 5 * 8 * stats.cache_bytes_per_token
-    with pytest.raises(CacheFullError, match=r"asked for \d+ pages, \d+ free of 5.*--num_pages"):
+    with pytest.raises(ValueError, match=r"num_pages: got 5; the pool must hold 10 pages of 8 tokens for 5 "
+                                         r"sequences at once .* or wait_for_pages=True with >= 3"):
         generate(model, ps, "paged", max_new_tokens=6, page_size=8, num_pages=5)
-    with pytest.raises(CacheFullError, match="more than the whole pool"):
+    with pytest.raises(ValueError, match=r"num_pages: got 5; the pool must hold 6 pages .* the longest sequence"):
         generate(model, [[1] * 40], "paged", max_new_tokens=6, page_size=8, num_pages=5, wait_for_pages=True)
 
 
@@ -184,6 +184,8 @@ def test_sampling_filters():
     assert set(sample_next(logits, temperature=1.0, top_p=0.1, generator=g).tolist()) == {1}
     everything = sample_next(logits, temperature=1.0, generator=g)
     assert set(everything.tolist()) == {0, 1, 2, 3, 4}
+    tiny = sample_next(logits[:50], temperature=1e-45, generator=g)  # logits / 1e-45 alone would overflow to inf
+    assert tiny.tolist() == [1] * 50
     a = sample_next(logits[:50], 0.8, generator=torch.Generator().manual_seed(5))
     b = sample_next(logits[:50], 0.8, generator=torch.Generator().manual_seed(5))
     assert torch.equal(a, b)
@@ -321,6 +323,27 @@ def test_sample_py_rejects_bad_options_at_start(tmp_path, monkeypatch, capsys, a
         sample.main([f"--init_from={tmp_path}", "--device=cpu", "--start=HELLO, ", "--max_new_tokens=10",
                      *args.split()])
     assert capsys.readouterr().out == ""
+
+
+def test_sample_py_bad_checkpoint_and_prompt_sources(tmp_path, monkeypatch):
+    """--init_from that is a file or an unknown name, a checkpoint whose model_args do not fit its weights, and a
+    --start file that is not UTF-8 each say what is wrong and what is valid."""
+    from checkpoint import CheckpointError, load_checkpoint, save_checkpoint
+
+    _checkpoint(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    for bad in (str(tmp_path / "last.pt"), "gpt3"):
+        with pytest.raises(ValueError, match=r"--init_from: got .*, which is not a directory; valid: 'resume' .*, a "
+                                             r"directory holding best.pt or last.pt, or gpt2, "):
+            sample.main([f"--init_from={bad}", "--device=cpu"])
+    (tmp_path / "prompt.bin").write_bytes(b"\xff\xfe\x00binary")
+    with pytest.raises(ValueError, match=r"--start: got 'FILE:prompt.bin', which cannot be read \(not UTF-8 text\)"):
+        sample.main([f"--init_from={tmp_path}", "--device=cpu", "--start=FILE:prompt.bin"])
+    ckpt = load_checkpoint(tmp_path / "last.pt")
+    ckpt["model_args"]["n_layer"] += 1
+    save_checkpoint(tmp_path / "last.pt", ckpt)
+    with pytest.raises(CheckpointError, match=r"last.pt': its model_args and weights do not make a model"):
+        sample.main([f"--init_from={tmp_path}", "--device=cpu"])
 
 
 def test_sample_py_error_is_a_message_not_a_traceback(tmp_path):
