@@ -180,8 +180,10 @@ def check_config(config: dict, d: Dist) -> None:
             raise ConfigError(f"{key}: got {config[key]}; valid: a positive int")
     for key in ("max_iters", "warmup_iters", "lr_decay_iters", "learning_rate", "min_lr", "weight_decay",
                 "grad_clip"):
-        if config[key] < 0:
-            raise ConfigError(f"{key}: got {config[key]}; valid: a number >= 0")
+        if not 0 <= config[key] < math.inf:  # also refuses NaN and inf (1e400 parses as inf)
+            raise ConfigError(f"{key}: got {config[key]}; valid: a finite number >= 0")
+    if not 0 < config["rope_theta"] < math.inf:
+        raise ConfigError(f"rope_theta: got {config['rope_theta']}; valid: a finite number > 0")
     for key in ("beta1", "beta2"):
         if not 0 <= config[key] < 1:
             raise ConfigError(f"{key}: got {config[key]}; valid: a number in [0, 1)")
@@ -619,7 +621,8 @@ def setup(config: dict, d: Dist, device: str) -> Setup:
     for split, tokens in (("train", data.train), ("val", data.val)):
         if len(tokens) <= config["block_size"] + 1:
             raise ConfigError(f"block_size: got {config['block_size']}, but the {split} split has only "
-                              f"{len(tokens)} tokens; valid: fewer than that")
+                              f"{len(tokens)} tokens (a block and its next-token target need block_size + 2); "
+                              f"valid: at most {len(tokens) - 2}")
     ckpt = load_resume_checkpoint(config) if config["init_from"] == "resume" else None
     if ckpt is not None and ckpt["tokenizer"] != data.meta["tokenizer"]:
         raise ConfigError(f"dataset: {config['dataset']!r} is tokenized differently from the checkpoint's data")

@@ -183,7 +183,10 @@ def ensure_dataset(name: str, data_dir: str = "") -> TokenData:
 
         if name == "pydoc":
             prepare.prepare_pydoc(directory)
-        elif name in prepare.HUB_DATASETS or name == "char":
+        elif name == "char":
+            raise DataError(f"dataset 'char' is not prepared in {directory}: run `python -m data.prepare char "
+                            f"--input=your_text.txt` first (any local text file, no network)")
+        elif name in prepare.HUB_DATASETS:
             raise DataError(
                 f"dataset {name!r} is not prepared in {directory}: run `python -m data.prepare {name}` first "
                 f"(it needs the network for hub datasets); {OFFLINE_HINT}"

@@ -211,13 +211,15 @@ def test_unknown_key_stops_the_entry_point_with_the_valid_keys(tmp_path):
     (["--attention=linear"], "GPTConfig.attention: got 'linear'"),
     (["--attention=gqa", "--n_kv_head=3"], "GPTConfig.n_kv_head: got 3"),
     (["--init_from=gpt5"], "init_from: got 'gpt5'"),
-    (["--learning_rate=-1"], "learning_rate: got -1.0; valid: a number >= 0"),
+    (["--learning_rate=-1"], "learning_rate: got -1.0; valid: a finite number >= 0"),
+    (["--learning_rate=1e400"], "learning_rate: got inf; valid: a finite number >= 0"),
+    (["--rope_theta=1e400"], "rope_theta: got inf; valid: a finite number > 0"),
     (["--beta2=1.5"], "beta2: got 1.5; valid: a number in [0, 1)"),
     (["--backend=mpi"], "backend: got 'mpi'; valid: 'auto', 'nccl', 'gloo'"),
     (["--device=cuda:99"], "device: got 'cuda:99'"),
     (["--cuda_graphs=True"], "cuda_graphs: got True on device 'cpu'; valid: True on a CUDA device, else False"),
-], ids=["type", "device", "dtype", "attention", "n_kv_head", "init_from", "lr", "beta2", "backend", "cuda-index",
-        "cuda-graphs-on-cpu"])
+], ids=["type", "device", "dtype", "attention", "n_kv_head", "init_from", "lr", "lr-inf", "rope-theta-inf", "beta2",
+        "backend", "cuda-index", "cuda-graphs-on-cpu"])
 def test_bad_values_fail_with_clear_message(data_dir, tmp_path, argv, needle):
     with pytest.raises(ConfigError) as e:
         run_inprocess(data_dir, tmp_path, *argv)
