@@ -156,7 +156,7 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None):
     """temperature >= 0 (0: greedy), top_k >= 0 (0 or None: off), top_p in (0, 1] (1 or None: off)."""
     if not temperature >= 0:  # also refuses NaN
         raise ValueError(f"temperature: got {temperature!r}; valid: a number >= 0 (0 = greedy)")
-    if top_k is not None and (not isinstance(top_k, int) or top_k < 0):
+    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0):
         raise ValueError(f"top_k: got {top_k!r}; valid: an int >= 0 (0 = off)")
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"top_p: got {top_p!r}; valid: a number in (0, 1] (1 = off)")
@@ -259,6 +259,8 @@ def generate(model, prompts: list[list[int]], cache_kind: str = "auto", *, max_n
     config = model.config
     kind = resolve_cache_kind(config, cache_kind)
     check_sampling(temperature, top_k, top_p)
+    if max_batch is not None and (not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1):
+        raise ValueError(f"max_batch: got {max_batch!r}; valid: None (all prompts together) or an int >= 1")
     check_length(config, [len(p) for p in prompts], max_new_tokens, allow_past_block_size)
     seqs = _Sequences(prompts, max_new_tokens, eot_token, on_token)
     stats = GenerationStats()
@@ -271,9 +273,10 @@ def generate(model, prompts: list[list[int]], cache_kind: str = "auto", *, max_n
         max_len = max(len(p) for p in prompts) + max_new_tokens - 1
         if kind in ("paged", "paged_mla") and num_pages:
             _check_pages(prompts, max_new_tokens, page_size, num_pages, wait_for_pages, rows)
-        cache = make_cache(kind, config, rows, max_len, device=device,
-                           dtype=dtype or next(model.parameters()).dtype, backend=model.attn_backend_for(device),
-                           page_size=page_size, num_pages=num_pages or None)
+        dtype = dtype or next(model.parameters()).dtype
+        _check_fits(model, kind, rows, max_len, page_size, num_pages, dtype, device)
+        cache = make_cache(kind, config, rows, max_len, device=device, dtype=dtype,
+                           backend=model.attn_backend_for(device), page_size=page_size, num_pages=num_pages or None)
         _generate_cached(model, cache, seqs, pick, on_logits, stats, wait_for_pages)
     return seqs.out, stats
 
@@ -404,6 +407,33 @@ def _prefill(model, cache, seqs, sched, admitted, pick, on_logits, stats, device
 
 
 # ----------------------------------------------------------------------------------------------- the CLI
+
+
+def _check_fits(model, kind: str, rows: int, max_len: int, page_size: int, num_pages, dtype, device):
+    """The cache's bytes against the memory its device has available, so that a size that cannot fit is refused
+    at start with the numbers, not a failed allocation (or the process killed by the OS) after the prompt."""
+    per_token = model.kv_cache_bytes_per_token(dtype)
+    if kind in ("paged", "paged_mla"):
+        tokens = (num_pages or rows * -(-max_len // page_size)) * page_size
+    else:
+        tokens = rows * max_len
+    need, free = per_token * tokens, _available_bytes(device)
+    if free is not None and need > free:
+        raise ValueError(f"cache: {need / 2**30:.1f} GiB ({rows} sequences of up to {max_len} tokens at "
+                         f"{per_token} bytes a token), but {free / 2**30:.1f} GiB is available on {device}; valid: "
+                         "fewer samples or new tokens, or a paged cache with a smaller --num_pages")
+
+
+def _available_bytes(device: torch.device) -> int | None:
+    """Free GPU memory, or the host's MemAvailable (Linux); None where it cannot be read."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+        return kib * 1024
+    except (OSError, StopIteration, ValueError, IndexError):
+        return None
 
 
 def _check_pages(prompts, max_new_tokens: int, page_size: int, num_pages: int, wait: bool, rows: int):

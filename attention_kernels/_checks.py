@@ -98,6 +98,8 @@ def check_page_size(name: str, page_size: int):
 
 def check_seq_lens_values(seq_lens: torch.Tensor, capacity: int, what: str):
     """Every sequence sees at least one token and no more than the cache holds (one device sync)."""
+    if capacity < 1:  # an empty cache or pool: no length is valid
+        fail("seq_lens", f"a cache of {capacity} tokens ({what})", "a cache of at least one token per sequence")
     bad = (seq_lens < 1) | (seq_lens > capacity)
     if bool(bad.any()):
         b = int(bad.nonzero()[0, 0])
@@ -113,6 +115,8 @@ def check_block_table_values(block_table: torch.Tensor, seq_lens: torch.Tensor, 
         b = int(short.nonzero()[0, 0])
         fail("block_table", f"{max_pages} pages per row, but sequence {b} has seq_len {int(seq_lens[b])}",
              f"at least {int(needed[b])} pages for it at page_size {page_size}")
+    if num_pages < 1:
+        fail("block_table", "a pool of 0 pages", "a pool of at least one page")
     used = torch.arange(max_pages, device=block_table.device)[None, :] < needed[:, None]
     bad = used & ((block_table < 0) | (block_table >= num_pages))
     if bool(bad.any()):

@@ -531,6 +531,20 @@ def test_bad_input_raises(name):
         call()
 
 
+def test_empty_cache_or_pool_names_what_is_valid():
+    """A cache of 0 tokens or a pool of 0 pages has no valid length or page: the message says so, not "lengths
+    from 1 to 0"."""
+    q = torch.randn(1, 4, 16, device=DEVICE)
+    k = v = torch.randn(1, 2, 0, 16, device=DEVICE)
+    lens = torch.ones(1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=r"seq_lens: got a cache of 0 tokens .*; valid: a cache of at least one"):
+        grouped_decode(q, k, v, lens, scale=0.25)
+    pool = torch.randn(0, 8, 2, 16, device=DEVICE)
+    table = torch.zeros(1, 1, dtype=torch.int32, device=DEVICE)
+    with pytest.raises(ValueError, match=r"block_table: got a pool of 0 pages; valid: a pool of at least one page"):
+        paged_grouped_decode(q, pool, pool, table, lens, scale=0.25)
+
+
 def test_strided_seq_lens_and_block_table():
     """seq_lens and block_table as strided views (every other entry of a longer tensor, a transposed table): the
     kernels see the same lengths and pages as the value checks."""

@@ -325,6 +325,21 @@ def test_sample_py_rejects_bad_options_at_start(tmp_path, monkeypatch, capsys, a
     assert capsys.readouterr().out == ""
 
 
+def test_generate_refuses_sizes_that_cannot_work_at_start(monkeypatch):
+    """A cache larger than the device's available memory (it would fail to allocate, or get the process killed),
+    a boolean top_k and a max_batch below 1 are refused before anything runs."""
+    model = tiny_model("mha", dtype=torch.float32).cpu()
+    monkeypatch.setattr(sample, "_available_bytes", lambda device: 1000)
+    with pytest.raises(ValueError, match=r"cache: .* GiB \(2 sequences of up to 12 tokens at \d+ bytes a token\), "
+                                         r"but 0.0 GiB is available on cpu; valid: fewer samples"):
+        generate(model, [[1, 2, 3], [4]], "grouped", max_new_tokens=10)
+    monkeypatch.undo()
+    with pytest.raises(ValueError, match=r"top_k: got True; valid: an int >= 0"):
+        generate(model, [[1]], "grouped", max_new_tokens=2, temperature=1.0, top_k=True)
+    with pytest.raises(ValueError, match=r"max_batch: got 0; valid: None \(all prompts together\) or an int >= 1"):
+        generate(model, [[1]], "grouped", max_new_tokens=2, max_batch=0)
+
+
 def test_sample_py_bad_checkpoint_and_prompt_sources(tmp_path, monkeypatch):
     """--init_from that is a file or an unknown name, a checkpoint whose model_args do not fit its weights, and a
     --start file that is not UTF-8 each say what is wrong and what is valid."""
