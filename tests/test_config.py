@@ -66,6 +66,13 @@ def test_bad_config_file(tmp_path):
     with pytest.raises(ConfigError, match=r"d\.py': line 2: NameError: name 'n_heads' is not defined.*valid names "
                                           r"to read: batch_size, betas"):
         parse_config(DEFAULTS, [write(tmp_path, "d.py", "n_head = 8\nn_embd = 64 * n_heads\n")])
+    nul, latin = tmp_path / "e.py", tmp_path / "f.py"
+    nul.write_bytes(b"n_head = 8\x00\n")
+    latin.write_bytes(b"n_head = 8  # caf\xe9\n")
+    with pytest.raises(ConfigError, match=r"e\.py': syntax error: source code string cannot contain null bytes"):
+        parse_config(DEFAULTS, [str(nul)])
+    with pytest.raises(ConfigError, match=r"f\.py': cannot be read as UTF-8 text"):
+        parse_config(DEFAULTS, [str(latin)])
     assert issubclass(ConfigError, ValueError)
 
 
