@@ -16,7 +16,11 @@ Order matters, and a wrong order is an error rather than a silent surprise:
   set again after it (`configs/gqa.py --n_head=16`) would leave them stale: refused, unless the derived values
   are set again after it too;
 - a config file that sets a key an earlier `--key=value` set, without reading it, would silently drop that
-  override (`--n_kv_head=4 configs/gqa.py`): refused.
+  override (`--n_kv_head=4 configs/gqa.py`): refused, also where a file in between carried the override on
+  (`--out_dir=x configs/mha.py configs/kv_h200.py`). Setting a key to the value it already has changes nothing
+  and is never refused.
+A config file's settings are its top-level assignments (helpers, functions and conditional expressions are fine);
+one made inside an if/for/with/try block, by `:=` or through `global` would be dropped silently, so it is refused.
 """
 
 from __future__ import annotations
@@ -34,36 +38,43 @@ class ConfigError(ValueError):
 def parse_config(defaults: dict, argv: list[str]) -> dict:
     """Return a copy of `defaults` with the config files and `--key=value` overrides of `argv` applied in order."""
     config = dict(defaults)
-    overrides: dict[str, str] = {}  # key -> the override that set it, until a config file sets it again
+    kept: dict[str, str] = {}  # key -> the override its value carries, until a file replaces it without reading it
     derived: dict[str, tuple[set[str], str]] = {}  # key -> (the keys a config file computed it from, that file)
-    stale: dict[str, tuple[str, str, str]] = {}  # key -> (source key, file, the argument that set the source again)
+    stale: dict[str, tuple[str, str, str]] = {}  # key -> (source key, file, the argument that changed the source)
 
-    def set_again(keys: list[str], by: str):
+    def changed(keys: list[str], by: str):
         for key in keys:
             for target, (sources, file) in derived.items():
                 if key in sources and target not in keys:
                     stale[target] = (key, file, by)
-        for key in keys:
-            stale.pop(key, None)
 
     for arg in argv:
         if arg.startswith("--"):
             key, value = _parse_override(arg)
-            config[key] = _checked(defaults, key, value, source=f"override {arg!r}")
-            set_again([key], f"override {arg!r}")
+            new = _checked(defaults, key, value, source=f"override {arg!r}")
+            if new != config[key]:  # the same value changes nothing, so it stales nothing
+                changed([key], f"override {arg!r}")
+            config[key] = new
+            stale.pop(key, None)
             derived.pop(key, None)
-            overrides[key] = arg
+            kept[key] = f"override {arg!r}"
         else:
             values, reads = _read_config_file(arg, config)
+            moved = []
             for key, value in values.items():
-                config[key] = _checked(defaults, key, value, source=f"config file {arg!r}")
-                if key in overrides and key not in reads[key]:
-                    raise ConfigError(f"config file {arg!r} sets {key}, which would silently replace the earlier "
-                                      f"override {overrides[key]!r}; valid: put that override after the file "
-                                      "(arguments apply left to right)")
-                overrides.pop(key, None)
-            set_again(list(values), f"config file {arg!r}")
+                new = _checked(defaults, key, value, source=f"config file {arg!r}")
+                if new != config[key]:
+                    if key in kept and key not in reads[key]:
+                        raise ConfigError(f"config file {arg!r} sets {key}, which would silently replace the value "
+                                          f"{config[key]!r} from the earlier {kept[key]}; valid: put that override "
+                                          "after the file (arguments apply left to right)")
+                    moved.append(key)
+                if key not in reads[key]:
+                    kept.pop(key, None)  # (one that read it carries the override on: `out_dir = f"{out_dir}-gqa"`)
+                config[key] = new
+            changed(moved, f"config file {arg!r}")
             for key in values:
+                stale.pop(key, None)
                 sources = reads[key] - {key}
                 if sources:
                     derived[key] = (sources, arg)
@@ -84,7 +95,7 @@ def _parse_override(arg: str) -> tuple[str, object]:
         raise ConfigError(f"override {arg!r}: expected --key=value (e.g. --batch_size=32)")
     try:
         value = ast.literal_eval(raw)
-    except (ValueError, SyntaxError, MemoryError, RecursionError):
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):  # TypeError: {[1]: 2}
         value = raw
     return key, _RawText(raw, value)
 
@@ -100,7 +111,8 @@ def _read_config_file(path: str, config: dict) -> tuple[dict, dict]:
     """Execute a config file with the current config visible; return its top-level assignments, and for each the
     config keys its value was computed from (`_reads`)."""
     if not os.path.isfile(path):
-        raise ConfigError(f"config file {path!r}: no such file (arguments are config files or --key=value)")
+        what = "a directory" if os.path.isdir(path) else "no such file"
+        raise ConfigError(f"config file {path!r}: {what} (arguments are config files or --key=value)")
     try:
         with open(path, encoding="utf-8") as f:
             source = f.read()
@@ -108,14 +120,15 @@ def _read_config_file(path: str, config: dict) -> tuple[dict, dict]:
         raise ConfigError(f"config file {path!r}: cannot be read as UTF-8 text ({e})") from None
     try:
         tree = ast.parse(source, filename=path)
-    except (SyntaxError, ValueError) as e:  # ValueError: a NUL byte in the source
+    except (SyntaxError, ValueError, MemoryError, RecursionError) as e:  # ValueError: a NUL byte in the source
         where = f" at line {e.lineno}" if getattr(e, "lineno", None) else ""
         raise ConfigError(f"config file {path!r}: syntax error{where}: {getattr(e, 'msg', e)}") from None
+    _check_flat(tree, path)
     assigned = _top_level_names(tree)
-    namespace = dict(config)
+    namespace = dict(config, __file__=os.path.abspath(path))
     try:
         exec(compile(tree, path, "exec"), namespace)  # a config file is Python by design (nanoGPT's convention)
-    except Exception as e:  # a misspelt name (NameError), a bad expression: the file and line, not a traceback
+    except (Exception, SystemExit) as e:  # a misspelt name (NameError), a bad expression, sys.exit: not a traceback
         line = next((f.lineno for f in reversed(traceback.extract_tb(e.__traceback__)) if f.filename == path), "?")
         raise ConfigError(f"config file {path!r}: line {line}: {type(e).__name__}: {e}; valid names to read: "
                           f"{', '.join(sorted(config))}") from None
@@ -124,43 +137,91 @@ def _read_config_file(path: str, config: dict) -> tuple[dict, dict]:
     return values, {name: reads.get(name, set()) for name in values}
 
 
+def _check_flat(tree: ast.Module, path: str):
+    """A config file's settings are its top-level assignments. One made inside an if/for/with/try block, by a walrus,
+    or through `global` in a function would be silently dropped (or its reads untracked): refused instead."""
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
+            inner = [n for n in ast.walk(node) if isinstance(n, (ast.Global, ast.Nonlocal))]
+            if inner:
+                raise ConfigError(f"config file {path!r}: line {inner[0].lineno}: `global` in a function; valid: "
+                                  "top-level assignments (a function may compute a value: x = _f(n_head))")
+            continue
+        if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
+            scope = [node.value] if node.value is not None else []
+        else:
+            scope = [node]
+        for part in scope:
+            loop_vars = {id(t) for c in ast.walk(part) if isinstance(c, ast.comprehension) for t in ast.walk(c.target)}
+            for n in ast.walk(part):
+                stores = isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store) and part is node \
+                    and id(n) not in loop_vars
+                if isinstance(n, ast.NamedExpr) or stores:
+                    raise ConfigError(f"config file {path!r}: line {n.lineno}: an assignment inside a "
+                                      f"{type(node).__name__.lower()} statement (or a :=) is not a setting; valid: "
+                                      "top-level assignments (a conditional works: x = a if cond else b)")
+
+
 def _reads(tree: ast.Module, config: dict) -> dict[str, set[str]]:
     """For each top-level name a config file assigns, the config keys its value reads, directly or through the
-    file's `_private` helpers and its own earlier assignments (`kv_lora_rank = 4 * _head_dim` reads n_embd and
-    n_head when `_head_dim = n_embd // n_head`)."""
+    file's `_private` helpers, functions and its own earlier assignments (`kv_lora_rank = 4 * _head_dim` reads
+    n_embd and n_head when `_head_dim = n_embd // n_head`)."""
     reads: dict[str, set[str]] = {}
-    for node in tree.body:
-        if not isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) or node.value is None:
-            continue
-        names = {n.id for n in ast.walk(node.value) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
-        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
-        targets = [t for target in targets for t in (target.elts if isinstance(target, (ast.Tuple, ast.List))
-                                                      else [target]) if isinstance(t, ast.Name)]
-        if isinstance(node, ast.AugAssign):
-            names |= {t.id for t in targets}
+
+    def keys_read(expr: ast.AST, extra: set[str] = frozenset()) -> set[str]:
+        names = {n.id for n in ast.walk(expr) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)} | extra
         keys = set()
         for name in names:
-            if name in reads:  # assigned earlier in this file: what it read, and itself when it is a config key
+            if name in reads:  # assigned (or defined) earlier in this file: what it read, and itself when a key
                 keys |= reads[name] | ({name} if name in config else set())
             elif name in config:
                 keys.add(name)
-        for t in targets:
-            reads[t.id] = keys
+        return keys
+
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):  # a helper: what its body reads
+            reads[node.name] = keys_read(node)
+            continue
+        if not isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)) or node.value is None:
+            continue
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+        for target in targets:
+            pairs = [(target, node.value)]
+            if isinstance(target, (ast.Tuple, ast.List)) and isinstance(node.value, (ast.Tuple, ast.List)) \
+                    and len(target.elts) == len(node.value.elts):  # a, b = x, f(y): each its own reads
+                pairs = list(zip(target.elts, node.value.elts))
+            for t, value in pairs:
+                names = _target_names(t)
+                own = set(names) if isinstance(node, ast.AugAssign) else set()
+                keys = keys_read(value, own)
+                for name in names:
+                    reads[name] = keys
     return reads
 
 
 def _top_level_names(tree: ast.Module) -> list[str]:
     names: list[str] = []
     for node in tree.body:
-        targets = []
         if isinstance(node, ast.Assign):
             targets = node.targets
-        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)):
+        elif isinstance(node, (ast.AnnAssign, ast.AugAssign)) and node.value is not None:  # `x: int` sets nothing
             targets = [node.target]
+        else:
+            continue
         for target in targets:
-            elts = target.elts if isinstance(target, (ast.Tuple, ast.List)) else [target]
-            names += [t.id for t in elts if isinstance(t, ast.Name) and t.id not in names]
+            names += [n for n in _target_names(target) if n not in names]
     return names
+
+
+def _target_names(target: ast.expr) -> list[str]:
+    """The names an assignment target binds, through nested tuples and lists (`a, (b, c) = ...`)."""
+    if isinstance(target, ast.Name):
+        return [target.id]
+    if isinstance(target, (ast.Tuple, ast.List)):
+        return [n for elt in target.elts for n in _target_names(elt)]
+    if isinstance(target, ast.Starred):
+        return _target_names(target.value)
+    return []
 
 
 def _checked(defaults: dict, key: str, value: object, source: str) -> object:

@@ -118,8 +118,11 @@ def test_variant_configs_share_size_and_budget():
     (["configs/gqa.py", "configs/kv_h200.py"],
      r"config file '.*kv_h200\.py' sets n_head after config file '.*gqa\.py', which computed n_kv_head from it"),
     (["--n_kv_head=4", "configs/gqa.py"],
-     r"config file '.*gqa\.py' sets n_kv_head, which would silently replace the earlier override '--n_kv_head=4'; "
-     r"valid: put that override after the file"),
+     r"config file '.*gqa\.py' sets n_kv_head, which would silently replace the value 4 from the earlier override "
+     r"'--n_kv_head=4'; valid: put that override after the file"),
+    (["--out_dir=/tmp/x", "configs/mha.py", "configs/kv_h200.py"],  # the override lives on in mha.py's out_dir
+     r"kv_h200\.py' sets out_dir, which would silently replace the value '/tmp/x-mha' from the earlier override "
+     r"'--out_dir=/tmp/x'"),
 ])
 def test_an_order_that_would_drop_or_stale_a_value_is_refused(argv, needle):
     """Arguments apply left to right, and a config file computes its values when it runs: a size set after a
@@ -138,8 +141,12 @@ def test_an_order_that_would_drop_or_stale_a_value_is_refused(argv, needle):
     (["configs/gqa.py", "--n_head=16", "--n_kv_head=4"], dict(n_head=16, n_kv_head=4)),
     (["--out_dir=/tmp/x", "configs/gqa.py", "--batch_size=2"], dict(out_dir="/tmp/x-gqa", batch_size=2)),
     (["configs/kv_h200.py", "configs/mla.py", "--out_dir=o"], dict(n_head=16, kv_lora_rank=256, out_dir="o")),
+    (["configs/gqa.py", "--n_head=8"], dict(n_head=8, n_kv_head=2)),  # the same value stales nothing
+    (["--attention=gqa", "configs/gqa.py"], dict(attention="gqa")),  # nor does a file repeating an override
+    (["--wandb_run_name={[1]: 2}"], dict(wandb_run_name="{[1]: 2}")),  # not a literal: the raw text
 ])
 def test_orders_that_keep_every_value_apply(argv, expect):
+    """Orders that leave nothing stale or dropped, including ones that set a key to the value it already had."""
     import train
 
     argv = [os.path.join(ROOT, a) if a.startswith("configs/") else a for a in argv]
@@ -201,3 +208,30 @@ def test_corrupt_checkpoint_fails_clearly(tmp_path, damage):
 def test_clean_state_dict_strips_compile_and_ddp_prefixes():
     sd = {"module._orig_mod.lm_head.weight": 1, "_orig_mod.transformer.wte.weight": 2, "transformer.h.0.x": 3}
     assert clean_state_dict(sd) == {"lm_head.weight": 1, "transformer.wte.weight": 2, "transformer.h.0.x": 3}
+
+
+def test_config_file_forms(tmp_path):
+    """What a config file may do: helpers (functions too) whose reads are tracked, element-wise tuple assignment,
+    `__file__`, annotations; and what it may not: settings inside blocks or by :=, or sys.exit."""
+    import train
+
+    def parse(text, *after):
+        path = tmp_path / "c.py"
+        path.write_text(text)
+        return parse_config(train.DEFAULTS, [str(path), *after])
+
+    with pytest.raises(ConfigError, match=r"computed n_kv_head from it"):
+        parse("def _kv():\n    return max(1, n_head // 4)\nn_kv_head = _kv()\n", "--n_head=16")
+    assert parse("n_layer, n_kv_head = 6, max(1, n_head // 4)\n", "--n_layer=2")["n_layer"] == 2  # only n_kv_head read
+    assert parse("n_head: int\nout_dir = __file__\n")["out_dir"] == str(tmp_path / "c.py")
+    for text in ("if n_head >= 16:\n    n_kv_head = 4\nelse:\n    n_kv_head = 2\n",
+                 "for _ in range(1):\n    batch_size = 4\n", "(batch_size := 5)\n",
+                 "def _f():\n    global batch_size\n    batch_size = 3\n_f()\n"):
+        with pytest.raises(ConfigError, match=r"line \d+: (an assignment inside|`global` in a function).*valid: "
+                                              r"top-level assignments"):
+            parse(text)
+    assert parse("batch_size = max([b for b in (batch_size, 16)])\n")["batch_size"] == 16  # comprehensions are fine
+    with pytest.raises(ConfigError, match=r"line 2: SystemExit"):
+        parse("import sys\nsys.exit(3)\n")
+    with pytest.raises(ConfigError, match=r"config file '.*': a directory"):
+        parse_config(train.DEFAULTS, [str(tmp_path)])
