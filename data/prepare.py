@@ -69,8 +69,13 @@ def prepare_pydoc(directory: str) -> dict:
 def prepare_char_file(input_path: str, directory: str, val_fraction: float = 0.1) -> dict:
     if not os.path.isfile(input_path):
         raise DataError(f"input: got {input_path!r}, which is not a file; valid: a path to a UTF-8 text file")
-    with open(input_path, encoding="utf-8") as f:
-        return prepare_char_text(f.read(), directory, val_fraction, source=os.path.abspath(input_path))
+    try:
+        with open(input_path, encoding="utf-8") as f:
+            text = f.read()
+    except (OSError, UnicodeDecodeError) as e:
+        why = e.strerror if isinstance(e, OSError) else f"not UTF-8 text ({e.reason} at byte {e.start})"
+        raise DataError(f"input: got {input_path!r}, which cannot be read: {why}; valid: a UTF-8 text file") from None
+    return prepare_char_text(text, directory, val_fraction, source=os.path.abspath(input_path))
 
 
 def prepare_char_text(text: str, directory: str, val_fraction: float = 0.1, source: str = "") -> dict:
@@ -216,8 +221,16 @@ def _encode_batch(tokenizer, texts: list[str]) -> list[list[int]]:
 def write_dataset(
     directory: str, train: Iterable[np.ndarray], val: Iterable[np.ndarray], tokenizer_meta: dict, source: str = ""
 ) -> dict:
-    """Write the token chunks of each split and meta.json (last) into `directory`; return the meta dict."""
-    os.makedirs(directory, exist_ok=True)
+    """Write the token chunks of each split and meta.json (last) into `directory`; return the meta dict. An older
+    meta.json goes first: until the new one is written the directory holds no dataset that would load (a failed
+    run would otherwise leave new .bin files beside the old meta)."""
+    try:
+        os.makedirs(directory, exist_ok=True)
+    except OSError as e:
+        raise DataError(f"directory: cannot create {directory!r} ({e.strerror}); valid: a writable directory path") \
+            from None
+    if os.path.exists(os.path.join(directory, "meta.json")):
+        os.remove(os.path.join(directory, "meta.json"))
     dtype = token_dtype(tokenizer_meta["vocab_size"])
     counts = {split: _write_tokens(os.path.join(directory, f"{split}.bin"), chunks, dtype)
               for split, chunks in (("train", train), ("val", val))}
@@ -267,6 +280,25 @@ def _atomic_write(path: str, data: bytes) -> None:
 # ----------------------------------------------------------------------------------------------- command line
 
 
+def _check_name(name: str, input_path: str, reserved: list[str]) -> None:
+    """A char dataset's name is a directory under data/: a plain name, none of the built-in datasets', and not
+    one that already holds a dataset prepared from another file (that would be replaced in silence)."""
+    if not name or name in (".", "..") or os.sep in name or (os.altsep and os.altsep in name) or name == "__pycache__":
+        raise DataError(f"--name: got {name!r}; valid: a plain directory name under data/ (no path separators)")
+    if name in reserved and name != "char":
+        raise DataError(f"--name: got {name!r}, a built-in dataset's name; valid: any other name")
+    meta_path = os.path.join(dataset_dir(name), "meta.json")
+    if os.path.isfile(meta_path):
+        try:
+            with open(meta_path, encoding="utf-8") as f:
+                source = json.load(f).get("source")
+        except (OSError, ValueError, AttributeError):
+            source = None
+        if source not in (None, os.path.abspath(input_path)):
+            raise DataError(f"--name: {name!r} already holds a dataset prepared from {source!r}; valid: another "
+                            f"--name, or delete {os.path.dirname(meta_path)} first")
+
+
 def main(argv: list[str] | None = None) -> None:
     names = ["pydoc", "char", *HUB_DATASETS]
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -277,9 +309,17 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--max_docs", type=int, default=0, help="hub: cap the number of training documents (0: all)")
     p.add_argument("--no_streaming", action="store_true", help="hub: download the whole split first")
     args = p.parse_args(argv)
+    if args.max_docs < 0:
+        p.error(f"--max_docs: got {args.max_docs}; valid: 0 (all documents) or a positive int")
+    if args.dataset != "char" and (args.input or args.name != "char"):
+        p.error(f"--input / --name: given for {args.dataset}; valid: only with char")
     if args.dataset == "pydoc":
         prepare_pydoc(dataset_dir("pydoc", args.out_dir))
     elif args.dataset == "char":
+        if not args.input:
+            p.error("char: --input is required (the UTF-8 text file to prepare)")
+        if not args.out_dir:
+            _check_name(args.name, args.input, names)
         prepare_char_file(args.input, dataset_dir(args.name, args.out_dir))
     else:
         out = dataset_dir(args.dataset, args.out_dir)

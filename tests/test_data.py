@@ -3,6 +3,7 @@ path (`datasets.load_dataset`) on small local json/text files; the clear errors 
 
 import json
 import os
+import re
 
 import numpy as np
 import pytest
@@ -175,3 +176,37 @@ def test_damaged_dataset_is_a_data_error(tmp_path, how):
     pattern = _damage(directory, how)
     with pytest.raises(DataError, match=pattern + ".*re-prepare the dataset"):
         load_dataset_dir(directory)
+
+
+def test_prepare_cli_refuses_bad_input_and_names(tmp_path, monkeypatch, capsys):
+    """A binary --input, an --out_dir that is a file, a --name that is a path or a built-in dataset's, or one that
+    holds a dataset from another file, are DataErrors; argument misuse is argparse's error; a failed run leaves no
+    meta.json beside new .bin files (the old meta goes first), so nothing half-written loads."""
+    text = tmp_path / "a.txt"
+    text.write_text("some text to model, " * 20)
+    binary = tmp_path / "b.bin"
+    binary.write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(DataError, match=r"input: got .*b\.bin', which cannot be read: not UTF-8 text"):
+        prep.main(["char", f"--input={binary}", f"--out_dir={tmp_path / 'out'}"])
+    with pytest.raises(DataError, match=r"directory: cannot create .*a\.txt' \(File exists\)"):
+        prep.main(["char", f"--input={text}", f"--out_dir={text}"])
+    for name, needle in (("", "a plain directory name"), ("../x", "a plain directory name"),
+                         ("tinystories", "a built-in dataset's name")):
+        with pytest.raises(DataError, match=rf"--name: got '{re.escape(name)}'.*{needle}"):
+            prep.main(["char", f"--input={text}", f"--name={name}"])
+    monkeypatch.setattr(data, "DATA_ROOT", str(tmp_path / "root"))
+    prep.main(["char", f"--input={text}", "--name=mine"])
+    other = tmp_path / "c.txt"
+    other.write_text("other text to model, " * 20)
+    with pytest.raises(DataError, match=r"--name: 'mine' already holds a dataset prepared from .*a\.txt"):
+        prep.main(["char", f"--input={other}", "--name=mine"])
+    for argv, needle in ((["char"], "--input is required"), (["pydoc", "--name=x"], "given for pydoc"),
+                         (["tinystories", "--max_docs=-1"], "--max_docs: got -1")):
+        with pytest.raises(SystemExit):
+            prep.main(argv)
+        assert needle in capsys.readouterr().err
+    directory = tmp_path / "half"
+    ensure_dataset("pydoc", str(directory))
+    with pytest.raises(DataError, match="the val split came out empty"):
+        prep.write_dataset(str(directory), [np.arange(10, dtype=np.uint16)], [], data.char_meta("ab"))
+    assert not (directory / "meta.json").exists()
