@@ -194,4 +194,17 @@ def ensure_dataset(name: str, data_dir: str = "") -> TokenData:
         else:
             valid = ", ".join(["pydoc", "char", *prepare.HUB_DATASETS])
             raise DataError(f"dataset: got {name!r} with no prepared data in {directory}; valid: {valid}")
-    return load_dataset_dir(directory)
+    loaded = load_dataset_dir(directory)
+    _check_source(name, directory, loaded.meta.get("source"))
+    return loaded
+
+
+def _check_source(name: str, directory: str, source) -> None:
+    """A built-in dataset's name must find that dataset (`--dataset=tinystories --data_dir=<a pydoc copy>` would
+    train on pydoc and record tinystories). Other names (char datasets) are whatever the directory holds."""
+    from data import prepare
+
+    expected = "pydoc_data" if name == "pydoc" else getattr(prepare.HUB_DATASETS.get(name), "path", None)
+    if expected is not None and isinstance(source, str) and not source.startswith(expected):
+        raise DataError(f"dataset: got {name!r}, but {directory} holds a dataset prepared from {source!r}; valid: "
+                        f"the --dataset that directory was prepared as, or a --data_dir holding {name}")

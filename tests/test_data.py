@@ -210,3 +210,13 @@ def test_prepare_cli_refuses_bad_input_and_names(tmp_path, monkeypatch, capsys):
     with pytest.raises(DataError, match="the val split came out empty"):
         prep.write_dataset(str(directory), [np.arange(10, dtype=np.uint16)], [], data.char_meta("ab"))
     assert not (directory / "meta.json").exists()
+
+
+def test_a_builtin_name_must_find_that_dataset(tmp_path):
+    """--dataset=tinystories with a --data_dir holding pydoc would train on pydoc and record tinystories."""
+    directory = str(tmp_path / "pydoc")
+    ensure_dataset("pydoc", directory)
+    with pytest.raises(DataError, match=r"dataset: got 'tinystories', but .* holds a dataset prepared from "
+                                        r"\"pydoc_data\.topics .*valid: the --dataset that directory was prepared as"):
+        ensure_dataset("tinystories", directory)
+    assert len(ensure_dataset("book", directory).train) > 0  # any other name: what the directory holds
