@@ -311,6 +311,13 @@ class _Cache:
             self._check_row(row, "rows")
         return self.store.compact(sorted(rows))
 
+    def check_model(self, config):
+        """Refuse to serve a model of GPTConfig `config` whose K/V (or latent) this cache was not made for."""
+        want = layout_for(config)
+        if self.layout != want:
+            raise ValueError(f"cache: made for {self.layout}; valid: a cache for this model, {want} "
+                             "(cache.make_cache with this model's config)")
+
     def _check_row(self, row, name: str):
         """A row of the store, as an int: a negative one would pick a row from the end (and free its pages)."""
         if not isinstance(row, int) or isinstance(row, bool) or not 0 <= row < self.store.batch_size:
@@ -348,7 +355,7 @@ class _KVCache(_Cache):
 
     def __init__(self, store, n_layer, n_kv_head, d_qk, d_v, backend):
         super().__init__(store, n_layer, backend)
-        self.layout = dict(kind="K/V", n_layer=n_layer, n_kv_head=n_kv_head, d_qk=d_qk, d_v=d_v)  # GPT.forward checks
+        self.layout = dict(kind="K/V", n_layer=n_layer, n_kv_head=n_kv_head, d_qk=d_qk, d_v=d_v)  # as layout_for
         self.k = [store.new_buffer((n_kv_head, d_qk)) for _ in range(n_layer)]  # token-major views / pools
         self.v = [store.new_buffer((n_kv_head, d_v)) for _ in range(n_layer)]
 
@@ -409,7 +416,7 @@ class _LatentCache(_Cache):
 
     def __init__(self, store, n_layer, d_c, d_r, backend):
         super().__init__(store, n_layer, backend)
-        self.layout = dict(kind="latent", n_layer=n_layer, d_c=d_c, d_r=d_r)  # GPT.forward checks it
+        self.layout = dict(kind="latent", n_layer=n_layer, d_c=d_c, d_r=d_r)  # as layout_for
         self.c = [store.new_buffer((d_c,)) for _ in range(n_layer)]
         self.r = [store.new_buffer((d_r,)) for _ in range(n_layer)]
 
@@ -465,6 +472,15 @@ class PagedMLACache(_LatentCache):
                                                   self._step.seq_lens, scale=scale, validate=False)[0]
 
 
+def layout_for(config) -> dict:
+    """What a cache for a model of GPTConfig `config` holds per token and layer (a cache's `layout`; after `kind`,
+    its values are the cache classes' dimension arguments, in order)."""
+    if config.attention == "mla":
+        return dict(kind="latent", n_layer=config.n_layer, d_c=config.kv_lora_rank, d_r=config.qk_rope_head_dim)
+    head_dim = config.n_embd // config.n_head
+    return dict(kind="K/V", n_layer=config.n_layer, n_kv_head=config.n_kv_head, d_qk=head_dim, d_v=head_dim)
+
+
 def valid_cache_kinds(config) -> tuple[str, ...]:
     return ("mla", "paged_mla") if config.attention == "mla" else ("grouped", "paged")
 
@@ -485,13 +501,11 @@ def make_cache(kind: str, config, batch_size: int, max_len: int, *, device, dtyp
                          "another type would round K and V to it)")
     common = dict(device=device, dtype=dtype, backend=backend)
     paged = dict(page_size=page_size, num_pages=num_pages)
+    dims = [v for k, v in layout_for(config).items() if k != "kind"]
     if config.attention == "mla":
-        dims = (config.n_layer, config.kv_lora_rank, config.qk_rope_head_dim)
         if kind == "mla":
             return MLACache(batch_size, max_len, *dims, **common)
         return PagedMLACache(batch_size, max_len, *dims, **common, **paged)
-    head_dim = config.n_embd // config.n_head
-    dims = (config.n_layer, config.n_kv_head, head_dim, head_dim)
     if kind == "grouped":
         return GroupedCache(batch_size, max_len, *dims, **common)
     return PagedCache(batch_size, max_len, *dims, **common, **paged)

@@ -25,7 +25,7 @@ k_rope) whatever pos_embedding says, because the absorbed decode needs position-
 pos_embedding="learned" additionally adds the learned absolute embedding, "rope" adds nothing else.
 
 Generation: `forward(idx, cache=cache)` appends idx to every sequence held by `cache` and returns their logits.
-Before anything changes it checks the cache's `batch_size` (and, where the cache declares them, its `layout` and
+Before anything changes it checks the cache's `batch_size` (and, where the cache has them, `check_model` and
 `lens`: cache.py's caches do); then it calls only `cache.reserve(T)` (positions of the new tokens), then per layer
 `cache.append` / `cache.attend` (GQA family) or `cache.append_latent` / `cache.attend_latent` (MLA); prefill
 (T > 1) runs the flash kernel over the cached prefix (bottom-right causal), decode (T == 1) lets the cache run its
@@ -429,15 +429,8 @@ class GPT(nn.Module):
         """A cache made for another model or batch, or a step past learned positions, is refused before
         cache.reserve grows anything (the lengths live on the host: no device sync)."""
         cfg = self.config
-        if cfg.attention == "mla":
-            want = dict(kind="latent", n_layer=cfg.n_layer, d_c=cfg.kv_lora_rank, d_r=cfg.qk_rope_head_dim)
-        else:
-            head_dim = cfg.n_embd // cfg.n_head
-            want = dict(kind="K/V", n_layer=cfg.n_layer, n_kv_head=cfg.n_kv_head, d_qk=head_dim, d_v=head_dim)
-        got = getattr(cache, "layout", want)  # cache.py's caches declare theirs; a minimal cache need not
-        if got != want:
-            raise ValueError(f"cache: made for {got}; valid: a cache for this model, {want} (cache.make_cache with "
-                             "this model's config)")
+        if hasattr(cache, "check_model"):  # cache.py's caches know what they hold; a minimal cache need not
+            cache.check_model(cfg)
         if B != cache.batch_size:
             raise ValueError(f"idx: got a batch of {B}; valid: the cache's {cache.batch_size} sequences (or a "
                              "cache.view of some of them)")

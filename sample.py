@@ -106,8 +106,8 @@ def check_pool(kind: str, prompt_len: int, cfg: dict):
     if not cfg["num_pages"]:
         return
     tokens = prompt_len + cfg["max_new_tokens"] - 1
-    per_sample = -(-tokens // cfg["page_size"])
-    need = per_sample if cfg["wait_for_pages"] else per_sample * cfg["num_samples"]
+    need, per_sample = pages_needed([prompt_len] * cfg["num_samples"], cfg["max_new_tokens"], cfg["page_size"],
+                                    cfg["wait_for_pages"], cfg["num_samples"])
     if cfg["num_pages"] < need:
         who = "one sample" if cfg["wait_for_pages"] else f"{cfg['num_samples']} samples at once"
         wait = "" if cfg["wait_for_pages"] else f", or --wait_for_pages=True with >= {per_sample}"
@@ -436,16 +436,22 @@ def _available_bytes(device: torch.device) -> int | None:
         return None
 
 
+def pages_needed(prompt_lens: list[int], max_new_tokens: int, page_size: int, wait: bool, rows: int):
+    """(pages a pool must hold so that generation cannot run out partway, pages of the longest sequence): one
+    sequence at full length when waiting for pages, else the `rows` largest together."""
+    per_sample = sorted((-(-(n + max_new_tokens - 1) // page_size) for n in prompt_lens), reverse=True)
+    return (per_sample[0] if wait else sum(per_sample[:rows])), per_sample[0]
+
+
 def _check_pages(prompts, max_new_tokens: int, page_size: int, num_pages: int, wait: bool, rows: int):
     """A pool that cannot hold what must be resident at once would run out partway through, after tokens were
-    generated: one sequence at full length when waiting for pages, else the `rows` largest together."""
-    per_sample = sorted((-(-(len(p) + max_new_tokens - 1) // page_size) for p in prompts), reverse=True)
-    need = per_sample[0] if wait else sum(per_sample[:rows])
+    generated (`pages_needed`)."""
+    need, longest = pages_needed([len(p) for p in prompts], max_new_tokens, page_size, wait, rows)
     if num_pages < need:
         who = "the longest sequence" if wait else f"{rows} sequences at once"
         raise ValueError(f"num_pages: got {num_pages}; the pool must hold {need} pages of {page_size} tokens for "
                          f"{who} at full length; valid: None (enough for all) or >= {need}"
-                         + ("" if wait else f", or wait_for_pages=True with >= {per_sample[0]}"))
+                         + ("" if wait else f", or wait_for_pages=True with >= {longest}"))
 
 
 def load_model(cfg: dict):

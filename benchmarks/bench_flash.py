@@ -123,18 +123,17 @@ def prepare(fn, q, k, v, do):
     return fwd, bwd, out.detach(), grads
 
 
-def paired(ref_fn, our_fn, rounds: int, tma: str = "auto") -> dict:
+def paired(ref_fn, our_fn, rounds: int) -> dict:
     """SDPA's and our call timed in alternated rounds, in events (bench_ms) and on the GPU alone (bench_gpu_ms),
-    ours with ZOO_FLASH_TMA=`tma` ("auto": descriptors for the backward on Hopper; "0": plain pointers
-    everywhere). Per timing, the median ms of each over the rounds and the ref / ours ratio of every round's pair.
-    Identical kernels read up to 2% apart at 4096 keys and single samples up to 13% (benchmarks/RESULTS.md,
-    session 32): a ratio from one sample of each cannot tell 1.00x from 1.03x; the median of paired rounds can,
-    and the pairs' range shows how well."""
+    ours with ZOO_FLASH_TMA=auto (descriptors for the backward on Hopper). Per timing, the median ms of each over
+    the rounds and the ref / ours ratio of every round's pair. Identical kernels read up to 2% apart at 4096 keys
+    and single samples up to 13% (benchmarks/RESULTS.md, session 32): a ratio from one sample of each cannot tell
+    1.00x from 1.03x; the median of paired rounds can, and the pairs' range shows how well."""
     times = {key: [] for key in ("ref", "ours", "ref_gpu", "ours_gpu")}
     for _ in range(rounds):
         times["ref"].append(bench_ms(ref_fn))
         times["ref_gpu"].append(bench_gpu_ms(ref_fn))
-        with env("ZOO_FLASH_TMA", tma):
+        with env("ZOO_FLASH_TMA", "auto"):
             times["ours"].append(bench_ms(our_fn))
             times["ours_gpu"].append(bench_gpu_ms(our_fn))
     result = {key: statistics.median(ts) for key, ts in times.items()}
