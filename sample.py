@@ -74,12 +74,27 @@ def check_options(cfg: dict):
     for key in ("num_samples", "max_new_tokens"):
         if cfg[key] < 1:
             raise ValueError(f"--{key}: got {cfg[key]}; valid: an int >= 1")
+    check_host_memory(cfg["num_samples"], cfg["max_new_tokens"])
     check_sampling(cfg["temperature"], cfg["top_k"], cfg["top_p"])
     check_page_size(cfg["page_size"])
     if cfg["num_pages"] < 0:
         raise ValueError(f"--num_pages: got {cfg['num_pages']}; valid: 0 (enough for every sample) or an int >= 1")
     check_device(cfg["device"])
     resolve_dtype(cfg["dtype"], cfg["device"])
+
+
+HOST_BYTES_PER_TOKEN = 40  # a generated token on the host: a Python int (28 bytes) and its list slot (8), rounded up
+
+
+def check_host_memory(num_samples: int, max_new_tokens: int):
+    """Every sample's tokens stay on the host until the end (to print them): so many samples that those alone
+    exceed the host's available memory (with any cache, --cache=none too) are refused at start, not killed by the
+    OS partway."""
+    need, free = num_samples * max_new_tokens * HOST_BYTES_PER_TOKEN, _available_bytes(torch.device("cpu"))
+    if free is not None and need > free:
+        raise ValueError(f"--num_samples={num_samples} x --max_new_tokens={max_new_tokens}: the samples' tokens "
+                         f"need {need / 2**30:.1f} GiB of host memory ({HOST_BYTES_PER_TOKEN} bytes a token), but "
+                         f"{free / 2**30:.1f} GiB is available; valid: fewer samples or new tokens")
 
 
 def check_device(name: str):

@@ -295,6 +295,9 @@ BAD_OPTIONS = [
     ("--cache=grouped", r"--cache: got 'grouped' for a model with attention='mla'; valid: auto, mla, paged"),
     ("--cache=flat", r"--cache: got 'flat'; valid: auto, grouped, paged, mla, paged_mla, none"),
     ("--num_samples=0", r"--num_samples: got 0; valid: an int >= 1"),
+    # 4e16 bytes of tokens: more than any host has (the OS would kill the run partway, with --cache=none too).
+    ("--num_samples=100000000000000 --cache=none",
+     r"--num_samples=100000000000000 x --max_new_tokens=10: the samples' tokens need .* GiB of host memory"),
     ("--temperature=-1", r"temperature: got -1.0; valid"),
     ("--top_k=-2", r"top_k: got -2; valid"),
     ("--top_p=1.5", r"top_p: got 1.5; valid"),
