@@ -61,9 +61,9 @@ Backward, two launches with the same roles (a loader warp, two consumer warpgrou
   issued together, dS = P (dP - delta), dQ += dS K. At D=64 the programs are persistent (tiles from a global
   counter, two Q/dO buffers per consumer): 1.00-1.13x as fast as one program per tile (session 19).
 - `backward_dkdv`: per 128 key rows of a KV head, Q and dO blocks of every query head of the group stream through
-  a two-stage ring (no per-query-head partials), each Q block with its rows' lse and delta (TMA copies on Q's
-  barrier, read by the consumers straight from shared memory in the layout of the score columns), with
-  transposed products so that the key rows are the wgmma's M:
+  a ring of two stages (no per-query-head partials; three for GQA's causal D=64, BWD_CAUSAL_GQA_STAGES), each
+  Q block with its rows' lse and delta (TMA copies on Q's barrier, read by the consumers straight from shared
+  memory in the layout of the score columns), with transposed products so that the key rows are the wgmma's M:
   S^T = K Q^T, then dP^T = V dO^T issued with dV += P^T dO, then dK += dS^T Q; the steps (query head, query block)
   are software-pipelined: S^T of the next step is issued right after dK of this one. At D=64 the programs are
   persistent, as in the forward (tiles from a global counter, two K/V buffers: the next tile's K/V and first steps
@@ -550,6 +550,21 @@ BWD_CONFIGS = {
     (128, 128): (64, 2, False),
     (192, 128): (32, 4, False),
 }
+# Ring stages of the causal dK/dV with a KV group, where they differ from BWD_CONFIGS'. At D=64 (session 38, the
+# whole backward GPU alone against two stages, the median of seven paired rounds, bitwise the same gradients), three
+# stages: H_q 32 over H_kv 8 1.025x at B16 S1024, 1.020x at B4 S4096, 1.023x at B1 S16384; over H_kv 4 1.003x. MHA
+# (B4 H32 S4096) read 0.988x, and full attention 0.98-1.00x in an earlier run, so those keep two.
+BWD_CAUSAL_GQA_STAGES = {
+    (64, 64): 3,
+}
+
+
+def dkdv_config(d: int, d_v: int, causal: bool, group: int) -> tuple[int, int, bool]:
+    """`backward_dkdv`'s (BLOCK_M, STAGES, PERSISTENT) for head dims (d, d_v) and `group` query heads per KV head."""
+    block_m, stages, persistent = BWD_CONFIGS[(d, d_v)]
+    if causal and group > 1:
+        stages = BWD_CAUSAL_GQA_STAGES.get((d, d_v), stages)
+    return block_m, stages, persistent
 
 
 def backward_mode() -> str:
@@ -1093,7 +1108,7 @@ def backward_dkdv(q, k, v, do, lse2, delta, dk, dv, sm_scale: float, causal: boo
     that TMA cannot write (its strides) or of another dtype is filled from a contiguous buffer in q's dtype."""
     b, h_q, s_q, d = q.shape
     h_kv, s_kv, d_v = k.shape[1], k.shape[2], v.shape[3]
-    block_m, stages, persistent = config or BWD_CONFIGS[(d, d_v)]
+    block_m, stages, persistent = config or dkdv_config(d, d_v, causal, h_q // h_kv)
     if not persistent:  # dK and dV by TMA, in q's dtype: each through a contiguous buffer where it cannot go so
         direct = [x.dtype == q.dtype and _checks.tma_readable(x) for x in (dk, dv)]
         if not all(direct):

@@ -497,7 +497,8 @@ def _compile_sm90(d, causal, which, d_v=None, group=4):
                      dq_ptr="*bf16", counter_ptr="*i32", sm_scale="fp32", qk_scale="fp32")
         kernel = "_flash_bwd_dq_sm90_kernel"
     else:
-        (block_m, stages, persistent), block_n = flash_sm90.BWD_CONFIGS[(d, d_v)], flash_sm90.PROGRAM_ROWS
+        block_m, stages, persistent = flash_sm90.dkdv_config(d, d_v, causal, group)
+        block_n = flash_sm90.PROGRAM_ROWS
         # dK and dV with a unit last stride, which Triton's launcher specializes as a constant, as it does for the
         # gradients autograd allocates: the store addresses then take no registers.
         const = dict(GROUP_SIZE=group, CAUSAL=causal, BLOCK_M=block_m, D=d_main, DR=d_rest, DV=d_v, STAGES=stages,
