@@ -114,6 +114,25 @@ def _failed_crc(path: str) -> str | None:
         return None
 
 
+def model_from_checkpoint(ckpt: dict, path: str, **overrides):
+    """The GPT that a checkpoint's model_args (with `overrides` replacing some of them) and weights make; where they
+    do not (a damaged checkpoint, or one from another model.py), a CheckpointError that names `path`."""
+    from model import GPT, GPTConfig
+
+    try:
+        model = GPT(GPTConfig(**dict(ckpt["model_args"], **overrides)))
+        model.load_state_dict(clean_state_dict(ckpt["model"]))
+    except (TypeError, ValueError, RuntimeError, KeyError) as e:
+        raise CheckpointError(f"checkpoint {path!r}: its model_args and weights do not make a model "
+                              f"({type(e).__name__}: {first_line(e)})") from None
+    return model
+
+
+def first_line(e: Exception) -> str:
+    """An exception's message for a one-line error: its first line."""
+    return str(e).splitlines()[0] if str(e) else "no detail"
+
+
 def clean_state_dict(state_dict: dict) -> dict:
     """Strip the `_orig_mod.` (torch.compile) and `module.` (DDP) prefixes so names match a plain GPT."""
     prefixes = ("_orig_mod.", "module.")

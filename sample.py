@@ -471,13 +471,13 @@ def _check_pages(prompts, max_new_tokens: int, page_size: int, num_pages: int, w
 
 def load_model(cfg: dict):
     """(model, tokenizer meta, checkpoint config) from --init_from: resume (out_dir), a directory, or gpt2*."""
-    from model import GPT, GPT2_NAMES, GPTConfig
+    from model import GPT, GPT2_NAMES
 
     if cfg["init_from"] in GPT2_NAMES:
         from data import tiktoken_meta
 
         return GPT.from_pretrained(cfg["init_from"]), tiktoken_meta("gpt2"), {}
-    from checkpoint import clean_state_dict, load_checkpoint
+    from checkpoint import load_checkpoint, model_from_checkpoint
 
     directory = cfg["out_dir"] if cfg["init_from"] == "resume" else cfg["init_from"]
     if cfg["init_from"] != "resume" and not os.path.isdir(directory):
@@ -488,14 +488,7 @@ def load_model(cfg: dict):
     if not os.path.isfile(path):
         path = os.path.join(directory, "last.pt")
     ckpt = load_checkpoint(path, map_location="cpu", required_keys=("model", "model_args", "tokenizer"))
-    try:
-        model = GPT(GPTConfig(**ckpt["model_args"]))
-        model.load_state_dict(clean_state_dict(ckpt["model"]))
-    except (TypeError, ValueError, RuntimeError, KeyError) as e:  # damaged, or from another model.py
-        from checkpoint import CheckpointError
-
-        raise CheckpointError(f"checkpoint {path!r}: its model_args and weights do not make a model "
-                              f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else 'no detail'})") from None
+    model = model_from_checkpoint(ckpt, path)
     print(f"loaded {path} (iter {ckpt.get('iter_num', '?')})", file=sys.stderr)
     return model, ckpt["tokenizer"], ckpt.get("config", {})
 

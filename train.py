@@ -48,7 +48,15 @@ import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 from attention_kernels.flash import MAX_HEAD_DIM, MIN_HEAD_DIM
-from checkpoint import TRAIN_KEYS, CheckpointError, clean_state_dict, load_checkpoint, save_checkpoint
+from checkpoint import (
+    TRAIN_KEYS,
+    CheckpointError,
+    clean_state_dict,
+    first_line,
+    load_checkpoint,
+    model_from_checkpoint,
+    save_checkpoint,
+)
 from configurator import ConfigError, parse_config
 from data import DataError, ensure_dataset
 from model import GPT, GPT2_NAMES, GPTConfig
@@ -251,13 +259,8 @@ def run_names(config: dict) -> tuple[str, str]:
 def build_model(config: dict, vocab_size: int, ckpt: dict | None) -> GPT:
     """A fresh model, the one of a checkpoint (its architecture wins over the config), or OpenAI's GPT-2."""
     if ckpt is not None:
-        try:
-            args = dict(ckpt["model_args"], attn_backend=config["attn_backend"], dropout=config["dropout"])
-            model = GPT(GPTConfig(**args))
-            model.load_state_dict(clean_state_dict(ckpt["model"]))
-        except (TypeError, ValueError, RuntimeError, KeyError) as e:  # damaged, or from another model.py
-            raise CheckpointError(f"checkpoint {resume_path(config)!r}: its model_args and weights do not make a "
-                                  f"model ({type(e).__name__}: {_first_line(e)})") from None
+        model = model_from_checkpoint(ckpt, resume_path(config), attn_backend=config["attn_backend"],
+                                      dropout=config["dropout"])
     elif config["init_from"] == "scratch":
         model = GPT(model_config(config, vocab_size))
     else:
@@ -427,10 +430,6 @@ def gather_rng_states(d: Dist) -> list[dict]:
 
 def resume_path(config: dict) -> str:
     return os.path.join(config["out_dir"], "last.pt")
-
-
-def _first_line(e: Exception) -> str:
-    return str(e).splitlines()[0] if str(e) else "no detail"
 
 
 def load_resume_checkpoint(config: dict) -> dict:
@@ -649,7 +648,7 @@ def setup(config: dict, d: Dist, device: str) -> Setup:
                 set_rng_states(ckpt["rng"][d.rank])
         except (TypeError, ValueError, RuntimeError, KeyError, IndexError) as e:
             raise CheckpointError(f"checkpoint {resume_path(config)!r}: its training state (optimizer, scaler, "
-                                  f"sampler, RNG) does not fit this model ({type(e).__name__}: {_first_line(e)})") \
+                                  f"sampler, RNG) does not fit this model ({type(e).__name__}: {first_line(e)})") \
                 from None
         if len(ckpt["rng"]) != d.world_size and d.master:
             print(f"resume: the checkpoint has RNG states of {len(ckpt['rng'])} processes, this run has "
