@@ -128,6 +128,8 @@ import os
 
 import torch
 import triton
+import triton.language as tl
+from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
@@ -568,14 +570,16 @@ def dkdv_config(d: int, d_v: int, causal: bool, group: int) -> tuple[int, int, b
 
 
 def backward_mode() -> str:
-    """ZOO_FLASH_SM90_BWD: "1" (default) runs dQ in `backward_dq` and dK/dV in `backward_dkdv` where the latter's
-    programs fill about a wave of the SMs (`flash._hopper_dkdv`; else the Triton dK/dV kernel, which can split a KV
-    group's heads over programs); "force" runs both Gluon kernels wherever they can (tests); "0" keeps the whole
-    backward on the Triton kernels."""
+    """ZOO_FLASH_SM90_BWD: "1" (default) runs the one-launch backward where `fused_backward_wins`, else dQ in
+    `backward_dq` and dK/dV in `backward_dkdv` where the latter's programs fill about a wave of the SMs
+    (`flash._hopper_dkdv`; else the Triton dK/dV kernel, which can split a KV group's heads over programs); "force"
+    runs the two Gluon launches wherever they can (tests); "fused" the one-launch backward wherever it can
+    (FUSED_PAIRS; elsewhere as "force"); "0" keeps the whole backward on the Triton kernels."""
     mode = os.environ.get("ZOO_FLASH_SM90_BWD", "1")
-    if mode not in ("0", "1", "force"):
-        raise ValueError(f"ZOO_FLASH_SM90_BWD={mode!r}: expected 0 (off), 1 (on; dK/dV where it fills a wave) "
-                         "or force")
+    if mode not in ("0", "1", "force", "fused"):
+        raise ValueError(f"ZOO_FLASH_SM90_BWD={mode!r}: expected 0 (off), 1 (on; dK/dV where it fills a wave, one "
+                         "launch where it is faster), force (two launches everywhere) or fused (one launch wherever "
+                         "it can)")
     return mode
 
 
@@ -1513,3 +1517,303 @@ def backward_dq(q, k, v, out, do, lse, dlse, delta, dq, sm_scale: float, causal:
         GROUP_SIZE=h_q // h_kv, CAUSAL=causal, HAS_DLSE=dlse is not None, WRITE_LSE2=lse2 is not None,
         BLOCK_N=block_n, D=d_main, DR=d_rope, DV=d_v, STAGES=stages, PERSISTENT=persistent, num_warps=4,
     )
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Backward in one launch (D = 128): dQ added into fp32 by TMA reduce from a writer warp
+# --------------------------------------------------------------------------------------------------------------
+
+
+@tma.builtin
+def _async_reduce_add(tensor_desc, coord, src, _semantic=None):
+    """TMA bulk reduce-add of a shared-memory tile into global memory (`cp.reduce.async.bulk.tensor...add`),
+    completed like a TMA store (`tma.store_wait`). Gluon 3.6 wraps the op only for Blackwell; its op builder has
+    it for Hopper too, which this reaches (FlashAttention-3 adds dQ the same way)."""
+    coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+    _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
+
+
+@gluon.jit
+def _fused_step(t, kv_head, m_start, n_m, GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr):
+    """(query head, query block) of a one-launch program's step t. Full attention: head by head, query blocks in
+    order. Causal: query blocks from the last down, the group's heads inside each, so that every program of a
+    (batch, KV head) walks the same dQ tiles at the same time (each stops at its own first block) and their
+    reduce-adds meet in L2."""
+    if CAUSAL:
+        return kv_head * GROUP_SIZE + t % GROUP_SIZE, n_m - 1 - t // GROUP_SIZE
+    else:
+        nb = n_m - m_start
+        return kv_head * GROUP_SIZE + t // nb, m_start + t % nb
+
+
+@gluon.jit
+def _fused_loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
+                  delta_smem, kv_ready, q_ready, do_ready, qdo_free, batch, kv_head, start_n, m_start, n_m, H, M_PAD,
+                  GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+    """One warp: the tile's K and V, then each step's Q (with its rows' lse2 and delta, on Q's barrier) and dO into
+    the ring, in `_fused_step`'s order."""
+    mbarrier.expect(kv_ready.index(0), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(k_desc, [batch, kv_head, start_n, 0], kv_ready.index(0), k_smem.index(0))
+    tma.async_copy_global_to_shared(v_desc, [batch, kv_head, start_n, 0], kv_ready.index(0), v_smem.index(0))
+    for it in range(GROUP_SIZE * (n_m - m_start)):
+        head, m = _fused_step(it, kv_head, m_start, n_m, GROUP_SIZE, CAUSAL)
+        s = it % STAGES
+        mbarrier.wait(qdo_free.index(s), ((it // STAGES) & 1) ^ 1, pred=it >= STAGES)
+        mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + lse_desc.block_type.nbytes
+                        + delta_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(q_desc, [batch, head, m * BLOCK_M, 0], q_ready.index(s), q_smem.index(s))
+        row = (batch * H + head) * M_PAD + m * BLOCK_M
+        tma.async_copy_global_to_shared(lse_desc, [row], q_ready.index(s), lse_smem.index(s))
+        tma.async_copy_global_to_shared(delta_desc, [row], q_ready.index(s), delta_smem.index(s))
+        mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(do_desc, [batch, head, m * BLOCK_M, 0], do_ready.index(s), do_smem.index(s))
+
+
+@gluon.jit
+def _fused_dq(u, ds_smem, k_half, dq_smem, ds_ready, dq_ready, dq_free, sm_scale, WG: gl.constexpr,
+              BLOCK_M: gl.constexpr, D: gl.constexpr):
+    """Consumer WG, step u: dQ of the step's query rows for this warpgroup's D/2 columns, dS K over the tile's 128
+    keys (dS^T of both warpgroups from shared memory, the wgmma's A read transposed), scaled, into this
+    warpgroup's staging buffer (two, alternating) for the writer warp."""
+    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, D // 2, 16])
+    b = u % 2
+    mbarrier.wait(ds_ready.index(b), (u // 2) & 1)  # the other warpgroup's half of dS^T is in too
+    qb = WG * 2 + b
+    mbarrier.wait(dq_free.index(qb), ((u // 2) & 1) ^ 1, pred=u >= 2)  # the writer's reduce has read it
+    dq = warpgroup_mma(ds_smem.index(b).permute((1, 0)), k_half, gl.zeros([BLOCK_M, D // 2], gl.float32, dq_layout),
+                       use_acc=False, is_async=True)
+    dq = warpgroup_mma_wait(num_outstanding=0, deps=[dq])  # (the next step's S^T, issued before, completes too)
+    dq_smem.index(qb).reshape([BLOCK_M, D // 2]).store(dq * sm_scale)
+    fence_async_shared()
+    mbarrier.arrive(dq_ready.index(qb), count=1)
+
+
+@gluon.jit
+def _fused_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_ready, q_ready,
+                    do_ready, qdo_free, ds_ready, dq_ready, dq_free, dk_desc, dv_desc, batch, kv_head, start_n,
+                    m_start, n_m, M, N, sm_scale, qk_scale, WG: gl.constexpr, GROUP_SIZE: gl.constexpr,
+                    CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
+    """One warpgroup: `_bwd_tile`'s dK and dV of key rows [start_n + WG*64, +64) (one tile per program, D = DV, no
+    RoPE part, no skipped steps), and per step also `_fused_dq`: each warpgroup stores its dS^T (64 keys x 64
+    queries, bf16) into a shared buffer of the step's 128 keys (two, alternating) before it issues the next step's
+    S^T, then takes its share of dQ."""
+    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                        instr_shape=[16, BLOCK_M, 16])
+    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                         instr_shape=[16, D, 16])
+    op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
+    cols: gl.constexpr = gl.SliceLayout(0, st_layout)
+    dtype: gl.constexpr = q_smem.dtype
+    q_shift = N - M
+    k_tile = k_smem.index(0).reshape([CONSUMERS * ROWS, D])
+    k_wg = k_tile.slice(WG * ROWS, ROWS)
+    v_wg = v_smem.index(0).reshape([CONSUMERS * ROWS, D]).slice(WG * ROWS, ROWS)
+    k_half = k_tile.slice(WG * (D // 2), D // 2, dim=1)  # every key of the tile, this warpgroup's dQ columns
+    kv0 = start_n + WG * ROWS
+    kv_pos = kv0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, st_layout))
+    dk = gl.zeros([ROWS, D], gl.float32, acc_layout)
+    dv = gl.zeros([ROWS, D], gl.float32, acc_layout)
+    total = GROUP_SIZE * (n_m - m_start)
+    mbarrier.wait(kv_ready.index(0), 0)
+    mbarrier.wait(q_ready.index(0), 0)
+    st = _scores_t(k_wg, k_wg, q_smem, q_smem, 0, gl.zeros([ROWS, BLOCK_M], gl.float32, st_layout), BLOCK_M, D, 0)
+    for t in range(0, total):
+        s = t % STAGES
+        _, m = _fused_step(t, kv_head, m_start, n_m, GROUP_SIZE, CAUSAL)
+        st = warpgroup_mma_wait(num_outstanding=0, deps=[st])
+        q_t = q_smem.index(s).reshape([BLOCK_M, D])
+        pt = gl.exp2(st * qk_scale - lse_smem.index(s).load(cols)[None, :])
+        if CAUSAL:
+            if q_shift + m * BLOCK_M < start_n + CONSUMERS * ROWS - 1:  # the block crosses the diagonal
+                first = kv_pos - q_shift - m * BLOCK_M
+                qc = gl.arange(0, BLOCK_M, layout=cols)
+                # Against immediates, as in `_bwd_tile`'s 128-query steps: written plainly, the column indices
+                # stayed live across the loop and ptxas spilled 168 bytes (80 this way).
+                pt = gl.where((qc & ~6)[None, :] >= first[:, None] - (qc & 6)[None, :], pt, 0.0)
+        mbarrier.wait(do_ready.index(s), (t // STAGES) & 1)
+        do_t = do_smem.index(s).reshape([BLOCK_M, D])
+        dpt = warpgroup_mma(v_wg, do_t.permute((1, 0)), st, use_acc=False, is_async=True)
+        dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do_t, dv, is_async=True)
+        dpt = warpgroup_mma_wait(num_outstanding=1, deps=[dpt])
+        dst = (pt * (dpt - delta_smem.index(s).load(cols)[None, :])).to(dtype)
+        dk = warpgroup_mma(gl.convert_layout(dst, op_layout), q_t, dk, is_async=True)
+        ds_smem.index(t % 2).slice(WG * ROWS, ROWS).store(dst)
+        fence_async_shared()
+        mbarrier.arrive(ds_ready.index(t % 2), count=1)
+        s1 = (t + 1) % STAGES
+        mbarrier.wait(q_ready.index(s1), ((t + 1) // STAGES) & 1, pred=t + 1 < total)
+        st = _scores_t(k_wg, k_wg, q_smem, q_smem, s1, dpt, BLOCK_M, D, 0)  # (past the last step: drained)
+        dv, dk = warpgroup_mma_wait(num_outstanding=1, deps=[dv, dk])
+        mbarrier.arrive(qdo_free.index(s), count=1)
+        # dS^T buffer t % 2 is written again at step t + 2, after this warpgroup's dQ of step t + 1, which waits
+        # for the other's half of dS^T t + 1; the other stores that after its own dQ of step t, the buffer's last
+        # read. So two buffers suffice.
+        _fused_dq(t, ds_smem, k_half, dq_smem, ds_ready, dq_ready, dq_free, sm_scale, WG, BLOCK_M, D)
+    st = warpgroup_mma_wait(num_outstanding=0, deps=[st])
+    # dK and dV out through this warpgroup's K and V rows (no longer read), by TMA, as `_bwd_tile` does.
+    k_wg.store((dk * sm_scale).to(dtype))
+    v_wg.store(dv.to(dtype))
+    fence_async_shared()
+    tma.async_copy_shared_to_global(dk_desc, [batch, kv_head, kv0, 0], k_smem.index(0).slice(WG * ROWS, ROWS, dim=2))
+    tma.async_copy_shared_to_global(dv_desc, [batch, kv_head, kv0, 0], v_smem.index(0).slice(WG * ROWS, ROWS, dim=2))
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _fused_writer(dq_desc, dq_smem, dq_ready, dq_free, batch, kv_head, m_start, n_m, GROUP_SIZE: gl.constexpr,
+                  CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr):
+    """One warp: each step's two dQ tiles (64 rows x D/2 columns, one per consumer) added into the fp32 dQ by TMA
+    reduce, which clips the rows past S_q. A buffer is released once its reduce has read it, checked one step
+    later so that the reduces overlap: each tile goes as two messages of 32 fp32 columns (the 128-byte swizzle),
+    each its own bulk group, so four groups per step."""
+    for u in range(GROUP_SIZE * (n_m - m_start)):
+        head, m = _fused_step(u, kv_head, m_start, n_m, GROUP_SIZE, CAUSAL)
+        for wg in gl.static_range(2):
+            qb = wg * 2 + u % 2
+            mbarrier.wait(dq_ready.index(qb), (u // 2) & 1)
+            _async_reduce_add(dq_desc, [batch, head, m * BLOCK_M, wg * (D // 2)], dq_smem.index(qb))
+        tma.store_wait(2 * ((D // 2) // 32))  # step u - 1's reduces have read their buffers
+        for wg in gl.static_range(2):
+            mbarrier.arrive(dq_free.index(wg * 2 + (u + 1) % 2), count=1, pred=u >= 1)
+    tma.store_wait(0)
+
+
+@gluon.jit
+def _flash_bwd_fused_sm90_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_desc, dv_desc, dq_desc,
+                                 M, M_PAD, N, H_KV, bucket, sm_scale, qk_scale, GROUP_SIZE: gl.constexpr,
+                                 CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
+    """One program per tile of (128 key rows, KV head, batch), in `_dkdv_tile`'s order: dK and dV as the one-tile
+    dK/dV kernel, dQ added into an fp32 (B, H_q, S_q, D) buffer. Roles: two consumer warpgroups, the loader warp
+    and the dQ writer warp (setmaxnreg 240 / 24 / 24)."""
+    n_kb = gl.cdiv(N, CONSUMERS * ROWS)
+    n_m = gl.cdiv(M, BLOCK_M)
+    batch, kv_head, start_n, m_start = _dkdv_tile(gl.program_id(0), n_kb, gl.num_programs(0), bucket, H_KV, M, N,
+                                                  CAUSAL, BLOCK_M)
+    q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
+    do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [1] + k_desc.block_type.shape, k_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [1] + v_desc.block_type.shape, v_desc.layout)
+    lse_smem = gl.allocate_shared_memory(lse_desc.dtype, [STAGES] + lse_desc.block_type.shape, lse_desc.layout)
+    delta_smem = gl.allocate_shared_memory(delta_desc.dtype, [STAGES] + delta_desc.block_type.shape,
+                                           delta_desc.layout)
+    ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CONSUMERS * ROWS, BLOCK_M], q_desc.dtype)
+    ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, CONSUMERS * ROWS, BLOCK_M], ds_layout)
+    dq_smem = gl.allocate_shared_memory(dq_desc.dtype, [2 * CONSUMERS] + dq_desc.block_type.shape, dq_desc.layout)
+    kv_ready = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    qdo_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    dq_ready = gl.allocate_shared_memory(gl.int64, [2 * CONSUMERS, 1], mbarrier.MBarrierLayout())
+    dq_free = gl.allocate_shared_memory(gl.int64, [2 * CONSUMERS, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(kv_ready.index(0), count=1)
+    for i in gl.static_range(STAGES):
+        mbarrier.init(q_ready.index(i), count=1)
+        mbarrier.init(do_ready.index(i), count=1)
+        mbarrier.init(qdo_free.index(i), count=CONSUMERS)
+    for i in gl.static_range(2):
+        mbarrier.init(ds_ready.index(i), count=CONSUMERS)
+    for i in gl.static_range(2 * CONSUMERS):
+        mbarrier.init(dq_ready.index(i), count=1)
+        mbarrier.init(dq_free.index(i), count=1)
+    fence_async_shared()
+    gl.warp_specialize([
+        (_fused_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_ready, q_ready,
+                           do_ready, qdo_free, ds_ready, dq_ready, dq_free, dk_desc, dv_desc, batch, kv_head, start_n,
+                           m_start, n_m, M, N, sm_scale, qk_scale, gl.constexpr(0), GROUP_SIZE, CAUSAL, BLOCK_M, D,
+                           STAGES)),
+        (_fused_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_ready, q_ready,
+                           do_ready, qdo_free, ds_ready, dq_ready, dq_free, dk_desc, dv_desc, batch, kv_head, start_n,
+                           m_start, n_m, M, N, sm_scale, qk_scale, gl.constexpr(1), GROUP_SIZE, CAUSAL, BLOCK_M, D,
+                           STAGES)),
+        (_fused_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
+                         lse_smem, delta_smem, kv_ready, q_ready, do_ready, qdo_free, batch, kv_head, start_n,
+                         m_start, n_m, H_KV * GROUP_SIZE, M_PAD, GROUP_SIZE, CAUSAL, BLOCK_M, STAGES)),
+        (_fused_writer, (dq_desc, dq_smem, dq_ready, dq_free, batch, kv_head, m_start, n_m, GROUP_SIZE, CAUSAL,
+                         BLOCK_M, D)),
+    ], [4, 1, 1], [CONSUMER_REGS, LOADER_REGS, LOADER_REGS])
+
+
+@triton.jit
+def _fused_prep_kernel(out_ptr, do_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr, dq_acc_ptr,
+                       stride_ob, stride_oh, stride_om, stride_od, stride_gb, stride_gh, stride_gm, stride_gd,
+                       stride_lb, stride_lh, stride_lm, stride_tb, stride_th, stride_tm, H, M, M_PAD,
+                       HAS_DLSE: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
+    """Before the one-launch backward, per BLOCK rows of one (batch, head): delta = rowsum(dO * Out) - dlse and lse2
+    (the lse in log2 units) into contiguous (B, H, M_PAD) buffers (0 past M), and zeros into the rows' fp32 dQ."""
+    bh = tl.program_id(1)
+    b = (bh // H).to(tl.int64)
+    h = (bh % H).to(tl.int64)
+    rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    ok = rows < M
+    cols = tl.arange(0, D)
+    o = tl.load(out_ptr + b * stride_ob + h * stride_oh + rows[:, None] * stride_om + cols[None, :] * stride_od,
+                mask=ok[:, None], other=0.0)
+    do = tl.load(do_ptr + b * stride_gb + h * stride_gh + rows[:, None] * stride_gm + cols[None, :] * stride_gd,
+                 mask=ok[:, None], other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
+    if HAS_DLSE:
+        delta -= tl.load(dlse_ptr + b * stride_tb + h * stride_th + rows * stride_tm, mask=ok, other=0.0)
+    lse2 = tl.load(lse_ptr + b * stride_lb + h * stride_lh + rows * stride_lm, mask=ok, other=0.0) * 1.4426950408889634
+    padded = bh.to(tl.int64) * M_PAD + rows
+    tl.store(delta_ptr + padded, tl.where(ok, delta, 0.0), mask=rows < M_PAD)
+    tl.store(lse2_ptr + padded, tl.where(ok, lse2, 0.0), mask=rows < M_PAD)
+    tl.store(dq_acc_ptr + (bh.to(tl.int64) * M + rows[:, None]) * D + cols[None, :], tl.zeros([BLOCK, D], tl.float32),
+             mask=ok[:, None])
+
+
+# (D_qk, D_v) pairs the one-launch backward runs.
+FUSED_PAIRS = {(128, 128)}
+
+
+def fused_backward_wins(d: int, d_v: int, causal: bool, s_kv: int, group: int, programs: int, sms: int) -> bool:
+    """Does `flash._backward` take the one-launch backward (`backward_fused`) instead of the two launches? For
+    D = 128, where its programs (128 keys of a KV head each) fill a wave of the SMs: full attention at every
+    length, causal from 4096 keys with at most 4 query heads per KV head. Measured on an H200 (session 40,
+    benchmarks/RESULTS.md; the whole backward GPU alone, one launch over two, median of three paired rounds):
+    - full attention 1.01-1.16x on all 7 shapes (B16 S1024 1.01, B8 S2048 1.03, 4096 keys 1.07-1.16, B1 S16384
+      1.08);
+    - causal at 4096-16384 keys 1.07-1.10x with groups of 4 (MHA 1.01-1.08);
+    - causal with groups of 8 (H_kv 4 of 32) 0.89-0.92x, and every causal shape at 1024-2048 keys 0.92-0.97x:
+      there the pre-pass and the final cast of dQ (0.24 ms per 2^19 query rows of 128 columns, in proportion to the
+      rows) weigh most against the causal half of the products."""
+    if (d, d_v) not in FUSED_PAIRS or programs < sms:
+        return False
+    return not causal or (s_kv >= 4096 and group <= 4)
+
+
+def backward_fused(q, k, v, out, lse, do, dlse, dq, dk, dv, sm_scale: float, causal: bool):
+    """The whole backward in one Gluon launch (plus a Triton pre-pass and dQ's cast): dq, dk, dv any strides and
+    dtypes (dK and dV go through contiguous buffers in q's dtype where TMA cannot write them). q, k, v, do as
+    `supports_backward` accepted them with (D_qk, D_v) in FUSED_PAIRS; lse and dlse (or None) (B, H_q, S_q) fp32."""
+    direct = [x.dtype == q.dtype and _checks.tma_readable(x) for x in (dk, dv)]
+    if not all(direct):
+        staged = [x if ok else torch.empty(x.shape, device=x.device, dtype=q.dtype) for x, ok in zip((dk, dv), direct)]
+        backward_fused(q, k, v, out, lse, do, dlse, dq, *staged, sm_scale, causal)
+        for x, y, ok in zip((dk, dv), staged, direct):
+            if not ok:
+                x.copy_(y)
+        return
+    b, h_q, s_q, d = q.shape
+    h_kv, s_kv = k.shape[1], k.shape[2]
+    assert (d, v.shape[3]) in FUSED_PAIRS
+    block_m, stages = ROWS_PER_CONSUMER, 2
+    rows = padded_rows(s_q)
+    delta = torch.empty((b, h_q, rows), device=q.device, dtype=torch.float32)
+    lse2 = torch.empty_like(delta)
+    dq_acc = torch.empty((b, h_q, s_q, d), device=q.device, dtype=torch.float32)
+    dlse_arg = dlse if dlse is not None else lse
+    launcher(_fused_prep_kernel)[(cdiv(rows, block_m), b * h_q)](
+        out, do, lse, dlse_arg, delta, lse2, dq_acc, *out.stride(), *do.stride(), *lse.stride(), *dlse_arg.stride(),
+        h_q, s_q, rows, HAS_DLSE=dlse is not None, D=d, BLOCK=block_m, num_warps=4)
+    n_kb = cdiv(s_kv, PROGRAM_ROWS)
+    launcher(_flash_bwd_fused_sm90_kernel)[(n_kb * h_kv * b,)](
+        _descriptor(q, block_m), _descriptor(do, block_m), _descriptor(k, PROGRAM_ROWS), _descriptor(v, PROGRAM_ROWS),
+        descriptor(lse2.view(-1), [block_m]), descriptor(delta.view(-1), [block_m]),
+        _descriptor(dk, ROWS_PER_CONSUMER), _descriptor(dv, ROWS_PER_CONSUMER),
+        descriptor(dq_acc, [1, 1, ROWS_PER_CONSUMER, d // 2]),
+        s_q, rows, s_kv, h_kv, bucket_size(n_kb, h_q // h_kv, causal), sm_scale, sm_scale * LOG2E,
+        GROUP_SIZE=h_q // h_kv, CAUSAL=causal, BLOCK_M=block_m, D=d, STAGES=stages, num_warps=4,
+    )
+    dq.copy_(dq_acc)

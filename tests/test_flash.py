@@ -517,6 +517,14 @@ def _compile_sm90(d, causal, which, d_v=None, group=4):
             else:
                 const.update(dkr_desc=None)
         kernel = "_flash_bwd_dkdv_sm90_kernel"
+    if which == "fused":  # the one-launch backward (D = 128): dK/dV's tiles, dQ by TMA reduce into fp32
+        rows, keys = flash_sm90.ROWS_PER_CONSUMER, flash_sm90.PROGRAM_ROWS
+        const = dict(GROUP_SIZE=group, CAUSAL=causal, BLOCK_M=rows, D=d, STAGES=2)
+        lse = dict(block=[rows], dtype="float32")
+        types = dict(q_desc=desc(rows, d), do_desc=desc(rows, d), k_desc=desc(keys, d), v_desc=desc(keys, d),
+                     lse_desc=lse, delta_desc=lse, dk_desc=desc(rows, d), dv_desc=desc(rows, d),
+                     dq_desc=dict(block=[1, 1, rows, d // 2], dtype="float32"), sm_scale="fp32", qk_scale="fp32")
+        return compile_gluon_sm90("attention_kernels.flash_sm90", "_flash_bwd_fused_sm90_kernel", types, const)
     if not d_rest:
         const.update(qr_desc=None, kr_desc=None)
     return compile_gluon_sm90("attention_kernels.flash_sm90", kernel, types, const)
@@ -628,6 +636,70 @@ def test_sm90_mha_causal_dkdv_structure(d, d_v):
     assert spills and all(a <= 16 and b <= 16 for a, b in spills), result["ptxas"]
 
 
+@pytest.mark.parametrize("group", [1, 4], ids=["MHA", "group4"])
+@pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
+def test_sm90_fused_backward_structure(causal, group):
+    """The one-launch backward (flash_sm90._flash_bwd_fused_sm90_kernel, D = 128) compiled for sm_90 on any
+    machine: two consumer warpgroups (setmaxnreg 240) beside the loader and the dQ writer warps (24 each); per
+    consumer the dK/dV products plus dQ = dS K over the tile's 128 keys and its 64 columns (S^T before the loop and
+    in it, dP^T, dV, dK, dQ: 8 + 8 + 8 + 4 + 4 + 8 wgmma of k = 16); dQ added into fp32 by TMA reduce, four
+    messages a step (two consumers, 32 columns each of their 64), whose reads are waited for before a staging buffer
+    is reused; dK and dV by TMA store; within the 227 KB of shared memory (225.5 KB: Q, dO and their lse/delta in
+    two stages, K, V, two dS^T buffers, four dQ buffers); wgmma not serialized. ptxas spills 60-80 bytes: a few
+    loop-invariant values of the first consumer, whose loop loads 5-11 of them per step (session 40's
+    disassembly; 168 bytes and 17-32 per step while the causal mask compared against column indices)."""
+    result = _compile_sm90(128, causal, "fused", group=group)
+    ptx = result["ptx"]
+    assert {"24", "240"} <= setmaxnreg_counts(ptx), f"warp roles' register counts {sorted(setmaxnreg_counts(ptx))}"
+    assert ptx.count("wgmma.mma_async") == 2 * (8 + 8 + 8 + 4 + 4 + 8), "the products' wgmma count"
+    assert ptx.count("cp.reduce.async.bulk.tensor.4d.global.shared::cta.add") == 4, "dQ's TMA reduce-adds"
+    assert "cp.async.bulk.wait_group.read" in ptx, "no wait for the reduces' reads before a buffer is reused"
+    assert ptx.count("cp.async.bulk.tensor.4d.global.shared") == 4, "dK and dV's TMA stores"
+    assert result["shared"] <= 232448, f"{result['shared']} bytes of shared memory"
+    assert "serialized" not in result["ptxas"], result["ptxas"]
+    spills = spill_bytes(result["ptxas"])
+    assert spills and all(a <= 96 and b <= 96 for a, b in spills), result["ptxas"]
+
+
+FUSED_CASES = [c for c in CASES if c[5:7] == (128, 128)] + [
+    (1, 2, 2, 200, 230, 128, 128, True), (2, 4, 2, 1000, 1000, 128, 128, False), (1, 16, 2, 700, 700, 128, 128, True),
+    (3, 8, 8, 129, 129, 128, 128, True)]
+
+
+@pytest.mark.parametrize("case", FUSED_CASES, ids=case_id)
+def test_sm90_backward_fused(case, monkeypatch):
+    """The whole backward in one launch (ZOO_FLASH_SM90_BWD=fused: on an H100/H200, `flash_sm90.backward_fused`,
+    which a spy checks ran), with a loss on lse too (dlse folds into delta in its pre-pass), into NaN-poisoned
+    gradients, dq and dk views whose row strides TMA cannot write (dK through a contiguous buffer, dQ cast from its
+    fp32 accumulator through the strides), against the reference: query tiles of the causal diagonal in the order
+    the kernel walks them (the last first), ragged ends (rows past S_q and S_kv clipped by the TMA reduce and
+    stores), S_q < S_kv, groups of 1, 2, 4 and 8. On other machines the same call runs the Triton kernels."""
+    from attention_kernels import flash
+
+    monkeypatch.setenv("ZOO_FLASH_SM90_BWD", "fused")
+    hopper = flash.flash_sm90
+    ran = []
+    if hopper is not None:
+        fused = hopper.backward_fused
+        monkeypatch.setattr(hopper, "backward_fused", lambda *a, **kw: ran.append(1) or fused(*a, **kw))
+    causal = case[-1]
+    for dtype in KERNEL_DTYPES:
+        q, k, v, do = make_inputs(case, dtype)
+        dlse = torch.randn(do.shape[:3], device=DEVICE, dtype=torch.float32)
+        out, lse = _forward(q, k, v, None, causal)
+        bases = [poisoned((*x.shape[:-1], x.shape[-1] + 1), dtype) for x in (q, k)] + [poisoned(v.shape, dtype)]
+        grads = tuple(base[..., :x.shape[-1]] for base, x in zip(bases, (q, k, v)))
+        got = _backward(q, k, v, out, lse, do, None, causal, dlse=dlse, grads=grads)
+        ref = reference_grads(q, k, v, do, causal, dlse=dlse)[2:]
+        for name, g, want, base in zip(("dq", "dk", "dv"), got, ref, bases):
+            assert_close(g, want, dtype, name, grad=True)
+            assert g.data_ptr() == base.data_ptr(), name
+            if g.shape != base.shape:
+                assert torch.isnan(base[..., -1]).all(), f"{name}: written outside its view"
+    if hopper is not None and hopper.on_hopper(q):
+        assert ran, "the one-launch backward did not run"
+
+
 @pytest.mark.parametrize("case", [c for c in CASES if c[5] == c[6] in (64, 128) or (c[5], c[6]) == (192, 128)]
                          + [(1, 2, 2, 200, 200, 128, 128, True), (1, 4, 2, 200, 520, 64, 64, True),
                             (1, 2, 1, 130, 600, 64, 64, False), (1, 8, 1, 130, 130, 64, 64, True),
@@ -694,8 +766,8 @@ def test_sm90_backward_dispatch(monkeypatch):
     monkeypatch.setattr(flash_sm90, "on_hopper", lambda t: True)
     monkeypatch.setenv("ZOO_FLASH_SM90", "1")
     calls = []
-    for module, name in ((flash_sm90, "backward_dq"), (flash_sm90, "backward_dkdv"), (flash, "_triton_dq"),
-                         (flash, "_triton_dkdv")):
+    for module, name in ((flash_sm90, "backward_dq"), (flash_sm90, "backward_dkdv"), (flash_sm90, "backward_fused"),
+                         (flash, "_triton_dq"), (flash, "_triton_dkdv")):
         monkeypatch.setattr(module, name, lambda *args, _name=name, **kwargs: calls.append(_name))
 
     def launched(d_qk, d_v, mode="1"):
@@ -713,6 +785,26 @@ def test_sm90_backward_dispatch(monkeypatch):
                                                                                               "backward_dkdv"]
     assert launched(64, 32) == launched(80, 80) == launched(192, 192) == ["_triton_dq", "_triton_dkdv"]
     assert launched(96, 64, "0") == launched(64, 64, "0") == ["_triton_dq", "_triton_dkdv"]
+    # The one-launch backward: D = 128 only; by default where `fused_backward_wins` (not for these 8 programs).
+    assert launched(128, 128, "fused") == ["backward_fused"]
+    assert launched(64, 64, "fused") == launched(192, 128, "fused") == ["backward_dq", "backward_dkdv"]
+    assert launched(128, 128, "force") == ["backward_dq", "backward_dkdv"]
+
+
+def test_sm90_fused_backward_rule():
+    """Where the one-launch backward takes over by default (flash_sm90.fused_backward_wins, session 40's H200
+    measurements): D = 128 with at least a wave of programs (128 keys of a KV head each); full attention at every
+    length; causal from 4096 keys with groups of at most 4 query heads."""
+    from attention_kernels.flash_sm90 import fused_backward_wins
+
+    def wins(causal, s_kv, group, programs=512, d=128, d_v=128):
+        return fused_backward_wins(d, d_v, causal, s_kv, group, programs, 132)
+
+    assert wins(False, 1024, 4) and wins(False, 16384, 8) and wins(False, 1024, 1)
+    assert wins(True, 4096, 4) and wins(True, 16384, 4) and wins(True, 4096, 1)
+    assert not wins(True, 2048, 4) and not wins(True, 4095, 1) and not wins(True, 16384, 8)
+    assert not wins(False, 4096, 4, programs=131) and wins(False, 4096, 4, programs=132)
+    assert not wins(False, 4096, 4, d=64, d_v=64) and not wins(False, 4096, 4, d=192)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -844,12 +936,12 @@ def test_sm90_descriptor_matches_from_tensor(dtype):
 
 
 def test_sm90_backward_mode(monkeypatch):
-    """ZOO_FLASH_SM90_BWD is 1 (default), 0 or force; anything else is an error that says what is valid."""
+    """ZOO_FLASH_SM90_BWD is 1 (default), 0, force or fused; anything else is an error that says what is valid."""
     from attention_kernels.flash_sm90 import backward_mode
 
     monkeypatch.delenv("ZOO_FLASH_SM90_BWD", raising=False)
     assert backward_mode() == "1"
-    for mode in ("0", "1", "force"):
+    for mode in ("0", "1", "force", "fused"):
         monkeypatch.setenv("ZOO_FLASH_SM90_BWD", mode)
         assert backward_mode() == mode
     monkeypatch.setenv("ZOO_FLASH_SM90_BWD", "yes")
