@@ -16,7 +16,9 @@ Structure (FlashAttention-2, Dao 2023; Triton's fused-attention tutorial):
   D = 128 and 64 and MLA's 96/64 and 192/128. On an H200
   they take the forward from 315-501 to 417-607 TFLOP/s at D = 128 (at D = 64, where they run, from 361-461 to
   416-464) and the backward from 242-408 to 319-487 at D = 128 and from 236-376 to 226-436 at D = 64, where the
-  lowest, B16 S1024 causal, varies by 30% from call to call (benchmarks/RESULTS.md, session 19's final grid).
+  lowest, B16 S1024 causal, varies by 30% from call to call (benchmarks/RESULTS.md, session 19's final grid). At
+  D = 128 the Hopper backward runs in one launch where that measured faster (flash_sm90.fused_backward_wins: dQ
+  added into fp32 by TMA reduce from the dK/dV program; 1.02-1.09x the two launches, session 40).
   Everything below describes the portable kernels, which run everywhere else.
 - forward: one program per (query block, query head, batch) streams K/V blocks with an online softmax in the
   log2 domain (exp2 with log2(e) folded into the scale). The KV loop is split in two: blocks every query of the

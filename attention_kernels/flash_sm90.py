@@ -55,7 +55,8 @@ Forward (`forward`):
 - launch order (forward tiles and both backward grids): schedule.py, causal blocks heaviest first in
   buckets that keep a KV group's programs together.
 
-Backward, two launches with the same roles (a loader warp, two consumer warpgroups of 64 rows):
+Backward, two launches with the same roles (a loader warp, two consumer warpgroups of 64 rows), or at D=128 one
+(`backward_fused`, below, where `fused_backward_wins`):
 - `backward_dq`: per 128 query rows, delta = rowsum(dO * Out) - dlse and the lse in log2 units first (for the
   dK/dV kernel, into buffers padded to whole programs of rows), then per key block S = Q K^T and dP = dO V^T
   issued together, dS = P (dP - delta), dQ += dS K. At D=64 the programs are persistent (tiles from a global
@@ -82,6 +83,23 @@ Backward, two launches with the same roles (a loader warp, two consumer warpgrou
   against the Triton kernels and SDPA (V padded to D_qk) in one run (session 29, GPU alone, TFLOP/s): 96/64 B16 H16
   S1024 causal 274 vs 207 and 177, B4 H16 S4096 causal 404 vs 326 and 291, full 452 vs 370 and 355; 192/128 B16
   H16 S1024 causal 280 vs 217 and 162, B4 H16 S4096 causal 413 vs 309 and 252.
+
+Backward in one launch (`backward_fused`, D=128; session 40, FlashAttention-3's backward): the one-tile dK/dV program
+also takes dQ. Each step, each consumer stores its dS^T (64 keys x 64 queries, bf16) into a shared buffer of the
+tile's 128 keys, and once both halves are in, computes dQ = dS K for the step's 64 query rows and its own 64 of the 128
+columns (A = the buffer read transposed, B = a column half of K), scales it and stages it in shared memory; a writer
+warp adds the two tiles into an fp32 dQ by TMA reduce-add (`_async_reduce_add`) and releases each buffer once the
+reduce has read it. Five products per step instead of the two launches' seven, and no recomputed P. A Triton pre-pass
+writes delta and lse2 and zeroes the fp32 dQ, which a final cast copies into dq: 0.24 ms per 2^19 query rows of 128
+columns together on an H200, so short causal launches keep the two launches. Causal programs walk their query
+blocks from the last down, the group's heads inside each (`_fused_step`): every program of a (batch, KV head) then
+adds into the same dQ tiles at the same time, in L2. Against head by head with query blocks in order (one run,
+three rounds): +2.7-7.8% at 1024-4096 keys with groups of 4 and for MHA at 4096, -0.8% to -2.6% at 8192-16384 keys,
+with groups of 8 and for MHA at 1024. Full attention keeps the plain order, in which its programs already move
+together. Tried and not kept: dQ one step later (after the next step's products, three dS^T buffers), slower on all
+14 shapes (0.85-1.06x the two launches against 0.88-1.14x), with 164-304 bytes of spills.
+Sessions 11-13 had tried one launch on the older kernels with atomics from the consumers (0.76-0.88x) and with TMA
+reduces the consumers issued themselves (0.74-1.01x).
 
 Measured on an H200 beside SDPA and the Triton kernels in one run (bf16, H_q 32, TFLOP/s; benchmarks/RESULTS.md
 has the grid and the history). Forward, persistent vs the previous one-program-per-tile version: B4 H_kv 8 S4096
