@@ -59,6 +59,8 @@ def load_module(path: str, name: str):
     spec = importlib.util.spec_from_file_location(f"flash_sm90_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    if not hasattr(module, "FUSED_PAIRS"):  # a revision before the one-launch backward (session 40): none
+        module.FUSED_PAIRS = frozenset()
     return module
 
 
