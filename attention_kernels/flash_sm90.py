@@ -787,25 +787,35 @@ def _bwd_load_tile(q_desc, qr_desc, do_desc, k_desc, kr_desc, v_desc, lse_desc, 
     for hh in range(GROUP_SIZE):
         head = kv_head * GROUP_SIZE + hh
         for m in range(m_start, n_m):
-            s = it % STAGES
-            mbarrier.wait(qdo_free.index(s), ((it // STAGES) & 1) ^ 1, pred=it >= STAGES)
-            if DR > 0:
-                mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + qr_desc.block_type.nbytes
-                                + lse_desc.block_type.nbytes + delta_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(qr_desc, [batch, head, m * BLOCK_M, q_desc.block_type.shape[3]],
-                                                q_ready.index(s), qr_smem.index(s))
-            else:
-                mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + lse_desc.block_type.nbytes
-                                + delta_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [batch, head, m * BLOCK_M, 0], q_ready.index(s), q_smem.index(s))
-            row = (batch * H + head) * M_PAD + m * BLOCK_M
-            tma.async_copy_global_to_shared(lse_desc, [row], q_ready.index(s), lse_smem.index(s))
-            tma.async_copy_global_to_shared(delta_desc, [row], q_ready.index(s), delta_smem.index(s))
-            mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(do_desc, [batch, head, m * BLOCK_M, 0], do_ready.index(s),
-                                            do_smem.index(s))
+            _load_qdo(q_desc, qr_desc, do_desc, lse_desc, delta_desc, q_smem, qr_smem, do_smem, lse_smem, delta_smem,
+                      q_ready, do_ready, qdo_free, it, batch, head, m, H, M_PAD, BLOCK_M, STAGES, DR)
             it += 1
     return it
+
+
+@gluon.jit
+def _load_qdo(q_desc, qr_desc, do_desc, lse_desc, delta_desc, q_smem, qr_smem, do_smem, lse_smem, delta_smem, q_ready,
+              do_ready, qdo_free, it, batch, head, m, H, M_PAD, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
+              DR: gl.constexpr):
+    """Loader, the dK/dV program's step `it` (query head `head`, query block m): once the consumers have released
+    its ring slot (step it - STAGES), Q with its rows' lse and delta (one barrier) and dO. DR > 0: Q's last DR
+    columns (MLA's RoPE part) as a second copy on Q's barrier."""
+    s = it % STAGES
+    mbarrier.wait(qdo_free.index(s), ((it // STAGES) & 1) ^ 1, pred=it >= STAGES)
+    if DR > 0:
+        mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + qr_desc.block_type.nbytes
+                        + lse_desc.block_type.nbytes + delta_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(qr_desc, [batch, head, m * BLOCK_M, q_desc.block_type.shape[3]],
+                                        q_ready.index(s), qr_smem.index(s))
+    else:
+        mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + lse_desc.block_type.nbytes
+                        + delta_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(q_desc, [batch, head, m * BLOCK_M, 0], q_ready.index(s), q_smem.index(s))
+    row = (batch * H + head) * M_PAD + m * BLOCK_M
+    tma.async_copy_global_to_shared(lse_desc, [row], q_ready.index(s), lse_smem.index(s))
+    tma.async_copy_global_to_shared(delta_desc, [row], q_ready.index(s), delta_smem.index(s))
+    mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes)
+    tma.async_copy_global_to_shared(do_desc, [batch, head, m * BLOCK_M, 0], do_ready.index(s), do_smem.index(s))
 
 
 @gluon.jit
@@ -1575,16 +1585,8 @@ def _fused_loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem,
     tma.async_copy_global_to_shared(v_desc, [batch, kv_head, start_n, 0], kv_ready.index(0), v_smem.index(0))
     for it in range(GROUP_SIZE * (n_m - m_start)):
         head, m = _fused_step(it, kv_head, m_start, n_m, GROUP_SIZE, CAUSAL)
-        s = it % STAGES
-        mbarrier.wait(qdo_free.index(s), ((it // STAGES) & 1) ^ 1, pred=it >= STAGES)
-        mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + lse_desc.block_type.nbytes
-                        + delta_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [batch, head, m * BLOCK_M, 0], q_ready.index(s), q_smem.index(s))
-        row = (batch * H + head) * M_PAD + m * BLOCK_M
-        tma.async_copy_global_to_shared(lse_desc, [row], q_ready.index(s), lse_smem.index(s))
-        tma.async_copy_global_to_shared(delta_desc, [row], q_ready.index(s), delta_smem.index(s))
-        mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(do_desc, [batch, head, m * BLOCK_M, 0], do_ready.index(s), do_smem.index(s))
+        _load_qdo(q_desc, q_desc, do_desc, lse_desc, delta_desc, q_smem, q_smem, do_smem, lse_smem, delta_smem,
+                  q_ready, do_ready, qdo_free, it, batch, head, m, H, M_PAD, BLOCK_M, STAGES, 0)
 
 
 @gluon.jit
