@@ -876,7 +876,8 @@ def _backward(q, k, v, out, lse, do, scale: float | None, causal: bool, dlse=Non
     if s_q == 0 or b == 0 or h_q == 0:
         return dq, dk.zero_(), dv.zero_()
     # Hopper, fp16/bf16, D = 64 or 128 or MLA's 96/64 and 192/128 (ZOO_FLASH_SM90_BWD, see flash_sm90.backward_mode):
-    # at D = 128 the whole backward in one launch where flash_sm90.fused_backward_wins ("fused": wherever it can);
+    # at D = 128 the whole backward in one launch where flash_sm90.fused_backward_wins ("fused": wherever it can;
+    # not under torch.use_deterministic_algorithms, since its dQ sums the key blocks in the order they finish);
     # else dQ and delta in the Gluon kernel, and dK/dV too (for the pairs of flash_sm90.BWD_CONFIGS) when its
     # programs (128 keys each) fill about a wave of the SMs (`_hopper_dkdv`), else the Triton kernel, which can split
     # a KV group's heads over programs ("force": the Gluon kernel regardless).
@@ -885,7 +886,8 @@ def _backward(q, k, v, out, lse, do, scale: float | None, causal: bool, dlse=Non
     pair = (d_qk, v.shape[3])
     programs = cdiv(s_kv, flash_sm90.PROGRAM_ROWS) * h_kv * b if sm90 else 0
     if sm90 and pair in flash_sm90.FUSED_PAIRS and (mode == "fused" or mode == "1" and flash_sm90.fused_backward_wins(
-            *pair, causal, s_kv, h_q // h_kv, programs, num_sms(q.device))):
+            *pair, causal, s_kv, h_q // h_kv, programs, num_sms(q.device))
+            and not torch.are_deterministic_algorithms_enabled()):
         with device_guard(q):
             flash_sm90.backward_fused(q, k, v, out, lse, do, dlse, dq, dk, dv, sm_scale, causal)
         return dq, dk, dv

@@ -1806,7 +1806,9 @@ def fused_backward_wins(d: int, d_v: int, causal: bool, s_kv: int, group: int, p
 def backward_fused(q, k, v, out, lse, do, dlse, dq, dk, dv, sm_scale: float, causal: bool):
     """The whole backward in one Gluon launch (plus a Triton pre-pass and dQ's cast): dq, dk, dv any strides and
     dtypes (dK and dV go through contiguous buffers in q's dtype where TMA cannot write them). q, k, v, do as
-    `supports_backward` accepted them with (D_qk, D_v) in FUSED_PAIRS; lse and dlse (or None) (B, H_q, S_q) fp32."""
+    `supports_backward` accepted them with (D_qk, D_v) in FUSED_PAIRS; lse and dlse (or None) (B, H_q, S_q) fp32.
+    dQ's fp32 sum over the key blocks is taken in the order their programs finish, so its last bits may differ
+    from call to call (dK and dV do not); it takes an fp32 buffer of dQ's shape for the call."""
     direct = [x.dtype == q.dtype and _checks.tma_readable(x) for x in (dk, dv)]
     if not all(direct):
         staged = [x if ok else torch.empty(x.shape, device=x.device, dtype=q.dtype) for x, ok in zip((dk, dv), direct)]

@@ -760,7 +760,7 @@ def test_sm90_backward_dispatch(monkeypatch):
     """Which kernels `_backward` launches per pair of head dims on an sm_90 GPU (faked, with the launchers replaced
     by recorders, so that it runs anywhere): the Hopper dQ and dK/dV kernels at D = 64 and 128 and MLA's 96/64 and
     192/128, and the Triton kernels for any other pair; ZOO_FLASH_SM90_BWD=0 keeps every pair on the Triton
-    kernels."""
+    kernels; at D = 128 the one-launch backward where its rule says so, or with "fused"."""
     from attention_kernels import flash, flash_sm90
 
     monkeypatch.setattr(flash_sm90, "on_hopper", lambda t: True)
@@ -789,6 +789,17 @@ def test_sm90_backward_dispatch(monkeypatch):
     assert launched(128, 128, "fused") == ["backward_fused"]
     assert launched(64, 64, "fused") == launched(192, 128, "fused") == ["backward_dq", "backward_dkdv"]
     assert launched(128, 128, "force") == ["backward_dq", "backward_dkdv"]
+    # Where the rule picks the one launch, torch.use_deterministic_algorithms keeps the two (the one launch adds dQ
+    # in the order its programs finish); an explicit "fused" still runs it.
+    monkeypatch.setattr(flash_sm90, "fused_backward_wins", lambda *args: True)
+    assert launched(128, 128) == ["backward_fused"]
+    deterministic = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert launched(128, 128) == ["backward_dq", "backward_dkdv"]
+        assert launched(128, 128, "fused") == ["backward_fused"]
+    finally:
+        torch.use_deterministic_algorithms(deterministic)
 
 
 def test_sm90_fused_backward_rule():
