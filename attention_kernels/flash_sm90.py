@@ -119,8 +119,8 @@ K/V no longer ran side by side); the two-compare mask (3% slower); dK/dV with 32
 322-366 TFLOP/s) and without the step pipelining (140-300 bytes of spills, 0-3% slower); dQ inside the dK/dV
 kernel (dS^T of both warpgroups through shared memory, dQ = dS K per step added into fp32 with global atomics,
 FlashAttention-2/3's single backward launch): correct, but 0.76-0.88x of the two launches, because pushing 32 KB of
-dQ per step from the consumers costs 30% (without that write it ran 1.08-1.24x; FlashAttention-3 uses TMA bulk
-reductions from shared memory, which Gluon does not expose on Hopper in Triton 3.6). In the forward (session 16):
+dQ per step from the consumers costs 30% (without that write it ran 1.08-1.24x; session 11, on the kernels of the
+time; session 40's one launch, above, adds dQ by TMA reduce from a writer warp instead). In the forward (session 16):
 the row sums of P on the tensor cores (a second wgmma against a block of ones; 1-14% slower), pipelining across
 tiles (the next tile's first scores beside this tile's last P V; +1-5% at D=64 causal, -2% to +4%
 elsewhere, more spills at D=128), three consumer warpgroups at D=64 (3-19% slower); session 30: one or two of every
