@@ -150,6 +150,7 @@ import triton.language as tl
 from triton._C.libtriton import ir
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared,
     mbarrier,
@@ -1141,16 +1142,10 @@ def backward_dkdv(q, k, v, do, lse2, delta, dk, dv, sm_scale: float, causal: boo
     b, h_q, s_q, d = q.shape
     h_kv, s_kv, d_v = k.shape[1], k.shape[2], v.shape[3]
     block_m, stages, persistent = config or dkdv_config(d, d_v, causal, h_q // h_kv)
-    if not persistent:  # dK and dV by TMA, in q's dtype: each through a contiguous buffer where it cannot go so
-        direct = [x.dtype == q.dtype and _checks.tma_readable(x) for x in (dk, dv)]
-        if not all(direct):
-            staged = [x if ok else torch.empty(x.shape, device=x.device, dtype=q.dtype)
-                      for x, ok in zip((dk, dv), direct)]
-            backward_dkdv(q, k, v, do, lse2, delta, *staged, sm_scale, causal, config)
-            for x, y, ok in zip((dk, dv), staged, direct):
-                if not ok:
-                    x.copy_(y)
-            return
+    # dK and dV by TMA, in q's dtype: each through a contiguous buffer where it cannot go so.
+    if not persistent and _staged(lambda dk_, dv_: backward_dkdv(q, k, v, do, lse2, delta, dk_, dv_, sm_scale,
+                                                                  causal, config), q.dtype, dk, dv):
+        return
     rows = padded_rows(s_q)
     assert lse2.shape == delta.shape == (b, h_q, rows) and lse2.is_contiguous() and delta.is_contiguous()
     n_kb = cdiv(s_kv, PROGRAM_ROWS)
@@ -1171,6 +1166,21 @@ def backward_dkdv(q, k, v, do, lse2, delta, dk, dv, sm_scale: float, causal: boo
         GROUP_SIZE=h_q // h_kv, CAUSAL=causal, BLOCK_M=block_m, D=d_main, DR=d_rope, DV=d_v,
         STAGES=stages, PERSISTENT=persistent, num_warps=4,
     )
+
+
+def _staged(launch, dtype: torch.dtype, dk: torch.Tensor, dv: torch.Tensor) -> bool:
+    """For the kernels that write dK and dV by TMA in `dtype`: where TMA cannot write dk or dv (its strides, or
+    another dtype), run launch(dk', dv') into contiguous buffers in `dtype` for those, copy them back, and return
+    True; False (nothing run) where both can be written directly."""
+    direct = [x.dtype == dtype and _checks.tma_readable(x) for x in (dk, dv)]
+    if all(direct):
+        return False
+    staged = [x if ok else torch.empty(x.shape, device=x.device, dtype=dtype) for x, ok in zip((dk, dv), direct)]
+    launch(*staged)
+    for x, y, ok in zip((dk, dv), staged, direct):
+        if not ok:
+            x.copy_(y)
+    return True
 
 
 def _qk_descriptors(t: torch.Tensor, rows: int) -> tuple[TensorDescriptor, TensorDescriptor | None]:
@@ -1552,11 +1562,11 @@ def backward_dq(q, k, v, out, do, lse, dlse, delta, dq, sm_scale: float, causal:
 # --------------------------------------------------------------------------------------------------------------
 
 
-@tma.builtin
+@builtin
 def _async_reduce_add(tensor_desc, coord, src, _semantic=None):
     """TMA bulk reduce-add of a shared-memory tile into global memory (`cp.reduce.async.bulk.tensor...add`),
-    completed like a TMA store (`tma.store_wait`). Gluon 3.6 wraps the op only for Blackwell; its op builder has
-    it for Hopper too, which this reaches (FlashAttention-3 adds dQ the same way)."""
+    completed like a TMA store (`tma.store_wait`). Gluon 3.6's `tma` modules (Hopper's and Blackwell's) do not wrap
+    the op; its op builder has it, which this reaches (FlashAttention-3 adds dQ the same way)."""
     coord = _semantic._convert_to_ir_values(coord, require_i64=False)
     _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord, src.handle)
 
@@ -1809,13 +1819,8 @@ def backward_fused(q, k, v, out, lse, do, dlse, dq, dk, dv, sm_scale: float, cau
     `supports_backward` accepted them with (D_qk, D_v) in FUSED_PAIRS; lse and dlse (or None) (B, H_q, S_q) fp32.
     dQ's fp32 sum over the key blocks is taken in the order their programs finish, so its last bits may differ
     from call to call (dK and dV do not); it takes an fp32 buffer of dQ's shape for the call."""
-    direct = [x.dtype == q.dtype and _checks.tma_readable(x) for x in (dk, dv)]
-    if not all(direct):
-        staged = [x if ok else torch.empty(x.shape, device=x.device, dtype=q.dtype) for x, ok in zip((dk, dv), direct)]
-        backward_fused(q, k, v, out, lse, do, dlse, dq, *staged, sm_scale, causal)
-        for x, y, ok in zip((dk, dv), staged, direct):
-            if not ok:
-                x.copy_(y)
+    if _staged(lambda dk_, dv_: backward_fused(q, k, v, out, lse, do, dlse, dq, dk_, dv_, sm_scale, causal), q.dtype,
+               dk, dv):
         return
     b, h_q, s_q, d = q.shape
     h_kv, s_kv = k.shape[1], k.shape[2]

@@ -887,6 +887,32 @@ def test_forward_into_strided_out(d, causal):
         assert out_base[..., d:].isnan().all() and lse_base[..., s:].isnan().all()
 
 
+def test_sm90_staged_grads():
+    """flash_sm90._staged, the host step of the kernels that write dK and dV by TMA (the one-tile dK/dV launch and
+    the one-launch backward): a dk whose rows TMA cannot write (stride D + 1) goes through a contiguous buffer that
+    is copied back, a dv of another dtype through one in the launch's dtype, a writable one is passed as it is; with
+    both writable nothing is run."""
+    from attention_kernels.flash_sm90 import _staged
+
+    dk = torch.zeros(1, 2, 8, 65)[..., :64]
+    dv = torch.zeros(1, 2, 8, 64, dtype=torch.float16)
+    seen = []
+
+    def launch(dk_, dv_):
+        seen.append((dk_, dv_))
+        dk_.fill_(1.0)
+        dv_.fill_(2.0)
+
+    assert _staged(launch, torch.float16, dk, dv)
+    (dk_, dv_), = seen
+    assert dk_ is not dk and dk_.is_contiguous() and dk_.dtype == torch.float16 and dv_ is dv
+    assert (dk == 1.0).all() and (dv == 2.0).all()
+    dv32 = torch.zeros(1, 2, 8, 64)
+    assert _staged(launch, torch.float16, dv, dv32) and seen[-1][0] is dv and seen[-1][1].dtype == torch.float16
+    assert (dv32 == 2.0).all()
+    assert not _staged(launch, torch.float16, dv, dv.clone()) and len(seen) == 2
+
+
 @pytest.mark.parametrize("d,d_v", [(128, 128), (192, 128), (64, 64)], ids=["D128", "D192x128", "D64"])
 def test_backward_into_strided_grads(d, d_v, monkeypatch):
     """dq and dk preallocated as views whose row strides TMA cannot write (D + 1 elements), dv contiguous: the Hopper
