@@ -1695,15 +1695,16 @@ def _fused_writer(dq_desc, dq_smem, dq_ready, dq_free, batch, kv_head, m_start, 
                   CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr):
     """One warp: each step's two dQ tiles (64 rows x D/2 columns, one per consumer) added into the fp32 dQ by TMA
     reduce, which clips the rows past S_q. A buffer is released once its reduce has read it, checked one step
-    later so that the reduces overlap: each tile goes as two messages of 32 fp32 columns (the 128-byte swizzle),
-    each its own bulk group, so four groups per step."""
+    later so that the reduces overlap. Each tile's reduce is one bulk group (two messages of 32 fp32 columns, the
+    128-byte swizzle, committed together), so a step is two groups: once step u's are issued, at most two pending
+    means step u - 1's have read their buffers, which the consumers fill again at step u + 1."""
     for u in range(GROUP_SIZE * (n_m - m_start)):
         head, m = _fused_step(u, kv_head, m_start, n_m, GROUP_SIZE, CAUSAL)
         for wg in gl.static_range(2):
             qb = wg * 2 + u % 2
             mbarrier.wait(dq_ready.index(qb), (u // 2) & 1)
             _async_reduce_add(dq_desc, [batch, head, m * BLOCK_M, wg * (D // 2)], dq_smem.index(qb))
-        tma.store_wait(2 * ((D // 2) // 32))  # step u - 1's reduces have read their buffers
+        tma.store_wait(CONSUMERS)  # step u - 1's reduces have read their buffers
         for wg in gl.static_range(2):
             mbarrier.arrive(dq_free.index(wg * 2 + (u + 1) % 2), count=1, pred=u >= 1)
     tma.store_wait(0)

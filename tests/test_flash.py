@@ -8,6 +8,7 @@ the GPU (fp16/bf16): the same tests, the dtypes each machine computes right (con
 
 import itertools
 import math
+import re
 
 import pytest
 import torch
@@ -653,7 +654,12 @@ def test_sm90_fused_backward_structure(causal, group):
     assert {"24", "240"} <= setmaxnreg_counts(ptx), f"warp roles' register counts {sorted(setmaxnreg_counts(ptx))}"
     assert ptx.count("wgmma.mma_async") == 2 * (8 + 8 + 8 + 4 + 4 + 8), "the products' wgmma count"
     assert ptx.count("cp.reduce.async.bulk.tensor.4d.global.shared::cta.add") == 4, "dQ's TMA reduce-adds"
-    assert "cp.async.bulk.wait_group.read" in ptx, "no wait for the reduces' reads before a buffer is reused"
+    # Each reduce call is one bulk group (its two messages committed together): two groups a step, so the writer
+    # waits down to two pending (this step's) before it releases the previous step's buffers. Session 40's kernel
+    # waited down to four, which let a buffer go back to its consumer before its reduce had surely read it.
+    assert ptx.count("cp.async.bulk.commit_group") == 2 + 2 * 2, "one bulk group per reduce call (and dK, dV's)"
+    waits = set(re.findall(r"cp\.async\.bulk\.wait_group\.read\s+(\d+);", ptx))
+    assert waits == {"0", "2"}, f"bulk waits down to {sorted(waits)} pending: the reduces' reads need 2 (and 0)"
     assert ptx.count("cp.async.bulk.tensor.4d.global.shared") == 4, "dK and dV's TMA stores"
     assert result["shared"] <= 232448, f"{result['shared']} bytes of shared memory"
     assert "serialized" not in result["ptxas"], result["ptxas"]
