@@ -97,7 +97,10 @@ adds into the same dQ tiles at the same time, in L2. Against head by head with q
 three rounds): +2.7-7.8% at 1024-4096 keys with groups of 4 and for MHA at 4096, -0.8% to -2.6% at 8192-16384 keys,
 with groups of 8 and for MHA at 1024. Full attention keeps the plain order, in which its programs already move
 together. Tried and not kept: dQ one step later (after the next step's products, three dS^T buffers), slower on all
-14 shapes (0.85-1.06x the two launches against 0.88-1.14x), with 164-304 bytes of spills.
+14 shapes (0.85-1.06x the two launches against 0.88-1.14x), with 164-304 bytes of spills; session 41: the cast inside
+the kernel (each dQ tile's last program, counted by an atomic once its reduces had completed, brought the fp32 tile
+back by TMA and wrote dq), 0.81-0.99x of this kernel on 12 shapes: waiting for the reduces' writes rather than
+their reads before releasing a buffer stalls the consumers while a KV group's programs all add into the same tiles.
 Sessions 11-13 had tried one launch on the older kernels with atomics from the consumers (0.76-0.88x) and with TMA
 reduces the consumers issued themselves (0.74-1.01x).
 
