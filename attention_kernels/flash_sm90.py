@@ -100,7 +100,8 @@ together. Tried and not kept: dQ one step later (after the next step's products,
 14 shapes (0.85-1.06x the two launches against 0.88-1.14x), with 164-304 bytes of spills; session 41: the cast inside
 the kernel (each dQ tile's last program, counted by an atomic once its reduces had completed, brought the fp32 tile
 back by TMA and wrote dq), 0.81-0.99x of this kernel on 12 shapes: waiting for the reduces' writes rather than
-their reads before releasing a buffer stalls the consumers while a KV group's programs all add into the same tiles.
+their reads before releasing a buffer stalls the consumers while a KV group's programs all add into the same tiles;
+MHA's second consumer skipping its fully masked last step (as the two launches' `_dkdv_lead` does): 0.995-1.002x.
 Sessions 11-13 had tried one launch on the older kernels with atomics from the consumers (0.76-0.88x) and with TMA
 reduces the consumers issued themselves (0.74-1.01x).
 
@@ -1624,7 +1625,7 @@ def _fused_dq(u, ds_smem, k_half, dq_smem, ds_ready, dq_ready, dq_free, sm_scale
 
 @gluon.jit
 def _fused_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_ready, q_ready,
-                    do_ready, qdo_free, ds_ready, dq_ready, dq_free, dk_desc, dv_desc, batch, kv_head, start_n,
+                    do_ready, qdo_free, ds_ready, dq_ready, dq_free, k_read, dk_desc, dv_desc, batch, kv_head, start_n,
                     m_start, n_m, M, N, sm_scale, qk_scale, WG: gl.constexpr, GROUP_SIZE: gl.constexpr,
                     CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
     """One warpgroup: `_bwd_tile`'s dK and dV of key rows [start_n + WG*64, +64) (one tile per program, D = DV, no
@@ -1684,7 +1685,11 @@ def _fused_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_sm
         # read. So two buffers suffice.
         _fused_dq(t, ds_smem, k_half, dq_smem, ds_ready, dq_ready, dq_free, sm_scale, WG, BLOCK_M, D)
     st = warpgroup_mma_wait(num_outstanding=0, deps=[st])
-    # dK and dV out through this warpgroup's K and V rows (no longer read), by TMA, as `_bwd_tile` does.
+    # dK and dV out through this warpgroup's K and V rows, by TMA, as `_bwd_tile` does. The other warpgroup's dQ
+    # products read these K rows too (every key, its columns), up to its last step: each warpgroup has waited for
+    # its own last dQ product, and both say so (k_read) before either overwrites its rows.
+    mbarrier.arrive(k_read.index(0), count=1)
+    mbarrier.wait(k_read.index(0), 0)
     k_wg.store((dk * sm_scale).to(dtype))
     v_wg.store(dv.to(dtype))
     fence_async_shared()
@@ -1741,7 +1746,9 @@ def _flash_bwd_fused_sm90_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delt
     ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     dq_ready = gl.allocate_shared_memory(gl.int64, [2 * CONSUMERS, 1], mbarrier.MBarrierLayout())
     dq_free = gl.allocate_shared_memory(gl.int64, [2 * CONSUMERS, 1], mbarrier.MBarrierLayout())
+    k_read = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
     mbarrier.init(kv_ready.index(0), count=1)
+    mbarrier.init(k_read.index(0), count=CONSUMERS)
     for i in gl.static_range(STAGES):
         mbarrier.init(q_ready.index(i), count=1)
         mbarrier.init(do_ready.index(i), count=1)
@@ -1754,13 +1761,13 @@ def _flash_bwd_fused_sm90_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delt
     fence_async_shared()
     gl.warp_specialize([
         (_fused_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_ready, q_ready,
-                           do_ready, qdo_free, ds_ready, dq_ready, dq_free, dk_desc, dv_desc, batch, kv_head, start_n,
-                           m_start, n_m, M, N, sm_scale, qk_scale, gl.constexpr(0), GROUP_SIZE, CAUSAL, BLOCK_M, D,
-                           STAGES)),
+                           do_ready, qdo_free, ds_ready, dq_ready, dq_free, k_read, dk_desc, dv_desc, batch, kv_head,
+                           start_n, m_start, n_m, M, N, sm_scale, qk_scale, gl.constexpr(0), GROUP_SIZE, CAUSAL,
+                           BLOCK_M, D, STAGES)),
         (_fused_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_ready, q_ready,
-                           do_ready, qdo_free, ds_ready, dq_ready, dq_free, dk_desc, dv_desc, batch, kv_head, start_n,
-                           m_start, n_m, M, N, sm_scale, qk_scale, gl.constexpr(1), GROUP_SIZE, CAUSAL, BLOCK_M, D,
-                           STAGES)),
+                           do_ready, qdo_free, ds_ready, dq_ready, dq_free, k_read, dk_desc, dv_desc, batch, kv_head,
+                           start_n, m_start, n_m, M, N, sm_scale, qk_scale, gl.constexpr(1), GROUP_SIZE, CAUSAL,
+                           BLOCK_M, D, STAGES)),
         (_fused_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
                          lse_smem, delta_smem, kv_ready, q_ready, do_ready, qdo_free, batch, kv_head, start_n,
                          m_start, n_m, H_KV * GROUP_SIZE, M_PAD, GROUP_SIZE, CAUSAL, BLOCK_M, STAGES)),
