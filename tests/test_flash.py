@@ -660,6 +660,11 @@ def test_sm90_fused_backward_structure(causal, group):
     assert ptx.count("cp.async.bulk.commit_group") == 2 + 2 * 2, "one bulk group per reduce call (and dK, dV's)"
     waits = set(re.findall(r"cp\.async\.bulk\.wait_group\.read\s+(\d+);", ptx))
     assert waits == {"0", "2"}, f"bulk waits down to {sorted(waits)} pending: the reduces' reads need 2 (and 0)"
+    # The barriers: K/V, Q and dO and their release (2 stages each), dS^T halves (2), dQ staging ready and free (4
+    # each), and k_read, on which the two consumers meet before writing dK over K rows the other's dQ reads. With
+    # two arrivals: qdo_free, ds_ready and k_read.
+    inits = re.findall(r"mbarrier\.init\.shared::cta\.b64 \[[^]]+\], (\d+);", ptx)
+    assert sorted(inits) == sorted(["1"] * 13 + ["2"] * 5), f"mbarrier arrival counts {sorted(inits)}"
     assert ptx.count("cp.async.bulk.tensor.4d.global.shared") == 4, "dK and dV's TMA stores"
     assert result["shared"] <= 232448, f"{result['shared']} bytes of shared memory"
     assert "serialized" not in result["ptxas"], result["ptxas"]
