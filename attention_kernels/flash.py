@@ -17,8 +17,9 @@ Structure (FlashAttention-2, Dao 2023; Triton's fused-attention tutorial):
   they take the forward from 315-501 to 417-607 TFLOP/s at D = 128 (at D = 64, where they run, from 361-461 to
   416-464) and the backward from 242-408 to 319-487 at D = 128 and from 236-376 to 226-436 at D = 64, where the
   lowest, B16 S1024 causal, varies by 30% from call to call (benchmarks/RESULTS.md, session 19's final grid). At
-  D = 128 the Hopper backward runs in one launch where that measured faster (flash_sm90.fused_backward_wins: dQ
-  added into fp32 by TMA reduce from the dK/dV program; 1.02-1.09x the two launches, session 40).
+  D = 128 and 64 the Hopper backward runs in one launch where that measured faster (flash_sm90.fused_backward_wins:
+  dQ added into fp32 by TMA reduce from the dK/dV program; 1.01-1.16x the two launches at D = 128, session 40;
+  1.00-1.08x at D = 64, session 42).
   Everything below describes the portable kernels, which run everywhere else.
 - forward: one program per (query block, query head, batch) streams K/V blocks with an online softmax in the
   log2 domain (exp2 with log2(e) folded into the scale). The KV loop is split in two: blocks every query of the
@@ -876,7 +877,7 @@ def _backward(q, k, v, out, lse, do, scale: float | None, causal: bool, dlse=Non
     if s_q == 0 or b == 0 or h_q == 0:
         return dq, dk.zero_(), dv.zero_()
     # Hopper, fp16/bf16, D = 64 or 128 or MLA's 96/64 and 192/128 (ZOO_FLASH_SM90_BWD, see flash_sm90.backward_mode):
-    # at D = 128 the whole backward in one launch where flash_sm90.fused_backward_wins ("fused": wherever it can;
+    # at D = 128 and 64 the whole backward in one launch where flash_sm90.fused_backward_wins ("fused": wherever it can;
     # not under torch.use_deterministic_algorithms, since its dQ sums the key blocks in the order they finish);
     # else dQ and delta in the Gluon kernel, and dK/dV too (for the pairs of flash_sm90.BWD_CONFIGS) when its
     # programs (128 keys each) fill about a wave of the SMs (`_hopper_dkdv`), else the Triton kernel, which can split

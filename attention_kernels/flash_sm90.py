@@ -55,8 +55,8 @@ Forward (`forward`):
 - launch order (forward tiles and both backward grids): schedule.py, causal blocks heaviest first in
   buckets that keep a KV group's programs together.
 
-Backward, two launches with the same roles (a loader warp, two consumer warpgroups of 64 rows), or at D=128 one
-(`backward_fused`, below, where `fused_backward_wins`):
+Backward, two launches with the same roles (a loader warp, two consumer warpgroups of 64 rows), or at D=128 and 64
+one (`backward_fused`, below, where `fused_backward_wins`):
 - `backward_dq`: per 128 query rows, delta = rowsum(dO * Out) - dlse and the lse in log2 units first (for the
   dK/dV kernel, into buffers padded to whole programs of rows), then per key block S = Q K^T and dP = dO V^T
   issued together, dS = P (dP - delta), dQ += dS K. At D=64 the programs are persistent (tiles from a global
@@ -84,17 +84,20 @@ Backward, two launches with the same roles (a loader warp, two consumer warpgrou
   S1024 causal 274 vs 207 and 177, B4 H16 S4096 causal 404 vs 326 and 291, full 452 vs 370 and 355; 192/128 B16
   H16 S1024 causal 280 vs 217 and 162, B4 H16 S4096 causal 413 vs 309 and 252.
 
-Backward in one launch (`backward_fused`, D=128; session 40, FlashAttention-3's backward): the one-tile dK/dV program
-also takes dQ. Each step, each consumer stores its dS^T (64 keys x 64 queries, bf16) into a shared buffer of the
-tile's 128 keys, and once both halves are in, computes dQ = dS K for the step's 64 query rows and its own 64 of the 128
-columns (A = the buffer read transposed, B = a column half of K), scales it and stages it in shared memory; a writer
-warp adds the two tiles into an fp32 dQ by TMA reduce-add (`_async_reduce_add`) and releases each buffer once the
-reduce has read it. Five products per step instead of the two launches' seven, and no recomputed P. A Triton pre-pass
-writes delta and lse2 and zeroes the fp32 dQ, which a final cast copies into dq: 0.24 ms per 2^19 query rows of 128
-columns together on an H200, so short causal launches keep the two launches. Causal programs walk their query
-blocks from the last down, the group's heads inside each (`_fused_step`): every program of a (batch, KV head) then
-adds into the same dQ tiles at the same time, in L2. Against head by head with query blocks in order (one run,
-three rounds): +2.7-7.8% at 1024-4096 keys with groups of 4 and for MHA at 4096, -0.8% to -2.6% at 8192-16384 keys,
+Backward in one launch (`backward_fused`, D=128 and 64; session 40, FlashAttention-3's backward): the one-tile dK/dV
+program also takes dQ. Each step, each consumer stores its dS^T (64 keys x the step's queries, bf16) into a shared
+buffer of the tile's 128 keys, and once both halves are in, computes its 64 x 64 share of dQ = dS K (A = the buffer
+read transposed, B = K): at D=128 (64-query steps) the step's rows and its own 64 of the 128 columns, at D=64
+(128-query steps) its own 64 of the step's rows and every column. It scales the share and stages it in shared memory;
+a writer warp adds the two tiles into an fp32 dQ by TMA reduce-add (`_async_reduce_add`) and releases each buffer
+once the reduce has read it. At D=64, 64-query steps measured 0.83-0.97x the two launches (session 40), 128-query
+steps with dQ split by columns (128 x 32 each) 0.89-1.05x, and split by rows 1.03-1.05x faster than that (session
+42; 224 KB of shared memory). Five products per step instead of the two launches' seven, and no recomputed P. A
+Triton pre-pass writes delta and lse2 and zeroes the fp32 dQ, which a final cast copies into dq: 0.24 ms per 2^19
+query rows of 128 columns together on an H200, so short causal launches keep the two launches. Causal programs walk
+their query blocks from the last down, the group's heads inside each (`_fused_step`): every program of a (batch, KV
+head) then adds into the same dQ tiles at the same time, in L2. Against head by head with query blocks in order (one
+run, three rounds): +2.7-7.8% at 1024-4096 keys with groups of 4 and for MHA at 4096, -0.8% to -2.6% at 8192-16384 keys,
 with groups of 8 and for MHA at 1024. Full attention keeps the plain order, in which its programs already move
 together. Tried and not kept: dQ one step later (after the next step's products, three dS^T buffers), slower on all
 14 shapes (0.85-1.06x the two launches against 0.88-1.14x), with 164-304 bytes of spills; session 41: the cast inside
@@ -1604,21 +1607,31 @@ def _fused_loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem,
 
 
 @gluon.jit
-def _fused_dq(u, ds_smem, k_half, dq_smem, ds_ready, dq_ready, dq_free, sm_scale, WG: gl.constexpr,
+def _fused_dq(u, ds_smem, k_tile, dq_smem, ds_ready, dq_ready, dq_free, sm_scale, WG: gl.constexpr,
               BLOCK_M: gl.constexpr, D: gl.constexpr):
-    """Consumer WG, step u: dQ of the step's query rows for this warpgroup's D/2 columns, dS K over the tile's 128
-    keys (dS^T of both warpgroups from shared memory, the wgmma's A read transposed), scaled, into this
-    warpgroup's staging buffer (two, alternating) for the writer warp."""
+    """Consumer WG, step u: its share of the step's dQ = dS K over the tile's 128 keys (dS^T of both warpgroups
+    from shared memory, the wgmma's A read transposed), scaled, into this warpgroup's staging buffer (two,
+    alternating) for the writer warp. The share is a 64 x 64 product (`_dq_share`): with 64-query steps (D = 128)
+    every query row and this warpgroup's D/2 columns, with 128-query steps (D = 64) this warpgroup's 64 query rows
+    and every column."""
+    SPLIT_ROWS: gl.constexpr = BLOCK_M > ROWS
+    DQ_M: gl.constexpr = BLOCK_M // CONSUMERS if SPLIT_ROWS else BLOCK_M
+    DQ_N: gl.constexpr = D if SPLIT_ROWS else D // 2
     dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, D // 2, 16])
+                                                        instr_shape=[16, DQ_N, 16])
     b = u % 2
     mbarrier.wait(ds_ready.index(b), (u // 2) & 1)  # the other warpgroup's half of dS^T is in too
     qb = WG * 2 + b
     mbarrier.wait(dq_free.index(qb), ((u // 2) & 1) ^ 1, pred=u >= 2)  # the writer's reduce has read it
-    dq = warpgroup_mma(ds_smem.index(b).permute((1, 0)), k_half, gl.zeros([BLOCK_M, D // 2], gl.float32, dq_layout),
-                       use_acc=False, is_async=True)
+    if SPLIT_ROWS:
+        ds_t = ds_smem.index(b).slice(WG * DQ_M, DQ_M, dim=1).permute((1, 0))
+        k_op = k_tile
+    else:
+        ds_t = ds_smem.index(b).permute((1, 0))
+        k_op = k_tile.slice(WG * DQ_N, DQ_N, dim=1)
+    dq = warpgroup_mma(ds_t, k_op, gl.zeros([DQ_M, DQ_N], gl.float32, dq_layout), use_acc=False, is_async=True)
     dq = warpgroup_mma_wait(num_outstanding=0, deps=[dq])  # (the next step's S^T, issued before, completes too)
-    dq_smem.index(qb).reshape([BLOCK_M, D // 2]).store(dq * sm_scale)
+    dq_smem.index(qb).reshape([DQ_M, DQ_N]).store(dq * sm_scale)
     fence_async_shared()
     mbarrier.arrive(dq_ready.index(qb), count=1)
 
@@ -1629,7 +1642,7 @@ def _fused_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_sm
                     m_start, n_m, M, N, sm_scale, qk_scale, WG: gl.constexpr, GROUP_SIZE: gl.constexpr,
                     CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
     """One warpgroup: `_bwd_tile`'s dK and dV of key rows [start_n + WG*64, +64) (one tile per program, D = DV, no
-    RoPE part, no skipped steps), and per step also `_fused_dq`: each warpgroup stores its dS^T (64 keys x 64
+    RoPE part, no skipped steps), and per step also `_fused_dq`: each warpgroup stores its dS^T (64 keys x BLOCK_M
     queries, bf16) into a shared buffer of the step's 128 keys (two, alternating) before it issues the next step's
     S^T, then takes its share of dQ."""
     st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -1643,7 +1656,6 @@ def _fused_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_sm
     k_tile = k_smem.index(0).reshape([CONSUMERS * ROWS, D])
     k_wg = k_tile.slice(WG * ROWS, ROWS)
     v_wg = v_smem.index(0).reshape([CONSUMERS * ROWS, D]).slice(WG * ROWS, ROWS)
-    k_half = k_tile.slice(WG * (D // 2), D // 2, dim=1)  # every key of the tile, this warpgroup's dQ columns
     kv0 = start_n + WG * ROWS
     kv_pos = kv0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, st_layout))
     dk = gl.zeros([ROWS, D], gl.float32, acc_layout)
@@ -1683,7 +1695,7 @@ def _fused_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_sm
         # dS^T buffer t % 2 is written again at step t + 2, after this warpgroup's dQ of step t + 1, which waits
         # for the other's half of dS^T t + 1; the other stores that after its own dQ of step t, the buffer's last
         # read. So two buffers suffice.
-        _fused_dq(t, ds_smem, k_half, dq_smem, ds_ready, dq_ready, dq_free, sm_scale, WG, BLOCK_M, D)
+        _fused_dq(t, ds_smem, k_tile, dq_smem, ds_ready, dq_ready, dq_free, sm_scale, WG, BLOCK_M, D)
     st = warpgroup_mma_wait(num_outstanding=0, deps=[st])
     # dK and dV out through this warpgroup's K and V rows, by TMA, as `_bwd_tile` does. The other warpgroup's dQ
     # products read these K rows too (every key, its columns), up to its last step: each warpgroup has waited for
@@ -1701,8 +1713,8 @@ def _fused_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_sm
 @gluon.jit
 def _fused_writer(dq_desc, dq_smem, dq_ready, dq_free, batch, kv_head, m_start, n_m, GROUP_SIZE: gl.constexpr,
                   CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr):
-    """One warp: each step's two dQ tiles (64 rows x D/2 columns, one per consumer) added into the fp32 dQ by TMA
-    reduce, which clips the rows past S_q. A buffer is released once its reduce has read it, checked one step
+    """One warp: each step's two dQ tiles (64 x 64 fp32, one per consumer: `_fused_dq`) added into the fp32 dQ by
+    TMA reduce, which clips the rows past S_q. A buffer is released once its reduce has read it, checked one step
     later so that the reduces overlap. Each tile's reduce is one bulk group (two messages of 32 fp32 columns, the
     128-byte swizzle, committed together), so a step is two groups: once step u's are issued, at most two pending
     means step u - 1's have read their buffers, which the consumers fill again at step u + 1."""
@@ -1711,7 +1723,10 @@ def _fused_writer(dq_desc, dq_smem, dq_ready, dq_free, batch, kv_head, m_start, 
         for wg in gl.static_range(2):
             qb = wg * 2 + u % 2
             mbarrier.wait(dq_ready.index(qb), (u // 2) & 1)
-            _async_reduce_add(dq_desc, [batch, head, m * BLOCK_M, wg * (D // 2)], dq_smem.index(qb))
+            if BLOCK_M > ROWS:  # `_fused_dq`'s shares: query rows
+                _async_reduce_add(dq_desc, [batch, head, m * BLOCK_M + wg * (BLOCK_M // 2), 0], dq_smem.index(qb))
+            else:  # columns
+                _async_reduce_add(dq_desc, [batch, head, m * BLOCK_M, wg * (D // 2)], dq_smem.index(qb))
         tma.store_wait(CONSUMERS)  # step u - 1's reduces have read their buffers
         for wg in gl.static_range(2):
             mbarrier.arrive(dq_free.index(wg * 2 + (u + 1) % 2), count=1, pred=u >= 1)
@@ -1722,9 +1737,9 @@ def _fused_writer(dq_desc, dq_smem, dq_ready, dq_free, batch, kv_head, m_start, 
 def _flash_bwd_fused_sm90_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_desc, dv_desc, dq_desc,
                                  M, M_PAD, N, H_KV, bucket, sm_scale, qk_scale, GROUP_SIZE: gl.constexpr,
                                  CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
-    """One program per tile of (128 key rows, KV head, batch), in `_dkdv_tile`'s order: dK and dV as the one-tile
-    dK/dV kernel, dQ added into an fp32 (B, H_q, S_q, D) buffer. Roles: two consumer warpgroups, the loader warp
-    and the dQ writer warp (setmaxnreg 240 / 24 / 24)."""
+    """One program per tile of (128 key rows, KV head, batch), in `_dkdv_tile`'s order, BLOCK_M query rows per step:
+    dK and dV as the one-tile dK/dV kernel, dQ added into an fp32 (B, H_q, S_q, D) buffer. Roles: two consumer
+    warpgroups, the loader warp and the dQ writer warp (setmaxnreg 240 / 24 / 24)."""
     n_kb = gl.cdiv(N, CONSUMERS * ROWS)
     n_m = gl.cdiv(M, BLOCK_M)
     batch, kv_head, start_n, m_start = _dkdv_tile(gl.program_id(0), n_kb, gl.num_programs(0), bucket, H_KV, M, N,
@@ -1804,30 +1819,35 @@ def _fused_prep_kernel(out_ptr, do_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr, 
              mask=ok[:, None])
 
 
-# (D_qk, D_v) pairs the one-launch backward runs.
-FUSED_PAIRS = {(128, 128)}
+# (D_qk, D_v) pairs the one-launch backward runs: query rows per step (BLOCK_M).
+FUSED_PAIRS = {(64, 64): 128, (128, 128): 64}
 
 
 def fused_backward_wins(d: int, d_v: int, causal: bool, s_kv: int, group: int, programs: int, sms: int) -> bool:
-    """Does `flash._backward` take the one-launch backward (`backward_fused`) instead of the two launches? For
-    D = 128, where its programs (128 keys of a KV head each) fill a wave of the SMs: full attention at every
-    length, causal from 4096 keys with at most 4 query heads per KV head. Measured on an H200 (session 40,
-    benchmarks/RESULTS.md; the whole backward GPU alone, one launch over two, median of three paired rounds):
-    - full attention 1.01-1.16x on all 7 shapes (B16 S1024 1.01, B8 S2048 1.03, 4096 keys 1.07-1.16, B1 S16384
-      1.08);
-    - causal at 4096-16384 keys 1.07-1.10x with groups of 4 (MHA 1.01-1.08);
-    - causal with groups of 8 (H_kv 4 of 32) 0.89-0.92x, and every causal shape at 1024-2048 keys 0.92-0.97x:
-      there the pre-pass and the final cast of dQ (0.24 ms per 2^19 query rows of 128 columns, in proportion to the
-      rows) weigh most against the causal half of the products."""
+    """Does `flash._backward` take the one-launch backward (`backward_fused`) instead of the two launches? Where its
+    programs (128 keys of a KV head each) fill a wave of the SMs: full attention at every length; causal from 4096
+    keys with at most 4 query heads per KV head at D = 128, from 16384 keys at D = 64. Measured on an H200
+    (benchmarks/RESULTS.md; the whole backward GPU alone, one launch over two, median of three paired rounds):
+    - D = 128 (session 40): full attention 1.01-1.16x on all 7 shapes (B16 S1024 1.01, B8 S2048 1.03, 4096 keys
+      1.07-1.16, B1 S16384 1.08); causal at 4096-16384 keys 1.07-1.10x with groups of 4 (MHA 1.01-1.08); causal
+      with groups of 8 (H_kv 4 of 32) 0.89-0.92x, and every causal shape at 1024-2048 keys 0.92-0.97x: there the
+      pre-pass and the final cast of dQ (0.24 ms per 2^19 query rows of 128 columns, in proportion to the rows)
+      weigh most against the causal half of the products.
+    - D = 64 (session 42, 128-query steps): full attention 1.00-1.08x on all 5 shapes (B16 S1024 1.00, 4096 keys
+      1.00-1.03, B1 S16384 1.08); causal 1.02x at B1 S16384, 0.95-0.98x at 4096 keys and 0.91x at B16 S1024, where
+      the two launches' persistent programs with three ring stages for a KV group (session 38) keep ahead."""
     if (d, d_v) not in FUSED_PAIRS or programs < sms:
         return False
-    return not causal or (s_kv >= 4096 and group <= 4)
+    if not causal:
+        return True
+    return s_kv >= 16384 if d == 64 else s_kv >= 4096 and group <= 4
 
 
 def backward_fused(q, k, v, out, lse, do, dlse, dq, dk, dv, sm_scale: float, causal: bool):
     """The whole backward in one Gluon launch (plus a Triton pre-pass and dQ's cast): dq, dk, dv any strides and
     dtypes (dK and dV go through contiguous buffers in q's dtype where TMA cannot write them). q, k, v, do as
-    `supports_backward` accepted them with (D_qk, D_v) in FUSED_PAIRS; lse and dlse (or None) (B, H_q, S_q) fp32.
+    `supports_backward` accepted them with (D_qk, D_v) in FUSED_PAIRS (its query rows per step); lse and dlse (or
+    None) (B, H_q, S_q) fp32.
     dQ's fp32 sum over the key blocks is taken in the order their programs finish, so its last bits may differ
     from call to call (dK and dV do not); it takes an fp32 buffer of dQ's shape for the call."""
     if _staged(lambda dk_, dv_: backward_fused(q, k, v, out, lse, do, dlse, dq, dk_, dv_, sm_scale, causal), q.dtype,
@@ -1835,8 +1855,7 @@ def backward_fused(q, k, v, out, lse, do, dlse, dq, dk, dv, sm_scale: float, cau
         return
     b, h_q, s_q, d = q.shape
     h_kv, s_kv = k.shape[1], k.shape[2]
-    assert (d, v.shape[3]) in FUSED_PAIRS
-    block_m, stages = ROWS_PER_CONSUMER, 2
+    block_m, stages = FUSED_PAIRS[(d, v.shape[3])], 2
     rows = padded_rows(s_q)
     delta = torch.empty((b, h_q, rows), device=q.device, dtype=torch.float32)
     lse2 = torch.empty_like(delta)
@@ -1850,7 +1869,7 @@ def backward_fused(q, k, v, out, lse, do, dlse, dq, dk, dv, sm_scale: float, cau
         _descriptor(q, block_m), _descriptor(do, block_m), _descriptor(k, PROGRAM_ROWS), _descriptor(v, PROGRAM_ROWS),
         descriptor(lse2.view(-1), [block_m]), descriptor(delta.view(-1), [block_m]),
         _descriptor(dk, ROWS_PER_CONSUMER), _descriptor(dv, ROWS_PER_CONSUMER),
-        descriptor(dq_acc, [1, 1, ROWS_PER_CONSUMER, d // 2]),
+        descriptor(dq_acc, [1, 1, block_m // 2, d] if block_m > ROWS_PER_CONSUMER else [1, 1, block_m, d // 2]),
         s_q, rows, s_kv, h_kv, bucket_size(n_kb, h_q // h_kv, causal), sm_scale, sm_scale * LOG2E,
         GROUP_SIZE=h_q // h_kv, CAUSAL=causal, BLOCK_M=block_m, D=d, STAGES=stages, num_warps=4,
     )

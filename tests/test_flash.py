@@ -518,13 +518,15 @@ def _compile_sm90(d, causal, which, d_v=None, group=4):
             else:
                 const.update(dkr_desc=None)
         kernel = "_flash_bwd_dkdv_sm90_kernel"
-    if which == "fused":  # the one-launch backward (D = 128): dK/dV's tiles, dQ by TMA reduce into fp32
+    if which == "fused":  # the one-launch backward (D = 64, 128): dK/dV's tiles, dQ by TMA reduce into fp32
         rows, keys = flash_sm90.ROWS_PER_CONSUMER, flash_sm90.PROGRAM_ROWS
-        const = dict(GROUP_SIZE=group, CAUSAL=causal, BLOCK_M=rows, D=d, STAGES=2)
-        lse = dict(block=[rows], dtype="float32")
-        types = dict(q_desc=desc(rows, d), do_desc=desc(rows, d), k_desc=desc(keys, d), v_desc=desc(keys, d),
+        block_m = flash_sm90.FUSED_PAIRS[(d, d_v)]
+        const = dict(GROUP_SIZE=group, CAUSAL=causal, BLOCK_M=block_m, D=d, STAGES=2)
+        lse = dict(block=[block_m], dtype="float32")
+        dq_block = [1, 1, block_m // 2, d] if block_m > rows else [1, 1, block_m, d // 2]  # as backward_fused
+        types = dict(q_desc=desc(block_m, d), do_desc=desc(block_m, d), k_desc=desc(keys, d), v_desc=desc(keys, d),
                      lse_desc=lse, delta_desc=lse, dk_desc=desc(rows, d), dv_desc=desc(rows, d),
-                     dq_desc=dict(block=[1, 1, rows, d // 2], dtype="float32"), sm_scale="fp32", qk_scale="fp32")
+                     dq_desc=dict(block=dq_block, dtype="float32"), sm_scale="fp32", qk_scale="fp32")
         return compile_gluon_sm90("attention_kernels.flash_sm90", "_flash_bwd_fused_sm90_kernel", types, const)
     if not d_rest:
         const.update(qr_desc=None, kr_desc=None)
@@ -639,20 +641,27 @@ def test_sm90_mha_causal_dkdv_structure(d, d_v):
 
 @pytest.mark.parametrize("group", [1, 4], ids=["MHA", "group4"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-def test_sm90_fused_backward_structure(causal, group):
-    """The one-launch backward (flash_sm90._flash_bwd_fused_sm90_kernel, D = 128) compiled for sm_90 on any
-    machine: two consumer warpgroups (setmaxnreg 240) beside the loader and the dQ writer warps (24 each); per
-    consumer the dK/dV products plus dQ = dS K over the tile's 128 keys and its 64 columns (S^T before the loop and
-    in it, dP^T, dV, dK, dQ: 8 + 8 + 8 + 4 + 4 + 8 wgmma of k = 16); dQ added into fp32 by TMA reduce, four
-    messages a step (two consumers, 32 columns each of their 64), whose reads are waited for before a staging buffer
-    is reused; dK and dV by TMA store; within the 227 KB of shared memory (225.5 KB: Q, dO and their lse/delta in
-    two stages, K, V, two dS^T buffers, four dQ buffers); wgmma not serialized. ptxas spills 60-80 bytes: a few
-    loop-invariant values of the first consumer, whose loop loads 5-11 of them per step (session 40's
-    disassembly; 168 bytes and 17-32 per step while the causal mask compared against column indices)."""
-    result = _compile_sm90(128, causal, "fused", group=group)
+@pytest.mark.parametrize("d", [64, 128], ids=["D64", "D128"])
+def test_sm90_fused_backward_structure(d, causal, group):
+    """The one-launch backward (flash_sm90._flash_bwd_fused_sm90_kernel, D = 128 with 64-query steps, D = 64 with
+    128) compiled for sm_90 on any machine: two consumer warpgroups (setmaxnreg 240) beside the loader and the dQ
+    writer warps (24 each); per consumer the dK/dV products plus its 64 x 64 share of dQ = dS K over the tile's 128
+    keys (S^T before the loop and in it and dP^T over d columns, dV and dK over the step's queries, dQ over 128
+    keys: wgmma of k = 16); dQ added into fp32 by TMA reduce, four messages a step (two consumers, 32 columns each of
+    their 64), whose reads are waited for before a staging buffer is reused; dK and dV by TMA store; within the
+    227 KB of shared memory (225.5 KB at D = 128: Q, dO and their lse/delta in two stages, K, V, two dS^T buffers,
+    four dQ buffers; 226.6 KB at D = 64); wgmma not serialized. ptxas spills 60-80 bytes at D = 128 and 88-132 at
+    D = 64: a few loop-invariant values of the first consumer, whose loop loads 5-11 of them per step at D = 128
+    (session 40's disassembly; 168 bytes and 17-32 per step while the causal mask compared against column indices)
+    and about 3 at D = 64 (session 42's)."""
+    from attention_kernels import flash_sm90
+
+    block_m = flash_sm90.FUSED_PAIRS[(d, d)]
+    result = _compile_sm90(d, causal, "fused", group=group)
     ptx = result["ptx"]
     assert {"24", "240"} <= setmaxnreg_counts(ptx), f"warp roles' register counts {sorted(setmaxnreg_counts(ptx))}"
-    assert ptx.count("wgmma.mma_async") == 2 * (8 + 8 + 8 + 4 + 4 + 8), "the products' wgmma count"
+    products = 3 * (d // 16) + 2 * (block_m // 16) + 128 // 16
+    assert ptx.count("wgmma.mma_async") == 2 * products, "the products' wgmma count"
     assert ptx.count("cp.reduce.async.bulk.tensor.4d.global.shared::cta.add") == 4, "dQ's TMA reduce-adds"
     # Each reduce call is one bulk group (its two messages committed together): two groups a step, so the writer
     # waits down to two pending (this step's) before it releases the previous step's buffers. Session 40's kernel
@@ -669,12 +678,16 @@ def test_sm90_fused_backward_structure(causal, group):
     assert result["shared"] <= 232448, f"{result['shared']} bytes of shared memory"
     assert "serialized" not in result["ptxas"], result["ptxas"]
     spills = spill_bytes(result["ptxas"])
-    assert spills and all(a <= 96 and b <= 96 for a, b in spills), result["ptxas"]
+    bound = {128: 96, 64: 136}[d]
+    assert spills and all(a <= bound and b <= bound for a, b in spills), result["ptxas"]
 
 
-FUSED_CASES = [c for c in CASES if c[5:7] == (128, 128)] + [
+FUSED_CASES = [c for c in CASES if c[5:7] in ((64, 64), (128, 128))] + [
     (1, 2, 2, 200, 230, 128, 128, True), (2, 4, 2, 333, 333, 128, 128, False), (1, 16, 2, 300, 300, 128, 128, True),
-    (3, 8, 8, 129, 129, 128, 128, True)]
+    (3, 8, 8, 129, 129, 128, 128, True),
+    # D = 64 takes 128-query steps: several of them, a partial one, the diagonal inside a step, S_q < S_kv.
+    (1, 2, 2, 200, 230, 64, 64, True), (2, 4, 2, 333, 333, 64, 64, False), (1, 16, 2, 300, 300, 64, 64, True),
+    (1, 4, 2, 300, 1000, 64, 64, True), (3, 8, 8, 129, 129, 64, 64, True)]
 
 
 @pytest.mark.parametrize("case", FUSED_CASES, ids=case_id)
@@ -796,9 +809,9 @@ def test_sm90_backward_dispatch(monkeypatch):
                                                                                               "backward_dkdv"]
     assert launched(64, 32) == launched(80, 80) == launched(192, 192) == ["_triton_dq", "_triton_dkdv"]
     assert launched(96, 64, "0") == launched(64, 64, "0") == ["_triton_dq", "_triton_dkdv"]
-    # The one-launch backward: D = 128 only; by default where `fused_backward_wins` (not for these 8 programs).
-    assert launched(128, 128, "fused") == ["backward_fused"]
-    assert launched(64, 64, "fused") == launched(192, 128, "fused") == ["backward_dq", "backward_dkdv"]
+    # The one-launch backward: D = 128 and 64; by default where `fused_backward_wins` (not for these 8 programs).
+    assert launched(128, 128, "fused") == launched(64, 64, "fused") == ["backward_fused"]
+    assert launched(192, 128, "fused") == launched(96, 64, "fused") == ["backward_dq", "backward_dkdv"]
     assert launched(128, 128, "force") == ["backward_dq", "backward_dkdv"]
     # Where the rule picks the one launch, torch.use_deterministic_algorithms keeps the two (the one launch adds dQ
     # in the order its programs finish); an explicit "fused" still runs it.
@@ -814,9 +827,10 @@ def test_sm90_backward_dispatch(monkeypatch):
 
 
 def test_sm90_fused_backward_rule():
-    """Where the one-launch backward takes over by default (flash_sm90.fused_backward_wins, session 40's H200
-    measurements): D = 128 with at least a wave of programs (128 keys of a KV head each); full attention at every
-    length; causal from 4096 keys with groups of at most 4 query heads."""
+    """Where the one-launch backward takes over by default (flash_sm90.fused_backward_wins, sessions 40 and 42's
+    H200 measurements): D = 128 and 64 with at least a wave of programs (128 keys of a KV head each); full attention
+    at every length; causal from 4096 keys with groups of at most 4 query heads at D = 128, from 16384 keys at
+    D = 64; never for MLA's pairs."""
     from attention_kernels.flash_sm90 import fused_backward_wins
 
     def wins(causal, s_kv, group, programs=512, d=128, d_v=128):
@@ -826,7 +840,11 @@ def test_sm90_fused_backward_rule():
     assert wins(True, 4096, 4) and wins(True, 16384, 4) and wins(True, 4096, 1)
     assert not wins(True, 2048, 4) and not wins(True, 4095, 1) and not wins(True, 16384, 8)
     assert not wins(False, 4096, 4, programs=131) and wins(False, 4096, 4, programs=132)
-    assert not wins(False, 4096, 4, d=64, d_v=64) and not wins(False, 4096, 4, d=192)
+    assert wins(False, 1024, 4, d=64, d_v=64) and wins(False, 4096, 8, d=64, d_v=64)
+    assert wins(True, 16384, 4, d=64, d_v=64) and wins(True, 16384, 8, d=64, d_v=64)
+    assert not wins(True, 8192, 4, d=64, d_v=64) and not wins(True, 4096, 1, d=64, d_v=64)
+    assert not wins(False, 4096, 4, programs=131, d=64, d_v=64)
+    assert not wins(False, 4096, 4, d=192) and not wins(False, 4096, 4, d=96, d_v=64)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
