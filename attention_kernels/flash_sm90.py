@@ -1834,8 +1834,9 @@ def fused_backward_wins(d: int, d_v: int, causal: bool, s_kv: int, group: int, p
       pre-pass and the final cast of dQ (0.24 ms per 2^19 query rows of 128 columns, in proportion to the rows)
       weigh most against the causal half of the products.
     - D = 64 (session 42, 128-query steps): full attention 1.00-1.08x on all 5 shapes (B16 S1024 1.00, 4096 keys
-      1.00-1.03, B1 S16384 1.08); causal 1.02x at B1 S16384, 0.95-0.98x at 4096 keys and 0.91x at B16 S1024, where
-      the two launches' persistent programs with three ring stages for a KV group (session 38) keep ahead."""
+      1.00-1.03, B1 S16384 1.08); causal at 16384 keys 1.02-1.08x (groups of 1, 4, 8), at 8192 keys 0.99-1.05x
+      (groups of 8 0.987), at 4096 keys 0.95-0.98x and 0.91x at B16 S1024, where the two launches' persistent
+      programs with three ring stages for a KV group (session 38) keep ahead."""
     if (d, d_v) not in FUSED_PAIRS or programs < sms:
         return False
     if not causal:
