@@ -581,7 +581,9 @@ BWD_CONFIGS = {
 # Ring stages of the causal dK/dV with a KV group, where they differ from BWD_CONFIGS'. At D=64 (session 38, the
 # whole backward GPU alone against two stages, the median of seven paired rounds, bitwise the same gradients), three
 # stages: H_q 32 over H_kv 8 1.025x at B16 S1024, 1.020x at B4 S4096, 1.023x at B1 S16384; over H_kv 4 1.003x. MHA
-# (B4 H32 S4096) read 0.988x, and full attention 0.98-1.00x in an earlier run, so those keep two.
+# (B4 H32 S4096) read 0.988x, and full attention 0.98-1.00x in an earlier run, so those keep two. At D=128 (session
+# 42, three rounds), three stages spill 36 bytes in the step loop: 1.022x for H_kv 4 at B4 S4096, 0.97-0.99x at
+# 1024-16384 keys elsewhere, so D=128 keeps two.
 BWD_CAUSAL_GQA_STAGES = {
     (64, 64): 3,
 }
