@@ -1567,7 +1567,7 @@ def backward_dq(q, k, v, out, do, lse, dlse, delta, dq, sm_scale: float, causal:
 
 
 # --------------------------------------------------------------------------------------------------------------
-# Backward in one launch (D = 128): dQ added into fp32 by TMA reduce from a writer warp
+# Backward in one launch (D = 128 and 64): dQ added into fp32 by TMA reduce from a writer warp
 # --------------------------------------------------------------------------------------------------------------
 
 

@@ -784,7 +784,7 @@ def test_sm90_backward_dispatch(monkeypatch):
     """Which kernels `_backward` launches per pair of head dims on an sm_90 GPU (faked, with the launchers replaced
     by recorders, so that it runs anywhere): the Hopper dQ and dK/dV kernels at D = 64 and 128 and MLA's 96/64 and
     192/128, and the Triton kernels for any other pair; ZOO_FLASH_SM90_BWD=0 keeps every pair on the Triton
-    kernels; at D = 128 the one-launch backward where its rule says so, or with "fused"."""
+    kernels; at D = 128 and 64 the one-launch backward where its rule says so, or with "fused"."""
     from attention_kernels import flash, flash_sm90
 
     monkeypatch.setattr(flash_sm90, "on_hopper", lambda t: True)
