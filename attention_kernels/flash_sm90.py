@@ -1613,7 +1613,7 @@ def _fused_dq(u, ds_smem, k_tile, dq_smem, ds_ready, dq_ready, dq_free, sm_scale
               BLOCK_M: gl.constexpr, D: gl.constexpr):
     """Consumer WG, step u: its share of the step's dQ = dS K over the tile's 128 keys (dS^T of both warpgroups
     from shared memory, the wgmma's A read transposed), scaled, into this warpgroup's staging buffer (two,
-    alternating) for the writer warp. The share is a 64 x 64 product (`_dq_share`): with 64-query steps (D = 128)
+    alternating) for the writer warp. The share is a 64 x 64 product (`fused_dq_block`): with 64-query steps (D = 128)
     every query row and this warpgroup's D/2 columns, with 128-query steps (D = 64) this warpgroup's 64 query rows
     and every column."""
     SPLIT_ROWS: gl.constexpr = BLOCK_M > ROWS
@@ -1846,6 +1846,13 @@ def fused_backward_wins(d: int, d_v: int, causal: bool, s_kv: int, group: int, p
     return s_kv >= 16384 if d == 64 else s_kv >= 4096 and group <= 4
 
 
+def fused_dq_block(d: int, block_m: int) -> list[int]:
+    """The TMA block of one consumer's dQ share in the one-launch backward (`_fused_dq`, `_fused_writer`): with
+    64-query steps every row and half the columns, with 128-query steps half the rows and every column (two
+    consumers)."""
+    return [1, 1, block_m // 2, d] if block_m > ROWS_PER_CONSUMER else [1, 1, block_m, d // 2]
+
+
 def backward_fused(q, k, v, out, lse, do, dlse, dq, dk, dv, sm_scale: float, causal: bool):
     """The whole backward in one Gluon launch (plus a Triton pre-pass and dQ's cast): dq, dk, dv any strides and
     dtypes (dK and dV go through contiguous buffers in q's dtype where TMA cannot write them). q, k, v, do as
@@ -1872,7 +1879,7 @@ def backward_fused(q, k, v, out, lse, do, dlse, dq, dk, dv, sm_scale: float, cau
         _descriptor(q, block_m), _descriptor(do, block_m), _descriptor(k, PROGRAM_ROWS), _descriptor(v, PROGRAM_ROWS),
         descriptor(lse2.view(-1), [block_m]), descriptor(delta.view(-1), [block_m]),
         _descriptor(dk, ROWS_PER_CONSUMER), _descriptor(dv, ROWS_PER_CONSUMER),
-        descriptor(dq_acc, [1, 1, block_m // 2, d] if block_m > ROWS_PER_CONSUMER else [1, 1, block_m, d // 2]),
+        descriptor(dq_acc, fused_dq_block(d, block_m)),
         s_q, rows, s_kv, h_kv, bucket_size(n_kb, h_q // h_kv, causal), sm_scale, sm_scale * LOG2E,
         GROUP_SIZE=h_q // h_kv, CAUSAL=causal, BLOCK_M=block_m, D=d, STAGES=stages, num_warps=4,
     )

@@ -523,10 +523,10 @@ def _compile_sm90(d, causal, which, d_v=None, group=4):
         block_m = flash_sm90.FUSED_PAIRS[(d, d_v)]
         const = dict(GROUP_SIZE=group, CAUSAL=causal, BLOCK_M=block_m, D=d, STAGES=2)
         lse = dict(block=[block_m], dtype="float32")
-        dq_block = [1, 1, block_m // 2, d] if block_m > rows else [1, 1, block_m, d // 2]  # as backward_fused
         types = dict(q_desc=desc(block_m, d), do_desc=desc(block_m, d), k_desc=desc(keys, d), v_desc=desc(keys, d),
                      lse_desc=lse, delta_desc=lse, dk_desc=desc(rows, d), dv_desc=desc(rows, d),
-                     dq_desc=dict(block=dq_block, dtype="float32"), sm_scale="fp32", qk_scale="fp32")
+                     dq_desc=dict(block=flash_sm90.fused_dq_block(d, block_m), dtype="float32"), sm_scale="fp32",
+                     qk_scale="fp32")
         return compile_gluon_sm90("attention_kernels.flash_sm90", "_flash_bwd_fused_sm90_kernel", types, const)
     if not d_rest:
         const.update(qr_desc=None, kr_desc=None)
