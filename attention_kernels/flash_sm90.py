@@ -1828,13 +1828,18 @@ FUSED_PAIRS = {(64, 64): 128, (128, 128): 64}
 def fused_backward_wins(d: int, d_v: int, causal: bool, s_kv: int, group: int, programs: int, sms: int) -> bool:
     """Does `flash._backward` take the one-launch backward (`backward_fused`) instead of the two launches? Where its
     programs (128 keys of a KV head each) fill a wave of the SMs: full attention at every length; causal from 4096
-    keys with at most 4 query heads per KV head at D = 128, from 16384 keys at D = 64. Measured on an H200
-    (benchmarks/RESULTS.md; the whole backward GPU alone, one launch over two, median of three paired rounds):
+    keys with at most 4 query heads per KV head at D = 128 and from 16384 keys with 8, from 16384 keys at D = 64.
+    Measured on an H200 (benchmarks/RESULTS.md; the whole backward GPU alone, one launch over two, median of three
+    paired rounds):
     - D = 128 (session 40): full attention 1.01-1.16x on all 7 shapes (B16 S1024 1.01, B8 S2048 1.03, 4096 keys
       1.07-1.16, B1 S16384 1.08); causal at 4096-16384 keys 1.07-1.10x with groups of 4 (MHA 1.01-1.08); causal
-      with groups of 8 (H_kv 4 of 32) 0.89-0.92x, and every causal shape at 1024-2048 keys 0.92-0.97x: there the
-      pre-pass and the final cast of dQ (0.24 ms per 2^19 query rows of 128 columns, in proportion to the rows)
-      weigh most against the causal half of the products.
+      with groups of 8 (H_kv 4 of 32) at 4096 keys 0.89-0.92x, and every causal shape at 1024-2048 keys 0.92-0.97x:
+      there the pre-pass and the final cast of dQ (0.24 ms per 2^19 query rows of 128 columns, in proportion to the
+      rows) weigh most against the causal half of the products. Session 43, causal with groups of 8: 0.96x at
+      4096 keys, 1.00-1.01x at 8192 (pairs 0.97-1.01), 1.06x at 16384 and 1.07x at 32768. A group of 8 fills a
+      program with 8 steps per query block, and its programs' reads and dQ adds leave L2 more (Nsight Compute at
+      B4 S4096: 6.2 GB of DRAM traffic against 5.2 with groups of 4, 2.86 ms against 2.45); from 16384 keys the
+      five products against the two launches' seven outweigh that.
     - D = 64 (session 42, 128-query steps): full attention 1.00-1.08x on all 5 shapes (B16 S1024 1.00, 4096 keys
       1.00-1.03, B1 S16384 1.08); causal at 16384 keys 1.02-1.08x (groups of 1, 4, 8), at 8192 keys 0.99-1.05x
       (groups of 8 0.987), at 4096 keys 0.95-0.98x and 0.91x at B16 S1024, where the two launches' persistent
@@ -1843,7 +1848,9 @@ def fused_backward_wins(d: int, d_v: int, causal: bool, s_kv: int, group: int, p
         return False
     if not causal:
         return True
-    return s_kv >= 16384 if d == 64 else s_kv >= 4096 and group <= 4
+    if d == 64:
+        return s_kv >= 16384
+    return s_kv >= 4096 and group <= 4 or s_kv >= 16384 and group <= 8
 
 
 def fused_dq_block(d: int, block_m: int) -> list[int]:
