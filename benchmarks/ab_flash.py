@@ -10,9 +10,10 @@ measure of a lever.
 Per shape (B, H_q, H_kv, S, D_qk, D_v, causal or full): the forward and the whole backward (`flash._forward` and
 `flash._backward`, every launch the autograd path makes) run through each version (`flash.flash_sm90` swapped for
 the old module), their outputs and gradients are compared (bitwise, else the relative L2 difference), and both are
-timed on the GPU alone (`common.bench_gpu_ms`) in alternated rounds, after two seconds of matmuls that bring the
-clocks up. Identical kernels on both sides read up to 2% apart on an H200 at 4096 keys, their single samples up to
-13% (benchmarks/RESULTS.md, session 32): quote the best and the median pair, beside a shape the change leaves alone.
+timed on the GPU alone (`common.bench_gpu_interleaved_ms`: call after call side by side) in rounds, after two
+seconds of matmuls that bring the clocks up. Identical kernels on both sides read up to 2% apart on an H200 at 4096
+keys, their single samples up to 13% (benchmarks/RESULTS.md, session 32): quote the best and the median pair, beside
+a shape the change leaves alone.
 """
 
 import argparse
@@ -26,7 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from attention_kernels import flash  # noqa: E402
 from benchmarks.bench_flash import flops  # noqa: E402
-from benchmarks.common import bench_gpu_ms, header  # noqa: E402
+from benchmarks.common import bench_gpu_interleaved_ms, header  # noqa: E402
 
 # Session 32's: causal D=128 GQA at three lengths, MHA, group 8, MLA's two training shapes, a full-attention control.
 SHAPES = [
@@ -71,12 +72,21 @@ def compare(new, old) -> str:
 
 
 def ab(fn, versions: dict, rounds: int) -> dict:
-    """GPU-alone ms of fn() under each version, alternated for `rounds` rounds."""
+    """GPU-alone ms of fn() under each version, `rounds` times: each a median over calls of the versions side by
+    side (`common.bench_gpu_interleaved_ms`)."""
+
+    def under(module):
+        def call():
+            flash.flash_sm90 = module
+            return fn()
+
+        return call
+
+    calls = [under(module) for module in versions.values()]
     times = {name: [] for name in versions}
     for _ in range(rounds):
-        for name, module in versions.items():
-            flash.flash_sm90 = module
-            times[name].append(bench_gpu_ms(fn))
+        for name, ms in zip(versions, bench_gpu_interleaved_ms(calls)):
+            times[name].append(ms)
     flash.flash_sm90 = versions["new"]
     return times
 

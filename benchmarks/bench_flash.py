@@ -12,9 +12,10 @@ paired ratios, with their range beside it: single samples of one kernel spread b
 sample of each could not tell 1.00x from 1.03x (benchmarks/RESULTS.md, sessions 32 and 36). Where the forward or the
 backward runs on the Hopper kernels (attention_kernels/flash_sm90.py), the portable Triton one is timed too
 (`fwd_triton` with ZOO_FLASH_SM90=0, `bwd_triton` with ZOO_FLASH_SM90_BWD=0), so the run shows that lever beside the
-peers. `fwd_gpu` / `bwd_gpu` and their ratios time ours and SDPA on the GPU alone too (common.bench_gpu_ms: the calls
-enqueued while the GPU sleeps), so a shape whose launch takes the host longer than the kernels take the GPU shows
-both numbers: the kernels' speed, and what a caller waits. FLOPs: 2*B*H_q*S_q*S_kv*(D_qk + D_v) for the forward
+peers. `fwd_gpu` / `bwd_gpu` and their ratios time ours and SDPA on the GPU alone too
+(common.bench_gpu_interleaved_ms: the calls enqueued while the GPU sleeps, ours and SDPA's side by side), so a shape
+whose launch takes the host longer than the kernels take the GPU shows both numbers: the kernels' speed, and what a
+caller waits. FLOPs: 2*B*H_q*S_q*S_kv*(D_qk + D_v) for the forward
 (= 4*B*H*M*N*D for equal dims), half of it when causal; the backward counts 2.5x the forward. Ceilings (copy
 bandwidth, bf16 matmul) come from the same run.
 """
@@ -30,7 +31,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from attention_kernels import flash, flash_gqa_attention  # noqa: E402
-from benchmarks.common import bench_gpu_ms, bench_ms, ceilings, env, header, print_table  # noqa: E402
+from benchmarks.common import bench_gpu_interleaved_ms, bench_ms, ceilings, env, header, print_table  # noqa: E402
 
 # (B, H_q, H_kv, S, D_qk, D_v, causal); B * S = 16k tokens per shape.
 QUICK = [
@@ -124,18 +125,24 @@ def prepare(fn, q, k, v, do):
 
 
 def paired(ref_fn, our_fn, rounds: int) -> dict:
-    """SDPA's and our call timed in alternated rounds, in events (bench_ms) and on the GPU alone (bench_gpu_ms),
-    ours with ZOO_FLASH_TMA=auto (descriptors for the backward on Hopper). Per timing, the median ms of each over
-    the rounds and the ref / ours ratio of every round's pair. Identical kernels read up to 2% apart at 4096 keys
-    and single samples up to 13% (benchmarks/RESULTS.md, session 32): a ratio from one sample of each cannot tell
-    1.00x from 1.03x; the median of paired rounds can, and the pairs' range shows how well."""
+    """SDPA's and our call timed in alternated rounds, in events (bench_ms) and on the GPU alone
+    (bench_gpu_interleaved_ms: the two calls side by side, call after call), ours with ZOO_FLASH_TMA=auto
+    (descriptors for the backward on Hopper). Per timing, the median ms of each over the rounds and the ref / ours
+    ratio of every round's pair. Identical kernels read up to 2% apart at 4096 keys and single samples up to 13%
+    (benchmarks/RESULTS.md, session 32): a ratio from one sample of each cannot tell 1.00x from 1.03x; the median of
+    paired rounds can, and the pairs' range shows how well."""
+
+    def ours():
+        with env("ZOO_FLASH_TMA", "auto"):
+            return our_fn()
+
     times = {key: [] for key in ("ref", "ours", "ref_gpu", "ours_gpu")}
     for _ in range(rounds):
         times["ref"].append(bench_ms(ref_fn))
-        times["ref_gpu"].append(bench_gpu_ms(ref_fn))
-        with env("ZOO_FLASH_TMA", "auto"):
-            times["ours"].append(bench_ms(our_fn))
-            times["ours_gpu"].append(bench_gpu_ms(our_fn))
+        times["ours"].append(bench_ms(ours))
+        ref_gpu, ours_gpu = bench_gpu_interleaved_ms([ref_fn, ours])
+        times["ref_gpu"].append(ref_gpu)
+        times["ours_gpu"].append(ours_gpu)
     result = {key: statistics.median(ts) for key, ts in times.items()}
     for suffix in ("", "_gpu"):
         result["pairs" + suffix] = sorted(r / o for r, o in zip(times["ref" + suffix], times["ours" + suffix]))

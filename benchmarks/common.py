@@ -93,32 +93,47 @@ def rotation(n_bytes: int) -> int:
 
 
 def bench_gpu_ms(fn, n: int = 30) -> float:
-    """Median milliseconds of fn() on the GPU alone. bench_ms times from an event recorded before the call to one
-    after it, so where the host takes longer to launch fn's kernels than the GPU takes to run them, the GPU waits inside
-    the timed window and the host's time is measured. Here n calls, each after an L2 flush and between its own events,
-    are all enqueued while the GPU sleeps, so they run back to back from a cold L2 with no wait for the host. The sleep
-    is sized from one call and must outlast the enqueueing (`attention_kernels._host.behind_sleep` checks; else a longer
-    one)."""
+    """Median milliseconds of fn() on the GPU alone (`bench_gpu_interleaved_ms` of fn by itself)."""
+    return bench_gpu_interleaved_ms([fn], n)[0]
+
+
+def bench_gpu_interleaved_ms(fns: list, n: int = 30) -> list[float]:
+    """Median milliseconds of each of fns on the GPU alone, their calls interleaved: fns[0], fns[1], ..., n times.
+    bench_ms times from an event recorded before the call to one after it, so where the host takes longer to launch
+    fn's kernels than the GPU takes to run them, the GPU waits inside the timed window and the host's time is
+    measured. Here every call, after an L2 flush and between its own events, is enqueued while the GPU sleeps, so
+    they run back to back from a cold L2 with no wait for the host. The sleep is sized from one call of each and
+    must outlast the enqueueing (`attention_kernels._host.behind_sleep` checks; else a longer one).
+    Why interleaved: the H200 lowers its clocks in bursts at its power cap (session 43: nvidia-smi sampled SW
+    power cap at 1500-1725 MHz for fractions of a second under the warm-up matmuls, 1980 MHz around them), so a
+    block of 30 calls of one kernel and then 30 of another can sit in different clock states: the same backward
+    (B4 H32/8 S4096 D128 causal, two launches) read 2.90, 2.99 and 2.73 ms in three blocks of 30 calls. Side by
+    side, call after call, the kernels share the same states."""
     cache = torch.empty(int(256e6 // 4), dtype=torch.int, device="cuda")  # do_bench's flush
-    fn()
+    for fn in fns:
+        fn()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    fn()
+    for fn in fns:
+        fn()
     torch.cuda.synchronize()
-    per_call = time.perf_counter() - t0  # host and GPU together: more than enqueueing alone takes
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(n)]
+    per_round = time.perf_counter() - t0  # host and GPU together: more than enqueueing alone takes
+    events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in fns]
+              for _ in range(n)]
 
     def enqueue():
-        for start, end in events:
-            cache.zero_()
-            start.record()
-            fn()
-            end.record()
+        for round_events in events:
+            for fn, (start, end) in zip(fns, round_events):
+                cache.zero_()
+                start.record()
+                fn()
+                end.record()
 
     for attempt in range(4):
-        if behind_sleep(enqueue, (2 * n * per_call + 0.005) * 4**attempt):
-            return sorted(start.elapsed_time(end) for start, end in events)[n // 2]
-    raise RuntimeError("bench_gpu_ms: the GPU woke before the calls were enqueued, four times")
+        if behind_sleep(enqueue, (2 * n * per_round + 0.005) * 4**attempt):
+            return [sorted(round_events[i][0].elapsed_time(round_events[i][1]) for round_events in events)[n // 2]
+                    for i in range(len(fns))]
+    raise RuntimeError("bench_gpu_interleaved_ms: the GPU woke before the calls were enqueued, four times")
 
 
 def ceilings() -> dict[str, float]:
