@@ -104,8 +104,8 @@ def bench_gpu_interleaved_ms(fns: list, n: int = 30) -> list[float]:
     measured. Here every call, after an L2 flush and between its own events, is enqueued while the GPU sleeps, so
     they run back to back from a cold L2 with no wait for the host. The sleep is sized from one call of each and
     must outlast the enqueueing (`attention_kernels._host.behind_sleep` checks; else a longer one).
-    Why interleaved: the H200 lowers its clocks in bursts at its power cap (session 43: nvidia-smi sampled SW
-    power cap at 1500-1725 MHz for fractions of a second under the warm-up matmuls, 1980 MHz around them), so a
+    Why interleaved: the H200 lowers its clocks in bursts at its power cap (session 43: nvidia-smi sampled "SW
+    power cap" at 1515-1950 MHz under these benchmarks and their warm-up matmuls, 1980 MHz around them), so a
     block of 30 calls of one kernel and then 30 of another can sit in different clock states: the same backward
     (B4 H32/8 S4096 D128 causal, two launches) read 2.90, 2.99 and 2.73 ms in three blocks of 30 calls. Side by
     side, call after call, the kernels share the same states."""
