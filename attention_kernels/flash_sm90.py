@@ -1836,10 +1836,13 @@ def fused_backward_wins(d: int, d_v: int, causal: bool, s_kv: int, group: int, p
       with groups of 8 (H_kv 4 of 32) at 4096 keys 0.89-0.92x, and every causal shape at 1024-2048 keys 0.92-0.97x:
       there the pre-pass and the final cast of dQ (0.24 ms per 2^19 query rows of 128 columns, in proportion to the
       rows) weigh most against the causal half of the products. Session 43, causal with groups of 8: 0.96x at
-      4096 keys, 1.00-1.01x at 8192 (pairs 0.97-1.01), 1.06x at 16384 and 1.07x at 32768. A group of 8 fills a
+      4096 keys, 1.00-1.01x at 8192 (pairs 0.97-1.01), 1.06x at 16384 and 1.07x at 32768 (and with the two
+      launches' calls interleaved: 0.99x at 8192, 1.04x at 16384, 1.08x at 32768). A group of 8 fills a
       program with 8 steps per query block, and its programs' reads and dQ adds leave L2 more (Nsight Compute at
       B4 S4096: 6.2 GB of DRAM traffic against 5.2 with groups of 4, 2.86 ms against 2.45); from 16384 keys the
-      five products against the two launches' seven outweigh that.
+      five products against the two launches' seven outweigh that. Full attention, timed both ways in session 43:
+      1.08-1.11x in events, but 0.98-0.99x with a KV group (MHA 1.03x) when the two launches' calls run between
+      the one launch's; kept on the one launch, the question open (benchmarks/RESULTS.md, session 43).
     - D = 64 (session 42, 128-query steps): full attention 1.00-1.08x on all 5 shapes (B16 S1024 1.00, 4096 keys
       1.00-1.03, B1 S16384 1.08); causal at 16384 keys 1.02-1.08x (groups of 1, 4, 8), at 8192 keys 0.99-1.05x
       (groups of 8 0.987), at 4096 keys 0.95-0.98x and 0.91x at B16 S1024, where the two launches' persistent
