@@ -98,15 +98,19 @@ query rows of 128 columns together on an H200, so short causal launches keep the
 their query blocks from the last down, the group's heads inside each (`_fused_step`): every program of a (batch, KV
 head) then adds into the same dQ tiles at the same time, in L2. Against head by head with query blocks in order (one
 run, three rounds): +2.7-7.8% at 1024-4096 keys with groups of 4 and for MHA at 4096, -0.8% to -2.6% at 8192-16384 keys,
-with groups of 8 and for MHA at 1024. Full attention keeps the plain order, in which its programs already move
-together. Tried and not kept: dQ one step later (after the next step's products, three dS^T buffers), slower on all
-14 shapes (0.85-1.06x the two launches against 0.88-1.14x), with 164-304 bytes of spills; session 41: the cast inside
-the kernel (each dQ tile's last program, counted by an atomic once its reduces had completed, brought the fp32 tile
-back by TMA and wrote dq), 0.81-0.99x of this kernel on 12 shapes: waiting for the reduces' writes rather than
-their reads before releasing a buffer stalls the consumers while a KV group's programs all add into the same tiles;
-MHA's second consumer skipping its fully masked last step (as the two launches' `_dkdv_lead` does): 0.995-1.002x.
-Sessions 11-13 had tried one launch on the older kernels with atomics from the consumers (0.76-0.88x) and with TMA
-reduces the consumers issued themselves (0.74-1.01x).
+with groups of 8 and for MHA at 1024. Groups of more than 4 walk it in two passes, each over half the heads
+(session 43): a group of 8 puts 8 heads' Q, dO and dQ tiles (512 KB) behind each query block, and once a wave's
+programs drift apart their windows outgrow the L2 (Nsight Compute at B4 S4096: 6.2 GB of DRAM traffic against 5.2
+with groups of 4); halves of 4 heads measured 1.05x at D=64 B1 S16384, 1.01-1.03x at D=128 with 4096-8192 keys, 1.00x
+at 16384 (one launch against one launch, interleaved). Full attention keeps the plain order, in which its programs
+already move together. Tried and not kept: dQ one step later (after the next step's products, three dS^T
+buffers), slower on all 14 shapes (0.85-1.06x the two launches against 0.88-1.14x), with 164-304 bytes of spills;
+session 41: the cast inside the kernel (each dQ tile's last program, counted by an atomic once its reduces had
+completed, brought the fp32 tile back by TMA and wrote dq), 0.81-0.99x of this kernel on 12 shapes: waiting for the
+reduces' writes rather than their reads before releasing a buffer stalls the consumers while a KV group's programs
+all add into the same tiles; MHA's second consumer skipping its fully masked last step (as the two launches'
+`_dkdv_lead` does): 0.995-1.002x. Sessions 11-13 had tried one launch on the older kernels with atomics from the
+consumers (0.76-0.88x) and with TMA reduces the consumers issued themselves (0.74-1.01x).
 
 Measured on an H200 beside SDPA and the Triton kernels in one run (bf16, H_q 32, TFLOP/s; benchmarks/RESULTS.md
 has the grid and the history). Forward, persistent vs the previous one-program-per-tile version: B4 H_kv 8 S4096
@@ -1585,9 +1589,17 @@ def _fused_step(t, kv_head, m_start, n_m, GROUP_SIZE: gl.constexpr, CAUSAL: gl.c
     """(query head, query block) of a one-launch program's step t. Full attention: head by head, query blocks in
     order. Causal: query blocks from the last down, the group's heads inside each, so that every program of a
     (batch, KV head) walks the same dQ tiles at the same time (each stops at its own first block) and their
-    reduce-adds meet in L2."""
+    reduce-adds meet in L2. Groups of more than 4 (even) take two such passes, each over half the heads: a
+    program's window of Q, dO and dQ tiles per query block is then a group of 4's."""
     if CAUSAL:
-        return kv_head * GROUP_SIZE + t % GROUP_SIZE, n_m - 1 - t // GROUP_SIZE
+        if GROUP_SIZE > 4 and GROUP_SIZE % 2 == 0:
+            HALF: gl.constexpr = GROUP_SIZE // 2
+            per_pass = HALF * (n_m - m_start)
+            second = (t >= per_pass).to(gl.int32)
+            u = t - second * per_pass
+            return kv_head * GROUP_SIZE + second * HALF + u % HALF, n_m - 1 - u // HALF
+        else:
+            return kv_head * GROUP_SIZE + t % GROUP_SIZE, n_m - 1 - t // GROUP_SIZE
     else:
         nb = n_m - m_start
         return kv_head * GROUP_SIZE + t // nb, m_start + t % nb

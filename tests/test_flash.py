@@ -639,7 +639,7 @@ def test_sm90_mha_causal_dkdv_structure(d, d_v):
     assert spills and all(a <= 16 and b <= 16 for a, b in spills), result["ptxas"]
 
 
-@pytest.mark.parametrize("group", [1, 4], ids=["MHA", "group4"])
+@pytest.mark.parametrize("group", [1, 4, 8], ids=["MHA", "group4", "group8"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [64, 128], ids=["D64", "D128"])
 def test_sm90_fused_backward_structure(d, causal, group):
@@ -653,7 +653,9 @@ def test_sm90_fused_backward_structure(d, causal, group):
     four dQ buffers; 226.6 KB at D = 64); wgmma not serialized. ptxas spills 60-80 bytes at D = 128 and 88-132 at
     D = 64: a few loop-invariant values of the first consumer, whose loop loads 5-11 of them per step at D = 128
     (session 40's disassembly; 168 bytes and 17-32 per step while the causal mask compared against column indices)
-    and about 3 at D = 64 (session 42's)."""
+    and about 3 at D = 64 (session 42's). Causal groups of 8 walk their heads in two passes (`_fused_step`), whose
+    step index keeps three more values: 92 bytes at D = 128, 144 at D = 64 (session 43; the order measured 1.05x
+    faster at D = 64, B1 S16384, with them)."""
     from attention_kernels import flash_sm90
 
     block_m = flash_sm90.FUSED_PAIRS[(d, d)]
@@ -678,7 +680,7 @@ def test_sm90_fused_backward_structure(d, causal, group):
     assert result["shared"] <= 232448, f"{result['shared']} bytes of shared memory"
     assert "serialized" not in result["ptxas"], result["ptxas"]
     spills = spill_bytes(result["ptxas"])
-    bound = {128: 96, 64: 136}[d]
+    bound = {128: 96, 64: 144 if causal and group == 8 else 136}[d]
     assert spills and all(a <= bound and b <= bound for a, b in spills), result["ptxas"]
 
 
