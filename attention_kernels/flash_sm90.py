@@ -1840,7 +1840,7 @@ FUSED_PAIRS = {(64, 64): 128, (128, 128): 64}
 def fused_backward_wins(d: int, d_v: int, causal: bool, s_kv: int, group: int, programs: int, sms: int) -> bool:
     """Does `flash._backward` take the one-launch backward (`backward_fused`) instead of the two launches? Where its
     programs (128 keys of a KV head each) fill a wave of the SMs: full attention at every length; causal from 4096
-    keys with at most 4 query heads per KV head at D = 128 and from 16384 keys with 8, from 16384 keys at D = 64.
+    keys with at most 4 query heads per KV head at D = 128 and from 16384 keys with 5-8, from 16384 keys at D = 64.
     Measured on an H200 (benchmarks/RESULTS.md; the whole backward GPU alone, one launch over two, median of three
     paired rounds):
     - D = 128 (session 40): full attention 1.01-1.16x on all 7 shapes (B16 S1024 1.01, B8 S2048 1.03, 4096 keys
