@@ -52,7 +52,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from attention_kernels import _checks
 from attention_kernels._host import cdiv, launcher, next_power_of_2
 from attention_kernels.decode import num_sms, pdl
-from attention_kernels.flash_sm90 import descriptor, on_hopper
+from attention_kernels.flash_sm90 import descriptor, on_hopper, wgmma_layout
 
 HEAD_DIMS = (64, 128)
 MMA_ROWS = 64  # the M of every wgmma: a program's query heads, padded
@@ -170,10 +170,8 @@ def _consumer(q_ptr, k_smem, v_smem, k_ready, v_ready, kv_free, out_ptr, lse_ptr
     """One warpgroup: the online softmax of n_heads query heads from head0 over the split's tiles, then their
     output (the final one for one split, else a partial) and log-sum-exp; with CHUNK > 0, the last split of the
     tile to finish merges all of them (`_combine_if_last`)."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, D, 16])
+    s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
+    o_layout: gl.constexpr = wgmma_layout(D)
     q_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=s_layout, k_width=2)
     p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [32 // (D // 8), D // 8], [4, 1], [1, 0])

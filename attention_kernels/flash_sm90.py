@@ -186,6 +186,14 @@ LOADER_REGS = gl.constexpr(24)
 # rounded down to setmaxnreg's multiple of 8.
 CONSUMER_REGS = gl.constexpr(240)
 
+
+@gluon.constexpr_function
+def wgmma_layout(n):
+    """The registers of a wgmma result of n columns over one warpgroup (four warps of 16 rows): every accumulator,
+    score tile and probability tile of these kernels and mla_sm90.py's and decode_sm90.py's."""
+    return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
+
+
 # Per (D_qk, D_v): (BLOCK_N, STAGES), measured on an H200 (see benchmarks/RESULTS.md). MLA's 192/128 (session 27,
 # forward TFLOP/s GPU alone, B4 H16 S4096 causal / full): (64, 3) 576 / 637, (64, 4) 568 / 630, (128, 2) 521 / 597.
 # MLA's 96/64 (the GPT-2-small MLA of configs/mla.py and the benchmarks; session 28, same measure, B8 H12 S1024
@@ -400,10 +408,8 @@ def _consumer(q_smem, qr_smem, k_smem, kr_smem, v_smem, o_smem, q_ready, q_free,
     """One warpgroup: for each tile, the online softmax over its key blocks for query rows
     [start_m + WG*64, +64), then its rows of lse, and of out through shared memory (o_smem, or with O_IN_Q its
     own Q buffer, which the tile no longer reads) and a TMA store, which clips the rows past M."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, DV, 16])
+    s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
+    o_layout: gl.constexpr = wgmma_layout(DV)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
     row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
     dtype: gl.constexpr = q_smem.dtype
@@ -875,17 +881,13 @@ def _bwd_tile(q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, lse_smem, delta
     S^T = K Q^T, P^T = exp2(S^T - lse), dP^T = V dO^T, dS^T = P^T (dP^T - delta), dV += P^T dO, dK += dS^T Q.
     Q and K are D columns wide, and with DR > 0 have DR more in tiles of their own (MLA's RoPE part): S^T adds
     both products and dK's last DR columns are a second accumulator; V and dO are DV wide."""
-    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, BLOCK_M, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, D, 16])
+    st_layout: gl.constexpr = wgmma_layout(BLOCK_M)
+    acc_layout: gl.constexpr = wgmma_layout(D)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     # dV's and dK's RoPE columns: their own widths (the layouts are acc_layout's when DV == D).
-    v_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, DV, 16])
+    v_layout: gl.constexpr = wgmma_layout(DV)
     v_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=v_layout, k_width=2)
-    r_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, DR if DR > 0 else D, 16])
+    r_layout: gl.constexpr = wgmma_layout(DR if DR > 0 else D)
     r_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=r_layout, k_width=2)
     cols: gl.constexpr = gl.SliceLayout(0, st_layout)  # one value per query row of the block
     dtype: gl.constexpr = q_smem.dtype
@@ -1305,13 +1307,10 @@ def _dq_tile_body(q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, q_ready, q_
     P = exp2(S - lse), dS = P (dP - delta), dQ += dS K; it0 counts the program's key blocks over its earlier tiles
     (returned updated). With DR > 0, Q and K have DR more columns in tiles of their own: S adds both products and
     dQ's last DR columns are a second accumulator; Out, dO and V are DV wide."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, D, 16])
+    s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
+    acc_layout: gl.constexpr = wgmma_layout(D)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
-    r_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, DR if DR > 0 else D, 16])
+    r_layout: gl.constexpr = wgmma_layout(DR if DR > 0 else D)
     r_op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=r_layout, k_width=2)
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [4, 1], [1, 0])
@@ -1631,8 +1630,7 @@ def _fused_dq(u, ds_smem, k_tile, dq_smem, ds_ready, dq_ready, dq_free, sm_scale
     SPLIT_ROWS: gl.constexpr = BLOCK_M > ROWS
     DQ_M: gl.constexpr = BLOCK_M // CONSUMERS if SPLIT_ROWS else BLOCK_M
     DQ_N: gl.constexpr = D if SPLIT_ROWS else D // 2
-    dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, DQ_N, 16])
+    dq_layout: gl.constexpr = wgmma_layout(DQ_N)
     b = u % 2
     mbarrier.wait(ds_ready.index(b), (u // 2) & 1)  # the other warpgroup's half of dS^T is in too
     qb = WG * 2 + b
@@ -1659,10 +1657,8 @@ def _fused_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_sm
     RoPE part, no skipped steps), and per step also `_fused_dq`: each warpgroup stores its dS^T (64 keys x BLOCK_M
     queries, bf16) into a shared buffer of the step's 128 keys (two, alternating) before it issues the next step's
     S^T, then takes its share of dQ."""
-    st_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                        instr_shape=[16, BLOCK_M, 16])
-    acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                         instr_shape=[16, D, 16])
+    st_layout: gl.constexpr = wgmma_layout(BLOCK_M)
+    acc_layout: gl.constexpr = wgmma_layout(D)
     op_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_layout, k_width=2)
     cols: gl.constexpr = gl.SliceLayout(0, st_layout)
     dtype: gl.constexpr = q_smem.dtype

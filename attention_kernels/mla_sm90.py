@@ -65,7 +65,7 @@ from attention_kernels import _checks
 from attention_kernels._host import cdiv, launcher
 from attention_kernels.decode import LOG2E, pdl
 from attention_kernels.decode_sm90 import gdc_wait, split_range, tile_pages, zero_rows
-from attention_kernels.flash_sm90 import descriptor, on_hopper
+from attention_kernels.flash_sm90 import descriptor, on_hopper, wgmma_layout
 
 HEADS_PER_PROGRAM = 64  # the M of every wgmma of the 64-head tile
 NARROW_HEADS = 16  # heads per program of the narrow kernel (twice that from 17 heads): the N of its wgmma
@@ -175,10 +175,8 @@ def _mla_softmax_consumer(qc0_smem, qc1_smem, qr_smem, c0_smem, c1_smem, r_smem,
                           BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr,
                           PAGED: gl.constexpr):
     """Warpgroup 0: scores, softmax, P for both consumers, the left half of the output, and the lse."""
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, BLOCK_N, 16])
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HALF, 16])
+    s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
+    o_layout: gl.constexpr = wgmma_layout(HALF)
     rows_s: gl.constexpr = gl.SliceLayout(1, s_layout)
     vec: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     qc0 = qc0_smem.reshape([HEADS, HALF])
@@ -237,8 +235,7 @@ def _mla_pv_consumer(c1_smem, p_smem, stat_smem, kv_ready, kv_free, p_ready, p_f
                      b, h0, num_heads, split, start, end, n_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
                      PAGED: gl.constexpr):
     """Warpgroup 1: the right half of the output, O1 = alpha O1 + P C1 per block."""
-    o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, HALF, 16])
+    o_layout: gl.constexpr = wgmma_layout(HALF)
     vec: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
     o = gl.zeros([HEADS, HALF], gl.float32, o_layout)
     for j in range(n_blocks):
@@ -270,8 +267,7 @@ def _mla_narrow_consumer(qc0_smem, qc1_smem, qr_smem, c0_smem, c1_smem, r_smem, 
     (256 x n_h each; C^T is the latent tile read M-major from the same shared memory). A 64-row head tile would pad
     16 heads to 64 and do four times the tensor-core work."""
     n_h: gl.constexpr = qc0_smem.shape[1]
-    s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                       instr_shape=[16, n_h, 16])
+    s_layout: gl.constexpr = wgmma_layout(n_h)
     cols_s: gl.constexpr = gl.SliceLayout(0, s_layout)  # one value per head (the output tiles share the layout)
     dtype: gl.constexpr = c0_smem.dtype
     qc0 = qc0_smem.reshape([n_h, HALF]).permute((1, 0))
