@@ -947,18 +947,7 @@ def _bwd_tile(q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, lse_smem, delta
         # The step's lse (log2 units) and delta came with Q (q_ready), read straight in the columns' layout.
         pt = gl.exp2(st * qk_scale - lse_smem.index(s).load(cols)[None, :])
         if CAUSAL:
-            if q_shift + m * BLOCK_M < start_n + CONSUMERS * ROWS - 1:  # the block crosses the diagonal
-                first = kv_pos - q_shift - m * BLOCK_M
-                qc = gl.arange(0, BLOCK_M, layout=cols)
-                if BLOCK_M > ROWS:
-                    # qc >= first written as (qc & ~6) >= first - (qc & 6): a column's index is its thread's
-                    # 2 * (lane % 4) (bits 1-2) plus a constant, so each compare takes an immediate against the
-                    # row's first - 2 * (lane % 4). Written plainly, the 32 column indices of a thread's 128-query
-                    # step were hoisted out of the loop, stayed live across it, and ptxas spilled 196 bytes inside
-                    # the loop (D=64 causal; now 16, outside it).
-                    pt = gl.where((qc & ~6)[None, :] >= first[:, None] - (qc & 6)[None, :], pt, 0.0)
-                else:
-                    pt = gl.where(qc[None, :] >= first[:, None], pt, 0.0)
+            pt = _causal_mask_t(pt, m, kv_pos, q_shift, start_n, BLOCK_M, BLOCK_M > ROWS, cols)
         mbarrier.wait(do_ready.index(s), phase)
         do_t = do_smem.index(s).reshape([BLOCK_M, DV])
         dpt = warpgroup_mma(v_wg, do_t.permute((1, 0)), st, use_acc=False, is_async=True)
@@ -1023,6 +1012,26 @@ def _bwd_tile(q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, lse_smem, delta
             _store_rows(dv_ptr + batch.to(gl.int64) * stride_vb + kv_head.to(gl.int64) * stride_vh, dv, kv0, N,
                         stride_vn, stride_vd, 0, DV, v_layout)
     return it + total
+
+
+@gluon.jit
+def _causal_mask_t(pt, m, kv_pos, q_shift, start_n, BLOCK_M: gl.constexpr, IMMEDIATES: gl.constexpr,
+                   cols: gl.constexpr):
+    """P^T of query block m (rows: the consumer's keys at kv_pos; columns: the block's BLOCK_M queries) with the
+    keys past each query zeroed, where the block crosses the causal diagonal of the program's keys from start_n.
+    IMMEDIATES: qc >= first written as (qc & ~6) >= first - (qc & 6). A column's index is its thread's
+    2 * (lane % 4) (bits 1-2) plus a constant, so each compare takes an immediate against the row's
+    first - 2 * (lane % 4). Written plainly, the 32 column indices of a thread's 128-query step were hoisted out of
+    the dK/dV loop, stayed live across it, and ptxas spilled 196 bytes inside the loop (D=64 causal; now 16, outside
+    it)."""
+    if q_shift + m * BLOCK_M < start_n + CONSUMERS * ROWS - 1:  # the block crosses the diagonal
+        first = kv_pos - q_shift - m * BLOCK_M
+        qc = gl.arange(0, BLOCK_M, layout=cols)
+        if IMMEDIATES:
+            pt = gl.where((qc & ~6)[None, :] >= first[:, None] - (qc & 6)[None, :], pt, 0.0)
+        else:
+            pt = gl.where(qc[None, :] >= first[:, None], pt, 0.0)
+    return pt
 
 
 @gluon.jit
@@ -1681,12 +1690,9 @@ def _fused_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_sm
         q_t = q_smem.index(s).reshape([BLOCK_M, D])
         pt = gl.exp2(st * qk_scale - lse_smem.index(s).load(cols)[None, :])
         if CAUSAL:
-            if q_shift + m * BLOCK_M < start_n + CONSUMERS * ROWS - 1:  # the block crosses the diagonal
-                first = kv_pos - q_shift - m * BLOCK_M
-                qc = gl.arange(0, BLOCK_M, layout=cols)
-                # Against immediates, as in `_bwd_tile`'s 128-query steps: written plainly, the column indices
-                # stayed live across the loop and ptxas spilled 168 bytes (80 this way).
-                pt = gl.where((qc & ~6)[None, :] >= first[:, None] - (qc & 6)[None, :], pt, 0.0)
+            # Against immediates at 64-query steps too: written plainly, the column indices stayed live across the
+            # loop and ptxas spilled 168 bytes (80 this way).
+            pt = _causal_mask_t(pt, m, kv_pos, q_shift, start_n, BLOCK_M, True, cols)
         mbarrier.wait(do_ready.index(s), (t // STAGES) & 1)
         do_t = do_smem.index(s).reshape([BLOCK_M, D])
         dpt = warpgroup_mma(v_wg, do_t.permute((1, 0)), st, use_acc=False, is_async=True)
