@@ -145,7 +145,9 @@ mask against immediates at D=128 and 192/128 too (no spills left; 0.974-1.003x, 
 No kernel spills registers inside its step loops. The causal dK/dV keeps a few setup values in local memory outside
 them: at D=128 one to three (4 bytes with a KV group, 12/16 for MHA), at D=64 16 bytes (4 for MHA), where it spilled
 196 bytes inside the loop before its mask was written against immediates (session 34; tests/test_flash.py bounds
-them).
+them). The one launch spills nothing at D=128 and 24-72 bytes outside its loop at D=64, since its K and V tiles'
+wgmma descriptors are rebuilt each step instead of held as loop invariants (`_fused_kv`, session 44: ptxas had
+spilled them and reloaded 6-15 values a step; 1.00-1.04x at D=128, 1.03-1.08x at D=64).
 
 Gluon has no CPU interpreter, so these kernels' numerics are tested on the GPU (every forward and backward test in
 tests/test_flash.py runs through them on an H100/H200); on the CPU, tests/test_flash.py compiles them for sm_90
@@ -1658,6 +1660,20 @@ def _fused_dq(u, ds_smem, k_tile, dq_smem, ds_ready, dq_ready, dq_free, sm_scale
 
 
 @gluon.jit
+def _fused_kv(k_smem, v_smem, m, M, WG: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr):
+    """The one-launch consumer's K tile (128 keys), and its warpgroup's 64 rows of K and V, as the step with query
+    block m reads them. Their buffer index is always 0 (block m starts before row M), but the compiler cannot know
+    it, so the wgmma descriptors are rebuilt each step from the buffer's address by a few integer instructions.
+    Built once before the loop, as loop invariants, they took 14 registers that ptxas spilled (60-92 bytes at D =
+    128) and reloaded 6-15 values a step; this way D = 128 spills nothing and the backward measured 1.00-1.04x at
+    D = 128 and 1.03-1.08x at D = 64 (session 44, benchmarks/RESULTS.md)."""
+    kv = (m * BLOCK_M >= M).to(gl.int32)
+    k_tile = k_smem.index(kv).reshape([CONSUMERS * ROWS, D])
+    v_tile = v_smem.index(kv).reshape([CONSUMERS * ROWS, D])
+    return k_tile, k_tile.slice(WG * ROWS, ROWS), v_tile.slice(WG * ROWS, ROWS)
+
+
+@gluon.jit
 def _fused_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_ready, q_ready,
                     do_ready, qdo_free, ds_ready, dq_ready, dq_free, k_read, dk_desc, dv_desc, batch, kv_head, start_n,
                     m_start, n_m, M, N, sm_scale, qk_scale, WG: gl.constexpr, GROUP_SIZE: gl.constexpr,
@@ -1686,16 +1702,17 @@ def _fused_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_sm
     for t in range(0, total):
         s = t % STAGES
         _, m = _fused_step(t, kv_head, m_start, n_m, GROUP_SIZE, CAUSAL)
+        k_tile_t, k_wg_t, v_wg_t = _fused_kv(k_smem, v_smem, m, M, WG, BLOCK_M, D)
         st = warpgroup_mma_wait(num_outstanding=0, deps=[st])
         q_t = q_smem.index(s).reshape([BLOCK_M, D])
         pt = gl.exp2(st * qk_scale - lse_smem.index(s).load(cols)[None, :])
         if CAUSAL:
             # Against immediates at 64-query steps too: written plainly, the column indices stayed live across the
-            # loop and ptxas spilled 168 bytes (80 this way).
+            # loop and ptxas spilled 168 bytes (80 this way, and none since `_fused_kv`).
             pt = _causal_mask_t(pt, m, kv_pos, q_shift, start_n, BLOCK_M, True, cols)
         mbarrier.wait(do_ready.index(s), (t // STAGES) & 1)
         do_t = do_smem.index(s).reshape([BLOCK_M, D])
-        dpt = warpgroup_mma(v_wg, do_t.permute((1, 0)), st, use_acc=False, is_async=True)
+        dpt = warpgroup_mma(v_wg_t, do_t.permute((1, 0)), st, use_acc=False, is_async=True)
         dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), op_layout), do_t, dv, is_async=True)
         dpt = warpgroup_mma_wait(num_outstanding=1, deps=[dpt])
         dst = (pt * (dpt - delta_smem.index(s).load(cols)[None, :])).to(dtype)
@@ -1705,13 +1722,13 @@ def _fused_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_sm
         mbarrier.arrive(ds_ready.index(t % 2), count=1)
         s1 = (t + 1) % STAGES
         mbarrier.wait(q_ready.index(s1), ((t + 1) // STAGES) & 1, pred=t + 1 < total)
-        st = _scores_t(k_wg, k_wg, q_smem, q_smem, s1, dpt, BLOCK_M, D, 0)  # (past the last step: drained)
+        st = _scores_t(k_wg_t, k_wg_t, q_smem, q_smem, s1, dpt, BLOCK_M, D, 0)  # (past the last step: drained)
         dv, dk = warpgroup_mma_wait(num_outstanding=1, deps=[dv, dk])
         mbarrier.arrive(qdo_free.index(s), count=1)
         # dS^T buffer t % 2 is written again at step t + 2, after this warpgroup's dQ of step t + 1, which waits
         # for the other's half of dS^T t + 1; the other stores that after its own dQ of step t, the buffer's last
         # read. So two buffers suffice.
-        _fused_dq(t, ds_smem, k_tile, dq_smem, ds_ready, dq_ready, dq_free, sm_scale, WG, BLOCK_M, D)
+        _fused_dq(t, ds_smem, k_tile_t, dq_smem, ds_ready, dq_ready, dq_free, sm_scale, WG, BLOCK_M, D)
     st = warpgroup_mma_wait(num_outstanding=0, deps=[st])
     # dK and dV out through this warpgroup's K and V rows, by TMA, as `_bwd_tile` does. The other warpgroup's dQ
     # products read these K rows too (every key, its columns), up to its last step: each warpgroup has waited for
