@@ -1859,7 +1859,8 @@ FUSED_PAIRS = {(64, 64): 128, (128, 128): 64}
 def fused_backward_wins(d: int, d_v: int, causal: bool, s_kv: int, group: int, programs: int, sms: int) -> bool:
     """Does `flash._backward` take the one-launch backward (`backward_fused`) instead of the two launches? Where its
     programs (128 keys of a KV head each) fill a wave of the SMs: full attention at every length; causal from 4096
-    keys with at most 4 query heads per KV head at D = 128 and from 16384 keys with 5-8, from 16384 keys at D = 64.
+    keys with at most 4 query heads per KV head at D = 128 and from 16384 keys with 5-8; at D = 64 from 8192 keys, or
+    where the group's query heads times the keys reach 16384 (groups of 4 from 4096 keys, of 8 from 2048).
     Measured on an H200 (benchmarks/RESULTS.md; the whole backward GPU alone, one launch over two, median of three
     paired rounds):
     - D = 128 (session 40): full attention 1.01-1.16x on all 7 shapes (B16 S1024 1.01, B8 S2048 1.03, 4096 keys
@@ -1877,13 +1878,18 @@ def fused_backward_wins(d: int, d_v: int, causal: bool, s_kv: int, group: int, p
     - D = 64 (session 42, 128-query steps): full attention 1.00-1.08x on all 5 shapes (B16 S1024 1.00, 4096 keys
       1.00-1.03, B1 S16384 1.08); causal at 16384 keys 1.02-1.08x (groups of 1, 4, 8), at 8192 keys 0.99-1.05x
       (groups of 8 0.987), at 4096 keys 0.95-0.98x and 0.91x at B16 S1024, where the two launches' persistent
-      programs with three ring stages for a KV group (session 38) keep ahead."""
+      programs with three ring stages for a KV group (session 38) keep ahead. Session 44, after `_fused_kv` made the
+      one launch 1.03-1.08x faster at D = 64, causal, interleaved / events: MHA 0.93 / 0.95 at 1024 keys, 0.97 / 1.02
+      at 2048, 1.00 / 1.07 at 4096, 1.01 / 1.11 at 8192; groups of 4 0.97 / 1.01, 0.99 / 1.04, 1.01 / 1.06, 1.01 /
+      1.06; groups of 8 0.99 / 1.00, 1.02 / 1.05, 1.05 / 1.09, 1.07 / 1.10. The rule takes the shapes where both
+      measures read above 1. At D = 128 causal (1024-8192 keys where the rule keeps the two launches) they part: the
+      one launch 0.91-1.00x interleaved and 0.95-1.06x in events, so the rule stays."""
     if (d, d_v) not in FUSED_PAIRS or programs < sms:
         return False
     if not causal:
         return True
     if d == 64:
-        return s_kv >= 16384
+        return s_kv >= 8192 or group * s_kv >= 16384
     return s_kv >= 4096 and group <= 4 or s_kv >= 16384 and group <= 8
 
 

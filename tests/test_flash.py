@@ -830,7 +830,8 @@ def test_sm90_fused_backward_rule():
     """Where the one-launch backward takes over by default (flash_sm90.fused_backward_wins, sessions 40 and 42's
     H200 measurements): D = 128 and 64 with at least a wave of programs (128 keys of a KV head each); full attention
     at every length; causal from 4096 keys with groups of at most 4 query heads at D = 128 and from 16384 keys with
-    groups of 8 (session 43), from 16384 keys at D = 64; never for MLA's pairs."""
+    groups of 8 (session 43); at D = 64 from 8192 keys, or where group x keys is 16384 or more (session 44); never for
+    MLA's pairs."""
     from attention_kernels.flash_sm90 import fused_backward_wins
 
     def wins(causal, s_kv, group, programs=512, d=128, d_v=128):
@@ -843,7 +844,9 @@ def test_sm90_fused_backward_rule():
     assert not wins(False, 4096, 4, programs=131) and wins(False, 4096, 4, programs=132)
     assert wins(False, 1024, 4, d=64, d_v=64) and wins(False, 4096, 8, d=64, d_v=64)
     assert wins(True, 16384, 4, d=64, d_v=64) and wins(True, 16384, 8, d=64, d_v=64)
-    assert not wins(True, 8192, 4, d=64, d_v=64) and not wins(True, 4096, 1, d=64, d_v=64)
+    assert wins(True, 8192, 1, d=64, d_v=64) and wins(True, 4096, 4, d=64, d_v=64) and wins(True, 2048, 8, d=64, d_v=64)
+    assert not wins(True, 4096, 1, d=64, d_v=64) and not wins(True, 2048, 4, d=64, d_v=64)
+    assert not wins(True, 1024, 8, d=64, d_v=64)
     assert not wins(False, 4096, 4, programs=131, d=64, d_v=64)
     assert not wins(False, 4096, 4, d=192) and not wins(False, 4096, 4, d=96, d_v=64)
 
