@@ -146,8 +146,9 @@ No kernel spills registers inside its step loops. The causal dK/dV keeps a few s
 them: at D=128 one to three (4 bytes with a KV group, 12/16 for MHA), at D=64 16 bytes (4 for MHA), where it spilled
 196 bytes inside the loop before its mask was written against immediates (session 34; tests/test_flash.py bounds
 them). The one launch spills nothing at D=128 and 24-72 bytes outside its loop at D=64, since its K and V tiles'
-wgmma descriptors are rebuilt each step instead of held as loop invariants (`_fused_kv`, session 44: ptxas had
-spilled them and reloaded 6-15 values a step; 1.00-1.04x at D=128, 1.03-1.08x at D=64).
+wgmma descriptors are rebuilt each step instead of held as loop invariants (`_fused_kv`, session 44: held, they left
+ptxas short of registers, and it spilled other loop invariants and reloaded 5-11 values a step; 1.00-1.04x at D=128,
+1.03-1.08x at D=64).
 
 Gluon has no CPU interpreter, so these kernels' numerics are tested on the GPU (every forward and backward test in
 tests/test_flash.py runs through them on an H100/H200); on the CPU, tests/test_flash.py compiles them for sm_90
@@ -1664,9 +1665,10 @@ def _fused_kv(k_smem, v_smem, m, M, WG: gl.constexpr, BLOCK_M: gl.constexpr, D: 
     """The one-launch consumer's K tile (128 keys), and its warpgroup's 64 rows of K and V, as the step with query
     block m reads them. Their buffer index is always 0 (block m starts before row M), but the compiler cannot know
     it, so the wgmma descriptors are rebuilt each step from the buffer's address by a few integer instructions.
-    Built once before the loop, as loop invariants, they took 14 registers that ptxas spilled (60-92 bytes at D =
-    128) and reloaded 6-15 values a step; this way D = 128 spills nothing and the backward measured 1.00-1.04x at
-    D = 128 and 1.03-1.08x at D = 64 (session 44, benchmarks/RESULTS.md)."""
+    Built once before the loop, as loop invariants, they stayed live across it, and ptxas, short of registers,
+    spilled other loop invariants (60-92 bytes at D = 128) and reloaded 5-11 values a step; this way D = 128 spills
+    nothing and the backward measured 1.00-1.04x at D = 128 and 1.03-1.08x at D = 64 (session 44,
+    benchmarks/RESULTS.md)."""
     kv = (m * BLOCK_M >= M).to(gl.int32)
     k_tile = k_smem.index(kv).reshape([CONSUMERS * ROWS, D])
     v_tile = v_smem.index(kv).reshape([CONSUMERS * ROWS, D])

@@ -652,8 +652,9 @@ def test_sm90_fused_backward_structure(d, causal, group):
     227 KB of shared memory (225.5 KB at D = 128: Q, dO and their lse/delta in two stages, K, V, two dS^T buffers,
     four dQ buffers; 226.6 KB at D = 64); wgmma not serialized. Spills: none at D = 128, and 24-72 bytes at D = 64,
     outside the step loop (session 44's disassembly). Until session 44 the K and V tiles' wgmma descriptors were
-    loop invariants, which ptxas spilled (60-92 bytes at D = 128, 88-144 at D = 64) and reloaded, 6-15 values a step;
-    `_fused_kv` now rebuilds them each step, and the backward measured 1.00-1.08x faster."""
+    loop invariants, live across the loop, and ptxas spilled other invariants (60-92 bytes at D = 128, 88-144 at
+    D = 64) and reloaded 5-11 values a step; `_fused_kv` now rebuilds them each step, and the backward measured
+    1.00-1.08x faster."""
     from attention_kernels import flash_sm90
 
     block_m = flash_sm90.FUSED_PAIRS[(d, d)]
