@@ -17,8 +17,11 @@ Forward (`forward`):
   so programs that drew light causal tiles take more of them; while the consumers finish a tile (its last P V,
   the output store) the loader already streams the next tile's Q and K/V.
 - three warp roles per program (`gl.warp_specialize`):
-  - a loader warp streams Q and K/V blocks through TMA into a ring of STAGES shared-memory buffers, waiting on an
-    mbarrier until the consumers have released a buffer before it refills it;
+  - a loader warp streams Q and K/V blocks through TMA into shared memory, K and V each through a ring of its own
+    (CONFIGS: K_STAGES and V_STAGES buffers), waiting on an mbarrier until the consumers have released a buffer
+    before it refills it. The consumers release a K buffer once its scores are in and a V buffer once its P V is,
+    so a K buffer turns over half a step sooner than V's, and D=128 streams as well through 2 K and 3 V buffers
+    as it did through 3 of both (released together);
   - two consumer warpgroups of four warps, each owning 64 query rows: Q K^T and P V on the tensor cores (wgmma),
     the online softmax in registers. The loader warp gives its registers to them (setmaxnreg: 24 for the
     loader, 240 per consumer thread).
@@ -29,13 +32,18 @@ Forward (`forward`):
   consumer's products are on the tensor cores. Keeping the wait in place (the softmax in a basic block of its
   own) made the overlap real in the SASS and measured -3% to +1.3% (session 15, benchmarks/RESULTS.md): the
   two warpgroups already keep the tensor cores busy.
-- the output leaves through shared memory: each consumer writes its 64 rows into a buffer and one thread hands it
-  to a TMA store, which runs while the consumer goes on (and clips the rows past S_q). At D=64 the buffers are
-  their own; at D=128 the Q and K/V buffers fill the shared memory, so the output goes through the consumer's Q
-  buffer, which the loader refills for the next tile once the store has read it, and the loader requests that
-  tile's first key blocks before its Q. Before, the consumers stored the output from registers (4-byte stores,
-  and ptxas spilled 32-316 bytes of the tile state around them): against that, the TMA store measured 1.00-1.09x
-  at D=128 and 0.995-1.07x at D=64 on the grid's shapes, most where tiles are short (session 18).
+- the output leaves through shared memory: each consumer writes its 64 rows into a buffer of its own and one
+  thread hands it to a TMA store, which runs while the consumer goes on (and clips the rows past S_q). Before, the
+  consumers stored the output from registers (4-byte stores, and ptxas spilled 32-316 bytes of the tile state
+  around them): against that, the TMA store measured 1.00-1.09x at D=128 and 0.995-1.07x at D=64 on the grid's
+  shapes, most where tiles are short (session 18).
+- each consumer releases its Q buffer as soon as the tile's last scores are in, so the loader brings the next
+  tile's Q while the consumer finishes this one (the last P V, the output). Until session 45, D=128's three
+  stages of K and V together left no room for output buffers: the output went out through the Q buffer, and the
+  next tile's Q could come only once the store had read it. A tile then cost about 1.6 steps more than its key
+  blocks (0.9 for SDPA, from the TFLOP/s at 1024 and 4096 keys). The split rings (2 K + 3 V stages) make room for
+  the output buffers; against the old kernel (GPU alone, three rounds, bitwise the same outputs): D=128 B16 S1024
+  full 1.068x, causal 1.043x, B4 S4096 1.012-1.016x, D=64 0.996-1.010x, MLA 1.00-1.01x (benchmarks/RESULTS.md).
 - MLA's 192/128: a TMA tile's width must be a power of two, so Q and K arrive as two tiles each, their first 128
   columns and their last 64, and the scores are two wgmma chains into one accumulator. 64-key blocks in three
   stages with separate output buffers (205 KB); 128-key blocks in two stages needed the output in the Q buffers
@@ -202,10 +210,10 @@ def wgmma_layout(n):
 # MLA's 96/64 (the GPT-2-small MLA of configs/mla.py and the benchmarks; session 28, same measure, B8 H12 S1024
 # causal / B4 H16 S4096 causal / full): (128, 3) 282 / 480 / 537, (128, 2) 246 / 399 / 482, (64, 3) 257 / 406 / 452.
 CONFIGS = {
-    (64, 64): (128, 3),
-    (96, 64): (128, 3),
-    (128, 128): (128, 3),
-    (192, 128): (64, 3),
+    (64, 64): (128, 3, 3),
+    (96, 64): (128, 3, 3),
+    (128, 128): (128, 2, 3),
+    (192, 128): (64, 3, 3),
 }
 # Fewest keys for which flash._forward prefers this kernel, per (head dim, causal); 0 where absent. At D=64 a short
 # causal tile has too few key blocks to hide its start and end. B16 H32/8 S1024 causal, TFLOP/s against the Triton
@@ -282,13 +290,16 @@ def _tile_handover():
 
 
 @gluon.jit
-def _load_kv(k_desc, kr_desc, v_desc, k_smem, kr_smem, v_smem, k_ready, v_ready, kv_free, g, batch, kv_head, row,
-             STAGES: gl.constexpr, DR: gl.constexpr):
-    """Loader: the program's g-th K/V block (rows row.. of one KV head) into stage g % STAGES of the ring, once
-    every consumer has released that stage's previous block (g - STAGES) on kv_free (phase parity). DR > 0: K's
-    last DR columns (MLA's RoPE part) come as a second copy, on the same barrier."""
-    s = g % STAGES
-    mbarrier.wait(kv_free.index(s), ((g // STAGES) & 1) ^ 1, pred=g >= STAGES)
+def _load_kv(k_desc, kr_desc, v_desc, k_smem, kr_smem, v_smem, k_ready, v_ready, k_free, v_free, g, batch, kv_head,
+             row, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, DR: gl.constexpr):
+    """Loader: the program's g-th K/V block (rows row.. of one KV head): K into stage g % K_STAGES of its ring once
+    every consumer has released that stage's previous block on k_free, V into stage g % V_STAGES of its own once
+    they have released that one on v_free (phase parity). The forward's consumers release K after its scores and V
+    after its P V; dQ's release both at once, and passes its one barrier as both with equal stage counts (the second
+    wait then finds the phase already complete). DR > 0: K's last DR columns (MLA's RoPE part) come as a second
+    copy, on the same barrier."""
+    s = g % K_STAGES
+    mbarrier.wait(k_free.index(s), ((g // K_STAGES) & 1) ^ 1, pred=g >= K_STAGES)
     if DR > 0:
         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes + kr_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(kr_desc, [batch, kv_head, row, k_desc.block_type.shape[3]],
@@ -296,20 +307,21 @@ def _load_kv(k_desc, kr_desc, v_desc, k_smem, kr_smem, v_smem, k_ready, v_ready,
     else:
         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [batch, kv_head, row, 0], k_ready.index(s), k_smem.index(s))
+    s = g % V_STAGES
+    mbarrier.wait(v_free.index(s), ((g // V_STAGES) & 1) ^ 1, pred=g >= V_STAGES)
     mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(v_desc, [batch, kv_head, row, 0], v_ready.index(s), v_smem.index(s))
 
 
 @gluon.jit
 def _loader(q_desc, qr_desc, k_desc, kr_desc, v_desc, q_smem, qr_smem, k_smem, kr_smem, v_smem, q_ready, q_free,
-            k_ready, v_ready, kv_free, tile_smem, tile_ready, tile_free, counter_ptr,
+            k_ready, v_ready, k_free, v_free, tile_smem, tile_ready, tile_free, counter_ptr,
             n_tiles, n_m, bucket, H, M, N, GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
-            STAGES: gl.constexpr, O_IN_Q: gl.constexpr, DR: gl.constexpr):
-    """One warp: for each tile, each consumer's Q rows, then K and V of every key block into the ring. Key block
-    number g (counted over all of the program's tiles) goes into stage g % STAGES once every consumer has released
-    block g - STAGES on kv_free; a tile's Q waits until the consumers are done with the previous tile's (O_IN_Q:
-    until its output has left the Q buffer, so the tile's first STAGES key blocks are requested before its Q; they
-    only wait for the previous tile's blocks, which the consumers release before their output)."""
+            K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, DR: gl.constexpr):
+    """One warp: for each tile, each consumer's Q rows, then K and V of every key block into their rings. Key block
+    number g (counted over all of the program's tiles) goes into stage g % K_STAGES of K's ring and g % V_STAGES of
+    V's once every consumer has released those stages' previous blocks (`_load_kv`); a consumer's Q buffer is
+    refilled once that consumer has the previous tile's last scores."""
     g = 0
     tc = 0
     t = gl.program_id(0)
@@ -317,13 +329,6 @@ def _loader(q_desc, qr_desc, k_desc, kr_desc, v_desc, q_smem, qr_smem, k_smem, k
         _publish(tile_smem, tile_ready, tile_free, tc, t)
         batch, head, start_m, n_blocks, n_unmasked = _tile(t, n_tiles, n_m, bucket, H, M, N, CAUSAL, BLOCK_N)
         kv_head = head // GROUP_SIZE
-        first = 0
-        if O_IN_Q:
-            first = gl.minimum(n_blocks, STAGES)
-            for j in range(first):
-                _load_kv(k_desc, kr_desc, v_desc, k_smem, kr_smem, v_smem, k_ready, v_ready, kv_free, g, batch,
-                         kv_head, j * BLOCK_N, STAGES, DR)
-                g += 1
         for c in gl.static_range(CONSUMERS):
             mbarrier.wait(q_free.index(c), (tc & 1) ^ 1, pred=tc > 0)
             if DR > 0:
@@ -334,9 +339,9 @@ def _loader(q_desc, qr_desc, k_desc, kr_desc, v_desc, q_smem, qr_smem, k_smem, k
                 mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [batch, head, start_m + c * ROWS, 0], q_ready.index(c),
                                             q_smem.index(c))
-        for j in range(first, n_blocks):
-            _load_kv(k_desc, kr_desc, v_desc, k_smem, kr_smem, v_smem, k_ready, v_ready, kv_free, g, batch, kv_head,
-                     j * BLOCK_N, STAGES, DR)
+        for j in range(n_blocks):
+            _load_kv(k_desc, kr_desc, v_desc, k_smem, kr_smem, v_smem, k_ready, v_ready, k_free, v_free, g, batch,
+                     kv_head, j * BLOCK_N, K_STAGES, V_STAGES, DR)
             g += 1
         tc += 1
         t = gl.num_programs(0) + gl.atomic_add(counter_ptr, 1)  # the next tile nobody has taken
@@ -377,40 +382,56 @@ def _scores(q, qr, k_smem, kr_smem, st, s, BLOCK_N: gl.constexpr, D: gl.constexp
 
 
 @gluon.jit
-def _step(q, qr, k_smem, kr_smem, v_smem, k_ready, v_ready, kv_free, p, p_op, acc, m_i, l_i, gj, j, n_unmasked,
-          start_m, q_shift, N, qk_scale, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-          DR: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr, s_layout: gl.constexpr, o_layout: gl.constexpr,
-          p_layout: gl.constexpr):
+def _step(q, qr, k_smem, kr_smem, v_smem, k_ready, v_ready, k_free, v_free, q_free, last, p, p_op, acc, m_i, l_i, gj,
+          j, n_unmasked, start_m, q_shift, N, qk_scale, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
+          DR: gl.constexpr, DV: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+          s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
     """Key block j (the program's gj-th): its scores and block j-1's P V on the tensor cores together, then block
-    j's softmax (written to overlap that P V; ptxas waits for it first, see the module docstring)."""
-    st = gj % STAGES
-    prev = (gj - 1) % STAGES
-    mbarrier.wait(k_ready.index(st), (gj // STAGES) & 1)
-    mbarrier.wait(v_ready.index(prev), ((gj - 1) // STAGES) & 1)
+    j's softmax (written to overlap that P V; ptxas waits for it first, see the module docstring). K's stage is
+    released once the scores are in, V's once P V is, and with `last` (the tile's last block) the Q buffer too."""
+    st = gj % K_STAGES
+    prev = (gj - 1) % V_STAGES
+    mbarrier.wait(k_ready.index(st), (gj // K_STAGES) & 1)
+    mbarrier.wait(v_ready.index(prev), ((gj - 1) // V_STAGES) & 1)
     # The scores go into the registers of block j-1's dead fp32 probabilities (use_acc=False).
     s = _scores(q, qr, k_smem, kr_smem, st, p, BLOCK_N, D, DR)
     acc = warpgroup_mma(p_op, v_smem.index(prev).reshape([BLOCK_N, DV]), acc, is_async=True)
     s = warpgroup_mma_wait(num_outstanding=1, deps=[s])  # scores in; P V of block j-1 may still run
+    mbarrier.arrive(k_free.index(st), count=1)  # K of block j is no longer read
+    mbarrier.arrive(q_free, count=1, pred=last)
     s = _mask(s, j, n_unmasked, start_m, q_shift, N, CAUSAL, BLOCK_N, s_layout)
     m_ij = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
     p = gl.exp2(s * qk_scale - m_ij[:, None])
     alpha = gl.exp2(m_i - m_ij)
     l_i = l_i * alpha + gl.sum(p, 1)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-    mbarrier.arrive(kv_free.index(prev), count=1)  # K and V of block j-1 are no longer read
+    mbarrier.arrive(v_free.index(prev), count=1)  # V of block j-1 is no longer read
     acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]
     p_op = gl.convert_layout(p.to(p_op.dtype), p_layout)
     return p, p_op, acc, m_ij, l_i
 
 
 @gluon.jit
-def _consumer(q_smem, qr_smem, k_smem, kr_smem, v_smem, o_smem, q_ready, q_free, k_ready, v_ready, kv_free,
-              tile_smem, tile_ready, tile_free, o_desc, lse_ptr, stride_lb, stride_lh, stride_lm, n_tiles, n_m, bucket,
-              H, M, N, qk_scale, WG: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-              DR: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr, O_IN_Q: gl.constexpr):
+def _skip_kv(k_ready, v_ready, k_free, v_free, g0, j0, n_blocks, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr):
+    """The forward's `_release_kv`: blocks [j0, n_blocks) of the tile whose first is the program's g0-th lie wholly
+    past this warpgroup's rows; release their K and V stages once each has arrived."""
+    for j in range(j0, n_blocks):
+        g = g0 + j
+        mbarrier.wait(k_ready.index(g % K_STAGES), (g // K_STAGES) & 1)
+        mbarrier.arrive(k_free.index(g % K_STAGES), count=1)
+        mbarrier.wait(v_ready.index(g % V_STAGES), (g // V_STAGES) & 1)
+        mbarrier.arrive(v_free.index(g % V_STAGES), count=1)
+
+
+@gluon.jit
+def _consumer(q_smem, qr_smem, k_smem, kr_smem, v_smem, o_smem, q_ready, q_free, k_ready, v_ready, k_free,
+              v_free, tile_smem, tile_ready, tile_free, o_desc, lse_ptr, stride_lb, stride_lh, stride_lm, n_tiles, n_m,
+              bucket, H, M, N, qk_scale, WG: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
+              D: gl.constexpr, DR: gl.constexpr, DV: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr):
     """One warpgroup: for each tile, the online softmax over its key blocks for query rows
-    [start_m + WG*64, +64), then its rows of lse, and of out through shared memory (o_smem, or with O_IN_Q its
-    own Q buffer, which the tile no longer reads) and a TMA store, which clips the rows past M."""
+    [start_m + WG*64, +64), then its rows of lse, and of out through shared memory (o_smem) and a TMA store, which
+    clips the rows past M. Its Q buffer is released with the tile's last scores, so that the next tile's Q arrives
+    while this one ends."""
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
     o_layout: gl.constexpr = wgmma_layout(DV)
     p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
@@ -432,36 +453,39 @@ def _consumer(q_smem, qr_smem, k_smem, kr_smem, v_smem, o_smem, q_ready, q_free,
         acc = gl.zeros([ROWS, DV], gl.float32, o_layout)
         p = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
 
+        # Causal, with key blocks of at most 64: the tile's last blocks can lie wholly past these 64 rows
+        # (_release_kv).
+        n_own = n_blocks
+        if CAUSAL and BLOCK_N <= ROWS:
+            n_own = gl.minimum(n_blocks, gl.cdiv(q_shift + start_m + ROWS, BLOCK_N))
+
         # Key block 0: its scores alone.
-        st = g % STAGES
-        mbarrier.wait(k_ready.index(st), (g // STAGES) & 1)
+        st = g % K_STAGES
+        mbarrier.wait(k_ready.index(st), (g // K_STAGES) & 1)
         s = _scores(q, qr, k_smem, kr_smem, st, p, BLOCK_N, D, DR)
         s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
+        mbarrier.arrive(k_free.index(st), count=1)
+        mbarrier.arrive(q_free.index(WG), count=1, pred=n_own == 1)
         s = _mask(s, 0, n_unmasked, start_m, q_shift, N, CAUSAL, BLOCK_N, s_layout)
         m_i = gl.maximum(m_i, gl.max(s, 1) * qk_scale)
         p = gl.exp2(s * qk_scale - m_i[:, None])
         l_i = gl.sum(p, 1)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
 
-        # Key blocks 1..: each step issues the scores of block j and P V of block j-1 together. Causal, with key
-        # blocks of at most 64: the tile's last blocks can lie wholly past these 64 rows (_release_kv).
-        n_own = n_blocks
-        if CAUSAL and BLOCK_N <= ROWS:
-            n_own = gl.minimum(n_blocks, gl.cdiv(q_shift + start_m + ROWS, BLOCK_N))
+        # Key blocks 1..: each step issues the scores of block j and P V of block j-1 together.
         for j in range(1, n_own):
-            p, p_op, acc, m_i, l_i = _step(q, qr, k_smem, kr_smem, v_smem, k_ready, v_ready, kv_free, p, p_op, acc,
-                                           m_i, l_i, g + j, j, n_unmasked, start_m, q_shift, N, qk_scale, CAUSAL,
-                                           BLOCK_N, D, DR, DV, STAGES, s_layout, o_layout, p_layout)
+            p, p_op, acc, m_i, l_i = _step(q, qr, k_smem, kr_smem, v_smem, k_ready, v_ready, k_free, v_free,
+                                           q_free.index(WG), j == n_own - 1, p, p_op, acc, m_i, l_i, g + j, j,
+                                           n_unmasked, start_m, q_shift, N, qk_scale, CAUSAL, BLOCK_N, D, DR, DV,
+                                           K_STAGES, V_STAGES, s_layout, o_layout, p_layout)
 
-        if not O_IN_Q:
-            mbarrier.arrive(q_free.index(WG), count=1)  # every Q K^T of the tile has completed
-        last = (g + n_own - 1) % STAGES
-        mbarrier.wait(v_ready.index(last), ((g + n_own - 1) // STAGES) & 1)
+        last = (g + n_own - 1) % V_STAGES
+        mbarrier.wait(v_ready.index(last), ((g + n_own - 1) // V_STAGES) & 1)
         acc = warpgroup_mma(p_op, v_smem.index(last).reshape([BLOCK_N, DV]), acc, is_async=True)
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
-        mbarrier.arrive(kv_free.index(last), count=1)
+        mbarrier.arrive(v_free.index(last), count=1)
         if CAUSAL and BLOCK_N <= ROWS:
-            _release_kv(k_ready, v_ready, kv_free, g, n_own, n_blocks, STAGES, True)
+            _skip_kv(k_ready, v_ready, k_free, v_free, g, n_own, n_blocks, K_STAGES, V_STAGES)
         g += n_blocks
         tc += 1
 
@@ -469,14 +493,10 @@ def _consumer(q_smem, qr_smem, k_smem, kr_smem, v_smem, o_smem, q_ready, q_free,
         # zero-filled by TMA) are finite too and never stored. The loader is already streaming the next tile.
         out = acc / gl.convert_layout(l_i, row_o)[:, None]
         lse = (m_i + gl.log2(l_i)) * 0.6931471805599453  # natural log
-        if not O_IN_Q:
-            tma.store_wait(0)  # the previous tile's output has been read out of o_smem
+        tma.store_wait(0)  # the previous tile's output has been read out of o_smem
         o_smem.index(WG).reshape([ROWS, DV]).store(out.to(dtype))
         fence_async_shared()
         tma.async_copy_shared_to_global(o_desc, [batch, head, start_m, 0], o_smem.index(WG))
-        if O_IN_Q:
-            tma.store_wait(0)
-            mbarrier.arrive(q_free.index(WG), count=1)  # the loader may now bring the next tile's Q
         offs_l = start_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
         l_ptrs = lse_ptr + batch.to(gl.int64) * stride_lb + head.to(gl.int64) * stride_lh + offs_l * stride_lm
         gl.store(l_ptrs, lse, mask=offs_l < M)
@@ -489,7 +509,7 @@ def _flash_fwd_sm90_kernel(
     q_desc, qr_desc, k_desc, kr_desc, v_desc, o_desc, lse_ptr, counter_ptr, stride_lb, stride_lh, stride_lm,
     n_tiles, n_m, bucket, H, M, N, qk_scale,
     GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, DR: gl.constexpr,
-    DV: gl.constexpr, STAGES: gl.constexpr, O_IN_Q: gl.constexpr,
+    DV: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
 ):
     """Persistent: one program per SM (or per tile, when fewer). Program p starts with tile p; its loader then takes
     the next tile nobody has taken from a global counter (an atomic add), so programs that drew light causal tiles
@@ -498,47 +518,47 @@ def _flash_fwd_sm90_kernel(
     Q and K are TMA tiles of their first D columns, and with DR > 0 a second tile each of their last DR columns
     (MLA's 128 + 64: a TMA tile's width must be a power of two); the scores add both products."""
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [CONSUMERS] + q_desc.block_type.shape, q_desc.layout)
-    k_smem = gl.allocate_shared_memory(k_desc.dtype, [STAGES] + k_desc.block_type.shape, k_desc.layout)
+    k_smem = gl.allocate_shared_memory(k_desc.dtype, [K_STAGES] + k_desc.block_type.shape, k_desc.layout)
     if DR > 0:
         qr_smem = gl.allocate_shared_memory(qr_desc.dtype, [CONSUMERS] + qr_desc.block_type.shape, qr_desc.layout)
-        kr_smem = gl.allocate_shared_memory(kr_desc.dtype, [STAGES] + kr_desc.block_type.shape, kr_desc.layout)
+        kr_smem = gl.allocate_shared_memory(kr_desc.dtype, [K_STAGES] + kr_desc.block_type.shape, kr_desc.layout)
     else:  # (not used)
         qr_smem = q_smem
         kr_smem = k_smem
-    v_smem = gl.allocate_shared_memory(v_desc.dtype, [STAGES] + v_desc.block_type.shape, v_desc.layout)
+    v_smem = gl.allocate_shared_memory(v_desc.dtype, [V_STAGES] + v_desc.block_type.shape, v_desc.layout)
     q_ready = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
     q_free = gl.allocate_shared_memory(gl.int64, [CONSUMERS, 1], mbarrier.MBarrierLayout())
-    k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    kv_free = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    if O_IN_Q:
-        o_smem = q_smem
-    else:
-        o_smem = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS] + o_desc.block_type.shape, o_desc.layout)
+    k_ready = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+    k_free = gl.allocate_shared_memory(gl.int64, [K_STAGES, 1], mbarrier.MBarrierLayout())
+    v_ready = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+    v_free = gl.allocate_shared_memory(gl.int64, [V_STAGES, 1], mbarrier.MBarrierLayout())
+    o_smem = gl.allocate_shared_memory(o_desc.dtype, [CONSUMERS] + o_desc.block_type.shape, o_desc.layout)
     tile_smem, tile_ready, tile_free = _tile_handover()
     for c in gl.static_range(CONSUMERS):
         mbarrier.init(q_ready.index(c), count=1)
         mbarrier.init(q_free.index(c), count=1)
-    for i in gl.static_range(STAGES):
+    for i in gl.static_range(K_STAGES):
         mbarrier.init(k_ready.index(i), count=1)
+        mbarrier.init(k_free.index(i), count=CONSUMERS)  # one arrival per consumer warpgroup
+    for i in gl.static_range(V_STAGES):
         mbarrier.init(v_ready.index(i), count=1)
-        mbarrier.init(kv_free.index(i), count=CONSUMERS)  # one arrival per consumer warpgroup
+        mbarrier.init(v_free.index(i), count=CONSUMERS)
     fence_async_shared()
 
     # The default partition (this program's own four warps) is consumer 0; the others are worker partitions.
     # Worker arguments cannot be constexprs computed here, so every value is passed explicitly.
     gl.warp_specialize([
-        (_consumer, (q_smem, qr_smem, k_smem, kr_smem, v_smem, o_smem, q_ready, q_free, k_ready, v_ready, kv_free,
-                     tile_smem, tile_ready, tile_free, o_desc, lse_ptr, stride_lb, stride_lh, stride_lm,
-                     n_tiles, n_m, bucket, H, M, N, qk_scale, gl.constexpr(0), CAUSAL, BLOCK_N, D, DR, DV, STAGES,
-                     O_IN_Q)),
-        (_consumer, (q_smem, qr_smem, k_smem, kr_smem, v_smem, o_smem, q_ready, q_free, k_ready, v_ready, kv_free,
-                     tile_smem, tile_ready, tile_free, o_desc, lse_ptr, stride_lb, stride_lh, stride_lm,
-                     n_tiles, n_m, bucket, H, M, N, qk_scale, gl.constexpr(1), CAUSAL, BLOCK_N, D, DR, DV, STAGES,
-                     O_IN_Q)),
+        (_consumer, (q_smem, qr_smem, k_smem, kr_smem, v_smem, o_smem, q_ready, q_free, k_ready, v_ready, k_free,
+                     v_free, tile_smem, tile_ready, tile_free, o_desc, lse_ptr, stride_lb, stride_lh, stride_lm,
+                     n_tiles, n_m, bucket, H, M, N, qk_scale, gl.constexpr(0), CAUSAL, BLOCK_N, D, DR, DV,
+                     K_STAGES, V_STAGES)),
+        (_consumer, (q_smem, qr_smem, k_smem, kr_smem, v_smem, o_smem, q_ready, q_free, k_ready, v_ready, k_free,
+                     v_free, tile_smem, tile_ready, tile_free, o_desc, lse_ptr, stride_lb, stride_lh, stride_lm,
+                     n_tiles, n_m, bucket, H, M, N, qk_scale, gl.constexpr(1), CAUSAL, BLOCK_N, D, DR, DV,
+                     K_STAGES, V_STAGES)),
         (_loader, (q_desc, qr_desc, k_desc, kr_desc, v_desc, q_smem, qr_smem, k_smem, kr_smem, v_smem, q_ready,
-                   q_free, k_ready, v_ready, kv_free, tile_smem, tile_ready, tile_free, counter_ptr, n_tiles, n_m,
-                   bucket, H, M, N, GROUP_SIZE, CAUSAL, BLOCK_N, STAGES, O_IN_Q, DR)),
+                   q_free, k_ready, v_ready, k_free, v_free, tile_smem, tile_ready, tile_free, counter_ptr, n_tiles,
+                   n_m, bucket, H, M, N, GROUP_SIZE, CAUSAL, BLOCK_N, K_STAGES, V_STAGES, DR)),
     ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
 
 
@@ -700,13 +720,10 @@ def _unread_counter(device: torch.device) -> torch.Tensor:
     return torch.zeros(1, dtype=torch.int32, device=device)
 
 
-def output_in_q(d: int, d_v: int, block_n: int, stages: int, itemsize: int = 2) -> bool:
-    """Does the forward stage each tile's output in its Q buffers? When separate output buffers would not fit the
-    program's shared memory beside Q and the K/V ring (D=128: 32 + 192 KB, and 32 more would exceed 227 KB; MLA's
-    192/128 with 128-key blocks in two stages: 48 + 160 KB, and 32 more; with CONFIGS' 64-key blocks in three
-    stages, 48 + 120 + 32 KB fit)."""
-    ring = stages * block_n * (d + d_v) * itemsize
-    return PROGRAM_ROWS * (d + d_v) * itemsize + ring > SMEM_PER_PROGRAM
+def forward_smem(d: int, d_v: int, block_n: int, k_stages: int, v_stages: int, itemsize: int = 2) -> int:
+    """Bytes of shared memory a forward program takes (the barriers aside): both consumers' Q and output buffers,
+    and the K and V rings (D=128 with CONFIGS' 2 + 3 stages: 32 + 32 + 64 + 96 KB)."""
+    return (PROGRAM_ROWS * (d + d_v) + block_n * (k_stages * d + v_stages * d_v)) * itemsize
 
 
 def qk_tiles(d: int) -> tuple[int, int]:
@@ -719,7 +736,7 @@ def qk_tiles(d: int) -> tuple[int, int]:
 def forward(q, k, v, out, lse, qk_scale: float, causal: bool, config=None):
     """Launch on inputs `supports` accepted; out (B, H_q, S_q, D) and lse (B, H_q, S_q) fp32 any strides (an out
     TMA cannot write is filled from a contiguous one). qk_scale is the softmax scale times log2(e). `config`
-    overrides CONFIGS (benchmarks)."""
+    (BLOCK_N, K stages, V stages) overrides CONFIGS (benchmarks)."""
     if not _checks.tma_readable(out):
         staged = torch.empty(out.shape, device=out.device, dtype=out.dtype)
         forward(q, k, v, staged, lse, qk_scale, causal, config)
@@ -727,20 +744,23 @@ def forward(q, k, v, out, lse, qk_scale: float, causal: bool, config=None):
         return
     b, h_q, s_q, d = q.shape
     h_kv, s_kv, d_v = k.shape[1], k.shape[2], v.shape[3]
-    block_n, stages = config or CONFIGS[(d, d_v)]
+    block_n, k_stages, v_stages = config or CONFIGS[(d, d_v)]
+    smem = forward_smem(d, d_v, block_n, k_stages, v_stages, q.element_size())
+    if smem > SMEM_PER_PROGRAM:
+        raise ValueError(f"forward config (BLOCK_N, K stages, V stages) = {(block_n, k_stages, v_stages)} takes "
+                         f"{smem // 1024} KB of shared memory at D_qk {d}, D_v {d_v}; a program has at most "
+                         f"{SMEM_PER_PROGRAM // 1024} KB: take fewer stages or narrower blocks")
     d_main, d_rope = qk_tiles(d)
     n_m = cdiv(s_q, PROGRAM_ROWS)
     n_tiles = n_m * h_q * b
     counter = tile_counter(q.device, True)
     grid = (min(n_tiles, num_sms(q.device)),)
-    o_in_q = output_in_q(d, d_v, block_n, stages, q.element_size())
-    assert d_main == d_v or not o_in_q, "the output goes through Q's first tile: their widths must match"
     launcher(_flash_fwd_sm90_kernel)[grid](
         *_qk_descriptors(q, ROWS_PER_CONSUMER), *_qk_descriptors(k, block_n), _descriptor(v, block_n),
         _descriptor(out, ROWS_PER_CONSUMER), lse, counter, *lse.stride(), n_tiles, n_m,
         bucket_size(n_m, h_q // h_kv, causal), h_q, s_q, s_kv, qk_scale,
-        GROUP_SIZE=h_q // h_kv, CAUSAL=causal, BLOCK_N=block_n, D=d_main, DR=d_rope, DV=d_v, STAGES=stages,
-        O_IN_Q=o_in_q, num_warps=4,
+        GROUP_SIZE=h_q // h_kv, CAUSAL=causal, BLOCK_N=block_n, D=d_main, DR=d_rope, DV=d_v, K_STAGES=k_stages,
+        V_STAGES=v_stages, num_warps=4,
     )
 
 
@@ -1272,8 +1292,8 @@ def _dq_load_tile(q_desc, qr_desc, do_desc, k_desc, kr_desc, v_desc, q_smem, qr_
             g = g0 + j
         else:
             g = j
-        _load_kv(k_desc, kr_desc, v_desc, k_smem, kr_smem, v_smem, k_ready, v_ready, kv_free, g, batch, kv_head,
-                 j * BLOCK_N, STAGES, DR)
+        _load_kv(k_desc, kr_desc, v_desc, k_smem, kr_smem, v_smem, k_ready, v_ready, kv_free, kv_free, g, batch,
+                 kv_head, j * BLOCK_N, STAGES, STAGES, DR)
     return g0 + n_blocks
 
 

@@ -479,9 +479,9 @@ def _compile_sm90(d, causal, which, d_v=None, group=4):
         return {f"{name}_desc": desc(rows, d_main), **({f"{name}r_desc": desc(rows, d_rest)} if d_rest else {})}
 
     if which == "forward":
-        block_n, stages = flash_sm90.CONFIGS[(d, d_v)]
-        const = dict(GROUP_SIZE=group, CAUSAL=causal, BLOCK_N=block_n, D=d_main, DR=d_rest, DV=d_v, STAGES=stages,
-                     O_IN_Q=flash_sm90.output_in_q(d, d_v, block_n, stages))
+        block_n, k_stages, v_stages = flash_sm90.CONFIGS[(d, d_v)]
+        const = dict(GROUP_SIZE=group, CAUSAL=causal, BLOCK_N=block_n, D=d_main, DR=d_rest, DV=d_v,
+                     K_STAGES=k_stages, V_STAGES=v_stages)
         rows = flash_sm90.ROWS_PER_CONSUMER
         types = dict(**qk("q", rows), **qk("k", block_n), v_desc=desc(block_n, d_v), o_desc=desc(rows, d_v),
                      lse_ptr="*fp32", counter_ptr="*i32", qk_scale="fp32")
@@ -566,6 +566,20 @@ def test_sm90_kernel_structure(d, d_v, causal):
     assert result["shared"] <= 232448, f"{result['shared']} bytes of shared memory"
     spills = spill_bytes(result["ptxas"])
     assert spills and all(a == 0 and b == 0 for a, b in spills), result["ptxas"]
+
+
+def test_sm90_forward_config_must_fit():
+    """Every forward config fits a program's shared memory (Q and output buffers, K and V rings), and a config that
+    does not (a benchmark's override) is refused with the sizes before anything launches: D=128 with three stages
+    of K and of V would take 256 KB."""
+    from attention_kernels import flash_sm90
+
+    for (d, d_v), config in flash_sm90.CONFIGS.items():
+        assert flash_sm90.forward_smem(d, d_v, *config) <= flash_sm90.SMEM_PER_PROGRAM, (d, d_v, config)
+    q, k, v = (torch.zeros(1, 2, 128, 128, dtype=torch.bfloat16) for _ in range(3))
+    out, lse = torch.empty_like(q), torch.empty(1, 2, 128)
+    with pytest.raises(ValueError, match=r"\(128, 3, 3\) takes 256 KB .* at most 227 KB"):
+        flash_sm90.forward(q, k, v, out, lse, 1.0, False, config=(128, 3, 3))
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
