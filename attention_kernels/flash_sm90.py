@@ -43,7 +43,8 @@ Forward (`forward`):
   next tile's Q could come only once the store had read it. A tile then cost about 1.6 steps more than its key
   blocks (0.9 for SDPA, from the TFLOP/s at 1024 and 4096 keys). The split rings (2 K + 3 V stages) make room for
   the output buffers; against the old kernel (GPU alone, three rounds, bitwise the same outputs): D=128 B16 S1024
-  full 1.068x, causal 1.043x, B4 S4096 1.012-1.016x, D=64 0.996-1.010x, MLA 1.00-1.01x (benchmarks/RESULTS.md).
+  full 1.068-1.071x, causal 1.043-1.045x, B4 S4096 1.012-1.016x; MLA's 192/128 1.010-1.019x, 96/64 1.038-1.043x;
+  D=64 0.993-1.013x (benchmarks/RESULTS.md, session 45).
 - MLA's 192/128: a TMA tile's width must be a power of two, so Q and K arrive as two tiles each, their first 128
   columns and their last 64, and the scores are two wgmma chains into one accumulator. 64-key blocks in three
   stages with separate output buffers (205 KB); 128-key blocks in two stages needed the output in the Q buffers
@@ -205,10 +206,12 @@ def wgmma_layout(n):
     return gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, n, 16])
 
 
-# Per (D_qk, D_v): (BLOCK_N, STAGES), measured on an H200 (see benchmarks/RESULTS.md). MLA's 192/128 (session 27,
-# forward TFLOP/s GPU alone, B4 H16 S4096 causal / full): (64, 3) 576 / 637, (64, 4) 568 / 630, (128, 2) 521 / 597.
-# MLA's 96/64 (the GPT-2-small MLA of configs/mla.py and the benchmarks; session 28, same measure, B8 H12 S1024
-# causal / B4 H16 S4096 causal / full): (128, 3) 282 / 480 / 537, (128, 2) 246 / 399 / 482, (64, 3) 257 / 406 / 452.
+# Per (D_qk, D_v): (BLOCK_N, K stages, V stages), measured on an H200 (see benchmarks/RESULTS.md). Until session 45
+# K and V shared one ring, (BLOCK_N, STAGES) below. MLA's 192/128 (session 27, forward TFLOP/s GPU alone, B4 H16
+# S4096 causal / full): (64, 3) 576 / 637, (64, 4) 568 / 630, (128, 2) 521 / 597. MLA's 96/64 (the GPT-2-small MLA
+# of configs/mla.py and the benchmarks; session 28, same measure, B8 H12 S1024 causal / B4 H16 S4096 causal / full):
+# (128, 3) 282 / 480 / 537, (128, 2) 246 / 399 / 482, (64, 3) 257 / 406 / 452. D=128 (session 45): 2 K and 3 V
+# stages, which leave room for the output's own buffers (the module docstring).
 CONFIGS = {
     (64, 64): (128, 3, 3),
     (96, 64): (128, 3, 3),
