@@ -12,7 +12,7 @@ keys at positions <= its own (a cached prefix of S_kv - S_q tokens is visible to
 Structure (FlashAttention-2, Dao 2023; Triton's fused-attention tutorial):
 - on Hopper (sm_90, fp16/bf16): separate warp-specialized kernels written in Gluon (flash_sm90.py: a TMA
   loader warp and two consumer warpgroups, FlashAttention-3's structure) run the forward at D = 128 (and at
-  D = 64: full attention at every length, causal from 2048 keys; and MLA's 192/128 and 96/64) and the backward at
+  D = 64: full attention at every length, causal from 1024 keys; and MLA's 192/128 and 96/64) and the backward at
   D = 128 and 64 and MLA's 96/64 and 192/128. On an H200
   they take the forward from 315-501 to 417-607 TFLOP/s at D = 128 (at D = 64, where they run, from 361-461 to
   416-464) and the backward from 242-408 to 319-487 at D = 128 and from 236-376 to 226-436 at D = 64, where the

@@ -221,11 +221,12 @@ CONFIGS = {
 # Fewest keys for which flash._forward prefers this kernel, per (head dim, causal); 0 where absent. At D=64 a short
 # causal tile has too few key blocks to hide its start and end. B16 H32/8 S1024 causal, TFLOP/s against the Triton
 # kernel: 293-300 vs 303-317 in three earlier runs; with the output's TMA store (session 19) 310 vs 303 in an
-# A/B run and 287 vs 306 in the grid's run, so it stays on the Triton kernel (shorter lengths lost in both: B32
-# S512 220 vs 235, B64 S256 123 vs 130). Full attention is ahead at every length, and from 2048 keys causal too
-# (B8 S2048 386 vs 357, B4 S4096 422 vs 389). benchmarks/RESULTS.md has the runs.
+# A/B run and 287 vs 306 in the grid's run. Full attention is ahead at every length, and from 2048 keys causal too
+# (B8 S2048 386 vs 357, B4 S4096 422 vs 389). Session 45, with Q released with a tile's last scores (GPU alone,
+# H32/8, three interleaved rounds): B16 S1024 322 vs 316 (pairs 1.020-1.022), B8 S2048 395 vs 386, B32 S512 227 vs
+# 232 (0.978-0.980), B64 S256 138 vs 128. So causal D=64 takes it from 1024 keys. benchmarks/RESULTS.md has the runs.
 MIN_KEYS = {
-    (64, True): 2048,
+    (64, True): 1024,
 }
 
 

@@ -774,7 +774,7 @@ def test_sm90_backward(case, monkeypatch):
 def test_sm90_forward_dispatch(monkeypatch):
     """Which inputs the Hopper forward takes (flash_sm90.supports, with the GPU check faked so that it runs
     anywhere): D = 128 and MLA's 192/128 and 96/64 at every length; D = 64 full attention at every length, causal
-    from MIN_KEYS[(64, True)] keys (2048) up, where it measured ahead of the Triton kernel; no other pair of head
+    from MIN_KEYS[(64, True)] keys (1024) up, where it measured ahead of the Triton kernel; no other pair of head
     dims."""
     from attention_kernels import flash_sm90
 
@@ -789,7 +789,7 @@ def test_sm90_forward_dispatch(monkeypatch):
 
     assert takes(128, 128, 64, True) and takes(128, 128, 64, False)
     assert takes(64, 64, 64, False) and takes(64, 64, 1024, False)
-    assert not takes(64, 64, 2047, True) and takes(64, 64, 2048, True)
+    assert not takes(64, 64, 1023, True) and takes(64, 64, 1024, True)
     assert takes(192, 128, 64, True) and takes(192, 128, 4096, False)
     assert takes(96, 64, 64, True) and takes(96, 64, 1024, True) and takes(96, 64, 4096, False)
     assert not takes(192, 64, 4096, False) and not takes(128, 64, 4096, False) and not takes(192, 192, 64, False)
@@ -871,7 +871,7 @@ def test_sm90_fused_backward_rule():
                          ids=["D64", "D192x128", "D96x64"])
 def test_sm90_forward_many_blocks(d_qk, d_v, s_kv, causal):
     """The Hopper forward over many key blocks where CASES has none: causal D = 64 takes it only from
-    MIN_KEYS[(64, True)] keys (2048) up, which no shape in CASES reaches, CASES' one full-attention D = 64 shape has
+    MIN_KEYS[(64, True)] keys (1024) up, which no shape in CASES reaches, CASES' one full-attention D = 64 shape has
     a single key block, its MLA 192/128 shape two, and none is 96/64. 200 queries over 2100 keys (D = 64; 17 key
     blocks) or 700 (192/128, whose Q and K arrive as 128 + 64 columns: 11 blocks of 64 keys; 96/64, as 64 + 32
     columns: 6 blocks of 128), a ragged last block, S_q < S_kv, GQA, fp16 and bf16, into NaN-poisoned outputs,
