@@ -458,7 +458,7 @@ def _consumer(q_smem, qr_smem, k_smem, kr_smem, v_smem, o_smem, q_ready, q_free,
         p = gl.zeros([ROWS, BLOCK_N], gl.float32, s_layout)
 
         # Causal, with key blocks of at most 64: the tile's last blocks can lie wholly past these 64 rows
-        # (_release_kv).
+        # (_skip_kv).
         n_own = n_blocks
         if CAUSAL and BLOCK_N <= ROWS:
             n_own = gl.minimum(n_blocks, gl.cdiv(q_shift + start_m + ROWS, BLOCK_N))
