@@ -867,15 +867,16 @@ def test_sm90_fused_backward_rule():
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d_qk,d_v,s_kv", [(64, 64, 2100), (192, 128, 700), (96, 64, 700)],
-                         ids=["D64", "D192x128", "D96x64"])
+@pytest.mark.parametrize("d_qk,d_v,s_kv", [(64, 64, 2100), (64, 64, 1100), (192, 128, 700), (96, 64, 700)],
+                         ids=["D64", "D64-1100", "D192x128", "D96x64"])
 def test_sm90_forward_many_blocks(d_qk, d_v, s_kv, causal):
     """The Hopper forward over many key blocks where CASES has none: causal D = 64 takes it only from
     MIN_KEYS[(64, True)] keys (1024) up, which no shape in CASES reaches, CASES' one full-attention D = 64 shape has
     a single key block, its MLA 192/128 shape two, and none is 96/64. 200 queries over 2100 keys (D = 64; 17 key
-    blocks) or 700 (192/128, whose Q and K arrive as 128 + 64 columns: 11 blocks of 64 keys; 96/64, as 64 + 32
-    columns: 6 blocks of 128), a ragged last block, S_q < S_kv, GQA, fp16 and bf16, into NaN-poisoned outputs,
-    against the reference. On other machines the Triton kernel runs the same check."""
+    blocks) or 1100 (9, just above that threshold), or over 700 (192/128, whose Q and K arrive as 128 + 64 columns:
+    11 blocks of 64 keys; 96/64, as 64 + 32 columns: 6 blocks of 128), a ragged last block, S_q < S_kv, GQA, fp16
+    and bf16, into NaN-poisoned outputs, against the reference. On other machines the Triton kernel runs the same
+    check."""
     from attention_kernels import flash_sm90
 
     case = (1, 4, 2, 200, s_kv, d_qk, d_v, causal)
