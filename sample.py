@@ -6,6 +6,7 @@ through the grouped, paged or MLA decode kernels.
     python sample.py --out_dir=out-mla --cache=none                      # the reference: recompute everything
     python sample.py --init_from=gpt2 --start="FILE:prompt.txt" --temperature=0 > out.txt
     python sample.py --out_dir=out-tiny --device=cpu --max_new_tokens=50  # CPU: plain PyTorch attention
+    python sample.py --out_dir out-gqa --cache paged                     # `--key value` works as `--key=value`
 
 --cache: auto (grouped for MHA/GQA/MQA, mla for MLA), grouped, paged, mla, none. On an MLA model "paged" means the
 paged latent cache (paged_mla, also accepted by name); grouped on an MLA model and mla on a GQA model are refused

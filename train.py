@@ -9,7 +9,7 @@ A GPT-2-small-sized GQA model on one GPU, with the Triton kernels and torch.comp
     python train.py configs/gpt2_small_gqa.py --cuda_graphs=True   # each micro-step replayed from a CUDA graph
 Stack a size file and a variant file to compare the KV cache at GPU scale (later files override earlier ones):
     python train.py configs/kv_h200.py configs/mla.py
-Override anything (`--key=value`; files and overrides apply left to right), resume exactly, or finetune GPT-2:
+Override anything (`--key=value` or `--key value`; they apply left to right), resume exactly, or finetune GPT-2:
     python train.py configs/gqa.py --batch_size=32 --max_iters=200
     python train.py configs/gqa.py --init_from=resume    # continues out-gqa/last.pt where it stopped
     python train.py --init_from=gpt2 --dataset=tinystories --learning_rate=3e-5 --block_size=512 --compile=True

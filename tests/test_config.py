@@ -40,14 +40,31 @@ def test_config_file_sees_earlier_values_and_overrides_apply_in_order(tmp_path):
     assert "_private" not in got and "math" not in got
 
 
+def test_key_space_value_is_key_equals_value(tmp_path):
+    """argparse's spelling (`sample.py --cache paged`) means what `--key=value` means, beside config files."""
+    cfg = write(tmp_path, "c.py", "n_embd = 64 * n_head\n")
+    spaced = parse_config(DEFAULTS, ["--n_head", "6", cfg, "--batch_size", "7", "--compile=True", "--dtype", "float16",
+                                     "--wandb_run_name", "2024", "--learning_rate", "-1e-4"])
+    joined = parse_config(DEFAULTS, ["--n_head=6", cfg, "--batch_size=7", "--compile=True", "--dtype=float16",
+                                     "--wandb_run_name=2024", "--learning_rate=-1e-4"])
+    assert spaced == joined
+    assert spaced["n_embd"] == 384 and spaced["batch_size"] == 7 and spaced["wandb_run_name"] == "2024"
+    assert spaced["learning_rate"] == -1e-4
+    with pytest.raises(ConfigError, match="override '--n_kv_head=4'"):  # the order checks see the joined form
+        parse_config(DEFAULTS, ["--n_kv_head", "4", write(tmp_path, "d.py", "n_kv_head = 1\n")])
+
+
 @pytest.mark.parametrize("argv, needle", [
     (["--bach_size=3"], "unknown config key 'bach_size' (did you mean batch_size?)"),
     (["--batch_size=3.5"], "batch_size=3.5 has type float, but batch_size takes type int"),
     (["--compile=1"], "compile=1 has type int, but compile takes type bool"),
     (["--learning_rate=fast"], "learning_rate='fast' has type str"),
-    (["--batch_size"], "expected --key=value"),
+    (["--batch_size"], "expected --key=value or --key value"),
+    (["--batch_size", "--compile=True"], "override '--batch_size': expected --key=value or --key value"),
+    (["--compile", "maybe"], "compile='maybe' has type str, but compile takes type bool"),
     (["missing_config.py"], "no such file"),
-], ids=["unknown-key", "float-for-int", "int-for-bool", "str-for-float", "no-value", "missing-file"])
+], ids=["unknown-key", "float-for-int", "int-for-bool", "str-for-float", "no-value", "no-value-before-override",
+        "spaced-wrong-type", "missing-file"])
 def test_bad_arguments_fail_with_clear_message(argv, needle):
     with pytest.raises(ConfigError) as e:
         parse_config(DEFAULTS, argv)
