@@ -488,10 +488,24 @@ def load_model(cfg: dict):
     path = os.path.join(directory, "best.pt")
     if not os.path.isfile(path):
         path = os.path.join(directory, "last.pt")
+    if not os.path.isfile(path):
+        option = "--out_dir" if cfg["init_from"] == "resume" else "--init_from"
+        raise ValueError(f"{option}: no checkpoint in {directory!r} (best.pt or last.pt; train.py writes them to its "
+                         f"out_dir); valid: {_checkpoint_dirs()}")
     ckpt = load_checkpoint(path, map_location="cpu", required_keys=("model", "model_args", "tokenizer"))
     model = model_from_checkpoint(ckpt, path)
     print(f"loaded {path} (iter {ckpt.get('iter_num', '?')})", file=sys.stderr)
     return model, ckpt["tokenizer"], ckpt.get("config", {})
+
+
+def _checkpoint_dirs() -> str:
+    """The directories under the current one that hold a checkpoint, as --out_dir values, or what to do instead."""
+    found = sorted(d for d in os.listdir(".") if os.path.isdir(d) and any(
+        os.path.isfile(os.path.join(d, name)) for name in ("best.pt", "last.pt")))
+    if not found:
+        return "a directory train.py has written (e.g. python train.py configs/gqa.py, then --out_dir=out-gqa), or " \
+               "--init_from=gpt2"
+    return ", ".join(f"--out_dir={d}" for d in found)
 
 
 def read_start(start: str) -> str:

@@ -364,6 +364,27 @@ def test_sample_py_bad_checkpoint_and_prompt_sources(tmp_path, monkeypatch):
         sample.main([f"--init_from={tmp_path}", "--device=cpu"])
 
 
+def test_sample_py_names_the_checkpoints_it_can_find(tmp_path, monkeypatch):
+    """An --out_dir without best.pt or last.pt (train.py configs/gqa.py writes out-gqa, sample.py reads out by
+    default) names the directories here that hold one, or says how to make one."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=r"--out_dir: no checkpoint in 'out' \(best.pt or last.pt; .*valid: a "
+                                         r"directory train.py has written .*--init_from=gpt2"):
+        sample.main(["--device=cpu"])
+    for name in ("out-gqa", "out-mla", "empty"):
+        (tmp_path / name).mkdir()
+    _checkpoint(tmp_path / "out-gqa", "gqa")
+    _checkpoint(tmp_path / "out-mla")
+    with pytest.raises(ValueError, match=r"--out_dir: no checkpoint in 'out' .*; valid: --out_dir=out-gqa, "
+                                         r"--out_dir=out-mla$"):
+        sample.main(["--device=cpu", "--cache", "paged"])
+    with pytest.raises(ValueError, match=r"--init_from: no checkpoint in '.*empty' .*; valid: --out_dir=out-gqa"):
+        sample.main([f"--init_from={tmp_path / 'empty'}", "--device=cpu"])
+    summary = sample.main(["--out_dir", "out-gqa", "--cache", "paged", "--page_size", "8", "--device=cpu",
+                           "--start", "HELLO, ", "--max_new_tokens", "4", "--num_samples", "1"])
+    assert summary["prefill_tokens"] == 7 and summary["decode_tokens"] == 3
+
+
 def test_sample_py_error_is_a_message_not_a_traceback(tmp_path):
     _checkpoint(tmp_path)
     run = subprocess.run([sys.executable, os.path.join(REPO, "sample.py"), f"--init_from={tmp_path}",
