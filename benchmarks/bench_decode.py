@@ -30,7 +30,7 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from common import ceilings, env, header, print_table, rotated_ms, rotation  # noqa: E402
+from common import ceilings, env, header, print_table, require_cuda, rotated_ms, rotation  # noqa: E402
 
 from attention_kernels import decode as decode_mod  # noqa: E402
 from attention_kernels import mla as mla_mod  # noqa: E402
@@ -355,6 +355,7 @@ def main():
     args = parser.parse_args()
     if args.rounds < 1:
         raise SystemExit(f"--rounds {args.rounds}: expected at least 1")
+    require_cuda("bench_decode.py")
     torch.manual_seed(0)
     print(header())
     ceil = ceilings()

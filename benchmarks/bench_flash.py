@@ -31,7 +31,15 @@ import torch.nn.functional as F
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from attention_kernels import flash, flash_gqa_attention  # noqa: E402
-from benchmarks.common import bench_gpu_interleaved_ms, bench_ms, ceilings, env, header, print_table  # noqa: E402
+from benchmarks.common import (  # noqa: E402
+    bench_gpu_interleaved_ms,
+    bench_ms,
+    ceilings,
+    env,
+    header,
+    print_table,
+    require_cuda,
+)
 
 # (B, H_q, H_kv, S, D_qk, D_v, causal); B * S = 16k tokens per shape.
 QUICK = [
@@ -244,6 +252,7 @@ def main():
     args = parser.parse_args()
     if args.rounds < 1:
         raise SystemExit(f"--rounds {args.rounds}: expected at least 1")
+    require_cuda("bench_flash.py")
     dtype = getattr(torch, args.dtype)
     shapes = grid_part(QUICK if args.quick else full_grid(), args.part)
     print(header())

@@ -27,7 +27,10 @@ import statistics
 import sys
 import time
 
-if "--device=cpu" in sys.argv:  # the Triton kernels run on CPU tensors under the interpreter (set before import)
+# --device=cpu (or --device cpu): the Triton kernels run on CPU tensors under the interpreter, set before import.
+_device = argparse.ArgumentParser(add_help=False)
+_device.add_argument("--device")
+if _device.parse_known_args()[0].device == "cpu":
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import torch  # noqa: E402

@@ -20,6 +20,16 @@ def header() -> str:
             f"triton {triton.__version__}")
 
 
+def require_cuda(script: str):
+    """Exit with what to run instead where there is no CUDA GPU: these benchmarks time kernels against SDPA and the
+    machine's ceilings, which only a GPU has."""
+    if not torch.cuda.is_available():
+        raise SystemExit(f"{script} times the kernels on a CUDA GPU, and torch sees none here; on the CPU, "
+                         "`pytest -n auto` runs the kernels under the Triton interpreter, and `benchmarks/"
+                         "bench_generate.py --device=cpu --tiny` and `bench_train.py --device=cpu --tiny` are smoke "
+                         "runs of the benchmark code")
+
+
 @contextlib.contextmanager
 def env(name: str, value: str):
     """Environment variable `name` set to `value` inside the block (the kernels' switches, e.g. ZOO_MLA_SM90=0 to
