@@ -29,7 +29,7 @@ import torch  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import ceilings, header, print_table  # noqa: E402
+from benchmarks.common import ceilings, header, print_table, require_cuda  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 from sample import generate  # noqa: E402
 
@@ -80,7 +80,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--batches", default="1,64")
+    p.add_argument("--batches", default=None, help="comma-separated (default 1,64; with --tiny 1,4)")
     p.add_argument("--variants", default="mha,gqa,mqa,mla")
     p.add_argument("--prompt_len", type=int, default=512)
     p.add_argument("--new_tokens", type=int, default=64)
@@ -90,6 +90,9 @@ def main():
     args = p.parse_args()
     if args.tiny:
         args.prompt_len, args.new_tokens = min(args.prompt_len, 32), min(args.new_tokens, 8)
+    args.batches = args.batches or ("1,4" if args.tiny else "1,64")
+    if args.device == "cuda":
+        require_cuda("bench_generate.py (without --device=cpu)")
     print(header())
     if args.device == "cuda":
         print("ceilings: " + ", ".join(f"{k} {v:.1f}" for k, v in ceilings().items()))
