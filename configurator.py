@@ -4,12 +4,13 @@
 
 Each argument is either a config file (a Python file whose top-level assignments override the defaults; it may read
 the values set before it, e.g. `n_embd = 64 * n_head`; names starting with `_` are its private helpers) or a
-`--key=value` override (or `--key value`, as two arguments); they apply left to right. Values are parsed with
-`ast.literal_eval` (so `--dropout=0.1`, `--bias=True`, `--n_kv_head=None`) and fall back to the raw string
-(`--dtype=bfloat16`). Every value is checked against the type of its default: an int is accepted for a float, a
-`None` default accepts anything, and a `str` default takes the raw text (so `--wandb_run_name=2024` stays the string
-"2024"). An unknown key or a value of the wrong type raises `ConfigError` naming it and listing the valid keys,
-before anything runs; so does a config file that fails to run (a misspelt name: its line and the names it may read).
+`--key=value` override (or `--key value`, as two arguments; a bool key alone, `--compile`, is `--compile=True`);
+they apply left to right. Values are parsed with `ast.literal_eval` (so `--dropout=0.1`, `--bias=True`,
+`--n_kv_head=None`) and fall back to the raw string (`--dtype=bfloat16`). Every value is checked against the type of
+its default: an int is accepted for a float, a `None` default accepts anything, and a `str` default takes the raw
+text (so `--wandb_run_name=2024` stays the string "2024"). An unknown key or a value of the wrong type raises
+`ConfigError` naming it and listing the valid keys, before anything runs; so does a config file that fails to run (a
+misspelt name: its line and the names it may read).
 
 Order matters, and a wrong order is an error rather than a silent surprise:
 - a config file that derives values from a key (`n_kv_head = n_head // 4`) fixes them when it runs, so that key
@@ -37,7 +38,7 @@ class ConfigError(ValueError):
 
 def parse_config(defaults: dict, argv: list[str]) -> dict:
     """Return a copy of `defaults` with the config files and `--key=value` overrides of `argv` applied in order."""
-    argv = _joined(argv)
+    argv = _joined(argv, defaults)
     config = dict(defaults)
     kept: dict[str, str] = {}  # key -> the override its value carries, until a file replaces it without reading it
     derived: dict[str, tuple[set[str], str]] = {}  # key -> (the keys a config file computed it from, that file)
@@ -90,20 +91,22 @@ def parse_config(defaults: dict, argv: list[str]) -> dict:
     return config
 
 
-def _joined(argv: list[str]) -> list[str]:
-    """argparse's spelling too: `--key value` (two arguments) becomes `--key=value`. A `--key` with nothing after it,
-    or another `--` argument, is left alone for `_parse_override` to refuse."""
+def _joined(argv: list[str], defaults: dict) -> list[str]:
+    """argparse's spellings too: `--key value` (two arguments) becomes `--key=value`, and a bool key alone
+    (`--wandb_log`, not followed by True or False) `--key=True`. Any other `--key` with nothing after it, or another
+    `--` argument, is left alone for `_parse_override` to refuse."""
     out: list[str] = []
     i = 0
     while i < len(argv):
-        arg = argv[i]
-        if arg.startswith("--") and len(arg) > 2 and "=" not in arg and i + 1 < len(argv) \
-                and not argv[i + 1].startswith("--"):
-            out.append(f"{arg}={argv[i + 1]}")
-            i += 2
-        else:
-            out.append(arg)
-            i += 1
+        arg, after = argv[i], argv[i + 1] if i + 1 < len(argv) else None
+        i += 1
+        if arg.startswith("--") and len(arg) > 2 and "=" not in arg:
+            if isinstance(defaults.get(arg[2:]), bool) and after not in ("True", "False"):
+                arg += "=True"
+            elif after is not None and not after.startswith("--"):
+                arg += f"={after}"
+                i += 1
+        out.append(arg)
     return out
 
 

@@ -50,6 +50,10 @@ def test_key_space_value_is_key_equals_value(tmp_path):
     assert spaced == joined
     assert spaced["n_embd"] == 384 and spaced["batch_size"] == 7 and spaced["wandb_run_name"] == "2024"
     assert spaced["learning_rate"] == -1e-4
+    # A bool key alone is True (argparse's store_true), unless True or False follows it.
+    assert parse_config(DEFAULTS, ["--compile", cfg])["compile"] is True
+    assert parse_config(DEFAULTS, ["--compile=True", "--compile", "False"])["compile"] is False
+    assert parse_config(DEFAULTS, ["--batch_size", "3", "--compile"]) == {**DEFAULTS, "batch_size": 3, "compile": True}
     with pytest.raises(ConfigError, match="override '--n_kv_head=4'"):  # the order checks see the joined form
         parse_config(DEFAULTS, ["--n_kv_head", "4", write(tmp_path, "d.py", "n_kv_head = 1\n")])
 
@@ -61,10 +65,11 @@ def test_key_space_value_is_key_equals_value(tmp_path):
     (["--learning_rate=fast"], "learning_rate='fast' has type str"),
     (["--batch_size"], "expected --key=value or --key value"),
     (["--batch_size", "--compile=True"], "override '--batch_size': expected --key=value or --key value"),
-    (["--compile", "maybe"], "compile='maybe' has type str, but compile takes type bool"),
+    (["--batch_size", "many"], "batch_size='many' has type str, but batch_size takes type int"),
+    (["--compile", "1"], "config file '1': no such file"),  # a bool key alone is True; then "1" is an argument
     (["missing_config.py"], "no such file"),
 ], ids=["unknown-key", "float-for-int", "int-for-bool", "str-for-float", "no-value", "no-value-before-override",
-        "spaced-wrong-type", "missing-file"])
+        "spaced-wrong-type", "bare-bool-then-a-stray-value", "missing-file"])
 def test_bad_arguments_fail_with_clear_message(argv, needle):
     with pytest.raises(ConfigError) as e:
         parse_config(DEFAULTS, argv)
