@@ -36,6 +36,20 @@ class ConfigError(ValueError):
     """A bad config file, an unknown key or a value of the wrong type."""
 
 
+def wants_help(argv: list[str]) -> bool:
+    return any(arg in ("-h", "--help") for arg in argv)
+
+
+def help_text(doc: str, defaults: dict) -> str:
+    """A script's docstring, then every config key with its default, as it would be written on the command line."""
+    def shown(value):
+        return value if isinstance(value, str) and value and " " not in value else repr(value)
+
+    keys = "\n".join(f"  --{key}={shown(value)}" for key, value in defaults.items())
+    return (f"{doc.strip()}\n\nConfig keys and their defaults (set with --key=value, --key value, a bool key alone "
+            f"for True, or a config file):\n{keys}")
+
+
 def parse_config(defaults: dict, argv: list[str]) -> dict:
     """Return a copy of `defaults` with the config files and `--key=value` overrides of `argv` applied in order."""
     argv = _joined(argv, defaults)

@@ -639,6 +639,11 @@ def log_wandb(summary: dict, train_cfg: dict, cfg: dict):
 
 
 if __name__ == "__main__":
+    from configurator import help_text, wants_help
+
+    if wants_help(sys.argv[1:]):
+        print(help_text(__doc__, DEFAULTS))
+        sys.exit(0)
     try:
         main(sys.argv[1:])
     except (ValueError, CacheFullError, OSError) as e:  # bad options, lengths, checkpoints, pools, GPT-2 offline

@@ -57,7 +57,7 @@ from checkpoint import (
     model_from_checkpoint,
     save_checkpoint,
 )
-from configurator import ConfigError, parse_config
+from configurator import ConfigError, help_text, parse_config, wants_help
 from data import DataError, ensure_dataset
 from model import GPT, GPT2_NAMES, GPTConfig
 
@@ -796,6 +796,9 @@ def training_state(raw_model, optimizer, scaler, sampler, config, iter_num, best
                 scaler=scaler.state_dict(), rng=rng, data_state=sampler.state_dict(), tokenizer=meta["tokenizer"])
 
 if __name__ == "__main__":
+    if wants_help(sys.argv[1:]):
+        print(help_text(__doc__, DEFAULTS))
+        sys.exit(0)
     try:
         result = main()
     except (ConfigError, DataError, CheckpointError, NonFiniteLoss) as e:  # a message, not a traceback

@@ -3,6 +3,8 @@ corruption-checked checkpoints. Plus: every shipped config file parses and build
 
 import glob
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -76,6 +78,19 @@ def test_bad_arguments_fail_with_clear_message(argv, needle):
     assert needle in str(e.value)
     if "--" in argv[0] and "=" in argv[0]:
         assert "valid keys: batch_size, betas, compile" in str(e.value)
+
+
+@pytest.mark.parametrize("script, first_line", [("train.py", "Train a GPT with MHA, GQA, MQA or MLA attention"),
+                                                 ("sample.py", "Sample from a trained model (or GPT-2)")])
+def test_help_lists_the_keys_and_their_defaults(script, first_line):
+    """`--help` / `-h`: the script's docstring (its commands), then every key as it is written on the command line."""
+    for flag in ("--help", "-h"):
+        run = subprocess.run([sys.executable, os.path.join(ROOT, script), "configs/gqa.py", flag], capture_output=True,
+                             text=True, timeout=120, cwd=ROOT)
+        assert run.returncode == 0 and run.stderr == "", run.stderr
+        assert run.stdout.startswith(first_line)
+        assert "\nConfig keys and their defaults" in run.stdout and "\n  --compile=False\n" in run.stdout
+        assert "\n  --device=" in run.stdout and "\n  --out_dir=out\n" in run.stdout
 
 
 def test_bad_config_file(tmp_path):
