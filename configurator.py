@@ -36,8 +36,9 @@ class ConfigError(ValueError):
     """A bad config file, an unknown key or a value of the wrong type."""
 
 
-def wants_help(argv: list[str]) -> bool:
-    return any(arg in ("-h", "--help") for arg in argv)
+def wants_help(argv: list[str], defaults: dict) -> bool:
+    """-h or --help among the arguments, not as an override's value (`--start -h` is a prompt)."""
+    return any(arg in ("-h", "--help") for arg in _joined(argv, defaults))
 
 
 def help_text(doc: str, defaults: dict) -> str:
@@ -114,7 +115,7 @@ def _joined(argv: list[str], defaults: dict) -> list[str]:
     while i < len(argv):
         arg, after = argv[i], argv[i + 1] if i + 1 < len(argv) else None
         i += 1
-        if arg.startswith("--") and len(arg) > 2 and "=" not in arg:
+        if arg.startswith("--") and len(arg) > 2 and "=" not in arg and arg != "--help":
             if isinstance(defaults.get(arg[2:]), bool) and after not in ("True", "False"):
                 arg += "=True"
             elif after is not None and not after.startswith("--"):

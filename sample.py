@@ -641,7 +641,7 @@ def log_wandb(summary: dict, train_cfg: dict, cfg: dict):
 if __name__ == "__main__":
     from configurator import help_text, wants_help
 
-    if wants_help(sys.argv[1:]):
+    if wants_help(sys.argv[1:], DEFAULTS):
         print(help_text(__doc__, DEFAULTS))
         sys.exit(0)
     try:

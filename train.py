@@ -796,7 +796,7 @@ def training_state(raw_model, optimizer, scaler, sampler, config, iter_num, best
                 scaler=scaler.state_dict(), rng=rng, data_state=sampler.state_dict(), tokenizer=meta["tokenizer"])
 
 if __name__ == "__main__":
-    if wants_help(sys.argv[1:]):
+    if wants_help(sys.argv[1:], DEFAULTS):
         print(help_text(__doc__, DEFAULTS))
         sys.exit(0)
     try:

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from checkpoint import TRAIN_KEYS, CheckpointError, clean_state_dict, load_checkpoint, save_checkpoint
-from configurator import ConfigError, parse_config
+from configurator import ConfigError, parse_config, wants_help
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULTS = dict(batch_size=12, learning_rate=6e-4, compile=False, dtype="bfloat16", wandb_run_name="run",
@@ -91,6 +91,14 @@ def test_help_lists_the_keys_and_their_defaults(script, first_line):
         assert run.stdout.startswith(first_line)
         assert "\nConfig keys and their defaults" in run.stdout and "\n  --compile=False\n" in run.stdout
         assert "\n  --device=" in run.stdout and "\n  --out_dir=out\n" in run.stdout
+
+
+def test_help_is_asked_for_only_outside_values():
+    for argv in (["--help"], ["-h"], ["configs/gqa.py", "--help", "configs/mla.py"], ["--compile", "-h"],
+                 ["--batch_size", "--help"]):
+        assert wants_help(argv, DEFAULTS), argv
+    for argv in (["--dtype", "-h"], ["--dtype=--help"], ["--batch_size=3"]):  # a value, not a request
+        assert not wants_help(argv, DEFAULTS), argv
 
 
 def test_bad_config_file(tmp_path):
