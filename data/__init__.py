@@ -174,6 +174,15 @@ def load_dataset_dir(directory: str) -> TokenData:
     return TokenData(train=splits[0], val=splits[1], meta=meta)
 
 
+def prepared_datasets() -> list[str]:
+    """The datasets prepared under data/ other than the built-in names (`data.prepare char --name=NAME`)."""
+    from data import prepare
+
+    builtin = {"pydoc", "char", *prepare.HUB_DATASETS}
+    return sorted(d for d in os.listdir(DATA_ROOT) if d not in builtin
+                  and os.path.isfile(os.path.join(DATA_ROOT, d, "meta.json")))
+
+
 def ensure_dataset(name: str, data_dir: str = "") -> TokenData:
     """Load dataset `name` (from `data_dir` when given, else data/<name>/). The embedded `pydoc` dataset is prepared
     on first use; the others must be prepared first with `python -m data.prepare NAME`."""
@@ -192,8 +201,10 @@ def ensure_dataset(name: str, data_dir: str = "") -> TokenData:
                 f"(it needs the network for hub datasets); {OFFLINE_HINT}"
             )
         else:
-            valid = ", ".join(["pydoc", "char", *prepare.HUB_DATASETS])
-            raise DataError(f"dataset: got {name!r} with no prepared data in {directory}; valid: {valid}")
+            valid = ", ".join(["pydoc", "char", *prepare.HUB_DATASETS, *prepared_datasets()])
+            raise DataError(f"dataset: got {name!r} with no prepared data in {directory}; valid: {valid}, or a text "
+                            f"file of your own prepared as {name!r} (`python -m data.prepare char --input=FILE "
+                            f"--name={name}`)")
     loaded = load_dataset_dir(directory)
     _check_source(name, directory, loaded.meta.get("source"))
     return loaded

@@ -125,11 +125,23 @@ def test_offline_tokenizer_fails_naming_pydoc(monkeypatch):
         get_tokenizer({"kind": "tiktoken", "encoding": "gpt2", "vocab_size": 50257, "eot_token": 50256})
 
 
-def test_unprepared_and_unknown_datasets(tmp_path):
+def test_unprepared_and_unknown_datasets(tmp_path, monkeypatch):
     with pytest.raises(DataError, match=r"run `python -m data.prepare tinystories` first.*--dataset=pydoc"):
         ensure_dataset("tinystories", str(tmp_path / "ts"))
     with pytest.raises(DataError, match="valid: pydoc, char, tinystories, fineweb_edu, openwebtext"):
         ensure_dataset("shakespeare", str(tmp_path / "sh"))
+    # An unknown name lists the datasets prepared under data/ too, and how to prepare one's own text under it.
+    monkeypatch.setattr(data, "DATA_ROOT", str(tmp_path / "root"))
+    text = tmp_path / "a.txt"
+    text.write_text("some text to model, " * 20)
+    prep.main(["char", f"--input={text}", "--name=book"])
+    ensure_dataset("pydoc")  # built in: not listed twice
+    with pytest.raises(DataError, match=r"got 'shakespeare' with no prepared data in .*root/shakespeare; valid: "
+                                        r"pydoc, char, tinystories, fineweb_edu, openwebtext, book, or a text file "
+                                        r"of your own prepared as 'shakespeare' \(`python -m data.prepare char "
+                                        r"--input=FILE --name=shakespeare`\)"):
+        ensure_dataset("shakespeare")
+    assert len(ensure_dataset("book").train) > 0
     with pytest.raises(DataError, match="meta\\['kind'\\]: got 'bpe'"):
         get_tokenizer({"kind": "bpe"})
 
