@@ -620,18 +620,19 @@ def log_wandb(summary: dict, train_cfg: dict, cfg: dict):
     except ImportError:
         print("wandb_log: wandb is not installed (pip install wandb); skipped", file=sys.stderr)
         return
+    from train import open_wandb_run
+
     run_name = train_cfg.get("wandb_run_name") or summary["attention"]
+    # The run's files go beside the checkpoint's training run (GPT-2 from the hub: here), so that
+    # `wandb sync out-*/wandb/offline-run-*` uploads both.
+    checkpoint_dir = cfg["out_dir"] if cfg["init_from"] == "resume" else cfg["init_from"]
     kwargs = dict(project=train_cfg.get("wandb_project") or "attention-zoo",
                   group=train_cfg.get("wandb_group") or None, job_type="sample",
-                  name=f"{run_name}-sample-{summary['cache']}", config={**cfg, "train": train_cfg})
-    netrc = os.path.join(os.path.expanduser("~"), ".netrc")
-    online = os.environ.get("WANDB_API_KEY") or (os.path.isfile(netrc) and "api.wandb.ai" in open(netrc).read())
-    mode = os.environ.get("WANDB_MODE") or ("online" if online else "offline")
-    try:
-        run = wandb.init(mode=mode, settings=wandb.Settings(init_timeout=30), **kwargs)
-    except Exception as e:  # no network: keep the numbers locally
-        print(f"wandb_log: online init failed ({type(e).__name__}); logging offline", file=sys.stderr)
-        run = wandb.init(mode="offline", **kwargs)
+                  name=f"{run_name}-sample-{summary['cache']}", config={**cfg, "train": train_cfg},
+                  dir=os.environ.get("WANDB_DIR") or (checkpoint_dir if os.path.isdir(checkpoint_dir) else "."))
+    run = open_wandb_run(wandb, kwargs, "the numbers above are not logged", log=lambda m: print(m, file=sys.stderr))
+    if run is None:
+        return
     numbers = {f"sample/{k}": v for k, v in summary.items() if isinstance(v, (int, float))}
     run.log(numbers)
     run.summary.update(numbers)

@@ -485,22 +485,28 @@ def init_wandb(config: dict, model: GPT):
                    kv_cache_bytes_per_token=model.kv_cache_bytes_per_token())
     kwargs = dict(project=config["wandb_project"], group=config["wandb_group"], name=name, config=summary,
                   dir=os.environ.get("WANDB_DIR") or config["out_dir"])  # each run's files beside its checkpoints
+    run = open_wandb_run(wandb, kwargs, "metrics go to metrics.jsonl only")
+    if run is not None:
+        run.summary.update({k: summary[k] for k in ("params", "kv_cache_bytes_per_token")})
+    return run
+
+
+def open_wandb_run(wandb, kwargs: dict, without: str, log=print):
+    """wandb.init(**kwargs): online with credentials (or WANDB_MODE), else offline, never blocking; None, after
+    saying so through `log` (`without`: what happens instead), when not even an offline run can start."""
     mode = os.environ.get("WANDB_MODE") or ("online" if _wandb_has_credentials() else "offline")
-    run = None
     if mode != "offline":
         try:
-            run = wandb.init(mode=mode, settings=wandb.Settings(init_timeout=20), **kwargs)
-        except Exception as e:  # network down, bad key, service unreachable: keep training, log offline
-            print(f"wandb: online init failed ({type(e).__name__}: {e}); falling back to offline mode")
-    if run is None:
-        try:
-            run = wandb.init(mode="offline", **kwargs)
-        except Exception as e:  # an unwritable WANDB_DIR, a broken install: train on, metrics.jsonl still has it all
-            print(f"wandb: offline init failed too ({type(e).__name__}: {e}); metrics go to metrics.jsonl only")
-            return None
-        print(f"wandb: offline run in {os.path.dirname(run.dir)}; upload it later with: "
-              f"wandb sync {os.path.dirname(run.dir)}")
-    run.summary.update({k: summary[k] for k in ("params", "kv_cache_bytes_per_token")})
+            return wandb.init(mode=mode, settings=wandb.Settings(init_timeout=20), **kwargs)
+        except Exception as e:  # network down, bad key, service unreachable: go on, offline
+            log(f"wandb: online init failed ({type(e).__name__}: {e}); falling back to offline mode")
+    try:
+        run = wandb.init(mode="offline", **kwargs)
+    except Exception as e:  # an unwritable WANDB_DIR, a broken install
+        log(f"wandb: offline init failed too ({type(e).__name__}: {e}); {without}")
+        return None
+    where = os.path.dirname(run.dir)
+    log(f"wandb: offline run in {where}; upload it later with: wandb sync {where}")
     return run
 
 

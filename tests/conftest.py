@@ -98,6 +98,29 @@ def check_dependent_chain(step, x0: torch.Tensor, check, monkeypatch, links: int
         assert all(torch.equal(a, b) for a, b in zip(plain, replayed))
 
 
+def read_wandb_records(path):
+    """Records of a .wandb file: a LevelDB-style log (7-byte file header, 32 KiB blocks, 7-byte record headers:
+    crc32 u32, length u16, type u8 with FULL=1 FIRST=2 MIDDLE=3 LAST=4), each payload a wandb Record protobuf."""
+    from wandb.proto import wandb_internal_pb2
+
+    data = open(path, "rb").read()
+    assert data[:4] == b":W&B", "not a wandb run file"
+    pos, block, payload, records = 7, 32768, b"", []
+    while pos + 7 <= len(data):
+        if block - pos % block < 7:  # a block's tail too short for a header is zero padding
+            pos += block - pos % block
+            continue
+        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
+        payload += data[pos + 7 : pos + 7 + length]
+        pos += 7 + length
+        if kind in (1, 4):
+            record = wandb_internal_pb2.Record()
+            record.ParseFromString(payload)
+            records.append(record)
+            payload = b""
+    return records
+
+
 def ragged_lens(batch: int, s_max: int) -> torch.Tensor:
     """Sequence lengths in [1, s_max] on DEVICE (int32) that always include s_max and 1 (when batch allows)."""
     lens = torch.randint(1, s_max + 1, (batch,))

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 import torch
-from conftest import DEVICE, KERNEL_DTYPES, TOLERANCES
+from conftest import DEVICE, KERNEL_DTYPES, TOLERANCES, read_wandb_records
 
 import sample
 from model import GPT, GPTConfig
@@ -265,6 +265,29 @@ def test_sample_py_end_to_end(tmp_path):
     assert run.returncode == 0, run.stderr
     assert run.stdout == f"{expected_text}\n---------------\n{expected_text}\n"
     assert "decode:" in run.stderr and "tokens/s" in run.stderr and "bytes/token" in run.stderr
+
+
+def test_sample_py_wandb_run_lands_beside_the_checkpoint(tmp_path):
+    """--wandb_log (a bool key alone) without credentials: an offline run in the checkpoint's directory, where
+    train.py's runs are (`wandb sync out-*/wandb/offline-run-*` takes both), with the decode statistics; stdout stays
+    the sample text alone."""
+    pytest.importorskip("wandb")
+    ckpt = tmp_path / "out-mla"
+    ckpt.mkdir()
+    _checkpoint(ckpt)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
+    env.update(PYTHONPATH=REPO, HOME=str(tmp_path))  # no ~/.netrc: no credentials
+    run = subprocess.run([sys.executable, os.path.join(REPO, "sample.py"), "--out_dir", "out-mla", "--device=cpu",
+                          "--start=HELLO, ", "--max_new_tokens=5", "--num_samples=1", "--wandb_log"],
+                         capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.startswith("HELLO, ") and "wandb" not in run.stdout
+    runs = list(ckpt.glob("wandb/offline-run-*/run-*.wandb"))
+    assert len(runs) == 1 and not (tmp_path / "wandb").exists(), os.listdir(tmp_path)
+    assert f"wandb sync {os.path.join('out-mla', 'wandb', runs[0].parent.name)}" in run.stderr
+    history = [{i.key or "/".join(i.nested_key) for i in r.history.item}
+               for r in read_wandb_records(runs[0]) if r.WhichOneof("record_type") == "history"]
+    assert {"sample/decode_tokens", "sample/prefill_tokens"} <= set().union(*history), history
 
 
 def test_sample_py_stops_at_end_of_text(tmp_path, monkeypatch, capsys):

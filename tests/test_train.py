@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from conftest import DEVICE
+from conftest import DEVICE, read_wandb_records
 
 import train
 from checkpoint import TRAIN_KEYS, CheckpointError, load_checkpoint, save_checkpoint
@@ -140,29 +140,6 @@ def test_ddp_two_gloo_processes_match_one_process(data_dir, tmp_path):
         assert m_ddp["iter"] == m_one["iter"]
         assert m_ddp["val_loss"] == pytest.approx(m_one["val_loss"], rel=1e-5)
         assert m_ddp["train_loss"] == pytest.approx(m_one["train_loss"], rel=1e-5)
-
-
-def read_wandb_records(path):
-    """Records of a .wandb file: a LevelDB-style log (7-byte file header, 32 KiB blocks, 7-byte record headers:
-    crc32 u32, length u16, type u8 with FULL=1 FIRST=2 MIDDLE=3 LAST=4), each payload a wandb Record protobuf."""
-    from wandb.proto import wandb_internal_pb2
-
-    data = open(path, "rb").read()
-    assert data[:4] == b":W&B", "not a wandb run file"
-    pos, block, payload, records = 7, 32768, b"", []
-    while pos + 7 <= len(data):
-        if block - pos % block < 7:  # a block's tail too short for a header is zero padding
-            pos += block - pos % block
-            continue
-        length, kind = int.from_bytes(data[pos + 4 : pos + 6], "little"), data[pos + 6]
-        payload += data[pos + 7 : pos + 7 + length]
-        pos += 7 + length
-        if kind in (1, 4):
-            record = wandb_internal_pb2.Record()
-            record.ParseFromString(payload)
-            records.append(record)
-            payload = b""
-    return records
 
 
 def test_wandb_without_credentials_writes_an_offline_run(data_dir, tmp_path):
