@@ -29,6 +29,7 @@ from __future__ import annotations
 import ast
 import difflib
 import os
+import re
 import traceback
 
 
@@ -41,14 +42,26 @@ def wants_help(argv: list[str], defaults: dict) -> bool:
     return any(arg in ("-h", "--help") for arg in _joined(argv, defaults))
 
 
-def help_text(doc: str, defaults: dict) -> str:
-    """A script's docstring, then every config key with its default, as it would be written on the command line."""
+def help_text(doc: str, defaults: dict, source: str) -> str:
+    """A script's docstring, then every config key with its default as it would be written on the command line,
+    with the section headings and notes of the `DEFAULTS = dict(...)` block in `source` (the script's file)."""
     def shown(value):
         return value if isinstance(value, str) and value and " " not in value else repr(value)
 
-    keys = "\n".join(f"  --{key}={shown(value)}" for key, value in defaults.items())
+    text = open(source, encoding="utf-8").read()
+    start = text.index("DEFAULTS = dict(\n")
+    lines, listed = [], set()
+    for line in text[start:text.index("\n)\n", start)].splitlines()[1:]:
+        setting = re.match(r"\s*(\w+)=.*?,(\s+#.*)?$", line)
+        if setting and setting.group(1) in defaults:
+            key = setting.group(1)
+            lines.append(f"  --{key}={shown(defaults[key])}{setting.group(2) or ''}")
+            listed.add(key)
+        elif line.strip().startswith("#"):
+            lines.append(line.strip())
+    lines += [f"  --{key}={shown(value)}" for key, value in defaults.items() if key not in listed]
     return (f"{doc.strip()}\n\nConfig keys and their defaults (set with --key=value, --key value, a bool key alone "
-            f"for True, or a config file):\n{keys}")
+            "for True, or a config file):\n" + "\n".join(lines))
 
 
 def parse_config(defaults: dict, argv: list[str]) -> dict:

@@ -643,7 +643,7 @@ if __name__ == "__main__":
     from configurator import help_text, wants_help
 
     if wants_help(sys.argv[1:], DEFAULTS):
-        print(help_text(__doc__, DEFAULTS))
+        print(help_text(__doc__, DEFAULTS, __file__))
         sys.exit(0)
     try:
         main(sys.argv[1:])

@@ -803,7 +803,7 @@ def training_state(raw_model, optimizer, scaler, sampler, config, iter_num, best
 
 if __name__ == "__main__":
     if wants_help(sys.argv[1:], DEFAULTS):
-        print(help_text(__doc__, DEFAULTS))
+        print(help_text(__doc__, DEFAULTS, __file__))
         sys.exit(0)
     try:
         result = main()

@@ -9,6 +9,8 @@ import sys
 import pytest
 import torch
 
+import sample
+import train
 from checkpoint import TRAIN_KEYS, CheckpointError, clean_state_dict, load_checkpoint, save_checkpoint
 from configurator import ConfigError, parse_config, wants_help
 
@@ -80,17 +82,25 @@ def test_bad_arguments_fail_with_clear_message(argv, needle):
         assert "valid keys: batch_size, betas, compile" in str(e.value)
 
 
-@pytest.mark.parametrize("script, first_line", [("train.py", "Train a GPT with MHA, GQA, MQA or MLA attention"),
-                                                 ("sample.py", "Sample from a trained model (or GPT-2)")])
-def test_help_lists_the_keys_and_their_defaults(script, first_line):
-    """`--help` / `-h`: the script's docstring (its commands), then every key as it is written on the command line."""
+@pytest.mark.parametrize("script, first_line, note", [
+    ("train.py", "Train a GPT with MHA, GQA, MQA or MLA attention",
+     "\n# I/O\n  --out_dir=out\n  --eval_interval=250  # every this many iterations"),
+    ("sample.py", "Sample from a trained model (or GPT-2)", "\n  --top_k=200  # 0 = off\n"),
+])
+def test_help_lists_the_keys_and_their_defaults(script, first_line, note):
+    """`--help` / `-h`: the script's docstring (its commands), then every key as it is written on the command line,
+    with the headings and notes of the script's DEFAULTS block."""
     for flag in ("--help", "-h"):
         run = subprocess.run([sys.executable, os.path.join(ROOT, script), "configs/gqa.py", flag], capture_output=True,
                              text=True, timeout=120, cwd=ROOT)
         assert run.returncode == 0 and run.stderr == "", run.stderr
         assert run.stdout.startswith(first_line)
         assert "\nConfig keys and their defaults" in run.stdout and "\n  --compile=False\n" in run.stdout
-        assert "\n  --device=" in run.stdout and "\n  --out_dir=out\n" in run.stdout
+        assert "\n  --device=" in run.stdout and "\n  --out_dir=out\n" in run.stdout and note in run.stdout
+        keys = [line.split("=")[0].strip() for line in run.stdout.split("Config keys")[1].splitlines()[1:]
+                if line.startswith("  --")]
+        defaults = (train if script == "train.py" else sample).DEFAULTS
+        assert sorted(keys) == sorted(f"--{k}" for k in defaults)  # each key once
 
 
 def test_help_is_asked_for_only_outside_values():
