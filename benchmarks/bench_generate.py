@@ -91,10 +91,9 @@ def main():
     if args.tiny:
         args.prompt_len, args.new_tokens = min(args.prompt_len, 32), min(args.new_tokens, 8)
     args.batches = args.batches or ("1,4" if args.tiny else "1,64")
-    if args.device == "cuda":
-        require_cuda("bench_generate.py (without --device=cpu)")
     print(header())
     if args.device == "cuda":
+        require_cuda("bench_generate.py (without --device=cpu)")
         print("ceilings: " + ", ".join(f"{k} {v:.1f}" for k, v in ceilings().items()))
     print(f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, dtype {args.dtype}, "
           f"page {args.page_size}, {'tiny' if args.tiny else 'GPT-2 small'} models")

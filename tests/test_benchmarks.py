@@ -46,7 +46,6 @@ def test_bench_train_cpu_smoke_run():
 def test_gpu_benchmarks_say_they_need_a_gpu(monkeypatch):
     """bench_flash.py and bench_decode.py time against SDPA and the ceilings on a GPU: without one, a message that
     says what runs on the CPU instead, not torch's "not compiled with CUDA" traceback."""
-    sys.path.insert(0, REPO)
     from benchmarks.common import require_cuda
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
