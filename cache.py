@@ -71,7 +71,8 @@ class BlockAllocator:
         if not self.can_allocate(n):
             raise CacheFullError(
                 f"KV cache page pool exhausted: asked for {n} pages, {self.num_free} free of {self.num_pages} "
-                f"in the pool. Raise --num_pages or lower the batch (--num_samples / batch size).")
+                f"in the pool. Raise --num_pages or lower the batch (--num_samples / batch size)."
+            )
         pages = [self._free.pop() for _ in range(n)]
         self._owned.update(pages)
         return pages
@@ -80,8 +81,10 @@ class BlockAllocator:
         pages = list(pages)
         not_owned = [p for p in pages if p not in self._owned]
         if not_owned or len(set(pages)) != len(pages):
-            raise ValueError(f"pages: got {pages} (not owned or repeated: {not_owned or 'repeated'}); "
-                             f"valid: distinct pages currently allocated")
+            raise ValueError(
+                f"pages: got {pages} (not owned or repeated: {not_owned or 'repeated'}); "
+                f"valid: distinct pages currently allocated"
+            )
         self._owned.difference_update(pages)
         self._free.extend(reversed(pages))
 
@@ -135,8 +138,10 @@ class ContiguousRows:
     def grow(self, rows: list[int], T: int):
         for r in rows:
             if self.lens[r] + T > self.max_len:
-                raise ValueError(f"T: got {T} new tokens for row {r} holding {self.lens[r]}; valid: at most "
-                                 f"max_len - {self.lens[r]} = {self.max_len - self.lens[r]} (the cache's max_len)")
+                raise ValueError(
+                    f"T: got {T} new tokens for row {r} holding {self.lens[r]}; valid: at most "
+                    f"max_len - {self.lens[r]} = {self.max_len - self.lens[r]} (the cache's max_len)"
+                )
         for r in rows:
             self.lens[r] += T
 
@@ -152,7 +157,7 @@ class ContiguousRows:
         """(n, length, *feat): the first `length` tokens of these rows (a view when the rows are a range)."""
         r0 = rows[0]
         if rows == list(range(r0, r0 + len(rows))):
-            return buf[r0:r0 + len(rows), :length]
+            return buf[r0 : r0 + len(rows), :length]
         return buf[rows_t, :length]
 
     def release(self, row: int):
@@ -166,7 +171,7 @@ class ContiguousRows:
         for j, r in enumerate(rows):  # rows[j] >= j, so a source row is never overwritten before it is read
             if r != j:
                 for buf in self.buffers:
-                    buf[j, :self.lens[r]] = buf[r, :self.lens[r]]
+                    buf[j, : self.lens[r]] = buf[r, : self.lens[r]]
         self.lens = [self.lens[r] for r in rows] + [0] * (self.batch_size - len(rows))
         return list(range(len(rows)))
 
@@ -209,8 +214,10 @@ class PagedRows:
     def grow(self, rows: list[int], T: int):
         for r in rows:
             if self.lens[r] + T > self.max_len:
-                raise ValueError(f"T: got {T} new tokens for row {r} holding {self.lens[r]}; valid: at most "
-                                 f"max_len - {self.lens[r]} = {self.max_len - self.lens[r]} (the cache's max_len)")
+                raise ValueError(
+                    f"T: got {T} new tokens for row {r} holding {self.lens[r]}; valid: at most "
+                    f"max_len - {self.lens[r]} = {self.max_len - self.lens[r]} (the cache's max_len)"
+                )
         fresh = self.allocator.allocate(self.pages_needed(rows, T))  # all or nothing: raises before any change
         entries = []
         for r in rows:
@@ -315,8 +322,10 @@ class _Cache:
         """Refuse to serve a model of GPTConfig `config` whose K/V (or latent) this cache was not made for."""
         want = layout_for(config)
         if self.layout != want:
-            raise ValueError(f"cache: made for {self.layout}; valid: a cache for this model, {want} "
-                             "(cache.make_cache with this model's config)")
+            raise ValueError(
+                f"cache: made for {self.layout}; valid: a cache for this model, {want} "
+                "(cache.make_cache with this model's config)"
+            )
 
     def _check_row(self, row, name: str):
         """A row of the store, as an int: a negative one would pick a row from the end (and free its pages)."""
@@ -329,14 +338,18 @@ class _Cache:
         if not 0 <= layer < self.n_layer:
             raise ValueError(f"layer: got {layer}; valid: 0 .. {self.n_layer - 1}")
         if x.shape[0] != self.batch_size or x.shape[1] != self._step.positions.shape[1]:
-            raise ValueError(f"{name}: got shape {tuple(x.shape)}; valid: (B={self.batch_size}, "
-                             f"T={self._step.positions.shape[1]}, ...) matching the last reserve")
+            raise ValueError(
+                f"{name}: got shape {tuple(x.shape)}; valid: (B={self.batch_size}, "
+                f"T={self._step.positions.shape[1]}, ...) matching the last reserve"
+            )
 
     def _prefill_length(self) -> int:
         lens = self.lens
         if len(set(lens)) != 1:
-            raise ValueError(f"prefill: sequence lengths {lens} differ; valid: prefill ragged prompts one at a time "
-                             f"through view([row])")
+            raise ValueError(
+                f"prefill: sequence lengths {lens} differ; valid: prefill ragged prompts one at a time "
+                f"through view([row])"
+            )
         return lens[0]
 
     def memory(self) -> dict[str, int]:
@@ -384,8 +397,7 @@ class _KVCache(_Cache):
 
 class GroupedCache(_KVCache):
     def __init__(self, batch_size, max_len, n_layer, n_kv_head, d_qk, d_v, *, device, dtype, backend):
-        super().__init__(ContiguousRows(batch_size, max_len, device, dtype), n_layer, n_kv_head, d_qk, d_v,
-                         backend)
+        super().__init__(ContiguousRows(batch_size, max_len, device, dtype), n_layer, n_kv_head, d_qk, d_v, backend)
 
     def _decode(self, layer, q, scale):
         n = max(self.lens)  # the kernel only reads up to each row's length; narrowing S saves the reference work
@@ -397,18 +409,34 @@ class GroupedCache(_KVCache):
 
 
 class PagedCache(_KVCache):
-    def __init__(self, batch_size, max_len, n_layer, n_kv_head, d_qk, d_v, *, device, dtype, backend,
-                 page_size=16, num_pages=None):
-        super().__init__(PagedRows(batch_size, max_len, device, dtype, page_size, num_pages), n_layer, n_kv_head,
-                         d_qk, d_v, backend)
+    def __init__(
+        self,
+        batch_size,
+        max_len,
+        n_layer,
+        n_kv_head,
+        d_qk,
+        d_v,
+        *,
+        device,
+        dtype,
+        backend,
+        page_size=16,
+        num_pages=None,
+    ):
+        super().__init__(
+            PagedRows(batch_size, max_len, device, dtype, page_size, num_pages), n_layer, n_kv_head, d_qk, d_v, backend
+        )
 
     def _decode(self, layer, q, scale):
         table = self.store.table(self.rows, self._rows_t)
         if self.backend == "torch":
-            return reference.paged_decode_reference(q, self.k[layer], self.v[layer], table, self._step.seq_lens,
-                                                    scale=scale)[0]
-        return attention_kernels.paged_grouped_decode(q, self.k[layer], self.v[layer], table, self._step.seq_lens,
-                                                      scale=scale, validate=False)[0]
+            return reference.paged_decode_reference(
+                q, self.k[layer], self.v[layer], table, self._step.seq_lens, scale=scale
+            )[0]
+        return attention_kernels.paged_grouped_decode(
+            q, self.k[layer], self.v[layer], table, self._step.seq_lens, scale=scale, validate=False
+        )[0]
 
 
 class _LatentCache(_Cache):
@@ -430,8 +458,10 @@ class _LatentCache(_Cache):
         """Prefill: c_kv (B, T, D_c), k_rope (B, T, D_r) -> (B, S, D_c), (B, S, D_r) every cached token."""
         self._write(layer, c_kv, k_rope)
         S = self._prefill_length()
-        return (self.store.prefix(self.c[layer], self.rows, self._rows_t, S).to(c_kv.dtype),
-                self.store.prefix(self.r[layer], self.rows, self._rows_t, S).to(k_rope.dtype))
+        return (
+            self.store.prefix(self.c[layer], self.rows, self._rows_t, S).to(c_kv.dtype),
+            self.store.prefix(self.r[layer], self.rows, self._rows_t, S).to(k_rope.dtype),
+        )
 
     def attend_latent(self, layer, q_absorbed, q_rope, c_kv, k_rope, scale: float):
         """Decode: q_absorbed (B, H, 1, D_c), q_rope (B, H, 1, D_r), c_kv (B, 1, D_c), k_rope (B, 1, D_r)
@@ -458,18 +488,20 @@ class MLACache(_LatentCache):
 
 
 class PagedMLACache(_LatentCache):
-    def __init__(self, batch_size, max_len, n_layer, d_c, d_r, *, device, dtype, backend, page_size=16,
-                 num_pages=None):
-        super().__init__(PagedRows(batch_size, max_len, device, dtype, page_size, num_pages), n_layer, d_c, d_r,
-                         backend)
+    def __init__(self, batch_size, max_len, n_layer, d_c, d_r, *, device, dtype, backend, page_size=16, num_pages=None):
+        super().__init__(
+            PagedRows(batch_size, max_len, device, dtype, page_size, num_pages), n_layer, d_c, d_r, backend
+        )
 
     def _decode(self, layer, q_abs, q_rope, scale):
         table = self.store.table(self.rows, self._rows_t)
         if self.backend == "torch":
-            return reference.paged_mla_decode_reference(q_abs, q_rope, self.c[layer], self.r[layer], table,
-                                                        self._step.seq_lens, scale=scale)[0]
-        return attention_kernels.paged_mla_decode(q_abs, q_rope, self.c[layer], self.r[layer], table,
-                                                  self._step.seq_lens, scale=scale, validate=False)[0]
+            return reference.paged_mla_decode_reference(
+                q_abs, q_rope, self.c[layer], self.r[layer], table, self._step.seq_lens, scale=scale
+            )[0]
+        return attention_kernels.paged_mla_decode(
+            q_abs, q_rope, self.c[layer], self.r[layer], table, self._step.seq_lens, scale=scale, validate=False
+        )[0]
 
 
 def layout_for(config) -> dict:
@@ -485,20 +517,33 @@ def valid_cache_kinds(config) -> tuple[str, ...]:
     return ("mla", "paged_mla") if config.attention == "mla" else ("grouped", "paged")
 
 
-def make_cache(kind: str, config, batch_size: int, max_len: int, *, device, dtype=torch.float32,
-               backend: str = "torch", page_size: int = 16, num_pages: int | None = None) -> _Cache:
+def make_cache(
+    kind: str,
+    config,
+    batch_size: int,
+    max_len: int,
+    *,
+    device,
+    dtype=torch.float32,
+    backend: str = "torch",
+    page_size: int = 16,
+    num_pages: int | None = None,
+) -> _Cache:
     """Build the cache `kind` for a model of GPTConfig `config`: grouped/paged for MHA/GQA/MQA, mla/paged_mla
     for MLA. Any other combination raises ValueError listing the kinds valid for that model."""
     valid = valid_cache_kinds(config)
     if kind not in valid:
-        raise ValueError(f"cache kind: got {kind!r} for a model with attention={config.attention!r}; "
-                         f"valid: {', '.join(valid)}")
+        raise ValueError(
+            f"cache kind: got {kind!r} for a model with attention={config.attention!r}; valid: {', '.join(valid)}"
+        )
     for name, value in (("batch_size", batch_size), ("max_len", max_len)):
         if not isinstance(value, int) or value < 1:
             raise ValueError(f"{name}: got {value!r}; valid: an int >= 1")
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        raise ValueError(f"dtype: got {dtype}; valid: torch.float32, torch.bfloat16 or torch.float16 (a cache of "
-                         "another type would round K and V to it)")
+        raise ValueError(
+            f"dtype: got {dtype}; valid: torch.float32, torch.bfloat16 or torch.float16 (a cache of "
+            "another type would round K and V to it)"
+        )
     common = dict(device=device, dtype=dtype, backend=backend)
     paged = dict(page_size=page_size, num_pages=num_pages)
     dims = [v for k, v in layout_for(config).items() if k != "kind"]

@@ -86,8 +86,10 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu", required_keys: 
     size = os.path.getsize(path)
     damaged = _failed_crc(path)
     if damaged:
-        raise CheckpointError(f"checkpoint {path!r} ({size} bytes) is corrupt: its entry {damaged!r} fails its CRC "
-                              "check (the bytes changed after it was written)")
+        raise CheckpointError(
+            f"checkpoint {path!r} ({size} bytes) is corrupt: its entry {damaged!r} fails its CRC "
+            "check (the bytes changed after it was written)"
+        )
     try:
         obj = torch.load(path, map_location=map_location, weights_only=True)
     except Exception as e:  # torch raises RuntimeError, EOFError, UnpicklingError, ... depending on the damage
@@ -123,8 +125,9 @@ def model_from_checkpoint(ckpt: dict, path: str, **overrides):
         model = GPT(GPTConfig(**dict(ckpt["model_args"], **overrides)))
         model.load_state_dict(clean_state_dict(ckpt["model"]))
     except (TypeError, ValueError, RuntimeError, KeyError) as e:
-        raise CheckpointError(f"checkpoint {path!r}: its model_args and weights do not make a model "
-                              f"({type(e).__name__}: {first_line(e)})") from None
+        raise CheckpointError(
+            f"checkpoint {path!r}: its model_args and weights do not make a model ({type(e).__name__}: {first_line(e)})"
+        ) from None
     return model
 
 

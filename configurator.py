@@ -45,13 +45,14 @@ def wants_help(argv: list[str], defaults: dict) -> bool:
 def help_text(doc: str, defaults: dict, source: str) -> str:
     """A script's docstring, then every config key with its default as it would be written on the command line,
     with the section headings and notes of the `DEFAULTS = dict(...)` block in `source` (the script's file)."""
+
     def shown(value):
         return value if isinstance(value, str) and value and " " not in value else repr(value)
 
     text = open(source, encoding="utf-8").read()
     start = text.index("DEFAULTS = dict(\n")
     lines, listed = [], set()
-    for line in text[start:text.index("\n)\n", start)].splitlines()[1:]:
+    for line in text[start : text.index("\n)\n", start)].splitlines()[1:]:
         setting = re.match(r"\s*(\w+)=.*?,(\s+#.*)?$", line)
         if setting and setting.group(1) in defaults:
             key = setting.group(1)
@@ -60,8 +61,10 @@ def help_text(doc: str, defaults: dict, source: str) -> str:
         elif line.strip().startswith("#"):
             lines.append(line.strip())
     lines += [f"  --{key}={shown(value)}" for key, value in defaults.items() if key not in listed]
-    return (f"{doc.strip()}\n\nConfig keys and their defaults (set with --key=value, --key value, a bool key alone "
-            "for True, or a config file):\n" + "\n".join(lines))
+    return (
+        f"{doc.strip()}\n\nConfig keys and their defaults (set with --key=value, --key value, a bool key alone "
+        "for True, or a config file):\n" + "\n".join(lines)
+    )
 
 
 def parse_config(defaults: dict, argv: list[str]) -> dict:
@@ -95,9 +98,11 @@ def parse_config(defaults: dict, argv: list[str]) -> dict:
                 new = _checked(defaults, key, value, source=f"config file {arg!r}")
                 if new != config[key]:
                     if key in kept and key not in reads[key]:
-                        raise ConfigError(f"config file {arg!r} sets {key}, which would silently replace the value "
-                                          f"{config[key]!r} from the earlier {kept[key]}; valid: put that override "
-                                          "after the file (arguments apply left to right)")
+                        raise ConfigError(
+                            f"config file {arg!r} sets {key}, which would silently replace the value "
+                            f"{config[key]!r} from the earlier {kept[key]}; valid: put that override "
+                            "after the file (arguments apply left to right)"
+                        )
                     moved.append(key)
                 if key not in reads[key]:
                     kept.pop(key, None)  # (one that read it carries the override on: `out_dir = f"{out_dir}-gqa"`)
@@ -113,9 +118,11 @@ def parse_config(defaults: dict, argv: list[str]) -> dict:
     if stale:
         key, (source, file, by) = next(iter(stale.items()))
         targets = sorted(t for t, (s, f, b) in stale.items() if (s, f, b) == (source, file, by))
-        raise ConfigError(f"{by} sets {source} after config file {file!r}, which computed {', '.join(targets)} from "
-                          f"it, so they would not follow; valid: put it before that file (arguments apply left to "
-                          f"right), or set {', '.join(targets)} after it too")
+        raise ConfigError(
+            f"{by} sets {source} after config file {file!r}, which computed {', '.join(targets)} from "
+            f"it, so they would not follow; valid: put it before that file (arguments apply left to "
+            f"right), or set {', '.join(targets)} after it too"
+        )
     return config
 
 
@@ -179,8 +186,10 @@ def _read_config_file(path: str, config: dict) -> tuple[dict, dict]:
         exec(compile(tree, path, "exec"), namespace)  # a config file is Python by design (nanoGPT's convention)
     except (Exception, SystemExit) as e:  # a misspelt name (NameError), a bad expression, sys.exit: not a traceback
         line = next((f.lineno for f in reversed(traceback.extract_tb(e.__traceback__)) if f.filename == path), "?")
-        raise ConfigError(f"config file {path!r}: line {line}: {type(e).__name__}: {e}; valid names to read: "
-                          f"{', '.join(sorted(config))}") from None
+        raise ConfigError(
+            f"config file {path!r}: line {line}: {type(e).__name__}: {e}; valid names to read: "
+            f"{', '.join(sorted(config))}"
+        ) from None
     values = {name: namespace[name] for name in assigned if name in namespace and not name.startswith("_")}
     reads = _reads(tree, config)
     return values, {name: reads.get(name, set()) for name in values}
@@ -193,8 +202,10 @@ def _check_flat(tree: ast.Module, path: str):
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef, ast.Lambda)):
             inner = [n for n in ast.walk(node) if isinstance(n, (ast.Global, ast.Nonlocal))]
             if inner:
-                raise ConfigError(f"config file {path!r}: line {inner[0].lineno}: `global` in a function; valid: "
-                                  "top-level assignments (a function may compute a value: x = _f(n_head))")
+                raise ConfigError(
+                    f"config file {path!r}: line {inner[0].lineno}: `global` in a function; valid: "
+                    "top-level assignments (a function may compute a value: x = _f(n_head))"
+                )
             continue
         if isinstance(node, (ast.Assign, ast.AnnAssign, ast.AugAssign)):
             scope = [node.value] if node.value is not None else []
@@ -203,12 +214,15 @@ def _check_flat(tree: ast.Module, path: str):
         for part in scope:
             loop_vars = {id(t) for c in ast.walk(part) if isinstance(c, ast.comprehension) for t in ast.walk(c.target)}
             for n in ast.walk(part):
-                stores = isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store) and part is node \
-                    and id(n) not in loop_vars
+                stores = (
+                    isinstance(n, ast.Name) and isinstance(n.ctx, ast.Store) and part is node and id(n) not in loop_vars
+                )
                 if isinstance(n, ast.NamedExpr) or stores:
-                    raise ConfigError(f"config file {path!r}: line {n.lineno}: an assignment inside a "
-                                      f"{type(node).__name__.lower()} statement (or a :=) is not a setting; valid: "
-                                      "top-level assignments (a conditional works: x = a if cond else b)")
+                    raise ConfigError(
+                        f"config file {path!r}: line {n.lineno}: an assignment inside a "
+                        f"{type(node).__name__.lower()} statement (or a :=) is not a setting; valid: "
+                        "top-level assignments (a conditional works: x = a if cond else b)"
+                    )
 
 
 def _reads(tree: ast.Module, config: dict) -> dict[str, set[str]]:
@@ -236,8 +250,11 @@ def _reads(tree: ast.Module, config: dict) -> dict[str, set[str]]:
         targets = node.targets if isinstance(node, ast.Assign) else [node.target]
         for target in targets:
             pairs = [(target, node.value)]
-            if isinstance(target, (ast.Tuple, ast.List)) and isinstance(node.value, (ast.Tuple, ast.List)) \
-                    and len(target.elts) == len(node.value.elts):  # a, b = x, f(y): each its own reads
+            if (
+                isinstance(target, (ast.Tuple, ast.List))
+                and isinstance(node.value, (ast.Tuple, ast.List))
+                and len(target.elts) == len(node.value.elts)
+            ):  # a, b = x, f(y): each its own reads
                 pairs = list(zip(target.elts, node.value.elts))
             for t, value in pairs:
                 names = _target_names(t)

@@ -118,8 +118,11 @@ class GPTConfig:
             _invalid("dropout", self.dropout, "a float in [0, 1)")
         if not isinstance(self.bias, bool):
             _invalid("bias", self.bias, "True | False")
-        for field, choices in (("attention", ATTENTIONS), ("pos_embedding", POS_EMBEDDINGS),
-                               ("attn_backend", ATTN_BACKENDS)):
+        for field, choices in (
+            ("attention", ATTENTIONS),
+            ("pos_embedding", POS_EMBEDDINGS),
+            ("attn_backend", ATTN_BACKENDS),
+        ):
             if getattr(self, field) not in choices:
                 _invalid(field, getattr(self, field), " | ".join(repr(c) for c in choices))
         if not _is_number(self.rope_theta) or not self.rope_theta > 0:
@@ -432,12 +435,16 @@ class GPT(nn.Module):
         if hasattr(cache, "check_model"):  # cache.py's caches know what they hold; a minimal cache need not
             cache.check_model(cfg)
         if B != cache.batch_size:
-            raise ValueError(f"idx: got a batch of {B}; valid: the cache's {cache.batch_size} sequences (or a "
-                             "cache.view of some of them)")
+            raise ValueError(
+                f"idx: got a batch of {B}; valid: the cache's {cache.batch_size} sequences (or a "
+                "cache.view of some of them)"
+            )
         lens = getattr(cache, "lens", None)
         if cfg.pos_embedding == "learned" and T > 0 and lens and max(lens) + T > cfg.block_size:
-            raise ValueError(f"cache: position {max(lens) + T - 1} reached; valid: positions < "
-                             f"block_size={cfg.block_size} (learned position embeddings)")
+            raise ValueError(
+                f"cache: position {max(lens) + T - 1} reached; valid: positions < "
+                f"block_size={cfg.block_size} (learned position embeddings)"
+            )
 
     def _check_positions(self, positions, T: int, cache):
         """Learned positions stop at block_size; RoPE has no table, so it may go on (extrapolating)."""
@@ -452,8 +459,10 @@ class GPT(nn.Module):
         if cache is not None and T > 0 and positions.device.type == "cpu":
             last = int(positions.max())
             if last >= limit:
-                raise ValueError(f"cache: position {last} reached; valid: positions < block_size={limit} "
-                                 "(learned position embeddings)")
+                raise ValueError(
+                    f"cache: position {last} reached; valid: positions < block_size={limit} "
+                    "(learned position embeddings)"
+                )
 
     def crop_block_size(self, block_size: int):
         """Shrink the context (e.g. to fine-tune a GPT-2 checkpoint on shorter blocks)."""
@@ -522,8 +531,10 @@ class GPT(nn.Module):
             raise ValueError(f"override_args: got keys {unknown}; valid: 'dropout', 'attn_backend'")
         is_dir = os.path.isdir(name_or_path)
         if not is_dir and name_or_path not in GPT2_NAMES:
-            raise ValueError(f"name_or_path: got {name_or_path!r}; valid: one of {GPT2_NAMES} or a directory "
-                             "saved by GPT2LMHeadModel.save_pretrained")
+            raise ValueError(
+                f"name_or_path: got {name_or_path!r}; valid: one of {GPT2_NAMES} or a directory "
+                "saved by GPT2LMHeadModel.save_pretrained"
+            )
         try:
             from transformers import GPT2LMHeadModel
         except ImportError as e:
@@ -531,15 +542,20 @@ class GPT(nn.Module):
         try:
             hf, info = GPT2LMHeadModel.from_pretrained(name_or_path, output_loading_info=True)
         except OSError as e:
-            hint = ("is it a directory written by GPT2LMHeadModel.save_pretrained?" if is_dir else
-                    "hub names need the network; offline, pass a directory written by GPT2LMHeadModel.save_pretrained")
+            hint = (
+                "is it a directory written by GPT2LMHeadModel.save_pretrained?"
+                if is_dir
+                else "hub names need the network; offline, pass a directory written by GPT2LMHeadModel.save_pretrained"
+            )
             raise OSError(f"could not load GPT-2 weights {name_or_path!r} ({e}); {hint}") from e
         # transformers only warns about weights the checkpoint lacks (another architecture's directory, say) and
         # leaves them randomly initialized: that would be a silently untrained model. (lm_head is tied to wte.)
         missing = sorted(k for k in info["missing_keys"] if not k.endswith(_GPT2_BUFFERS) and k != "lm_head.weight")
         if missing:
-            raise ValueError(f"name_or_path: {name_or_path!r} lacks GPT-2 weights {missing[:5]} "
-                             f"({len(missing)} in all); valid: GPT-2 weights saved by GPT2LMHeadModel.save_pretrained")
+            raise ValueError(
+                f"name_or_path: {name_or_path!r} lacks GPT-2 weights {missing[:5]} "
+                f"({len(missing)} in all); valid: GPT-2 weights saved by GPT2LMHeadModel.save_pretrained"
+            )
         config = GPTConfig(**_config_from_gpt2(hf.config), **{"dropout": 0.0, **override_args})
         model = cls(config)
         _copy_gpt2_weights(hf.state_dict(), model)
@@ -561,9 +577,16 @@ def _config_from_gpt2(hf_config) -> dict:
     for field, valid in supported.items():
         if getattr(hf_config, field, valid[0]) not in valid:
             raise ValueError(f"GPT2Config.{field}: got {getattr(hf_config, field)!r}; valid: {valid}")
-    return dict(vocab_size=hf_config.vocab_size, block_size=hf_config.n_positions, n_layer=hf_config.n_layer,
-                n_head=hf_config.n_head, n_embd=hf_config.n_embd, bias=True, attention="mha",
-                pos_embedding="learned")
+    return dict(
+        vocab_size=hf_config.vocab_size,
+        block_size=hf_config.n_positions,
+        n_layer=hf_config.n_layer,
+        n_head=hf_config.n_head,
+        n_embd=hf_config.n_embd,
+        bias=True,
+        attention="mha",
+        pos_embedding="learned",
+    )
 
 
 def _copy_gpt2_weights(sd_hf: dict, model: GPT):
@@ -572,8 +595,10 @@ def _copy_gpt2_weights(sd_hf: dict, model: GPT):
     sd = model.state_dict()
     ours = set(sd) - {"lm_head.weight"}
     if ours != set(sd_hf):
-        raise ValueError(f"GPT-2 state_dict: keys differ; missing {sorted(ours - set(sd_hf))[:5]}, "
-                         f"unexpected {sorted(set(sd_hf) - ours)[:5]}")
+        raise ValueError(
+            f"GPT-2 state_dict: keys differ; missing {sorted(ours - set(sd_hf))[:5]}, "
+            f"unexpected {sorted(set(sd_hf) - ours)[:5]}"
+        )
     conv1d = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
     with torch.no_grad():
         for key, value in sd_hf.items():

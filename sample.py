@@ -93,9 +93,11 @@ def check_host_memory(num_samples: int, max_new_tokens: int):
     OS partway."""
     need, free = num_samples * max_new_tokens * HOST_BYTES_PER_TOKEN, _available_bytes(torch.device("cpu"))
     if free is not None and need > free:
-        raise ValueError(f"--num_samples={num_samples} x --max_new_tokens={max_new_tokens}: the samples' tokens "
-                         f"need {need / 2**30:.1f} GiB of host memory ({HOST_BYTES_PER_TOKEN} bytes a token), but "
-                         f"{free / 2**30:.1f} GiB is available; valid: fewer samples or new tokens")
+        raise ValueError(
+            f"--num_samples={num_samples} x --max_new_tokens={max_new_tokens}: the samples' tokens "
+            f"need {need / 2**30:.1f} GiB of host memory ({HOST_BYTES_PER_TOKEN} bytes a token), but "
+            f"{free / 2**30:.1f} GiB is available; valid: fewer samples or new tokens"
+        )
 
 
 def check_device(name: str):
@@ -116,20 +118,29 @@ def check_pool(kind: str, prompt_len: int, cfg: dict):
     or (without waiting) for all the samples at once, could not finish: both fail here, at start."""
     if kind not in ("paged", "paged_mla"):
         if cfg["num_pages"] or cfg["wait_for_pages"]:
-            raise ValueError(f"--num_pages={cfg['num_pages']} / --wait_for_pages={cfg['wait_for_pages']}: given with "
-                             f"--cache={kind}, which has no page pool; valid: --cache=paged, or 0 / False")
+            raise ValueError(
+                f"--num_pages={cfg['num_pages']} / --wait_for_pages={cfg['wait_for_pages']}: given with "
+                f"--cache={kind}, which has no page pool; valid: --cache=paged, or 0 / False"
+            )
         return
     if not cfg["num_pages"]:
         return
     tokens = prompt_len + cfg["max_new_tokens"] - 1
-    need, per_sample = pages_needed([prompt_len] * cfg["num_samples"], cfg["max_new_tokens"], cfg["page_size"],
-                                    cfg["wait_for_pages"], cfg["num_samples"])
+    need, per_sample = pages_needed(
+        [prompt_len] * cfg["num_samples"],
+        cfg["max_new_tokens"],
+        cfg["page_size"],
+        cfg["wait_for_pages"],
+        cfg["num_samples"],
+    )
     if cfg["num_pages"] < need:
         who = "one sample" if cfg["wait_for_pages"] else f"{cfg['num_samples']} samples at once"
         wait = "" if cfg["wait_for_pages"] else f", or --wait_for_pages=True with >= {per_sample}"
-        raise ValueError(f"--num_pages: got {cfg['num_pages']}; the pool must hold {need} pages of {cfg['page_size']} "
-                         f"tokens for {who} at full length ({tokens} tokens each); valid: 0 (enough for all), "
-                         f">= {need}{wait}")
+        raise ValueError(
+            f"--num_pages: got {cfg['num_pages']}; the pool must hold {need} pages of {cfg['page_size']} "
+            f"tokens for {who} at full length ({tokens} tokens each); valid: 0 (enough for all), "
+            f">= {need}{wait}"
+        )
 
 
 def resolve_cache_kind(config, requested: str) -> str:
@@ -138,8 +149,9 @@ def resolve_cache_kind(config, requested: str) -> str:
     mla = config.attention == "mla"
     valid = ("auto", "mla", "paged", "paged_mla", "none") if mla else ("auto", "grouped", "paged", "none")
     if requested not in valid:
-        raise ValueError(f"--cache: got {requested!r} for a model with attention={config.attention!r}; "
-                         f"valid: {', '.join(valid)}")
+        raise ValueError(
+            f"--cache: got {requested!r} for a model with attention={config.attention!r}; valid: {', '.join(valid)}"
+        )
     if requested == "auto":
         return "mla" if mla else "grouped"
     return "paged_mla" if mla and requested == "paged" else requested
@@ -158,11 +170,15 @@ def check_length(config, prompt_lens: list[int], max_new_tokens: int, allow_past
         return
     how = f"prompt of {max(prompt_lens)} tokens + max_new_tokens={max_new_tokens} - 1 = {longest} tokens"
     if config.pos_embedding == "learned":
-        raise ValueError(f"{how}; valid: at most block_size={config.block_size} for learned position embeddings "
-                         "(shorten the prompt or lower --max_new_tokens)")
+        raise ValueError(
+            f"{how}; valid: at most block_size={config.block_size} for learned position embeddings "
+            "(shorten the prompt or lower --max_new_tokens)"
+        )
     if not allow_past_block_size:
-        raise ValueError(f"{how} > block_size={config.block_size}; this RoPE model may go past what it was trained "
-                         "on with --allow_past_block_size=True, or lower --max_new_tokens")
+        raise ValueError(
+            f"{how} > block_size={config.block_size}; this RoPE model may go past what it was trained "
+            "on with --allow_past_block_size=True, or lower --max_new_tokens"
+        )
 
 
 # --------------------------------------------------------------------------------------------- sampling
@@ -178,8 +194,13 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None):
         raise ValueError(f"top_p: got {top_p!r}; valid: a number in (0, 1] (1 = off)")
 
 
-def sample_next(logits: torch.Tensor, temperature: float = 0.0, top_k: int | None = None,
-                top_p: float | None = None, generator: torch.Generator | None = None) -> torch.Tensor:
+def sample_next(
+    logits: torch.Tensor,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
     """logits (B, V) -> next tokens (B,). temperature 0 is greedy (argmax); top_k / top_p filter before sampling."""
     if temperature == 0:
         return logits.argmax(dim=-1)
@@ -217,9 +238,12 @@ class GenerationStats:
         return {
             "prefill_tokens_per_s": self.prefill_tokens / max(self.prefill_s, 1e-9),
             "decode_tokens_per_s": self.decode_tokens / max(self.decode_s, 1e-9),
-            "prefill_tokens": self.prefill_tokens, "decode_tokens": self.decode_tokens,
-            "decode_steps": self.decode_steps, "cache_bytes_allocated": self.cache_bytes_allocated,
-            "cache_bytes_peak": self.cache_bytes_peak, "cache_bytes_per_token": self.cache_bytes_per_token,
+            "prefill_tokens": self.prefill_tokens,
+            "decode_tokens": self.decode_tokens,
+            "decode_steps": self.decode_steps,
+            "cache_bytes_allocated": self.cache_bytes_allocated,
+            "cache_bytes_peak": self.cache_bytes_peak,
+            "cache_bytes_per_token": self.cache_bytes_per_token,
         }
 
 
@@ -260,11 +284,26 @@ class _Sequences:
 
 
 @torch.no_grad()
-def generate(model, prompts: list[list[int]], cache_kind: str = "auto", *, max_new_tokens: int,
-             temperature: float = 0.0, top_k: int | None = None, top_p: float | None = None,
-             eot_token: int | None = None, generator: torch.Generator | None = None, page_size: int = 16,
-             num_pages: int | None = None, wait_for_pages: bool = False, max_batch: int | None = None,
-             allow_past_block_size: bool = False, dtype: torch.dtype | None = None, on_token=None, on_logits=None):
+def generate(
+    model,
+    prompts: list[list[int]],
+    cache_kind: str = "auto",
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int | None = None,
+    top_p: float | None = None,
+    eot_token: int | None = None,
+    generator: torch.Generator | None = None,
+    page_size: int = 16,
+    num_pages: int | None = None,
+    wait_for_pages: bool = False,
+    max_batch: int | None = None,
+    allow_past_block_size: bool = False,
+    dtype: torch.dtype | None = None,
+    on_token=None,
+    on_logits=None,
+):
     """Generate up to max_new_tokens after each prompt; returns (new tokens per prompt, GenerationStats).
 
     cache_kind: as resolve_cache_kind takes it ("none" recomputes the full context every step). on_token(i, tok)
@@ -291,8 +330,17 @@ def generate(model, prompts: list[list[int]], cache_kind: str = "auto", *, max_n
             _check_pages(prompts, max_new_tokens, page_size, num_pages, wait_for_pages, rows)
         dtype = dtype or next(model.parameters()).dtype
         _check_fits(model, kind, rows, max_len, page_size, num_pages, dtype, device)
-        cache = make_cache(kind, config, rows, max_len, device=device, dtype=dtype,
-                           backend=model.attn_backend_for(device), page_size=page_size, num_pages=num_pages or None)
+        cache = make_cache(
+            kind,
+            config,
+            rows,
+            max_len,
+            device=device,
+            dtype=dtype,
+            backend=model.attn_backend_for(device),
+            page_size=page_size,
+            num_pages=num_pages or None,
+        )
         _generate_cached(model, cache, seqs, pick, on_logits, stats, wait_for_pages)
     return seqs.out, stats
 
@@ -316,9 +364,11 @@ def _generate_uncached(model, seqs: _Sequences, pick, on_logits, stats: Generati
         if first:
             stats.prefill_tokens, stats.prefill_s = n, t.seconds
         else:
-            stats.decode_tokens, stats.decode_s, stats.decode_steps = (stats.decode_tokens + n,
-                                                                       stats.decode_s + t.seconds,
-                                                                       stats.decode_steps + 1)
+            stats.decode_tokens, stats.decode_s, stats.decode_steps = (
+                stats.decode_tokens + n,
+                stats.decode_s + t.seconds,
+                stats.decode_steps + 1,
+            )
         live = [i for i in live if i not in finished]
         first = False
 
@@ -349,8 +399,10 @@ class _Scheduler:
                 store = self.cache.store
                 claimed = sum(self.pages_for_life(s) - len(store.pages[r]) for r, s in self.active.items())
                 if self.pages_for_life(i) > store.allocator.num_pages:
-                    raise CacheFullError(f"prompt {i} needs {self.pages_for_life(i)} pages for its full length, more "
-                                         f"than the whole pool of {store.allocator.num_pages}; raise --num_pages")
+                    raise CacheFullError(
+                        f"prompt {i} needs {self.pages_for_life(i)} pages for its full length, more "
+                        f"than the whole pool of {store.allocator.num_pages}; raise --num_pages"
+                    )
                 if store.allocator.num_free - claimed < self.pages_for_life(i):
                     break
             self.waiting.popleft()
@@ -388,9 +440,11 @@ def _generate_cached(model, cache, seqs: _Sequences, pick, on_logits, stats: Gen
             idx = torch.tensor([[seqs.last(sched.active[r])] for r in rows], device=device)
             logits = model(idx, cache=cache.view(rows))[0][:, -1].float()
             tokens = pick(logits).tolist()
-        stats.decode_tokens, stats.decode_s, stats.decode_steps = (stats.decode_tokens + len(rows),
-                                                                   stats.decode_s + t.seconds,
-                                                                   stats.decode_steps + 1)
+        stats.decode_tokens, stats.decode_s, stats.decode_steps = (
+            stats.decode_tokens + len(rows),
+            stats.decode_s + t.seconds,
+            stats.decode_steps + 1,
+        )
         stats.cache_bytes_peak = max(stats.cache_bytes_peak, cache.memory()["bytes_in_use"])
         done = []
         for j, r in enumerate(rows):
@@ -435,9 +489,11 @@ def _check_fits(model, kind: str, rows: int, max_len: int, page_size: int, num_p
         tokens = rows * max_len
     need, free = per_token * tokens, _available_bytes(device)
     if free is not None and need > free:
-        raise ValueError(f"cache: {need / 2**30:.1f} GiB ({rows} sequences of up to {max_len} tokens at "
-                         f"{per_token} bytes a token), but {free / 2**30:.1f} GiB is available on {device}; valid: "
-                         "fewer samples or new tokens, or a paged cache with a smaller --num_pages")
+        raise ValueError(
+            f"cache: {need / 2**30:.1f} GiB ({rows} sequences of up to {max_len} tokens at "
+            f"{per_token} bytes a token), but {free / 2**30:.1f} GiB is available on {device}; valid: "
+            "fewer samples or new tokens, or a paged cache with a smaller --num_pages"
+        )
 
 
 def _available_bytes(device: torch.device) -> int | None:
@@ -465,9 +521,11 @@ def _check_pages(prompts, max_new_tokens: int, page_size: int, num_pages: int, w
     need, longest = pages_needed([len(p) for p in prompts], max_new_tokens, page_size, wait, rows)
     if num_pages < need:
         who = "the longest sequence" if wait else f"{rows} sequences at once"
-        raise ValueError(f"num_pages: got {num_pages}; the pool must hold {need} pages of {page_size} tokens for "
-                         f"{who} at full length; valid: None (enough for all) or >= {need}"
-                         + ("" if wait else f", or wait_for_pages=True with >= {longest}"))
+        raise ValueError(
+            f"num_pages: got {num_pages}; the pool must hold {need} pages of {page_size} tokens for "
+            f"{who} at full length; valid: None (enough for all) or >= {need}"
+            + ("" if wait else f", or wait_for_pages=True with >= {longest}")
+        )
 
 
 def load_model(cfg: dict):
@@ -482,16 +540,20 @@ def load_model(cfg: dict):
 
     directory = cfg["out_dir"] if cfg["init_from"] == "resume" else cfg["init_from"]
     if cfg["init_from"] != "resume" and not os.path.isdir(directory):
-        raise ValueError(f"--init_from: got {cfg['init_from']!r}, which is not a directory; valid: 'resume' (the "
-                         "checkpoint in --out_dir), a directory holding best.pt or last.pt, or "
-                         f"{', '.join(GPT2_NAMES)}")
+        raise ValueError(
+            f"--init_from: got {cfg['init_from']!r}, which is not a directory; valid: 'resume' (the "
+            "checkpoint in --out_dir), a directory holding best.pt or last.pt, or "
+            f"{', '.join(GPT2_NAMES)}"
+        )
     path = os.path.join(directory, "best.pt")
     if not os.path.isfile(path):
         path = os.path.join(directory, "last.pt")
     if not os.path.isfile(path):
         option = "--out_dir" if cfg["init_from"] == "resume" else "--init_from"
-        raise ValueError(f"{option}: no checkpoint in {directory!r} (best.pt or last.pt; train.py writes them to its "
-                         f"out_dir); valid: {_checkpoint_dirs()}")
+        raise ValueError(
+            f"{option}: no checkpoint in {directory!r} (best.pt or last.pt; train.py writes them to its "
+            f"out_dir); valid: {_checkpoint_dirs()}"
+        )
     ckpt = load_checkpoint(path, map_location="cpu", required_keys=("model", "model_args", "tokenizer"))
     model = model_from_checkpoint(ckpt, path)
     print(f"loaded {path} (iter {ckpt.get('iter_num', '?')})", file=sys.stderr)
@@ -500,11 +562,16 @@ def load_model(cfg: dict):
 
 def _checkpoint_dirs() -> str:
     """The directories under the current one that hold a checkpoint, as --out_dir values, or what to do instead."""
-    found = sorted(d for d in os.listdir(".") if os.path.isdir(d) and any(
-        os.path.isfile(os.path.join(d, name)) for name in ("best.pt", "last.pt")))
+    found = sorted(
+        d
+        for d in os.listdir(".")
+        if os.path.isdir(d) and any(os.path.isfile(os.path.join(d, name)) for name in ("best.pt", "last.pt"))
+    )
     if not found:
-        return "a directory train.py has written (e.g. python train.py configs/gqa.py, then --out_dir=out-gqa), or " \
-               "--init_from=gpt2"
+        return (
+            "a directory train.py has written (e.g. python train.py configs/gqa.py, then --out_dir=out-gqa), or "
+            "--init_from=gpt2"
+        )
     return ", ".join(f"--out_dir={d}" for d in found)
 
 
@@ -516,8 +583,10 @@ def read_start(start: str) -> str:
             return f.read()
     except (OSError, UnicodeDecodeError) as e:
         why = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
-        raise ValueError(f"--start: got {start!r}, which cannot be read ({why}); valid: the prompt text, "
-                         "or FILE:path of a readable UTF-8 file") from None
+        raise ValueError(
+            f"--start: got {start!r}, which cannot be read ({why}); valid: the prompt text, "
+            "or FILE:path of a readable UTF-8 file"
+        ) from None
 
 
 def resolve_dtype(name: str, device: str) -> torch.dtype:
@@ -542,13 +611,13 @@ class _Streamer:
         text = self.tok.decode(self.ids)
         if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the rest of it
             return
-        self.out.write(text[self.shown:])
+        self.out.write(text[self.shown :])
         self.out.flush()
         self.shown = len(text)
 
     def flush(self):
         text = self.tok.decode(self.ids)
-        self.out.write(text[self.shown:])
+        self.out.write(text[self.shown :])
         self.shown = len(text)
 
 
@@ -573,14 +642,27 @@ def main(argv: list[str]) -> dict:
     generator = torch.Generator(device=cfg["device"]).manual_seed(cfg["seed"])
     stream = _Streamer(tokenizer)
     sys.stdout.write(tokenizer.decode(start_ids))
-    print(f"sampling {cfg['num_samples']} x {cfg['max_new_tokens']} tokens, cache={kind}, "
-          f"attention={model.config.attention}, backend={model.attn_backend_for(cfg['device'])}, dtype={dtype}",
-          file=sys.stderr)
+    print(
+        f"sampling {cfg['num_samples']} x {cfg['max_new_tokens']} tokens, cache={kind}, "
+        f"attention={model.config.attention}, backend={model.attn_backend_for(cfg['device'])}, dtype={dtype}",
+        file=sys.stderr,
+    )
     outputs, stats = generate(
-        model, prompts, kind, max_new_tokens=cfg["max_new_tokens"], temperature=cfg["temperature"],
-        top_k=cfg["top_k"] or None, top_p=cfg["top_p"], eot_token=tokenizer.eot_token, generator=generator,
-        page_size=cfg["page_size"], num_pages=cfg["num_pages"] or None, wait_for_pages=cfg["wait_for_pages"],
-        allow_past_block_size=cfg["allow_past_block_size"], on_token=stream)
+        model,
+        prompts,
+        kind,
+        max_new_tokens=cfg["max_new_tokens"],
+        temperature=cfg["temperature"],
+        top_k=cfg["top_k"] or None,
+        top_p=cfg["top_p"],
+        eot_token=tokenizer.eot_token,
+        generator=generator,
+        page_size=cfg["page_size"],
+        num_pages=cfg["num_pages"] or None,
+        wait_for_pages=cfg["wait_for_pages"],
+        allow_past_block_size=cfg["allow_past_block_size"],
+        on_token=stream,
+    )
     stream.flush()
     for out in outputs[1:]:
         sys.stdout.write("\n---------------\n" + tokenizer.decode(start_ids + out))
@@ -602,14 +684,20 @@ def _compiled(model):
 
 
 def report(summary: dict):
-    mib = 1024 ** 2
-    print(f"prefill: {summary['prefill_tokens']} tokens, {summary['prefill_tokens_per_s']:.1f} tokens/s | "
-          f"decode: {summary['decode_tokens']} tokens in {summary['decode_steps']} steps, "
-          f"{summary['decode_tokens_per_s']:.1f} tokens/s", file=sys.stderr)
+    mib = 1024**2
+    print(
+        f"prefill: {summary['prefill_tokens']} tokens, {summary['prefill_tokens_per_s']:.1f} tokens/s | "
+        f"decode: {summary['decode_tokens']} tokens in {summary['decode_steps']} steps, "
+        f"{summary['decode_tokens_per_s']:.1f} tokens/s",
+        file=sys.stderr,
+    )
     if summary["cache"] != "none":
-        print(f"cache {summary['cache']}: {summary['cache_bytes_allocated'] / mib:.2f} MiB allocated, "
-              f"peak {summary['cache_bytes_peak'] / mib:.2f} MiB in use, "
-              f"{summary['cache_bytes_per_token']} bytes/token", file=sys.stderr)
+        print(
+            f"cache {summary['cache']}: {summary['cache_bytes_allocated'] / mib:.2f} MiB allocated, "
+            f"peak {summary['cache_bytes_peak'] / mib:.2f} MiB in use, "
+            f"{summary['cache_bytes_per_token']} bytes/token",
+            file=sys.stderr,
+        )
 
 
 def log_wandb(summary: dict, train_cfg: dict, cfg: dict):
@@ -620,16 +708,20 @@ def log_wandb(summary: dict, train_cfg: dict, cfg: dict):
     except ImportError:
         print("wandb_log: wandb is not installed (pip install wandb); skipped", file=sys.stderr)
         return
-    from train import open_wandb_run
+    from wandb_run import open_wandb_run
 
     run_name = train_cfg.get("wandb_run_name") or summary["attention"]
     # The run's files go beside the checkpoint's training run (GPT-2 from the hub: here), so that
     # `wandb sync out-*/wandb/offline-run-*` uploads both.
     checkpoint_dir = cfg["out_dir"] if cfg["init_from"] == "resume" else cfg["init_from"]
-    kwargs = dict(project=train_cfg.get("wandb_project") or "attention-zoo",
-                  group=train_cfg.get("wandb_group") or None, job_type="sample",
-                  name=f"{run_name}-sample-{summary['cache']}", config={**cfg, "train": train_cfg},
-                  dir=os.environ.get("WANDB_DIR") or (checkpoint_dir if os.path.isdir(checkpoint_dir) else "."))
+    kwargs = dict(
+        project=train_cfg.get("wandb_project") or "attention-zoo",
+        group=train_cfg.get("wandb_group") or None,
+        job_type="sample",
+        name=f"{run_name}-sample-{summary['cache']}",
+        config={**cfg, "train": train_cfg},
+        dir=os.environ.get("WANDB_DIR") or (checkpoint_dir if os.path.isdir(checkpoint_dir) else "."),
+    )
     run = open_wandb_run(wandb, kwargs, "the numbers above are not logged", log=lambda m: print(m, file=sys.stderr))
     if run is None:
         return

@@ -60,6 +60,7 @@ from checkpoint import (
 from configurator import ConfigError, help_text, parse_config, wants_help
 from data import DataError, ensure_dataset
 from model import GPT, GPT2_NAMES, GPTConfig
+from wandb_run import open_wandb_run
 
 DEFAULTS = dict(
     # I/O
@@ -182,12 +183,17 @@ def resolve_dtype(name: str, device: str) -> str:
 
 def check_config(config: dict, d: Dist) -> None:
     """Value checks the types alone cannot make, before anything heavy runs."""
-    for key in ("batch_size", "block_size", "gradient_accumulation_steps", "eval_interval", "log_interval",
-                "eval_iters"):
+    for key in (
+        "batch_size",
+        "block_size",
+        "gradient_accumulation_steps",
+        "eval_interval",
+        "log_interval",
+        "eval_iters",
+    ):
         if config[key] < 1:
             raise ConfigError(f"{key}: got {config[key]}; valid: a positive int")
-    for key in ("max_iters", "warmup_iters", "lr_decay_iters", "learning_rate", "min_lr", "weight_decay",
-                "grad_clip"):
+    for key in ("max_iters", "warmup_iters", "lr_decay_iters", "learning_rate", "min_lr", "weight_decay", "grad_clip"):
         if not 0 <= config[key] < math.inf:  # also refuses NaN and inf (1e400 parses as inf)
             raise ConfigError(f"{key}: got {config[key]}; valid: a finite number >= 0")
     if not 0 < config["rope_theta"] < math.inf:
@@ -198,24 +204,33 @@ def check_config(config: dict, d: Dist) -> None:
     if config["backend"] not in ("auto", "nccl", "gloo"):
         raise ConfigError(f"backend: got {config['backend']!r}; valid: 'auto', 'nccl', 'gloo'")
     if config["cuda_graphs"] and d.ddp:
-        raise ConfigError(f"cuda_graphs: got True with {d.world_size} processes; valid: True in a single process "
-                          "(DDP's gradient all-reduce is not captured here), else False")
+        raise ConfigError(
+            f"cuda_graphs: got True with {d.world_size} processes; valid: True in a single process "
+            "(DDP's gradient all-reduce is not captured here), else False"
+        )
     if config["gradient_accumulation_steps"] % d.world_size:
-        raise ConfigError(f"gradient_accumulation_steps: got {config['gradient_accumulation_steps']}; valid: a "
-                          f"multiple of the number of processes ({d.world_size}), since it is divided among them")
+        raise ConfigError(
+            f"gradient_accumulation_steps: got {config['gradient_accumulation_steps']}; valid: a "
+            f"multiple of the number of processes ({d.world_size}), since it is divided among them"
+        )
     init = config["init_from"]
     if init not in ("scratch", "resume", *GPT2_NAMES) and not os.path.isdir(init):
-        raise ConfigError(f"init_from: got {init!r}; valid: 'scratch', 'resume', {', '.join(GPT2_NAMES)} or a "
-                          "directory saved by GPT2LMHeadModel.save_pretrained")
+        raise ConfigError(
+            f"init_from: got {init!r}; valid: 'scratch', 'resume', {', '.join(GPT2_NAMES)} or a "
+            "directory saved by GPT2LMHeadModel.save_pretrained"
+        )
     out_dir = config["out_dir"]
     if not out_dir or (os.path.exists(out_dir) and not os.path.isdir(out_dir)):
-        raise ConfigError(f"out_dir: got {out_dir!r}{' (a file)' if out_dir else ''}; valid: a directory path "
-                          "(created if missing)")
+        raise ConfigError(
+            f"out_dir: got {out_dir!r}{' (a file)' if out_dir else ''}; valid: a directory path (created if missing)"
+        )
     held = [f for f in RUN_FILES if os.path.exists(os.path.join(out_dir, f))]
     if init != "resume" and held and not config["overwrite"]:
-        raise ConfigError(f"out_dir: {out_dir!r} already holds a run ({', '.join(held)}); valid: --init_from=resume "
-                          "to continue it, another --out_dir, or --overwrite=True to start over there (its "
-                          "checkpoints and metrics are deleted)")
+        raise ConfigError(
+            f"out_dir: {out_dir!r} already holds a run ({', '.join(held)}); valid: --init_from=resume "
+            "to continue it, another --out_dir, or --overwrite=True to start over there (its "
+            "checkpoints and metrics are deleted)"
+        )
 
 
 def model_config(config: dict, vocab_size: int) -> GPTConfig:
@@ -237,21 +252,26 @@ def check_backend(model: GPT, device: str) -> None:
     if model.attn_backend_for(device) != "triton":
         return
     if not device.startswith("cuda") and os.environ.get("TRITON_INTERPRET") != "1":
-        raise ConfigError(f"attn_backend: got 'triton' on device {device!r}; valid: 'torch' or 'auto' there, or "
-                          "TRITON_INTERPRET=1 in the environment (Triton's CPU interpreter: slow, what the tests use)")
+        raise ConfigError(
+            f"attn_backend: got 'triton' on device {device!r}; valid: 'torch' or 'auto' there, or "
+            "TRITON_INTERPRET=1 in the environment (Triton's CPU interpreter: slow, what the tests use)"
+        )
     cfg = model.config
     for name, dim in (("query/key", cfg.qk_head_dim), ("value", cfg.v_dim)):
         if not MIN_HEAD_DIM <= dim <= MAX_HEAD_DIM:
-            raise ConfigError(f"attn_backend: {cfg.attn_backend!r} runs the Triton kernels here, which take head dims "
-                              f"from {MIN_HEAD_DIM} to {MAX_HEAD_DIM}, and this model's {name} head dim is {dim}; "
-                              "valid: --attn_backend=torch, or a size whose head dims are in that range")
+            raise ConfigError(
+                f"attn_backend: {cfg.attn_backend!r} runs the Triton kernels here, which take head dims "
+                f"from {MIN_HEAD_DIM} to {MAX_HEAD_DIM}, and this model's {name} head dim is {dim}; "
+                "valid: --attn_backend=torch, or a size whose head dims are in that range"
+            )
 
 
 def run_names(config: dict) -> tuple[str, str]:
     """The wandb group and run name, where the config leaves them empty: the group from the data and the size,
     which the four variant files leave alike (so their runs land on one chart), the name from the attention."""
-    group = config["wandb_group"] or (f"{config['dataset']}-L{config['n_layer']}-E{config['n_embd']}-"
-                                      f"H{config['n_head']}-T{config['block_size']}")
+    group = config["wandb_group"] or (
+        f"{config['dataset']}-L{config['n_layer']}-E{config['n_embd']}-H{config['n_head']}-T{config['block_size']}"
+    )
     kv = f"-kv{config['n_kv_head']}" if config["attention"] == "gqa" else ""
     return group, config["wandb_run_name"] or f"{config['attention']}{kv}"
 
@@ -259,21 +279,25 @@ def run_names(config: dict) -> tuple[str, str]:
 def build_model(config: dict, vocab_size: int, ckpt: dict | None) -> GPT:
     """A fresh model, the one of a checkpoint (its architecture wins over the config), or OpenAI's GPT-2."""
     if ckpt is not None:
-        model = model_from_checkpoint(ckpt, resume_path(config), attn_backend=config["attn_backend"],
-                                      dropout=config["dropout"])
+        model = model_from_checkpoint(
+            ckpt, resume_path(config), attn_backend=config["attn_backend"], dropout=config["dropout"]
+        )
     elif config["init_from"] == "scratch":
         model = GPT(model_config(config, vocab_size))
     else:
         try:
-            model = GPT.from_pretrained(config["init_from"], dict(dropout=config["dropout"],
-                                                                  attn_backend=config["attn_backend"]))
+            model = GPT.from_pretrained(
+                config["init_from"], dict(dropout=config["dropout"], attn_backend=config["attn_backend"])
+            )
         except (OSError, ValueError) as e:  # no network, not a GPT-2 directory: the model's message, no traceback
             raise ConfigError(f"init_from: {e}") from None
         if config["block_size"] < model.config.block_size:
             model.crop_block_size(config["block_size"])
     if model.config.vocab_size < vocab_size:
-        raise ConfigError(f"dataset: its vocabulary ({vocab_size}) does not fit the model's "
-                          f"vocab_size={model.config.vocab_size}; use a dataset made with the model's tokenizer")
+        raise ConfigError(
+            f"dataset: its vocabulary ({vocab_size}) does not fit the model's "
+            f"vocab_size={model.config.vocab_size}; use a dataset made with the model's tokenizer"
+        )
     config.update({k: v for k, v in asdict(model.config).items() if k in config})  # the config reports the truth
     return model
 
@@ -331,14 +355,24 @@ class GraphedMicroStep:
     the first micro-step: three warm-up steps on a side stream (kernel compiles, the Triton kernels' config timing,
     torch.compile), gradients zeroed, then the capture."""
 
-    def __init__(self, model: torch.nn.Module, dtype: str, scaler: torch.amp.GradScaler, local_accum: int,
-                 x: torch.Tensor, y: torch.Tensor):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        dtype: str,
+        scaler: torch.amp.GradScaler,
+        local_accum: int,
+        x: torch.Tensor,
+        y: torch.Tensor,
+    ):
         self.model, self.scaler, self.local_accum = model, scaler, local_accum
         self.x, self.y = x.clone(), y.clone()
         ptdtype = PTDTYPES[dtype]
         # autocast's cache of cast weights must not live across the capture (PyTorch's CUDA-graph notes)
-        self.ctx = nullcontext() if ptdtype == torch.float32 else \
-            torch.autocast(device_type="cuda", dtype=ptdtype, cache_enabled=False)
+        self.ctx = (
+            nullcontext()
+            if ptdtype == torch.float32
+            else torch.autocast(device_type="cuda", dtype=ptdtype, cache_enabled=False)
+        )
         side = torch.cuda.Stream()
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
@@ -382,8 +416,9 @@ def estimate_loss(model, data, config: dict, d: Dist, ctx, device: str) -> dict[
     losses = {}
     for i, (split, tokens) in enumerate((("train", data.train), ("val", data.val))):
         g = torch.Generator().manual_seed(config["seed"] + 1 + i)
-        offsets = torch.randint(len(tokens) - config["block_size"], (config["eval_iters"], config["batch_size"]),
-                                generator=g)
+        offsets = torch.randint(
+            len(tokens) - config["block_size"], (config["eval_iters"], config["batch_size"]), generator=g
+        )
         total = torch.zeros(2, dtype=torch.float64, device=device)  # (sum of batch losses, number of batches)
         for row in offsets[d.rank :: d.world_size]:
             x, y = get_batch(tokens, row, config["block_size"], device)
@@ -435,11 +470,12 @@ def resume_path(config: dict) -> str:
 def load_resume_checkpoint(config: dict) -> dict:
     ckpt = load_checkpoint(resume_path(config), map_location="cpu", required_keys=TRAIN_KEYS)
     old = ckpt["config"] if isinstance(ckpt["config"], dict) else {}
-    changed = [k for k in ("batch_size", "gradient_accumulation_steps", "seed", "dataset")
-               if old.get(k) != config[k]]
+    changed = [k for k in ("batch_size", "gradient_accumulation_steps", "seed", "dataset") if old.get(k) != config[k]]
     if changed:  # allowed (e.g. a larger batch for the rest of the run), but then it is no longer the same run
-        print(f"resume: {', '.join(f'{k} {old.get(k)!r} -> {config[k]!r}' for k in changed)} changed since the "
-              "checkpoint; the run will not match an uninterrupted one")
+        print(
+            f"resume: {', '.join(f'{k} {old.get(k)!r} -> {config[k]!r}' for k in changed)} changed since the "
+            "checkpoint; the run will not match an uninterrupted one"
+        )
     return ckpt
 
 
@@ -453,8 +489,10 @@ def note_ignored_model_args(config: dict, ckpt: dict, vocab_size: int) -> None:
     saved = ckpt["model_args"] if isinstance(ckpt["model_args"], dict) else {}
     differ = [k for k in saved if k not in ("attn_backend", "dropout") and k in wanted and wanted[k] != saved[k]]
     if differ:
-        print("resume: the model is the checkpoint's; not taken from this run's config: "
-              + ", ".join(f"{k}={wanted[k]!r} (checkpoint: {saved[k]!r})" for k in differ))
+        print(
+            "resume: the model is the checkpoint's; not taken from this run's config: "
+            + ", ".join(f"{k}={wanted[k]!r} (checkpoint: {saved[k]!r})" for k in differ)
+        )
 
 
 # ----------------------------------------------------------------------------------------------- logging
@@ -465,12 +503,16 @@ def print_setup(config: dict, model: GPT, d: Dist) -> None:
     text = ", ".join(f"{k}={v!r}" for k, v in config.items())
     print("config: " + textwrap.fill(text, width=118, subsequent_indent="  "))
     mc = model.config
-    print(f"model: {mc.attention}, {mc.n_layer} layers, {mc.n_head} heads / {mc.n_kv_head} KV heads, {mc.n_embd} "
-          f"wide, {model.num_params() / 1e6:.2f}M params, KV cache {model.kv_cache_bytes_per_token()} bytes/token "
-          f"(bf16), attention via {model.attn_backend_for(config['device'])}")
+    print(
+        f"model: {mc.attention}, {mc.n_layer} layers, {mc.n_head} heads / {mc.n_kv_head} KV heads, {mc.n_embd} "
+        f"wide, {model.num_params() / 1e6:.2f}M params, KV cache {model.kv_cache_bytes_per_token()} bytes/token "
+        f"(bf16), attention via {model.attn_backend_for(config['device'])}"
+    )
     accum, batch, block = config["gradient_accumulation_steps"], config["batch_size"], config["block_size"]
-    print(f"tokens per iteration: {accum * batch * block:,} ({accum} micro-steps x {batch} sequences x {block} "
-          f"tokens, over {d.world_size} process(es)); device {config['device']}, {config['dtype']}")
+    print(
+        f"tokens per iteration: {accum * batch * block:,} ({accum} micro-steps x {batch} sequences x {block} "
+        f"tokens, over {d.world_size} process(es)); device {config['device']}, {config['dtype']}"
+    )
 
 
 def init_wandb(config: dict, model: GPT):
@@ -481,40 +523,23 @@ def init_wandb(config: dict, model: GPT):
         print("wandb: not installed (pip install wandb); metrics go to metrics.jsonl only")
         return None
     name = config["wandb_run_name"]
-    summary = dict(config, n_kv_head=model.config.n_kv_head, params=model.num_params(),
-                   kv_cache_bytes_per_token=model.kv_cache_bytes_per_token())
-    kwargs = dict(project=config["wandb_project"], group=config["wandb_group"], name=name, config=summary,
-                  dir=os.environ.get("WANDB_DIR") or config["out_dir"])  # each run's files beside its checkpoints
+    summary = dict(
+        config,
+        n_kv_head=model.config.n_kv_head,
+        params=model.num_params(),
+        kv_cache_bytes_per_token=model.kv_cache_bytes_per_token(),
+    )
+    kwargs = dict(
+        project=config["wandb_project"],
+        group=config["wandb_group"],
+        name=name,
+        config=summary,
+        dir=os.environ.get("WANDB_DIR") or config["out_dir"],
+    )  # each run's files beside its checkpoints
     run = open_wandb_run(wandb, kwargs, "metrics go to metrics.jsonl only")
     if run is not None:
         run.summary.update({k: summary[k] for k in ("params", "kv_cache_bytes_per_token")})
     return run
-
-
-def open_wandb_run(wandb, kwargs: dict, without: str, log=print):
-    """wandb.init(**kwargs): online with credentials (or WANDB_MODE), else offline, never blocking; None, after
-    saying so through `log` (`without`: what happens instead), when not even an offline run can start."""
-    mode = os.environ.get("WANDB_MODE") or ("online" if _wandb_has_credentials() else "offline")
-    if mode != "offline":
-        try:
-            return wandb.init(mode=mode, settings=wandb.Settings(init_timeout=20), **kwargs)
-        except Exception as e:  # network down, bad key, service unreachable: go on, offline
-            log(f"wandb: online init failed ({type(e).__name__}: {e}); falling back to offline mode")
-    try:
-        run = wandb.init(mode="offline", **kwargs)
-    except Exception as e:  # an unwritable WANDB_DIR, a broken install
-        log(f"wandb: offline init failed too ({type(e).__name__}: {e}); {without}")
-        return None
-    where = os.path.dirname(run.dir)
-    log(f"wandb: offline run in {where}; upload it later with: wandb sync {where}")
-    return run
-
-
-def _wandb_has_credentials() -> bool:
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    netrc = os.path.join(os.path.expanduser("~"), ".netrc")
-    return os.path.isfile(netrc) and "api.wandb.ai" in open(netrc, encoding="utf-8", errors="replace").read()
 
 
 def log_eval(config: dict, run, record: dict) -> None:
@@ -528,8 +553,10 @@ def log_eval(config: dict, run, record: dict) -> None:
 
 def format_progress(it: int, config: dict, loss: float, lr: float, dt: float, tok_s: float, mfu) -> str:
     mfu_text = f"{100 * mfu:.1f}%" if mfu is not None else "n/a"
-    return (f"iter {it}/{config['max_iters']} | loss {loss:.4f} | lr {lr:.2e} | {1000 * dt:.1f} ms/iter | "
-            f"{tok_s:,.0f} tok/s | mfu {mfu_text}")
+    return (
+        f"iter {it}/{config['max_iters']} | loss {loss:.4f} | lr {lr:.2e} | {1000 * dt:.1f} ms/iter | "
+        f"{tok_s:,.0f} tok/s | mfu {mfu_text}"
+    )
 
 
 @contextmanager
@@ -625,9 +652,11 @@ def setup(config: dict, d: Dist, device: str) -> Setup:
     data = ensure_dataset(config["dataset"], config["data_dir"])
     for split, tokens in (("train", data.train), ("val", data.val)):
         if len(tokens) <= config["block_size"] + 1:
-            raise ConfigError(f"block_size: got {config['block_size']}, but the {split} split has only "
-                              f"{len(tokens)} tokens (a block and its next-token target need block_size + 2); "
-                              f"valid: at most {len(tokens) - 2}")
+            raise ConfigError(
+                f"block_size: got {config['block_size']}, but the {split} split has only "
+                f"{len(tokens)} tokens (a block and its next-token target need block_size + 2); "
+                f"valid: at most {len(tokens) - 2}"
+            )
     ckpt = load_resume_checkpoint(config) if config["init_from"] == "resume" else None
     if ckpt is not None and ckpt["tokenizer"] != data.meta["tokenizer"]:
         raise ConfigError(f"dataset: {config['dataset']!r} is tokenized differently from the checkpoint's data")
@@ -636,8 +665,9 @@ def setup(config: dict, d: Dist, device: str) -> Setup:
     raw_model = build_model(config, data.vocab_size, ckpt).to(device)
     config["wandb_group"], config["wandb_run_name"] = run_names(config)  # from the final values (a resume's model)
     check_backend(raw_model, device)
-    optimizer = raw_model.configure_optimizers(config["weight_decay"], config["learning_rate"],
-                                               (config["beta1"], config["beta2"]), device_type)
+    optimizer = raw_model.configure_optimizers(
+        config["weight_decay"], config["learning_rate"], (config["beta1"], config["beta2"]), device_type
+    )
     scaler = torch.amp.GradScaler(device_type, enabled=config["dtype"] == "float16")
     sampler = BatchSampler(len(data.train), config, d)
     iter_num, best_val_loss = 0, float("inf")
@@ -653,12 +683,15 @@ def setup(config: dict, d: Dist, device: str) -> Setup:
             if len(ckpt["rng"]) == d.world_size:
                 set_rng_states(ckpt["rng"][d.rank])
         except (TypeError, ValueError, RuntimeError, KeyError, IndexError) as e:
-            raise CheckpointError(f"checkpoint {resume_path(config)!r}: its training state (optimizer, scaler, "
-                                  f"sampler, RNG) does not fit this model ({type(e).__name__}: {first_line(e)})") \
-                from None
+            raise CheckpointError(
+                f"checkpoint {resume_path(config)!r}: its training state (optimizer, scaler, "
+                f"sampler, RNG) does not fit this model ({type(e).__name__}: {first_line(e)})"
+            ) from None
         if len(ckpt["rng"]) != d.world_size and d.master:
-            print(f"resume: the checkpoint has RNG states of {len(ckpt['rng'])} processes, this run has "
-                  f"{d.world_size}; RNGs stay seeded (only dropout is affected)")
+            print(
+                f"resume: the checkpoint has RNG states of {len(ckpt['rng'])} processes, this run has "
+                f"{d.world_size}; RNGs stay seeded (only dropout is affected)"
+            )
     model = torch.compile(raw_model) if config["compile"] else raw_model
     train_model = DDP(model, device_ids=[d.local_rank] if device_type == "cuda" else None) if d.ddp else model
     stop_group = dist.new_group(backend="gloo") if d.ddp and dist.get_backend() != "gloo" else None
@@ -667,16 +700,30 @@ def setup(config: dict, d: Dist, device: str) -> Setup:
         try:
             os.makedirs(config["out_dir"], exist_ok=True)
         except OSError as e:
-            raise ConfigError(f"out_dir: cannot create {config['out_dir']!r} ({e.strerror}); valid: a writable "
-                              "directory path") from None
+            raise ConfigError(
+                f"out_dir: cannot create {config['out_dir']!r} ({e.strerror}); valid: a writable directory path"
+            ) from None
         if config["init_from"] != "resume" and config["overwrite"]:  # a new run: none of the old one's files
             for name in RUN_FILES:
                 if os.path.exists(os.path.join(config["out_dir"], name)):
                     os.remove(os.path.join(config["out_dir"], name))
         print_setup(config, raw_model, d)
         run = init_wandb(config, raw_model) if config["wandb_log"] else None
-    return Setup(data, raw_model, model, train_model, optimizer, scaler, sampler, ctx, iter_num, best_val_loss,
-                 ckpt is not None, stop_group, run)
+    return Setup(
+        data,
+        raw_model,
+        model,
+        train_model,
+        optimizer,
+        scaler,
+        sampler,
+        ctx,
+        iter_num,
+        best_val_loss,
+        ckpt is not None,
+        stop_group,
+        run,
+    )
 
 
 def train(config: dict, d: Dist, device: str, s: Setup, stop_requested: dict) -> dict:
@@ -692,8 +739,10 @@ def train(config: dict, d: Dist, device: str, s: Setup, stop_requested: dict) ->
     interrupted = None  # the signal that stopped the run early
     if s.resumed and iter_num >= config["max_iters"] and not config["eval_only"]:  # no eval line appended twice
         if d.master:
-            print(f"resume: the run already finished at iteration {iter_num} (max_iters={config['max_iters']}); "
-                  "nothing to do: raise --max_iters to train on")
+            print(
+                f"resume: the run already finished at iteration {iter_num} (max_iters={config['max_iters']}); "
+                "nothing to do: raise --max_iters to train on"
+            )
         return dict(iter_num=iter_num, losses=losses, best_val_loss=best_val_loss, interrupted=None)
     while True:
         lr = get_lr(iter_num, config)
@@ -710,11 +759,30 @@ def train(config: dict, d: Dist, device: str, s: Setup, stop_requested: dict) ->
             rng = gather_rng_states(d)
             if d.master:
                 print(f"eval {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-                log_eval(config, s.run, dict(iter=iter_num, train_loss=losses["train"], val_loss=losses["val"],
-                                             lr=lr, tokens_per_sec=tok_s, mfu=mfu))
+                log_eval(
+                    config,
+                    s.run,
+                    dict(
+                        iter=iter_num,
+                        train_loss=losses["train"],
+                        val_loss=losses["val"],
+                        lr=lr,
+                        tokens_per_sec=tok_s,
+                        mfu=mfu,
+                    ),
+                )
                 if iter_num > start_iter:
-                    state = training_state(raw_model, optimizer, scaler, sampler, config, iter_num,
-                                           min(best_val_loss, losses["val"]), rng, data.meta)
+                    state = training_state(
+                        raw_model,
+                        optimizer,
+                        scaler,
+                        sampler,
+                        config,
+                        iter_num,
+                        min(best_val_loss, losses["val"]),
+                        rng,
+                        data.meta,
+                    )
                     save_checkpoint(os.path.join(config["out_dir"], "last.pt"), state)
                     if losses["val"] < best_val_loss:
                         save_checkpoint(os.path.join(config["out_dir"], "best.pt"), state)
@@ -762,8 +830,15 @@ def train(config: dict, d: Dist, device: str, s: Setup, stop_requested: dict) ->
             if d.master:
                 print(format_progress(iter_num, config, loss_mean, lr, dt, tok_s, mfu), flush=True)
                 if s.run is not None:
-                    s.run.log({"train/running_loss": loss_mean, "lr": lr, "tokens_per_sec": tok_s,
-                               **({"mfu": mfu} if mfu is not None else {})}, step=iter_num)
+                    s.run.log(
+                        {
+                            "train/running_loss": loss_mean,
+                            "lr": lr,
+                            "tokens_per_sec": tok_s,
+                            **({"mfu": mfu} if mfu is not None else {}),
+                        },
+                        step=iter_num,
+                    )
             window_loss.zero_()
             window_iters, t_window = 0, time.perf_counter()
 
@@ -790,16 +865,27 @@ def save_interrupted(raw_model, optimizer, scaler, sampler, config, iter_num, be
     rng = gather_rng_states(d)
     if d.master:
         path = os.path.join(config["out_dir"], "last.pt")
-        save_checkpoint(path, training_state(raw_model, optimizer, scaler, sampler, config, iter_num, best_val_loss,
-                                             rng, data.meta))
+        save_checkpoint(
+            path, training_state(raw_model, optimizer, scaler, sampler, config, iter_num, best_val_loss, rng, data.meta)
+        )
         print(f"interrupted: saved {path} at iteration {iter_num}; continue with --init_from=resume")
 
 
 def training_state(raw_model, optimizer, scaler, sampler, config, iter_num, best_val_loss, rng, meta) -> dict:
     """The checkpoint dict (keys: checkpoint.TRAIN_KEYS)."""
-    return dict(model=clean_state_dict(raw_model.state_dict()), model_args=asdict(raw_model.config), config=config,
-                iter_num=iter_num, best_val_loss=best_val_loss, optimizer=optimizer.state_dict(),
-                scaler=scaler.state_dict(), rng=rng, data_state=sampler.state_dict(), tokenizer=meta["tokenizer"])
+    return dict(
+        model=clean_state_dict(raw_model.state_dict()),
+        model_args=asdict(raw_model.config),
+        config=config,
+        iter_num=iter_num,
+        best_val_loss=best_val_loss,
+        optimizer=optimizer.state_dict(),
+        scaler=scaler.state_dict(),
+        rng=rng,
+        data_state=sampler.state_dict(),
+        tokenizer=meta["tokenizer"],
+    )
+
 
 if __name__ == "__main__":
     if wants_help(sys.argv[1:], DEFAULTS):

@@ -113,13 +113,19 @@ def check_block_table_values(block_table: torch.Tensor, seq_lens: torch.Tensor, 
     short = needed > max_pages
     if bool(short.any()):
         b = int(short.nonzero()[0, 0])
-        fail("block_table", f"{max_pages} pages per row, but sequence {b} has seq_len {int(seq_lens[b])}",
-             f"at least {int(needed[b])} pages for it at page_size {page_size}")
+        fail(
+            "block_table",
+            f"{max_pages} pages per row, but sequence {b} has seq_len {int(seq_lens[b])}",
+            f"at least {int(needed[b])} pages for it at page_size {page_size}",
+        )
     if num_pages < 1:
         fail("block_table", "a pool of 0 pages", "a pool of at least one page")
     used = torch.arange(max_pages, device=block_table.device)[None, :] < needed[:, None]
     bad = used & ((block_table < 0) | (block_table >= num_pages))
     if bool(bad.any()):
         b, p = (int(i) for i in bad.nonzero()[0])
-        fail("block_table", f"block_table[{b}, {p}] = {int(block_table[b, p])}",
-             f"page ids from 0 to {num_pages - 1} (the pool's pages) for the pages a sequence uses")
+        fail(
+            "block_table",
+            f"block_table[{b}, {p}] = {int(block_table[b, p])}",
+            f"page ids from 0 to {num_pages - 1} (the pool's pages) for the pages a sequence uses",
+        )

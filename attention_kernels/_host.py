@@ -65,13 +65,20 @@ class Launcher:
     def launch(self, grid, args, kwargs):
         if not (self.compiled_path and _launch_cache_on() and type(grid) is tuple and 1 <= len(grid) <= 3):
             return self.kernel[grid](*args, **kwargs)
-        if _hooked(knobs.runtime.launch_enter_hook) or _hooked(knobs.runtime.launch_exit_hook) \
-                or self.kernel.pre_run_hooks:
+        if (
+            _hooked(knobs.runtime.launch_enter_hook)
+            or _hooked(knobs.runtime.launch_exit_hook)
+            or self.kernel.pre_run_hooks
+        ):
             return self.kernel[grid](*args, **kwargs)
         try:
-            key = (driver.active.get_current_device(), knobs.runtime.debug, knobs.compilation.instrumentation_mode,
-                   tuple(kwargs.items()),
-                   tuple(a if i in self.constexpr_at else _spec(a) for i, a in enumerate(args)))
+            key = (
+                driver.active.get_current_device(),
+                knobs.runtime.debug,
+                knobs.compilation.instrumentation_mode,
+                tuple(kwargs.items()),
+                tuple(a if i in self.constexpr_at else _spec(a) for i, a in enumerate(args)),
+            )
             entry = self.cache.get(key)
         except (TypeError, _Unkeyed):  # an unhashable constexpr, an argument `_spec` does not know
             return self.kernel[grid](*args, **kwargs)
@@ -79,13 +86,23 @@ class Launcher:
             compiled = self.kernel[grid](*args, **kwargs)
             if hasattr(compiled, "result"):  # an asynchronous compile's future
                 compiled = compiled.result()
-            if all(name in kwargs for name in self.names[len(args):]):  # else a default: left to Triton's path
+            if all(name in kwargs for name in self.names[len(args) :]):  # else a default: left to Triton's path
                 self.cache[key] = compiled
             return compiled
-        values = list(args) + [kwargs[name] for name in self.names[len(args):]]  # every parameter, in order
+        values = list(args) + [kwargs[name] for name in self.names[len(args) :]]  # every parameter, in order
         stream = driver.active.get_current_stream(key[0])
-        entry.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, entry.function,
-                  entry.packed_metadata, None, None, None, *values)
+        entry.run(
+            grid[0],
+            grid[1] if len(grid) > 1 else 1,
+            grid[2] if len(grid) > 2 else 1,
+            stream,
+            entry.function,
+            entry.packed_metadata,
+            None,
+            None,
+            None,
+            *values,
+        )
         return entry
 
 
@@ -99,7 +116,7 @@ def _spec(a):
     if a is None or isinstance(a, bool):
         return a
     if isinstance(a, int):
-        return (a == 1, a % 16 == 0, -(2 ** 31) <= a < 2 ** 31, a >= 2 ** 63)
+        return (a == 1, a % 16 == 0, -(2**31) <= a < 2**31, a >= 2**63)
     if isinstance(a, float):
         return float
     if isinstance(a, torch.Tensor):

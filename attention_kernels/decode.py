@@ -72,22 +72,67 @@ MAX_SPLITS = 128
 
 @triton.jit
 def _grouped_decode_kernel(
-    Q, K, V, Q_ROPE, K_ROPE, BLOCK_TABLE, SEQ_LENS, OUT, LSE, FINAL_OUT, FINAL_LSE, COUNTERS,
-    stride_qb, stride_qh, stride_qd,
-    stride_kp, stride_kn, stride_kh, stride_kd,
-    stride_vp, stride_vn, stride_vh, stride_vd,
-    stride_qrb, stride_qrh, stride_qrd,
-    stride_krp, stride_krn, stride_krh, stride_krd,
-    stride_tb, stride_tp,
-    stride_ob, stride_oh, stride_os, stride_od,
-    stride_lb, stride_lh, stride_ls,
-    stride_fb, stride_fh, stride_fd, stride_flb, stride_flh,
+    Q,
+    K,
+    V,
+    Q_ROPE,
+    K_ROPE,
+    BLOCK_TABLE,
+    SEQ_LENS,
+    OUT,
+    LSE,
+    FINAL_OUT,
+    FINAL_LSE,
+    COUNTERS,
+    stride_qb,
+    stride_qh,
+    stride_qd,
+    stride_kp,
+    stride_kn,
+    stride_kh,
+    stride_kd,
+    stride_vp,
+    stride_vn,
+    stride_vh,
+    stride_vd,
+    stride_qrb,
+    stride_qrh,
+    stride_qrd,
+    stride_krp,
+    stride_krn,
+    stride_krh,
+    stride_krd,
+    stride_tb,
+    stride_tp,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_od,
+    stride_lb,
+    stride_lh,
+    stride_ls,
+    stride_fb,
+    stride_fh,
+    stride_fd,
+    stride_flb,
+    stride_flh,
     scale_log2,
-    GROUP_SIZE: tl.constexpr, D_QK: tl.constexpr, D_ROPE: tl.constexpr, D_V: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_DQK: tl.constexpr, BLOCK_DR: tl.constexpr, BLOCK_DV: tl.constexpr,
-    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, STATIC_ITERS: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, FUSE_CHUNK: tl.constexpr, WAIT: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    D_QK: tl.constexpr,
+    D_ROPE: tl.constexpr,
+    D_V: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_DQK: tl.constexpr,
+    BLOCK_DR: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    PAGED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    STATIC_ITERS: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    FUSE_CHUNK: tl.constexpr,
+    WAIT: tl.constexpr,
 ):
     # grid (head tiles, splits, B): a head tile is BLOCK_H query heads of one KV group. WAIT: launched as a
     # programmatic dependent of the kernel before it (`pdl`), so the programs may start before that kernel's
@@ -104,12 +149,18 @@ def _grouped_decode_kernel(
 
     offs_d = tl.arange(0, BLOCK_DQK)
     offs_dv = tl.arange(0, BLOCK_DV)
-    q = tl.load(Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
-                mask=mask_h[:, None] & (offs_d[None, :] < D_QK), other=0.0)  # (BLOCK_H, BLOCK_DQK)
+    q = tl.load(
+        Q + b * stride_qb + heads[:, None] * stride_qh + offs_d[None, :] * stride_qd,
+        mask=mask_h[:, None] & (offs_d[None, :] < D_QK),
+        other=0.0,
+    )  # (BLOCK_H, BLOCK_DQK)
     offs_dr = tl.arange(0, BLOCK_DR)
     if D_ROPE > 0:
-        q_rope = tl.load(Q_ROPE + b * stride_qrb + heads[:, None] * stride_qrh + offs_dr[None, :] * stride_qrd,
-                         mask=mask_h[:, None] & (offs_dr[None, :] < D_ROPE), other=0.0)
+        q_rope = tl.load(
+            Q_ROPE + b * stride_qrb + heads[:, None] * stride_qrh + offs_dr[None, :] * stride_qrd,
+            mask=mask_h[:, None] & (offs_dr[None, :] < D_ROPE),
+            other=0.0,
+        )
     else:
         q_rope = q  # unused
 
@@ -119,40 +170,167 @@ def _grouped_decode_kernel(
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
     for i in range(0, _tile_count(start, end, BLOCK_N, STATIC_ITERS)):
         m_i, l_i, acc = _attend_tile(
-            K, V, K_ROPE, BLOCK_TABLE, q, q_rope, m_i, l_i, acc, b, kv_head, start + i * BLOCK_N, end,
-            offs_d, offs_dr, offs_dv, stride_kp, stride_kn, stride_kh, stride_kd, stride_vp, stride_vn,
-            stride_vh, stride_vd, stride_krp, stride_krn, stride_krh, stride_krd, stride_tb, stride_tp,
-            scale_log2, D_QK, D_ROPE, D_V, BLOCK_N, PAGED, PAGE_SIZE, DOT_PRECISION)
+            K,
+            V,
+            K_ROPE,
+            BLOCK_TABLE,
+            q,
+            q_rope,
+            m_i,
+            l_i,
+            acc,
+            b,
+            kv_head,
+            start + i * BLOCK_N,
+            end,
+            offs_d,
+            offs_dr,
+            offs_dv,
+            stride_kp,
+            stride_kn,
+            stride_kh,
+            stride_kd,
+            stride_vp,
+            stride_vn,
+            stride_vh,
+            stride_vd,
+            stride_krp,
+            stride_krn,
+            stride_krh,
+            stride_krd,
+            stride_tb,
+            stride_tp,
+            scale_log2,
+            D_QK,
+            D_ROPE,
+            D_V,
+            BLOCK_N,
+            PAGED,
+            PAGE_SIZE,
+            DOT_PRECISION,
+        )
 
-    _store_split(OUT, LSE, acc, m_i, l_i, b, heads, mask_h, split, offs_dv, D_V,
-                 stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls, NUM_SPLITS)
+    _store_split(
+        OUT,
+        LSE,
+        acc,
+        m_i,
+        l_i,
+        b,
+        heads,
+        mask_h,
+        split,
+        offs_dv,
+        D_V,
+        stride_ob,
+        stride_oh,
+        stride_os,
+        stride_od,
+        stride_lb,
+        stride_lh,
+        stride_ls,
+        NUM_SPLITS,
+    )
     if FUSE_CHUNK > 0:
-        _combine_if_last(COUNTERS, b * tl.num_programs(0) + tile, OUT, LSE, FINAL_OUT, FINAL_LSE, b,
-                         kv_head * GROUP_SIZE + (tile % TILES_PER_GROUP) * BLOCK_H, (kv_head + 1) * GROUP_SIZE,
-                         offs_dv, D_V, stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls,
-                         stride_fb, stride_fh, stride_fd, stride_flb, stride_flh, NUM_SPLITS,
-                         triton.next_power_of_2(min(GROUP_SIZE, BLOCK_H)), FUSE_CHUNK)
+        _combine_if_last(
+            COUNTERS,
+            b * tl.num_programs(0) + tile,
+            OUT,
+            LSE,
+            FINAL_OUT,
+            FINAL_LSE,
+            b,
+            kv_head * GROUP_SIZE + (tile % TILES_PER_GROUP) * BLOCK_H,
+            (kv_head + 1) * GROUP_SIZE,
+            offs_dv,
+            D_V,
+            stride_ob,
+            stride_oh,
+            stride_os,
+            stride_od,
+            stride_lb,
+            stride_lh,
+            stride_ls,
+            stride_fb,
+            stride_fh,
+            stride_fd,
+            stride_flb,
+            stride_flh,
+            NUM_SPLITS,
+            triton.next_power_of_2(min(GROUP_SIZE, BLOCK_H)),
+            FUSE_CHUNK,
+        )
 
 
 @triton.jit
-def _attend_tile(K, V, K_ROPE, BLOCK_TABLE, q, q_rope, m_i, l_i, acc, b, kv_head, tile_start, end,
-                 offs_d, offs_dr, offs_dv, stride_kp, stride_kn, stride_kh, stride_kd, stride_vp, stride_vn,
-                 stride_vh, stride_vd, stride_krp, stride_krn, stride_krh, stride_krd, stride_tb, stride_tp,
-                 scale_log2, D_QK: tl.constexpr, D_ROPE: tl.constexpr, D_V: tl.constexpr, BLOCK_N: tl.constexpr,
-                 PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _attend_tile(
+    K,
+    V,
+    K_ROPE,
+    BLOCK_TABLE,
+    q,
+    q_rope,
+    m_i,
+    l_i,
+    acc,
+    b,
+    kv_head,
+    tile_start,
+    end,
+    offs_d,
+    offs_dr,
+    offs_dv,
+    stride_kp,
+    stride_kn,
+    stride_kh,
+    stride_kd,
+    stride_vp,
+    stride_vn,
+    stride_vh,
+    stride_vd,
+    stride_krp,
+    stride_krn,
+    stride_krh,
+    stride_krd,
+    stride_tb,
+    stride_tp,
+    scale_log2,
+    D_QK: tl.constexpr,
+    D_ROPE: tl.constexpr,
+    D_V: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     """One online-softmax step over the BLOCK_N tokens from tile_start (those at or past `end` masked off)."""
-    offs_n, mask_n, page, slot = _tile_rows(BLOCK_TABLE, b, tile_start, end, stride_tb, stride_tp, BLOCK_N, PAGED,
-                                            PAGE_SIZE)
-    k = tl.load(K + page * stride_kp + kv_head * stride_kh + slot[:, None] * stride_kn + offs_d[None, :] * stride_kd,
-                mask=mask_n[:, None] & (offs_d[None, :] < D_QK), other=0.0,
-                eviction_policy="evict_first")  # (BLOCK_N, BLOCK_DQK); each tile is read by one program only
-    v = tl.load(V + page * stride_vp + kv_head * stride_vh + slot[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
-                mask=mask_n[:, None] & (offs_dv[None, :] < D_V), other=0.0, eviction_policy="evict_first")
+    offs_n, mask_n, page, slot = _tile_rows(
+        BLOCK_TABLE, b, tile_start, end, stride_tb, stride_tp, BLOCK_N, PAGED, PAGE_SIZE
+    )
+    k = tl.load(
+        K + page * stride_kp + kv_head * stride_kh + slot[:, None] * stride_kn + offs_d[None, :] * stride_kd,
+        mask=mask_n[:, None] & (offs_d[None, :] < D_QK),
+        other=0.0,
+        eviction_policy="evict_first",
+    )  # (BLOCK_N, BLOCK_DQK); each tile is read by one program only
+    v = tl.load(
+        V + page * stride_vp + kv_head * stride_vh + slot[:, None] * stride_vn + offs_dv[None, :] * stride_vd,
+        mask=mask_n[:, None] & (offs_dv[None, :] < D_V),
+        other=0.0,
+        eviction_policy="evict_first",
+    )
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # (BLOCK_H, BLOCK_N)
     if D_ROPE > 0:
-        k_rope = tl.load(K_ROPE + page * stride_krp + kv_head * stride_krh + slot[:, None] * stride_krn
-                         + offs_dr[None, :] * stride_krd,
-                         mask=mask_n[:, None] & (offs_dr[None, :] < D_ROPE), other=0.0, eviction_policy="evict_first")
+        k_rope = tl.load(
+            K_ROPE
+            + page * stride_krp
+            + kv_head * stride_krh
+            + slot[:, None] * stride_krn
+            + offs_dr[None, :] * stride_krd,
+            mask=mask_n[:, None] & (offs_dr[None, :] < D_ROPE),
+            other=0.0,
+            eviction_policy="evict_first",
+        )
         s += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
     return _online_softmax_step(s * scale_log2, mask_n, v, m_i, l_i, acc, DOT_PRECISION)
 
@@ -179,19 +357,30 @@ def _tile_count(start, end, BLOCK_N: tl.constexpr, STATIC_ITERS: tl.constexpr):
 
 
 @triton.jit
-def _tile_rows(BLOCK_TABLE, b, tile_start, end, stride_tb, stride_tp, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
-               PAGE_SIZE: tl.constexpr):
+def _tile_rows(
+    BLOCK_TABLE,
+    b,
+    tile_start,
+    end,
+    stride_tb,
+    stride_tp,
+    BLOCK_N: tl.constexpr,
+    PAGED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+):
     """Where the BLOCK_N tokens from tile_start live: (offs_n, mask_n, page, slot), the cache row of token n
     being (page, slot) — (b, n) in a contiguous cache, (block_table[b, n // PAGE_SIZE], n % PAGE_SIZE) paged."""
     offs_n = tile_start + tl.arange(0, BLOCK_N)
     mask_n = offs_n < end
     if PAGED:
         if PAGE_SIZE >= BLOCK_N:  # the tile lies inside one page: one table entry
-            page = tl.load(BLOCK_TABLE + b * stride_tb + (tile_start // PAGE_SIZE) * stride_tp,
-                           mask=tile_start < end, other=0).to(tl.int64)
+            page = tl.load(
+                BLOCK_TABLE + b * stride_tb + (tile_start // PAGE_SIZE) * stride_tp, mask=tile_start < end, other=0
+            ).to(tl.int64)
         else:  # BLOCK_N // PAGE_SIZE pages, gathered per token (repeated addresses hit L1)
-            page = tl.load(BLOCK_TABLE + b * stride_tb + (offs_n // PAGE_SIZE) * stride_tp,
-                           mask=mask_n, other=0).to(tl.int64)[:, None]
+            page = tl.load(BLOCK_TABLE + b * stride_tb + (offs_n // PAGE_SIZE) * stride_tp, mask=mask_n, other=0).to(
+                tl.int64
+            )[:, None]
         slot = offs_n % PAGE_SIZE
     else:
         page = b.to(tl.int64)
@@ -215,9 +404,27 @@ def _online_softmax_step(s, mask_n, v, m_i, l_i, acc, DOT_PRECISION: tl.constexp
 
 
 @triton.jit
-def _store_split(OUT, LSE, acc, m_i, l_i, b, heads, mask_h, split, offs_dv, D_V: tl.constexpr,
-                 stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls,
-                 NUM_SPLITS: tl.constexpr):
+def _store_split(
+    OUT,
+    LSE,
+    acc,
+    m_i,
+    l_i,
+    b,
+    heads,
+    mask_h,
+    split,
+    offs_dv,
+    D_V: tl.constexpr,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_od,
+    stride_lb,
+    stride_lh,
+    stride_ls,
+    NUM_SPLITS: tl.constexpr,
+):
     """One split's result: the final output (one split) or a partial output with its log2-sum-exp."""
     has_tokens = l_i > 0.0  # a split past the end of its sequence saw no token
     l_safe = tl.where(has_tokens, l_i, 1.0)
@@ -231,10 +438,34 @@ def _store_split(OUT, LSE, acc, m_i, l_i, b, heads, mask_h, split, offs_dv, D_V:
 
 
 @triton.jit
-def _combine_if_last(COUNTERS, counter, PART_O, PART_LSE, OUT, LSE, b, head0, head_end, offs_dv, D_V: tl.constexpr,
-                     stride_pb, stride_ph, stride_ps, stride_pd, stride_plb, stride_plh, stride_pls,
-                     stride_ob, stride_oh, stride_od, stride_lb, stride_lh,
-                     NUM_SPLITS: tl.constexpr, MERGE_H: tl.constexpr, CHUNK: tl.constexpr):
+def _combine_if_last(
+    COUNTERS,
+    counter,
+    PART_O,
+    PART_LSE,
+    OUT,
+    LSE,
+    b,
+    head0,
+    head_end,
+    offs_dv,
+    D_V: tl.constexpr,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_pd,
+    stride_plb,
+    stride_plh,
+    stride_pls,
+    stride_ob,
+    stride_oh,
+    stride_od,
+    stride_lb,
+    stride_lh,
+    NUM_SPLITS: tl.constexpr,
+    MERGE_H: tl.constexpr,
+    CHUNK: tl.constexpr,
+):
     """The split combine inside the decode launch: the last program of a (sequence, head tile) to finish merges
     the NUM_SPLITS partials of its heads [head0, head_end), which saves the combine launch (`fused_combine_chunk`
     says when that pays).
@@ -253,8 +484,12 @@ def _combine_if_last(COUNTERS, counter, PART_O, PART_LSE, OUT, LSE, b, head0, he
         lse_row = PART_LSE + b * stride_plb + heads[:, None] * stride_plh
         BLOCK_S: tl.constexpr = triton.next_power_of_2(NUM_SPLITS)
         offs_s = tl.arange(0, BLOCK_S)
-        lse2 = tl.load(lse_row + offs_s[None, :] * stride_pls, mask=mask_h[:, None] & (offs_s[None, :] < NUM_SPLITS),
-                       other=-float("inf"), cache_modifier=".cg")  # (MERGE_H, BLOCK_S), log2 units
+        lse2 = tl.load(
+            lse_row + offs_s[None, :] * stride_pls,
+            mask=mask_h[:, None] & (offs_s[None, :] < NUM_SPLITS),
+            other=-float("inf"),
+            cache_modifier=".cg",
+        )  # (MERGE_H, BLOCK_S), log2 units
         m = tl.max(lse2, axis=1)
         m = tl.where(m == -float("inf"), 0.0, m)  # masked heads only: split 0 of a sequence holds a token
         denom = tl.sum(tl.math.exp2(lse2 - m[:, None]), axis=1)
@@ -263,30 +498,55 @@ def _combine_if_last(COUNTERS, counter, PART_O, PART_LSE, OUT, LSE, b, head0, he
         acc = tl.zeros([MERGE_H, offs_dv.shape[0]], tl.float32)
         for c in tl.static_range(0, NUM_SPLITS, CHUNK):  # unrolled: the chunks' loads are independent
             mask_s = (c + offs_c) < NUM_SPLITS
-            lse_c = tl.load(lse_row + (c + offs_c)[None, :] * stride_pls, mask=mask_h[:, None] & mask_s[None, :],
-                            other=-float("inf"), cache_modifier=".cg")
+            lse_c = tl.load(
+                lse_row + (c + offs_c)[None, :] * stride_pls,
+                mask=mask_h[:, None] & mask_s[None, :],
+                other=-float("inf"),
+                cache_modifier=".cg",
+            )
             w = tl.math.exp2(lse_c - m[:, None])  # (MERGE_H, CHUNK)
-            o = tl.load(o_ptrs + (c + offs_c)[None, :, None] * stride_ps,
-                        mask=mask_h[:, None, None] & mask_s[None, :, None] & (offs_dv[None, None, :] < D_V),
-                        other=0.0, cache_modifier=".cg")  # (MERGE_H, CHUNK, BLOCK_DV)
+            o = tl.load(
+                o_ptrs + (c + offs_c)[None, :, None] * stride_ps,
+                mask=mask_h[:, None, None] & mask_s[None, :, None] & (offs_dv[None, None, :] < D_V),
+                other=0.0,
+                cache_modifier=".cg",
+            )  # (MERGE_H, CHUNK, BLOCK_DV)
             acc += tl.sum(o * w[:, :, None], axis=1)
         has_tokens = denom > 0.0
         out = acc / tl.where(has_tokens, denom, 1.0)[:, None]
-        tl.store(OUT + b * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :] * stride_od,
-                 out.to(OUT.dtype.element_ty), mask=mask_h[:, None] & (offs_dv[None, :] < D_V))
-        lse = tl.where(has_tokens, (m + tl.math.log2(tl.where(has_tokens, denom, 1.0))) * 0.6931471805599453,
-                       -float("inf"))
+        tl.store(
+            OUT + b * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :] * stride_od,
+            out.to(OUT.dtype.element_ty),
+            mask=mask_h[:, None] & (offs_dv[None, :] < D_V),
+        )
+        lse = tl.where(
+            has_tokens, (m + tl.math.log2(tl.where(has_tokens, denom, 1.0))) * 0.6931471805599453, -float("inf")
+        )
         tl.store(LSE + b * stride_lb + heads * stride_lh, lse, mask=mask_h)
 
 
 @triton.jit
 def _combine_splits_kernel(
-    PARTIAL_O, PARTIAL_LSE, OUT, LSE,
-    stride_pb, stride_ph, stride_ps, stride_pd,
-    stride_plb, stride_plh, stride_pls,
-    stride_ob, stride_oh, stride_od,
-    stride_lb, stride_lh,
-    NUM_SPLITS: tl.constexpr, D_V: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_DV: tl.constexpr,
+    PARTIAL_O,
+    PARTIAL_LSE,
+    OUT,
+    LSE,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_pd,
+    stride_plb,
+    stride_plh,
+    stride_pls,
+    stride_ob,
+    stride_oh,
+    stride_od,
+    stride_lb,
+    stride_lh,
+    NUM_SPLITS: tl.constexpr,
+    D_V: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
     WAIT: tl.constexpr,
 ):
     """Merge the splits of one (sequence, head) over BLOCK_DV of its output columns: the partials in one 2-D load,
@@ -301,16 +561,19 @@ def _combine_splits_kernel(
     offs_s = tl.arange(0, BLOCK_S)
     offs_d = col_block * BLOCK_DV + tl.arange(0, BLOCK_DV)
     mask_s = offs_s < NUM_SPLITS
-    lse2 = tl.load(PARTIAL_LSE + b * stride_plb + h * stride_plh + offs_s * stride_pls, mask=mask_s,
-                   other=-float("inf"))
+    lse2 = tl.load(
+        PARTIAL_LSE + b * stride_plb + h * stride_plh + offs_s * stride_pls, mask=mask_s, other=-float("inf")
+    )
     m = tl.max(lse2, axis=0)  # finite: the first split of every sequence holds at least one token
     w = tl.math.exp2(lse2 - m)
-    o = tl.load(PARTIAL_O + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :] * stride_pd,
-                mask=mask_s[:, None] & (offs_d[None, :] < D_V), other=0.0)
+    o = tl.load(
+        PARTIAL_O + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :] * stride_pd,
+        mask=mask_s[:, None] & (offs_d[None, :] < D_V),
+        other=0.0,
+    )
     denom = tl.sum(w, axis=0)
     out = tl.sum(o * w[:, None], axis=0) / denom
-    tl.store(OUT + b * stride_ob + h * stride_oh + offs_d * stride_od, out.to(OUT.dtype.element_ty),
-             mask=offs_d < D_V)
+    tl.store(OUT + b * stride_ob + h * stride_oh + offs_d * stride_od, out.to(OUT.dtype.element_ty), mask=offs_d < D_V)
     if col_block == 0:
         tl.store(LSE + b * stride_lb + h * stride_lh, (m + tl.math.log2(denom)) * 0.6931471805599453)
 
@@ -341,8 +604,9 @@ def num_sms(device: torch.device) -> int:
 SPLIT_CHOICES = (1, 2, 4, 8, 16, 32, 64, 128)  # powers of two: few compiled variants (NUM_SPLITS is constexpr)
 
 
-def auto_num_splits(programs: int, n_tiles: int, tile_bytes: int, tile_time: float, partial_bytes: int,
-                    slots: int) -> int:
+def auto_num_splits(
+    programs: int, n_tiles: int, tile_bytes: int, tile_time: float, partial_bytes: int, slots: int
+) -> int:
     """Split count from a small cost model of one launch (FlashAttention-3's wave-efficiency rule, with costs).
 
     programs: (sequence, head tile) pairs; n_tiles: KV tiles per pair at full capacity; tile_bytes: what one tile
@@ -477,8 +741,18 @@ def _block_h(group: int) -> int:
     return max(16, min(64, next_power_of_2(group)))
 
 
-def grouped_num_splits(batch: int, h_q: int, h_kv: int, capacity: int, d_qk: int, d_v: int, itemsize: int,
-                       device: torch.device, paged: bool = False, sm90: bool = False) -> int:
+def grouped_num_splits(
+    batch: int,
+    h_q: int,
+    h_kv: int,
+    capacity: int,
+    d_qk: int,
+    d_v: int,
+    itemsize: int,
+    device: torch.device,
+    paged: bool = False,
+    sm90: bool = False,
+) -> int:
     """The split count grouped and paged decode use with num_splits=None (d_qk includes a RoPE part); sm90: a
     paged launch of the Hopper kernel (decode_sm90.py), which `ragged_num_splits` models."""
     group = h_q // h_kv
@@ -491,16 +765,33 @@ def grouped_num_splits(batch: int, h_q: int, h_kv: int, capacity: int, d_qk: int
     partial_bytes = batch * h_q * (d_v + 1) * 4
     if sm90:  # per-tile floor 1 us (fitted with ragged_num_splits); the ring's shared memory sets programs per SM
         slots = num_sms(device) * max(1, SMEM_PER_SM // _sm90().shared_bytes(d_qk, itemsize))
-        return ragged_num_splits(batch, h_kv * cdiv(group, block_h), capacity, block_n, tile_bytes,
-                                 max(1e-6, tile_flops / 2e12), partial_bytes, slots)
+        return ragged_num_splits(
+            batch,
+            h_kv * cdiv(group, block_h),
+            capacity,
+            block_n,
+            tile_bytes,
+            max(1e-6, tile_flops / 2e12),
+            partial_bytes,
+            slots,
+        )
     slots = num_sms(device) * programs_per_sm(d_qk, d_v, itemsize, paged, load)
-    return auto_num_splits(programs, cdiv(capacity, block_n), tile_bytes, tile_seconds(tile_flops, paged),
-                           partial_bytes, slots)
+    return auto_num_splits(
+        programs, cdiv(capacity, block_n), tile_bytes, tile_seconds(tile_flops, paged), partial_bytes, slots
+    )
 
 
 @functools.lru_cache(maxsize=256)  # a pure function of the shapes; 5-30 ms per new shape
-def ragged_num_splits(batch: int, heads: int, capacity: int, block_n: int, tile_bytes: int, tile_time: float,
-                      partial_bytes: int, slots: int) -> int:
+def ragged_num_splits(
+    batch: int,
+    heads: int,
+    capacity: int,
+    block_n: int,
+    tile_bytes: int,
+    tile_time: float,
+    partial_bytes: int,
+    slots: int,
+) -> int:
     """Split count for a paged launch of the Hopper kernel: the one whose launch time, simulated for a full-length
     batch and for a ragged one, is worst off against the best split of each by the least (minimax regret).
 
@@ -522,14 +813,24 @@ def ragged_num_splits(batch: int, heads: int, capacity: int, block_n: int, tile_
         if splits > 1 and (splits > cdiv(capacity, block_n) or batch * heads * splits > 16 * slots):
             break  # never more splits than tiles, nor more than 16 waves of programs
         combine = combine_latency + 2 * partial_bytes * splits / bandwidth if splits > 1 else 0.0
-        times[splits] = [_simulate(lens, heads, splits, block_n, tile_bytes, tile_time, slots, bandwidth) + combine
-                         for lens in (full, ragged)]
+        times[splits] = [
+            _simulate(lens, heads, splits, block_n, tile_bytes, tile_time, slots, bandwidth) + combine
+            for lens in (full, ragged)
+        ]
     best = [min(t[i] for t in times.values()) for i in range(2)]
     return min(times, key=lambda n: max(times[n][i] / best[i] for i in range(2)))
 
 
-def _simulate(lengths: list[int], heads: int, splits: int, block_n: int, tile_bytes: int, tile_time: float,
-              slots: int, bandwidth: float) -> float:
+def _simulate(
+    lengths: list[int],
+    heads: int,
+    splits: int,
+    block_n: int,
+    tile_bytes: int,
+    tile_time: float,
+    slots: int,
+    bandwidth: float,
+) -> float:
     """Seconds one decode launch takes, as processor sharing: `slots` programs run at once, started in grid order
     as others finish; n running programs each read min(1 / tile_time, bandwidth / (n * tile_bytes)) tiles per
     second, and each program costs one tile more than it reads (its start and its stores)."""
@@ -577,8 +878,22 @@ def _dot_precision(dtype: torch.dtype) -> str:
 # ---- Launchers ------------------------------------------------------------------------------------------------
 
 
-def _launch_decode(q, k, v, q_rope, k_rope, block_table, seq_lens, scale: float, num_splits, *, paged: bool,
-                   page_size: int, capacity: int, config: dict | None = None):
+def _launch_decode(
+    q,
+    k,
+    v,
+    q_rope,
+    k_rope,
+    block_table,
+    seq_lens,
+    scale: float,
+    num_splits,
+    *,
+    paged: bool,
+    page_size: int,
+    capacity: int,
+    config: dict | None = None,
+):
     """Shared by the contiguous and the paged op. k/v/k_rope strides are passed as (page, slot, head, dim)."""
     batch, h_q, d_qk = q.shape
     h_kv = k.shape[2] if paged else k.shape[1]
@@ -591,8 +906,9 @@ def _launch_decode(q, k, v, q_rope, k_rope, block_table, seq_lens, scale: float,
     # num_warps and num_stages.
     sm90 = paged and (config is None or "sm90" in config) and _sm90_supports(q, k, v, q_rope)
     if num_splits is None:
-        num_splits = grouped_num_splits(batch, h_q, h_kv, capacity, d_qk + d_rope, d_v, k.element_size(), q.device,
-                                        paged, sm90)
+        num_splits = grouped_num_splits(
+            batch, h_q, h_kv, capacity, d_qk + d_rope, d_v, k.element_size(), q.device, paged, sm90
+        )
     out = new_empty((batch, h_q, d_v), q.device, q.dtype)
     lse = new_empty((batch, h_q), q.device, torch.float32)
     if num_splits == 1:
@@ -605,19 +921,63 @@ def _launch_decode(q, k, v, q_rope, k_rope, block_table, seq_lens, scale: float,
     counters = split_counters(q.device, programs) if chunk else None
     fused = counters is not None
     if sm90:
-        _sm90().launch(q, k, v, block_table, seq_lens, part_o, part_lse, float(scale) * LOG2E, num_splits, block_h,
-                       (config or {}).get("sm90"), fused=(out, lse, counters, chunk) if fused else None)
+        _sm90().launch(
+            q,
+            k,
+            v,
+            block_table,
+            seq_lens,
+            part_o,
+            part_lse,
+            float(scale) * LOG2E,
+            num_splits,
+            block_h,
+            (config or {}).get("sm90"),
+            fused=(out, lse, counters, chunk) if fused else None,
+        )
     else:
-        _launch_triton(q, k, v, q_rope, k_rope, block_table, seq_lens, part_o, part_lse, scale, num_splits,
-                       paged=paged, page_size=page_size, capacity=capacity, config=config,
-                       fused=(out, lse, counters, chunk) if fused else None)
+        _launch_triton(
+            q,
+            k,
+            v,
+            q_rope,
+            k_rope,
+            block_table,
+            seq_lens,
+            part_o,
+            part_lse,
+            scale,
+            num_splits,
+            paged=paged,
+            page_size=page_size,
+            capacity=capacity,
+            config=config,
+            fused=(out, lse, counters, chunk) if fused else None,
+        )
     if num_splits > 1 and not fused:
         combine_splits(part_o, part_lse, out, lse)
     return out, lse
 
 
-def _launch_triton(q, k, v, q_rope, k_rope, block_table, seq_lens, part_o, part_lse, scale: float, num_splits: int,
-                   *, paged: bool, page_size: int, capacity: int, config: dict | None, fused: tuple | None):
+def _launch_triton(
+    q,
+    k,
+    v,
+    q_rope,
+    k_rope,
+    block_table,
+    seq_lens,
+    part_o,
+    part_lse,
+    scale: float,
+    num_splits: int,
+    *,
+    paged: bool,
+    page_size: int,
+    capacity: int,
+    config: dict | None,
+    fused: tuple | None,
+):
     """`_grouped_decode_kernel` into part_o / part_lse (the split outputs `_launch_decode` allocated); with
     fused = (out, lse, counters, chunk) the launch also combines the splits into out / lse (`_combine_if_last`)."""
     batch, h_q, d_qk = q.shape
@@ -637,23 +997,58 @@ def _launch_triton(q, k, v, q_rope, k_rope, block_table, seq_lens, part_o, part_
     else:
         k_strides = (k.stride(0), k.stride(2), k.stride(1), k.stride(3))  # (B, H_kv, S, D) -> (page=b, slot=n, ...)
         v_strides = (v.stride(0), v.stride(2), v.stride(1), v.stride(3))
-        kr_strides = (k_rope.stride(0), k_rope.stride(2), k_rope.stride(1), k_rope.stride(3)) if k_rope is not None \
+        kr_strides = (
+            (k_rope.stride(0), k_rope.stride(2), k_rope.stride(1), k_rope.stride(3))
+            if k_rope is not None
             else (0, 0, 0, 0)
+        )
         table, table_strides = seq_lens, (0, 0)  # unused
     qr_strides = q_rope.stride() if q_rope is not None else (0, 0, 0)
     static_iters = cdiv(cdiv(capacity, block_n), num_splits) if _checks.interpreting() else 0
     out, lse, counters, chunk = fused if fused is not None else (part_o[:, :, 0], part_lse[:, :, 0], seq_lens, 0)
     wait = pdl(q.device)
     launcher(_grouped_decode_kernel)[(h_kv * cdiv(group, block_h), num_splits, batch)](
-        q, k, v, q_rope if q_rope is not None else q, k_rope if k_rope is not None else k, table, seq_lens,
-        part_o, part_lse, out, lse, counters,
-        *q.stride(), *k_strides, *v_strides, *qr_strides, *kr_strides, *table_strides,
-        *part_o.stride(), *part_lse.stride(), *out.stride(), *lse.stride(),
+        q,
+        k,
+        v,
+        q_rope if q_rope is not None else q,
+        k_rope if k_rope is not None else k,
+        table,
+        seq_lens,
+        part_o,
+        part_lse,
+        out,
+        lse,
+        counters,
+        *q.stride(),
+        *k_strides,
+        *v_strides,
+        *qr_strides,
+        *kr_strides,
+        *table_strides,
+        *part_o.stride(),
+        *part_lse.stride(),
+        *out.stride(),
+        *lse.stride(),
         float(scale) * LOG2E,
-        GROUP_SIZE=group, D_QK=d_qk, D_ROPE=d_rope, D_V=d_v,
-        BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DQK=_pow2(d_qk), BLOCK_DR=_pow2(d_rope), BLOCK_DV=_pow2(d_v),
-        PAGED=paged, PAGE_SIZE=page_size, NUM_SPLITS=num_splits, STATIC_ITERS=static_iters,
-        DOT_PRECISION=_dot_precision(q.dtype), FUSE_CHUNK=chunk, WAIT=wait, num_warps=warps, num_stages=stages,
+        GROUP_SIZE=group,
+        D_QK=d_qk,
+        D_ROPE=d_rope,
+        D_V=d_v,
+        BLOCK_H=block_h,
+        BLOCK_N=block_n,
+        BLOCK_DQK=_pow2(d_qk),
+        BLOCK_DR=_pow2(d_rope),
+        BLOCK_DV=_pow2(d_v),
+        PAGED=paged,
+        PAGE_SIZE=page_size,
+        NUM_SPLITS=num_splits,
+        STATIC_ITERS=static_iters,
+        DOT_PRECISION=_dot_precision(q.dtype),
+        FUSE_CHUNK=chunk,
+        WAIT=wait,
+        num_warps=warps,
+        num_stages=stages,
         launch_pdl=wait,
     )
 
@@ -721,8 +1116,20 @@ def combine_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tens
     block_dv = min(_pow2(d_v), max(16, 4096 // _pow2(splits, 2)))  # at most 4096 fp32 values per program
     wait = pdl(part_o.device)
     launcher(_combine_splits_kernel)[(heads, batch, cdiv(d_v, block_dv))](
-        part_o, part_lse, out, lse, *part_o.stride(), *part_lse.stride(), *out.stride(), *lse.stride(),
-        NUM_SPLITS=splits, D_V=d_v, BLOCK_S=_pow2(splits, 2), BLOCK_DV=block_dv, WAIT=wait, num_warps=4,
+        part_o,
+        part_lse,
+        out,
+        lse,
+        *part_o.stride(),
+        *part_lse.stride(),
+        *out.stride(),
+        *lse.stride(),
+        NUM_SPLITS=splits,
+        D_V=d_v,
+        BLOCK_S=_pow2(splits, 2),
+        BLOCK_DV=block_dv,
+        WAIT=wait,
+        num_warps=4,
         launch_pdl=wait,
     )
 
@@ -769,11 +1176,19 @@ def _pow2(n: int, minimum: int = 16) -> int:
 
 
 @torch.library.custom_op("zoo::grouped_decode", mutates_args=())
-def _grouped_decode_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                       num_splits: int | None, q_rope: torch.Tensor | None,
-                       k_rope: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
-    return _launch_decode(q, k, v, q_rope, k_rope, None, seq_lens, scale, num_splits, paged=False, page_size=1,
-                          capacity=k.shape[2])
+def _grouped_decode_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None,
+    q_rope: torch.Tensor | None,
+    k_rope: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _launch_decode(
+        q, k, v, q_rope, k_rope, None, seq_lens, scale, num_splits, paged=False, page_size=1, capacity=k.shape[2]
+    )
 
 
 @_grouped_decode_op.register_fake
@@ -782,13 +1197,32 @@ def _(q, k, v, seq_lens, scale, num_splits, q_rope, k_rope):
 
 
 @torch.library.custom_op("zoo::paged_grouped_decode", mutates_args=())
-def _paged_grouped_decode_op(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor,
-                             block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                             num_splits: int | None, q_rope: torch.Tensor | None,
-                             k_rope_pages: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _paged_grouped_decode_op(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None,
+    q_rope: torch.Tensor | None,
+    k_rope_pages: torch.Tensor | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     page_size = k_pages.shape[1]
-    return _launch_decode(q, k_pages, v_pages, q_rope, k_rope_pages, block_table, seq_lens, scale, num_splits,
-                          paged=True, page_size=page_size, capacity=block_table.shape[1] * page_size)
+    return _launch_decode(
+        q,
+        k_pages,
+        v_pages,
+        q_rope,
+        k_rope_pages,
+        block_table,
+        seq_lens,
+        scale,
+        num_splits,
+        paged=True,
+        page_size=page_size,
+        capacity=block_table.shape[1] * page_size,
+    )
 
 
 @_paged_grouped_decode_op.register_fake
@@ -806,15 +1240,17 @@ def _check_common(q, k, v, seq_lens, scale, num_splits, q_rope, k_rope, *, k_nam
     _checks.check_float(v_name, v, q, "q")
     h_q, d_qk, h_kv = q.shape[1], q.shape[2], k.shape[head_axis]
     if h_kv == 0 or h_q % h_kv:
-        _checks.fail("q", f"H_q = {h_q} query heads for H_kv = {h_kv} KV heads ({k_name} dim {head_axis})",
-                     "H_kv >= 1 and H_q a multiple of H_kv")
+        _checks.fail(
+            "q",
+            f"H_q = {h_q} query heads for H_kv = {h_kv} KV heads ({k_name} dim {head_axis})",
+            "H_kv >= 1 and H_q a multiple of H_kv",
+        )
     _checks.check_head_dim("q", d_qk, 16, 256)
     _checks.check_head_dim(v_name, v.shape[-1], 16, 256)
     _checks.check_int32("seq_lens", seq_lens, (batch,), "(B,)")
     tensors = {"q": q, k_name: k, v_name: v, "seq_lens": seq_lens}
     if (q_rope is None) != (k_rope is None):
-        _checks.fail("q_rope" if q_rope is None else kr_name, "only one of q_rope and " + kr_name,
-                     "both or neither")
+        _checks.fail("q_rope" if q_rope is None else kr_name, "only one of q_rope and " + kr_name, "both or neither")
     if q_rope is not None:
         _checks.check_rank("q_rope", q_rope, 3, "(B, H_q, D_r)")
         _checks.check_float("q_rope", q_rope, q, "q")
@@ -836,14 +1272,28 @@ def _check_grouped(q, k, v, seq_lens, scale, num_splits, q_rope, k_rope):
     if k.shape[0] != b or k.shape[3] != d:
         _checks.fail("k", f"shape {tuple(k.shape)}", f"(B, H_kv, S_max, D) with B = {b}, D = {d} from q")
     if tuple(v.shape[:3]) != tuple(k.shape[:3]):
-        _checks.fail("v", f"shape {tuple(v.shape)}", f"(B, H_kv, S_max, D_v) with (B, H_kv, S_max) = "
-                     f"{tuple(k.shape[:3])} from k")
+        _checks.fail(
+            "v", f"shape {tuple(v.shape)}", f"(B, H_kv, S_max, D_v) with (B, H_kv, S_max) = {tuple(k.shape[:3])} from k"
+        )
     if k_rope is not None:
         _checks.check_rank("k_rope", k_rope, 4, "(B, H_kv, S_max, D_r)")
         if q_rope is not None and tuple(k_rope.shape) != (*k.shape[:3], q_rope.shape[-1]):
             _checks.fail("k_rope", f"shape {tuple(k_rope.shape)}", f"{(*k.shape[:3], q_rope.shape[-1])}")
-    _check_common(q, k, v, seq_lens, scale, num_splits, q_rope, k_rope, k_name="k", v_name="v", kr_name="k_rope",
-                  head_axis=1, batch=b)
+    _check_common(
+        q,
+        k,
+        v,
+        seq_lens,
+        scale,
+        num_splits,
+        q_rope,
+        k_rope,
+        k_name="k",
+        v_name="v",
+        kr_name="k_rope",
+        head_axis=1,
+        batch=b,
+    )
 
 
 def _check_paged(q, k_pages, v_pages, block_table, seq_lens, scale, num_splits, q_rope, k_rope_pages):
@@ -854,27 +1304,53 @@ def _check_paged(q, k_pages, v_pages, block_table, seq_lens, scale, num_splits, 
     if k_pages.shape[3] != d:
         _checks.fail("k_pages", f"shape {tuple(k_pages.shape)}", f"(num_pages, page_size, H_kv, D) with D = {d}")
     if tuple(v_pages.shape[:3]) != tuple(k_pages.shape[:3]):
-        _checks.fail("v_pages", f"shape {tuple(v_pages.shape)}",
-                     f"(num_pages, page_size, H_kv, D_v) with {tuple(k_pages.shape[:3])} from k_pages")
+        _checks.fail(
+            "v_pages",
+            f"shape {tuple(v_pages.shape)}",
+            f"(num_pages, page_size, H_kv, D_v) with {tuple(k_pages.shape[:3])} from k_pages",
+        )
     _checks.check_page_size("k_pages", k_pages.shape[1])
     if k_rope_pages is not None:
         _checks.check_rank("k_rope_pages", k_rope_pages, 4, "(num_pages, page_size, H_kv, D_r)")
         if q_rope is not None and tuple(k_rope_pages.shape) != (*k_pages.shape[:3], q_rope.shape[-1]):
-            _checks.fail("k_rope_pages", f"shape {tuple(k_rope_pages.shape)}",
-                         f"{(*k_pages.shape[:3], q_rope.shape[-1])}")
+            _checks.fail(
+                "k_rope_pages", f"shape {tuple(k_rope_pages.shape)}", f"{(*k_pages.shape[:3], q_rope.shape[-1])}"
+            )
     _checks.check_rank("block_table", block_table, 2, "(B, max_pages)")
     _checks.check_int32("block_table", block_table, (b, block_table.shape[1]), "(B, max_pages)")
-    _check_common(q, k_pages, v_pages, seq_lens, scale, num_splits, q_rope, k_rope_pages, k_name="k_pages",
-                  v_name="v_pages", kr_name="k_rope_pages", head_axis=2, batch=b)
+    _check_common(
+        q,
+        k_pages,
+        v_pages,
+        seq_lens,
+        scale,
+        num_splits,
+        q_rope,
+        k_rope_pages,
+        k_name="k_pages",
+        v_name="v_pages",
+        kr_name="k_rope_pages",
+        head_axis=2,
+        batch=b,
+    )
     _checks.check_same_device({"q": q, "block_table": block_table})
 
 
 # ---- Public functions ---------------------------------------------------------------------------------------------
 
 
-def grouped_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: torch.Tensor, *, scale: float,
-                   num_splits: int | None = None, q_rope: torch.Tensor | None = None,
-                   k_rope: torch.Tensor | None = None, validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def grouped_decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float,
+    num_splits: int | None = None,
+    q_rope: torch.Tensor | None = None,
+    k_rope: torch.Tensor | None = None,
+    validate: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode one query token per sequence over a contiguous cache (MHA, GQA or MQA).
 
     q (B, H_q, D), k (B, H_kv, S_max, D), v (B, H_kv, S_max, D_v), seq_lens (B,) int32: sequence b attends to
@@ -889,10 +1365,19 @@ def grouped_decode(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, seq_lens: 
     return torch.ops.zoo.grouped_decode(q, k, v, seq_lens, float(scale), num_splits, q_rope, k_rope)
 
 
-def paged_grouped_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.Tensor, block_table: torch.Tensor,
-                         seq_lens: torch.Tensor, *, scale: float, num_splits: int | None = None,
-                         q_rope: torch.Tensor | None = None, k_rope_pages: torch.Tensor | None = None,
-                         validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def paged_grouped_decode(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float,
+    num_splits: int | None = None,
+    q_rope: torch.Tensor | None = None,
+    k_rope_pages: torch.Tensor | None = None,
+    validate: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """grouped_decode over a paged cache: pools (num_pages, page_size, H_kv, D) shared by every sequence and a
     block table (B, max_pages) int32 mapping each sequence's logical pages to pool pages. page_size is a power of
     two from 8 to 256. validate=False skips the value checks of seq_lens and block_table (a device sync)."""
@@ -901,5 +1386,6 @@ def paged_grouped_decode(q: torch.Tensor, k_pages: torch.Tensor, v_pages: torch.
         page_size = k_pages.shape[1]
         _checks.check_seq_lens_values(seq_lens, 2**31 - 1, "a positive length")
         _checks.check_block_table_values(block_table, seq_lens, page_size, k_pages.shape[0])
-    return torch.ops.zoo.paged_grouped_decode(q, k_pages, v_pages, block_table, seq_lens, float(scale), num_splits,
-                                              q_rope, k_rope_pages)
+    return torch.ops.zoo.paged_grouped_decode(
+        q, k_pages, v_pages, block_table, seq_lens, float(scale), num_splits, q_rope, k_rope_pages
+    )

@@ -93,8 +93,17 @@ def split_range(seq_lens_ptr, b, split, num_splits, BLOCK_N: gl.constexpr):
 
 
 @gluon.jit
-def tile_pages(table_row, stride_tp, start, end, j, copy_idx, BLOCK_N: gl.constexpr, PAGE_SIZE: gl.constexpr,
-               PAGE_ROWS: gl.constexpr):
+def tile_pages(
+    table_row,
+    stride_tp,
+    start,
+    end,
+    j,
+    copy_idx,
+    BLOCK_N: gl.constexpr,
+    PAGE_SIZE: gl.constexpr,
+    PAGE_ROWS: gl.constexpr,
+):
     """Pool page and first slot of each of tile j's BLOCK_N // PAGE_ROWS copies (one vector load of the block table;
     scalars for a single copy). A copy wholly past `end` reads the last valid page instead, so every tile moves the same
     bytes; the consumer masks and zeroes those rows (`zero_rows`). Shared with mla_sm90.py's paged loader."""
@@ -107,9 +116,28 @@ def tile_pages(table_row, stride_tp, start, end, j, copy_idx, BLOCK_N: gl.conste
 
 
 @gluon.jit
-def _loader(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, table_ptr, stride_tb, stride_tp, b, kv_head,
-            start, end, n_tiles, BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr,
-            PAGE_SIZE: gl.constexpr, PAGE_ROWS: gl.constexpr):
+def _loader(
+    k_desc,
+    v_desc,
+    k_smem,
+    v_smem,
+    k_ready,
+    v_ready,
+    kv_free,
+    table_ptr,
+    stride_tb,
+    stride_tp,
+    b,
+    kv_head,
+    start,
+    end,
+    n_tiles,
+    BLOCK_N: gl.constexpr,
+    D: gl.constexpr,
+    STAGES: gl.constexpr,
+    PAGE_SIZE: gl.constexpr,
+    PAGE_ROWS: gl.constexpr,
+):
     """One warp: tile j's K and V into stage j % STAGES once the consumer has released tile j - STAGES, each as
     BLOCK_N // PAGE_ROWS copies of whole pages (or of a tile's slice of a larger page) into its own rows."""
     copies: gl.constexpr = BLOCK_N // PAGE_ROWS
@@ -128,12 +156,19 @@ def _loader(k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, table_ptr
             if copies > 1:
                 page = gl.sum(gl.where(copy_idx == c, pages, 0), axis=0)
                 slot = gl.sum(gl.where(copy_idx == c, slots, 0), axis=0)
-            tma.async_copy_global_to_shared(k_desc, [page, slot, kv_head * D], k_ready.index(s),
-                                            k_smem.index(s).slice(c * PAGE_ROWS, PAGE_ROWS, dim=1))
-            tma.async_copy_global_to_shared(v_desc, [page, slot, kv_head * D], v_ready.index(s),
-                                            v_smem.index(s).slice(c * PAGE_ROWS, PAGE_ROWS, dim=1))
-        pages, slots = tile_pages(table_row, stride_tp, start, end, j + 1, copy_idx, BLOCK_N, PAGE_SIZE,
-                                   PAGE_ROWS)
+            tma.async_copy_global_to_shared(
+                k_desc,
+                [page, slot, kv_head * D],
+                k_ready.index(s),
+                k_smem.index(s).slice(c * PAGE_ROWS, PAGE_ROWS, dim=1),
+            )
+            tma.async_copy_global_to_shared(
+                v_desc,
+                [page, slot, kv_head * D],
+                v_ready.index(s),
+                v_smem.index(s).slice(c * PAGE_ROWS, PAGE_ROWS, dim=1),
+            )
+        pages, slots = tile_pages(table_row, stride_tp, start, end, j + 1, copy_idx, BLOCK_N, PAGE_SIZE, PAGE_ROWS)
 
 
 @gluon.jit
@@ -160,13 +195,49 @@ def zero_rows(tile, n_valid, BLOCK_N: gl.constexpr, COLS: gl.constexpr):
 
 
 @gluon.jit
-def _consumer(q_ptr, k_smem, v_smem, k_ready, v_ready, kv_free, out_ptr, lse_ptr,
-              stride_qb, stride_qh, stride_qd, stride_ob, stride_oh, stride_os, stride_od,
-              stride_lb, stride_lh, stride_ls, b, head0, n_heads, split, num_splits, start, end, n_tiles,
-              scale_log2, final_out_ptr, final_lse_ptr, counters_ptr, counter,
-              stride_fb, stride_fh, stride_fd, stride_flb, stride_flh,
-              BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, MERGE_H: gl.constexpr,
-              CHUNK: gl.constexpr):
+def _consumer(
+    q_ptr,
+    k_smem,
+    v_smem,
+    k_ready,
+    v_ready,
+    kv_free,
+    out_ptr,
+    lse_ptr,
+    stride_qb,
+    stride_qh,
+    stride_qd,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_od,
+    stride_lb,
+    stride_lh,
+    stride_ls,
+    b,
+    head0,
+    n_heads,
+    split,
+    num_splits,
+    start,
+    end,
+    n_tiles,
+    scale_log2,
+    final_out_ptr,
+    final_lse_ptr,
+    counters_ptr,
+    counter,
+    stride_fb,
+    stride_fh,
+    stride_fd,
+    stride_flb,
+    stride_flh,
+    BLOCK_N: gl.constexpr,
+    D: gl.constexpr,
+    STAGES: gl.constexpr,
+    MERGE_H: gl.constexpr,
+    CHUNK: gl.constexpr,
+):
     """One warpgroup: the online softmax of n_heads query heads from head0 over the split's tiles, then their
     output (the final one for one split, else a partial) and log-sum-exp; with CHUNK > 0, the last split of the
     tile to finish merges all of them (`_combine_if_last`)."""
@@ -179,8 +250,11 @@ def _consumer(q_ptr, k_smem, v_smem, k_ready, v_ready, kv_free, out_ptr, lse_ptr
 
     rows_q = gl.arange(0, ROWS, layout=gl.SliceLayout(1, blk))
     cols_q = gl.arange(0, D, layout=gl.SliceLayout(0, blk))
-    q = gl.load(q_ptr + b.to(gl.int64) * stride_qb + (head0 + rows_q)[:, None] * stride_qh
-                + cols_q[None, :] * stride_qd, mask=(rows_q < n_heads)[:, None], other=0.0)
+    q = gl.load(
+        q_ptr + b.to(gl.int64) * stride_qb + (head0 + rows_q)[:, None] * stride_qh + cols_q[None, :] * stride_qd,
+        mask=(rows_q < n_heads)[:, None],
+        other=0.0,
+    )
     q = gl.convert_layout(q, q_op)
 
     m_i = gl.full([ROWS], -float("inf"), gl.float32, gl.SliceLayout(1, s_layout))
@@ -191,8 +265,7 @@ def _consumer(q_ptr, k_smem, v_smem, k_ready, v_ready, kv_free, out_ptr, lse_ptr
         st = j % STAGES
         phase = (j // STAGES) & 1
         mbarrier.wait(k_ready.index(st), phase)
-        s = warpgroup_mma(q, k_smem.index(st).reshape([BLOCK_N, D]).permute((1, 0)), s, use_acc=False,
-                          is_async=True)
+        s = warpgroup_mma(q, k_smem.index(st).reshape([BLOCK_N, D]).permute((1, 0)), s, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
         v_tile = v_smem.index(st).reshape([BLOCK_N, D])
         mbarrier.wait(v_ready.index(st), phase)
@@ -220,23 +293,78 @@ def _consumer(q_ptr, k_smem, v_smem, k_ready, v_ready, kv_free, out_ptr, lse_ptr
     out = acc / gl.convert_layout(l_safe, gl.SliceLayout(1, o_layout))[:, None]
     rows_o = gl.arange(0, ROWS, layout=gl.SliceLayout(1, o_layout))
     cols_o = gl.arange(0, D, layout=gl.SliceLayout(0, o_layout))
-    o_ptrs = out_ptr + b.to(gl.int64) * stride_ob + (head0 + rows_o)[:, None] * stride_oh + split * stride_os \
+    o_ptrs = (
+        out_ptr
+        + b.to(gl.int64) * stride_ob
+        + (head0 + rows_o)[:, None] * stride_oh
+        + split * stride_os
         + cols_o[None, :] * stride_od
+    )
     gl.store(o_ptrs, out.to(out_ptr.dtype.element_ty), mask=(rows_o < n_heads)[:, None])
     rows_l = gl.arange(0, ROWS, layout=gl.SliceLayout(1, s_layout))
-    gl.store(lse_ptr + b.to(gl.int64) * stride_lb + (head0 + rows_l) * stride_lh + split * stride_ls, lse,
-             mask=rows_l < n_heads)
+    gl.store(
+        lse_ptr + b.to(gl.int64) * stride_lb + (head0 + rows_l) * stride_lh + split * stride_ls,
+        lse,
+        mask=rows_l < n_heads,
+    )
     if CHUNK > 0:
-        _combine_if_last(counters_ptr, counter, out_ptr, lse_ptr, final_out_ptr, final_lse_ptr, b, head0, n_heads,
-                         num_splits, stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls,
-                         stride_fb, stride_fh, stride_fd, stride_flb, stride_flh, D, MERGE_H, CHUNK)
+        _combine_if_last(
+            counters_ptr,
+            counter,
+            out_ptr,
+            lse_ptr,
+            final_out_ptr,
+            final_lse_ptr,
+            b,
+            head0,
+            n_heads,
+            num_splits,
+            stride_ob,
+            stride_oh,
+            stride_os,
+            stride_od,
+            stride_lb,
+            stride_lh,
+            stride_ls,
+            stride_fb,
+            stride_fh,
+            stride_fd,
+            stride_flb,
+            stride_flh,
+            D,
+            MERGE_H,
+            CHUNK,
+        )
 
 
 @gluon.jit
-def _combine_if_last(counters_ptr, counter, part_o_ptr, part_lse_ptr, out_ptr, lse_ptr, b, head0, n_heads,
-                     num_splits, stride_pb, stride_ph, stride_ps, stride_pd, stride_plb, stride_plh, stride_pls,
-                     stride_ob, stride_oh, stride_od, stride_lb, stride_lh,
-                     D: gl.constexpr, MERGE_H: gl.constexpr, CHUNK: gl.constexpr):
+def _combine_if_last(
+    counters_ptr,
+    counter,
+    part_o_ptr,
+    part_lse_ptr,
+    out_ptr,
+    lse_ptr,
+    b,
+    head0,
+    n_heads,
+    num_splits,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_pd,
+    stride_plb,
+    stride_plh,
+    stride_pls,
+    stride_ob,
+    stride_oh,
+    stride_od,
+    stride_lb,
+    stride_lh,
+    D: gl.constexpr,
+    MERGE_H: gl.constexpr,
+    CHUNK: gl.constexpr,
+):
     """decode.py's `_combine_if_last` for this kernel's consumer warpgroup: a ticket per (sequence, head tile) after the
     partials are stored (a barrier of the warpgroup, then a release-acquire atomic); the last split resets it and merges
     the num_splits partials of its n_heads heads, CHUNK splits per load, online (the split count is a runtime argument
@@ -262,10 +390,15 @@ def _combine_if_last(counters_ptr, counter, part_o_ptr, part_lse_ptr, out_ptr, l
         acc = gl.zeros([MERGE_H, D], gl.float32, o_layout)
         for c in range(0, num_splits, CHUNK):
             mask = mask_h[:, None] & ((c + offs_c) < num_splits)[None, :]
-            lse_c = gl.load(lse_row + (c + offs_c)[None, :] * stride_pls, mask=mask, other=-float("inf"),
-                            cache_modifier=".cg")  # (MERGE_H, CHUNK), log2 units
-            o = gl.load(o_rows + (c + offs_c)[None, :, None] * stride_ps + cols3[None, None, :] * stride_pd,
-                        mask=mask[:, :, None], other=0.0, cache_modifier=".cg")  # (MERGE_H, CHUNK, D)
+            lse_c = gl.load(
+                lse_row + (c + offs_c)[None, :] * stride_pls, mask=mask, other=-float("inf"), cache_modifier=".cg"
+            )  # (MERGE_H, CHUNK), log2 units
+            o = gl.load(
+                o_rows + (c + offs_c)[None, :, None] * stride_ps + cols3[None, None, :] * stride_pd,
+                mask=mask[:, :, None],
+                other=0.0,
+                cache_modifier=".cg",
+            )  # (MERGE_H, CHUNK, D)
             m_new = gl.maximum(m, gl.max(lse_c, 1))
             m_use = gl.where(m_new == -float("inf"), 0.0, m_new)  # masked heads only
             alpha = gl.exp2(m - m_use)
@@ -278,21 +411,56 @@ def _combine_if_last(counters_ptr, counter, part_o_ptr, part_lse_ptr, out_ptr, l
         out = acc / gl.convert_layout(d_safe, gl.SliceLayout(1, o_layout))[:, None]
         rows_o = gl.convert_layout(rows, gl.SliceLayout(1, o_layout))
         heads_o = (head0 + rows_o).to(gl.int64)
-        gl.store(out_ptr + b.to(gl.int64) * stride_ob + heads_o[:, None] * stride_oh + cols[None, :] * stride_od,
-                 out.to(out_ptr.dtype.element_ty), mask=(rows_o < n_heads)[:, None])
+        gl.store(
+            out_ptr + b.to(gl.int64) * stride_ob + heads_o[:, None] * stride_oh + cols[None, :] * stride_od,
+            out.to(out_ptr.dtype.element_ty),
+            mask=(rows_o < n_heads)[:, None],
+        )
         lse = gl.where(has_tokens, (m + gl.log2(d_safe)) * 0.6931471805599453, -float("inf"))
         gl.store(lse_ptr + b.to(gl.int64) * stride_lb + heads * stride_lh, lse, mask=mask_h)
 
 
 @gluon.jit
 def _grouped_decode_sm90_kernel(
-    q_ptr, k_desc, v_desc, seq_lens_ptr, table_ptr, out_ptr, lse_ptr, final_out_ptr, final_lse_ptr, counters_ptr,
-    stride_qb, stride_qh, stride_qd, stride_tb, stride_tp,
-    stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls,
-    stride_fb, stride_fh, stride_fd, stride_flb, stride_flh,
-    scale_log2, group, block_h, num_splits,
-    BLOCK_N: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr, PAGE_SIZE: gl.constexpr, PAGE_ROWS: gl.constexpr,
-    MERGE_H: gl.constexpr = 1, CHUNK: gl.constexpr = 0, WAIT: gl.constexpr = False,
+    q_ptr,
+    k_desc,
+    v_desc,
+    seq_lens_ptr,
+    table_ptr,
+    out_ptr,
+    lse_ptr,
+    final_out_ptr,
+    final_lse_ptr,
+    counters_ptr,
+    stride_qb,
+    stride_qh,
+    stride_qd,
+    stride_tb,
+    stride_tp,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_od,
+    stride_lb,
+    stride_lh,
+    stride_ls,
+    stride_fb,
+    stride_fh,
+    stride_fd,
+    stride_flb,
+    stride_flh,
+    scale_log2,
+    group,
+    block_h,
+    num_splits,
+    BLOCK_N: gl.constexpr,
+    D: gl.constexpr,
+    STAGES: gl.constexpr,
+    PAGE_SIZE: gl.constexpr,
+    PAGE_ROWS: gl.constexpr,
+    MERGE_H: gl.constexpr = 1,
+    CHUNK: gl.constexpr = 0,
+    WAIT: gl.constexpr = False,
 ):
     """grid (head tiles, num_splits, B): a head tile is block_h (at most 64) query heads of one KV group of
     `group`. The group, the tile and the split count are plain arguments, so one compiled kernel serves every GQA
@@ -324,15 +492,83 @@ def _grouped_decode_sm90_kernel(
         mbarrier.init(kv_free.index(i), count=1)
     fence_async_shared()
 
-    gl.warp_specialize([
-        (_consumer, (q_ptr, k_smem, v_smem, k_ready, v_ready, kv_free, out_ptr, lse_ptr,
-                     stride_qb, stride_qh, stride_qd, stride_ob, stride_oh, stride_os, stride_od,
-                     stride_lb, stride_lh, stride_ls, b, head0, n_heads, split, num_splits, start, end, n_tiles,
-                     scale_log2, final_out_ptr, final_lse_ptr, counters_ptr, b * gl.num_programs(0) + tile,
-                     stride_fb, stride_fh, stride_fd, stride_flb, stride_flh, BLOCK_N, D, STAGES, MERGE_H, CHUNK)),
-        (_loader, (k_desc, v_desc, k_smem, v_smem, k_ready, v_ready, kv_free, table_ptr, stride_tb, stride_tp, b,
-                   kv_head, start, end, n_tiles, BLOCK_N, D, STAGES, PAGE_SIZE, PAGE_ROWS)),
-    ], [1], [LOADER_REGS])
+    gl.warp_specialize(
+        [
+            (
+                _consumer,
+                (
+                    q_ptr,
+                    k_smem,
+                    v_smem,
+                    k_ready,
+                    v_ready,
+                    kv_free,
+                    out_ptr,
+                    lse_ptr,
+                    stride_qb,
+                    stride_qh,
+                    stride_qd,
+                    stride_ob,
+                    stride_oh,
+                    stride_os,
+                    stride_od,
+                    stride_lb,
+                    stride_lh,
+                    stride_ls,
+                    b,
+                    head0,
+                    n_heads,
+                    split,
+                    num_splits,
+                    start,
+                    end,
+                    n_tiles,
+                    scale_log2,
+                    final_out_ptr,
+                    final_lse_ptr,
+                    counters_ptr,
+                    b * gl.num_programs(0) + tile,
+                    stride_fb,
+                    stride_fh,
+                    stride_fd,
+                    stride_flb,
+                    stride_flh,
+                    BLOCK_N,
+                    D,
+                    STAGES,
+                    MERGE_H,
+                    CHUNK,
+                ),
+            ),
+            (
+                _loader,
+                (
+                    k_desc,
+                    v_desc,
+                    k_smem,
+                    v_smem,
+                    k_ready,
+                    v_ready,
+                    kv_free,
+                    table_ptr,
+                    stride_tb,
+                    stride_tp,
+                    b,
+                    kv_head,
+                    start,
+                    end,
+                    n_tiles,
+                    BLOCK_N,
+                    D,
+                    STAGES,
+                    PAGE_SIZE,
+                    PAGE_ROWS,
+                ),
+            ),
+        ],
+        [1],
+        [LOADER_REGS],
+    )
 
 
 def enabled() -> bool:
@@ -376,8 +612,20 @@ def launch_config(d: int, programs: int, device: torch.device) -> tuple[int, int
     return block_n, stages
 
 
-def launch(q, k_pages, v_pages, block_table, seq_lens, part_o, part_lse, scale_log2: float, num_splits: int,
-           block_h: int, config: tuple[int, int] | None = None, fused: tuple | None = None):
+def launch(
+    q,
+    k_pages,
+    v_pages,
+    block_table,
+    seq_lens,
+    part_o,
+    part_lse,
+    scale_log2: float,
+    num_splits: int,
+    block_h: int,
+    config: tuple[int, int] | None = None,
+    fused: tuple | None = None,
+):
     """On inputs `supports` accepted, block_table (B, max_pages) int32 and seq_lens (B,) int32 contiguous: each
     split's output into part_o (B, H_q, splits, D) and its lse into part_lse (B, H_q, splits), as
     decode._launch_decode's Triton kernel; block_h query heads per program. With fused = (out, lse, counters,
@@ -393,10 +641,35 @@ def launch(q, k_pages, v_pages, block_table, seq_lens, part_o, part_lse, scale_l
     out, lse, counters, chunk = fused if fused is not None else (part_o[:, :, 0], part_lse[:, :, 0], seq_lens, 0)
     wait = pdl(q.device)
     launcher(_grouped_decode_sm90_kernel)[grid](
-        q, descriptor(k_pages.flatten(2), [1, rows, d]), descriptor(v_pages.flatten(2), [1, rows, d]), seq_lens,
-        block_table, part_o, part_lse, out, lse, counters, *q.stride(), *block_table.stride(), *part_o.stride(),
-        *part_lse.stride(), *out.stride(), *lse.stride(), scale_log2, group, block_h, num_splits,
-        BLOCK_N=block_n, D=d, STAGES=stages, PAGE_SIZE=page_size, PAGE_ROWS=rows,
-        MERGE_H=next_power_of_2(min(group, block_h)) if chunk else 1, CHUNK=chunk, WAIT=wait,
-        num_warps=4, maxnreg=MAX_REGS, launch_pdl=wait,
+        q,
+        descriptor(k_pages.flatten(2), [1, rows, d]),
+        descriptor(v_pages.flatten(2), [1, rows, d]),
+        seq_lens,
+        block_table,
+        part_o,
+        part_lse,
+        out,
+        lse,
+        counters,
+        *q.stride(),
+        *block_table.stride(),
+        *part_o.stride(),
+        *part_lse.stride(),
+        *out.stride(),
+        *lse.stride(),
+        scale_log2,
+        group,
+        block_h,
+        num_splits,
+        BLOCK_N=block_n,
+        D=d,
+        STAGES=stages,
+        PAGE_SIZE=page_size,
+        PAGE_ROWS=rows,
+        MERGE_H=next_power_of_2(min(group, block_h)) if chunk else 1,
+        CHUNK=chunk,
+        WAIT=wait,
+        num_warps=4,
+        maxnreg=MAX_REGS,
+        launch_pdl=wait,
     )

@@ -118,22 +118,34 @@ def _load(ptrs, mask_a, mask_b, CHECK_A: tl.constexpr, CHECK_B: tl.constexpr):
 
 
 @triton.jit
-def _rows_source(base, n_rows, stride_r, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                 USE_TMA: tl.constexpr):
+def _rows_source(
+    base, n_rows, stride_r, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, USE_TMA: tl.constexpr
+):
     """The (n_rows, D) matrix at `base` that a loop streams row blocks of: a TMA tensor descriptor on Hopper (the
     copy engine fetches whole tiles asynchronously and zero-fills out-of-bounds rows and columns), else the plain
     base pointer. The launcher picks TMA only when the column stride is 1 and every other stride and the base are
     16-byte aligned."""
     if USE_TMA:
-        return tl.make_tensor_descriptor(base, shape=[n_rows, D], strides=[stride_r, 1],
-                                         block_shape=[BLOCK_R, BLOCK_D])
+        return tl.make_tensor_descriptor(base, shape=[n_rows, D], strides=[stride_r, 1], block_shape=[BLOCK_R, BLOCK_D])
     else:
         return base
 
 
 @triton.jit
-def _load_rows(src, start, n_rows, stride_r, tile_offs, offs_r, offs_c, D: tl.constexpr,
-               CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr, USE_TMA: tl.constexpr, COL0: tl.constexpr = 0):
+def _load_rows(
+    src,
+    start,
+    n_rows,
+    stride_r,
+    tile_offs,
+    offs_r,
+    offs_c,
+    D: tl.constexpr,
+    CHECK_ROWS: tl.constexpr,
+    CHECK_COLS: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    COL0: tl.constexpr = 0,
+):
     """Rows [start, start + BLOCK_R) of `src` (from _rows_source) as a (BLOCK_R, BLOCK_D) tile of the columns
     from COL0 (offs_c holds them), zero outside the matrix. The pointer path adds a precomputed tile offset
     (offs_r * stride_r + offs_c * stride_c) to the block start and masks only the axes that can run out of bounds."""
@@ -166,21 +178,55 @@ def _scores(a, a2, b, b2, SPLIT_DK: tl.constexpr, PRECISION: tl.constexpr):
 
 
 @triton.jit
-def _fwd_inner(acc, l_i, m_i, q, q2, k_src, k2_src, v_src, k_offs, k2_offs, v_offs, stride_kn, stride_vn,
-               offs_m, offs_n, offs_dk, offs_dk2, offs_dv, lo, hi, N, q_shift, qk_scale,
-               MASKED: tl.constexpr, CAUSAL: tl.constexpr, EVEN_DK: tl.constexpr, EVEN_DK2: tl.constexpr,
-               EVEN_DV: tl.constexpr, SPLIT_DK: tl.constexpr, BLOCK_DK: tl.constexpr,
-               D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-               USE_TMA: tl.constexpr, INTERPRET: tl.constexpr):
+def _fwd_inner(
+    acc,
+    l_i,
+    m_i,
+    q,
+    q2,
+    k_src,
+    k2_src,
+    v_src,
+    k_offs,
+    k2_offs,
+    v_offs,
+    stride_kn,
+    stride_vn,
+    offs_m,
+    offs_n,
+    offs_dk,
+    offs_dk2,
+    offs_dv,
+    lo,
+    hi,
+    N,
+    q_shift,
+    qk_scale,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    EVEN_DK: tl.constexpr,
+    EVEN_DK2: tl.constexpr,
+    EVEN_DV: tl.constexpr,
+    SPLIT_DK: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    D_QK: tl.constexpr,
+    D_V: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
     """Online softmax over key blocks [lo, hi). MASKED blocks check the causal diagonal and the sequence end;
     unmasked ones are known (by the caller's loop split) to be wholly visible to every query row."""
     for start_n in range(_bound(lo, INTERPRET), _bound(hi, INTERPRET), BLOCK_N):
-        k = _load_rows(k_src, start_n, N, stride_kn, k_offs, offs_n, offs_dk, D_QK,
-                       MASKED, not EVEN_DK, USE_TMA)  # (BLOCK_N, BLOCK_DK)
+        k = _load_rows(
+            k_src, start_n, N, stride_kn, k_offs, offs_n, offs_dk, D_QK, MASKED, not EVEN_DK, USE_TMA
+        )  # (BLOCK_N, BLOCK_DK)
         k2 = k
         if SPLIT_DK:
-            k2 = _load_rows(k2_src, start_n, N, stride_kn, k2_offs, offs_n, offs_dk2, D_QK,
-                            MASKED, not EVEN_DK2, USE_TMA, BLOCK_DK)  # (BLOCK_N, BLOCK_DK2)
+            k2 = _load_rows(
+                k2_src, start_n, N, stride_kn, k2_offs, offs_n, offs_dk2, D_QK, MASKED, not EVEN_DK2, USE_TMA, BLOCK_DK
+            )  # (BLOCK_N, BLOCK_DK2)
         qk = _scores(q, q2, k, k2, SPLIT_DK, PRECISION)
         if MASKED:
             cols = start_n + offs_n
@@ -196,8 +242,9 @@ def _fwd_inner(acc, l_i, m_i, q, q2, k_src, k2_src, v_src, k_offs, k2_offs, v_of
         p = tl.math.exp2(qk)
         alpha = tl.math.exp2(m_i - m_ij)
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_rows(v_src, start_n, N, stride_vn, v_offs, offs_n, offs_dv, D_V,
-                       MASKED, not EVEN_DV, USE_TMA)  # (BLOCK_N, D_v)
+        v = _load_rows(
+            v_src, start_n, N, stride_vn, v_offs, offs_n, offs_dv, D_V, MASKED, not EVEN_DV, USE_TMA
+        )  # (BLOCK_N, D_v)
         acc = acc * alpha[:, None]
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=PRECISION)
         m_i = m_ij
@@ -206,16 +253,48 @@ def _fwd_inner(acc, l_i, m_i, q, q2, k_src, k2_src, v_src, k_offs, k2_offs, v_of
 
 @triton.jit
 def _flash_fwd_kernel(
-    Q, K, V, Out, LSE,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_ob, stride_oh, stride_om, stride_od,
-    stride_lb, stride_lh, stride_lm,
-    M, N, H_Q, bucket, qk_scale,
-    D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DK2: tl.constexpr, SPLIT_DK: tl.constexpr,
-    BLOCK_DV: tl.constexpr, GROUP_SIZE: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, INTERPRET: tl.constexpr,
+    Q,
+    K,
+    V,
+    Out,
+    LSE,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_od,
+    stride_lb,
+    stride_lh,
+    stride_lm,
+    M,
+    N,
+    H_Q,
+    bucket,
+    qk_scale,
+    D_QK: tl.constexpr,
+    D_V: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    BLOCK_DK2: tl.constexpr,
+    SPLIT_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     # One program per (query block, head, batch) in schedule.ranked order: causal ones heaviest first (the last
     # query blocks see the most keys), so the short ones fill the tail of the grid instead of a long one starting
@@ -241,12 +320,22 @@ def _flash_fwd_kernel(
     k_base = K + batch * stride_kb + kv_head.to(tl.int64) * stride_kh
     v_base = V + batch * stride_vb + kv_head.to(tl.int64) * stride_vh
     # Q tile (BLOCK_M, D_qk); rows past M load zeros and are never stored.
-    q = _load(q_base + offs_m[:, None] * stride_qm + offs_dk[None, :] * stride_qd,
-              offs_m[:, None] < M, offs_dk[None, :] < D_QK, True, not EVEN_DK)
+    q = _load(
+        q_base + offs_m[:, None] * stride_qm + offs_dk[None, :] * stride_qd,
+        offs_m[:, None] < M,
+        offs_dk[None, :] < D_QK,
+        True,
+        not EVEN_DK,
+    )
     q2, k2_src, k2_offs = q, K, offs_dk  # placeholders when the head dim is one block
     if SPLIT_DK:
-        q2 = _load(q_base + offs_m[:, None] * stride_qm + offs_dk2[None, :] * stride_qd,
-                   offs_m[:, None] < M, offs_dk2[None, :] < D_QK, True, not EVEN_DK2)
+        q2 = _load(
+            q_base + offs_m[:, None] * stride_qm + offs_dk2[None, :] * stride_qd,
+            offs_m[:, None] < M,
+            offs_dk2[None, :] < D_QK,
+            True,
+            not EVEN_DK2,
+        )
         k2_src = _rows_source(k_base, N, stride_kn, D_QK, BLOCK_N, BLOCK_DK2, USE_TMA)
         k2_offs = offs_n[:, None] * stride_kn + offs_dk2[None, :] * stride_kd
     k_src = _rows_source(k_base, N, stride_kn, D_QK, BLOCK_N, BLOCK_DK, USE_TMA)
@@ -267,52 +356,162 @@ def _flash_fwd_kernel(
     else:
         n_end = N
         n_full = N // BLOCK_N * BLOCK_N
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, q2, k_src, k2_src, v_src, k_offs, k2_offs, v_offs, stride_kn,
-                               stride_vn, offs_m, offs_n, offs_dk, offs_dk2, offs_dv, 0, n_full, N, q_shift, qk_scale,
-                               False, CAUSAL, EVEN_DK, EVEN_DK2, EVEN_DV, SPLIT_DK, BLOCK_DK, D_QK, D_V, BLOCK_N,
-                               PRECISION, USE_TMA, INTERPRET)
-    acc, l_i, m_i = _fwd_inner(acc, l_i, m_i, q, q2, k_src, k2_src, v_src, k_offs, k2_offs, v_offs, stride_kn,
-                               stride_vn, offs_m, offs_n, offs_dk, offs_dk2, offs_dv, n_full, n_end, N, q_shift,
-                               qk_scale, True, CAUSAL, EVEN_DK, EVEN_DK2, EVEN_DV, SPLIT_DK, BLOCK_DK, D_QK, D_V,
-                               BLOCK_N, PRECISION, USE_TMA, INTERPRET)
+    acc, l_i, m_i = _fwd_inner(
+        acc,
+        l_i,
+        m_i,
+        q,
+        q2,
+        k_src,
+        k2_src,
+        v_src,
+        k_offs,
+        k2_offs,
+        v_offs,
+        stride_kn,
+        stride_vn,
+        offs_m,
+        offs_n,
+        offs_dk,
+        offs_dk2,
+        offs_dv,
+        0,
+        n_full,
+        N,
+        q_shift,
+        qk_scale,
+        False,
+        CAUSAL,
+        EVEN_DK,
+        EVEN_DK2,
+        EVEN_DV,
+        SPLIT_DK,
+        BLOCK_DK,
+        D_QK,
+        D_V,
+        BLOCK_N,
+        PRECISION,
+        USE_TMA,
+        INTERPRET,
+    )
+    acc, l_i, m_i = _fwd_inner(
+        acc,
+        l_i,
+        m_i,
+        q,
+        q2,
+        k_src,
+        k2_src,
+        v_src,
+        k_offs,
+        k2_offs,
+        v_offs,
+        stride_kn,
+        stride_vn,
+        offs_m,
+        offs_n,
+        offs_dk,
+        offs_dk2,
+        offs_dv,
+        n_full,
+        n_end,
+        N,
+        q_shift,
+        qk_scale,
+        True,
+        CAUSAL,
+        EVEN_DK,
+        EVEN_DK2,
+        EVEN_DV,
+        SPLIT_DK,
+        BLOCK_DK,
+        D_QK,
+        D_V,
+        BLOCK_N,
+        PRECISION,
+        USE_TMA,
+        INTERPRET,
+    )
 
     # Every row sees at least key 0 (bottom-right alignment with S_q <= S_kv), so l_i > 0.
     out = acc / l_i[:, None]
     lse = (m_i + tl.math.log2(l_i)) * 0.6931471805599453  # back from log2 to natural log
-    o_ptrs = Out + batch * stride_ob + head.to(tl.int64) * stride_oh + offs_m[:, None] * stride_om \
+    o_ptrs = (
+        Out
+        + batch * stride_ob
+        + head.to(tl.int64) * stride_oh
+        + offs_m[:, None] * stride_om
         + offs_dv[None, :] * stride_od
+    )
     tl.store(o_ptrs, out.to(Out.dtype.element_ty), mask=(offs_m[:, None] < M) & (offs_dv[None, :] < D_V))
     l_ptrs = LSE + batch * stride_lb + head.to(tl.int64) * stride_lh + offs_m * stride_lm
     tl.store(l_ptrs, lse, mask=offs_m < M)
 
 
 @triton.jit
-def _bwd_dkdv_inner(dk, dk2, dv, k, k2, v, q_src, q2_src, do_src, q_offs, q2_offs, do_offs, lse_base, delta_base,
-                    stride_qm, stride_dom, stride_lm,
-                    offs_m, offs_n, offs_dk, offs_dk2, offs_dv, lo, hi, M, q_shift, qk_scale,
-                    MASKED: tl.constexpr, EVEN_DK: tl.constexpr, EVEN_DK2: tl.constexpr, EVEN_DV: tl.constexpr,
-                    SPLIT_DK: tl.constexpr, BLOCK_DK: tl.constexpr,
-                    D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_M: tl.constexpr, PRECISION: tl.constexpr,
-                    USE_TMA: tl.constexpr, INTERPRET: tl.constexpr):
+def _bwd_dkdv_inner(
+    dk,
+    dk2,
+    dv,
+    k,
+    k2,
+    v,
+    q_src,
+    q2_src,
+    do_src,
+    q_offs,
+    q2_offs,
+    do_offs,
+    lse_base,
+    delta_base,
+    stride_qm,
+    stride_dom,
+    stride_lm,
+    offs_m,
+    offs_n,
+    offs_dk,
+    offs_dk2,
+    offs_dv,
+    lo,
+    hi,
+    M,
+    q_shift,
+    qk_scale,
+    MASKED: tl.constexpr,
+    EVEN_DK: tl.constexpr,
+    EVEN_DK2: tl.constexpr,
+    EVEN_DV: tl.constexpr,
+    SPLIT_DK: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    D_QK: tl.constexpr,
+    D_V: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
     """Accumulate dK, dV of one key block over query blocks [lo, hi) of one query head, in transposed form
     (keys along rows) so both products land in the (BLOCK_N, D) accumulators. Rows past M load zeros for
     Q, dO, lse and delta, which makes their dS and P dO contributions exactly zero without a mask."""
     for start_m in range(_bound(lo, INTERPRET), _bound(hi, INTERPRET), BLOCK_M):
         rows = start_m + offs_m
         row_ok = rows < M
-        q = _load_rows(q_src, start_m, M, stride_qm, q_offs, offs_m, offs_dk, D_QK,
-                       True, not EVEN_DK, USE_TMA)  # (BLOCK_M, BLOCK_DK)
+        q = _load_rows(
+            q_src, start_m, M, stride_qm, q_offs, offs_m, offs_dk, D_QK, True, not EVEN_DK, USE_TMA
+        )  # (BLOCK_M, BLOCK_DK)
         q2 = q
         if SPLIT_DK:
-            q2 = _load_rows(q2_src, start_m, M, stride_qm, q2_offs, offs_m, offs_dk2, D_QK,
-                            True, not EVEN_DK2, USE_TMA, BLOCK_DK)  # (BLOCK_M, BLOCK_DK2)
+            q2 = _load_rows(
+                q2_src, start_m, M, stride_qm, q2_offs, offs_m, offs_dk2, D_QK, True, not EVEN_DK2, USE_TMA, BLOCK_DK
+            )  # (BLOCK_M, BLOCK_DK2)
         lse = tl.load(lse_base + rows * stride_lm, mask=row_ok, other=0.0) * 1.4426950408889634
         qk_t = _scores(k, k2, q, q2, SPLIT_DK, PRECISION)
         p_t = tl.math.exp2(qk_t * qk_scale - lse[None, :])
         if MASKED:
             p_t = tl.where((q_shift + rows)[None, :] >= offs_n[:, None], p_t, 0.0)
-        do = _load_rows(do_src, start_m, M, stride_dom, do_offs, offs_m, offs_dv, D_V,
-                        True, not EVEN_DV, USE_TMA)  # (BLOCK_M, D_v)
+        do = _load_rows(
+            do_src, start_m, M, stride_dom, do_offs, offs_m, offs_dv, D_V, True, not EVEN_DV, USE_TMA
+        )  # (BLOCK_M, D_v)
         dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=PRECISION)
         delta = tl.load(delta_base + rows, mask=row_ok, other=0.0)
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
@@ -325,18 +524,60 @@ def _bwd_dkdv_inner(dk, dk2, dv, k, k2, v, q_src, q2_src, do_src, q_offs, q2_off
 
 @triton.jit
 def _flash_bwd_dkdv_kernel(
-    Q, K, V, DO, LSE, DELTA, DK, DV,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_lb, stride_lh, stride_lm,
-    stride_dkb, stride_dkh, stride_dkn, stride_dkd,
-    stride_dvb, stride_dvh, stride_dvn, stride_dvd,
-    M, N, H_Q, bucket, scale, qk_scale,
-    D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DK2: tl.constexpr, SPLIT_DK: tl.constexpr,
-    BLOCK_DV: tl.constexpr, GROUP_SIZE: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, INTERPRET: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DK,
+    DV,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    stride_dod,
+    stride_lb,
+    stride_lh,
+    stride_lm,
+    stride_dkb,
+    stride_dkh,
+    stride_dkn,
+    stride_dkd,
+    stride_dvb,
+    stride_dvh,
+    stride_dvn,
+    stride_dvd,
+    M,
+    N,
+    H_Q,
+    bucket,
+    scale,
+    qk_scale,
+    D_QK: tl.constexpr,
+    D_V: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    BLOCK_DK2: tl.constexpr,
+    SPLIT_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    INTERPRET: tl.constexpr,
     HEAD_SPLITS: tl.constexpr,
 ):
     """One program owns a KV block of one KV head and accumulates dK, dV over the GROUP_SIZE query heads that read
@@ -364,15 +605,25 @@ def _flash_bwd_dkdv_kernel(
     # K, V tiles (BLOCK_N, D); rows past N load zeros: their dK/dV rows are never stored.
     k_base = K + batch * stride_kb + kv_head.to(tl.int64) * stride_kh + offs_n[:, None] * stride_kn
     k = _load(k_base + offs_dk[None, :] * stride_kd, offs_n[:, None] < N, offs_dk[None, :] < D_QK, True, not EVEN_DK)
-    v = _load(V + batch * stride_vb + kv_head.to(tl.int64) * stride_vh + offs_n[:, None] * stride_vn
-              + offs_dv[None, :] * stride_vd, offs_n[:, None] < N, offs_dv[None, :] < D_V, True, not EVEN_DV)
+    v = _load(
+        V
+        + batch * stride_vb
+        + kv_head.to(tl.int64) * stride_vh
+        + offs_n[:, None] * stride_vn
+        + offs_dv[None, :] * stride_vd,
+        offs_n[:, None] < N,
+        offs_dv[None, :] < D_V,
+        True,
+        not EVEN_DV,
+    )
     dk = tl.zeros([BLOCK_N, BLOCK_DK], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     q_offs = offs_m[:, None] * stride_qm + offs_dk[None, :] * stride_qd
     k2, dk2, q2_offs = k, dk, q_offs  # placeholders when the head dim is one block
     if SPLIT_DK:
-        k2 = _load(k_base + offs_dk2[None, :] * stride_kd, offs_n[:, None] < N, offs_dk2[None, :] < D_QK, True,
-                   not EVEN_DK2)
+        k2 = _load(
+            k_base + offs_dk2[None, :] * stride_kd, offs_n[:, None] < N, offs_dk2[None, :] < D_QK, True, not EVEN_DK2
+        )
         dk2 = tl.zeros([BLOCK_N, BLOCK_DK2], tl.float32)
         q2_offs = offs_m[:, None] * stride_qm + offs_dk2[None, :] * stride_qd
     do_offs = offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod
@@ -382,8 +633,9 @@ def _flash_bwd_dkdv_kernel(
     q_shift = N - M
     if CAUSAL:
         m_lo = tl.maximum(start_n - q_shift, 0) // BLOCK_M * BLOCK_M
-        m_mid = tl.minimum(tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - q_shift, 0), BLOCK_M) * BLOCK_M,
-                           tl.cdiv(M, BLOCK_M) * BLOCK_M)
+        m_mid = tl.minimum(
+            tl.cdiv(tl.maximum(start_n + BLOCK_N - 1 - q_shift, 0), BLOCK_M) * BLOCK_M, tl.cdiv(M, BLOCK_M) * BLOCK_M
+        )
     else:
         m_lo = 0
         m_mid = 0
@@ -400,49 +652,172 @@ def _flash_bwd_dkdv_kernel(
         q2_src = q_src
         if SPLIT_DK:
             q2_src = _rows_source(q_base, M, stride_qm, D_QK, BLOCK_M, BLOCK_DK2, USE_TMA)
-        do_src = _rows_source(DO + batch * stride_dob + head * stride_doh, M, stride_dom, D_V, BLOCK_M, BLOCK_DV,
-                              USE_TMA)
+        do_src = _rows_source(
+            DO + batch * stride_dob + head * stride_doh, M, stride_dom, D_V, BLOCK_M, BLOCK_DV, USE_TMA
+        )
         lse_base = LSE + batch * stride_lb + head * stride_lh
         delta_base = DELTA + (batch * H_Q + head) * M
-        dk, dk2, dv = _bwd_dkdv_inner(dk, dk2, dv, k, k2, v, q_src, q2_src, do_src, q_offs, q2_offs, do_offs,
-                                      lse_base, delta_base, stride_qm, stride_dom, stride_lm,
-                                      offs_m, offs_n, offs_dk, offs_dk2, offs_dv, m_lo, m_mid, M, q_shift, qk_scale,
-                                      True, EVEN_DK, EVEN_DK2, EVEN_DV, SPLIT_DK, BLOCK_DK, D_QK, D_V, BLOCK_M,
-                                      PRECISION, USE_TMA, INTERPRET)
-        dk, dk2, dv = _bwd_dkdv_inner(dk, dk2, dv, k, k2, v, q_src, q2_src, do_src, q_offs, q2_offs, do_offs,
-                                      lse_base, delta_base, stride_qm, stride_dom, stride_lm,
-                                      offs_m, offs_n, offs_dk, offs_dk2, offs_dv, m_mid, M, M, q_shift, qk_scale,
-                                      False, EVEN_DK, EVEN_DK2, EVEN_DV, SPLIT_DK, BLOCK_DK, D_QK, D_V, BLOCK_M,
-                                      PRECISION, USE_TMA, INTERPRET)
+        dk, dk2, dv = _bwd_dkdv_inner(
+            dk,
+            dk2,
+            dv,
+            k,
+            k2,
+            v,
+            q_src,
+            q2_src,
+            do_src,
+            q_offs,
+            q2_offs,
+            do_offs,
+            lse_base,
+            delta_base,
+            stride_qm,
+            stride_dom,
+            stride_lm,
+            offs_m,
+            offs_n,
+            offs_dk,
+            offs_dk2,
+            offs_dv,
+            m_lo,
+            m_mid,
+            M,
+            q_shift,
+            qk_scale,
+            True,
+            EVEN_DK,
+            EVEN_DK2,
+            EVEN_DV,
+            SPLIT_DK,
+            BLOCK_DK,
+            D_QK,
+            D_V,
+            BLOCK_M,
+            PRECISION,
+            USE_TMA,
+            INTERPRET,
+        )
+        dk, dk2, dv = _bwd_dkdv_inner(
+            dk,
+            dk2,
+            dv,
+            k,
+            k2,
+            v,
+            q_src,
+            q2_src,
+            do_src,
+            q_offs,
+            q2_offs,
+            do_offs,
+            lse_base,
+            delta_base,
+            stride_qm,
+            stride_dom,
+            stride_lm,
+            offs_m,
+            offs_n,
+            offs_dk,
+            offs_dk2,
+            offs_dv,
+            m_mid,
+            M,
+            M,
+            q_shift,
+            qk_scale,
+            False,
+            EVEN_DK,
+            EVEN_DK2,
+            EVEN_DV,
+            SPLIT_DK,
+            BLOCK_DK,
+            D_QK,
+            D_V,
+            BLOCK_M,
+            PRECISION,
+            USE_TMA,
+            INTERPRET,
+        )
 
     mask_n = offs_n[:, None] < N
     dk_ptrs = DK + batch * stride_dkb + pid_h.to(tl.int64) * stride_dkh + offs_n[:, None] * stride_dkn
-    tl.store(dk_ptrs + offs_dk[None, :] * stride_dkd, (dk * scale).to(DK.dtype.element_ty),
-             mask=mask_n & (offs_dk[None, :] < D_QK))
+    tl.store(
+        dk_ptrs + offs_dk[None, :] * stride_dkd,
+        (dk * scale).to(DK.dtype.element_ty),
+        mask=mask_n & (offs_dk[None, :] < D_QK),
+    )
     if SPLIT_DK:
-        tl.store(dk_ptrs + offs_dk2[None, :] * stride_dkd, (dk2 * scale).to(DK.dtype.element_ty),
-                 mask=mask_n & (offs_dk2[None, :] < D_QK))
-    tl.store(DV + batch * stride_dvb + pid_h.to(tl.int64) * stride_dvh + offs_n[:, None] * stride_dvn
-             + offs_dv[None, :] * stride_dvd, dv.to(DV.dtype.element_ty), mask=mask_n & (offs_dv[None, :] < D_V))
+        tl.store(
+            dk_ptrs + offs_dk2[None, :] * stride_dkd,
+            (dk2 * scale).to(DK.dtype.element_ty),
+            mask=mask_n & (offs_dk2[None, :] < D_QK),
+        )
+    tl.store(
+        DV
+        + batch * stride_dvb
+        + pid_h.to(tl.int64) * stride_dvh
+        + offs_n[:, None] * stride_dvn
+        + offs_dv[None, :] * stride_dvd,
+        dv.to(DV.dtype.element_ty),
+        mask=mask_n & (offs_dv[None, :] < D_V),
+    )
 
 
 @triton.jit
-def _bwd_dq_inner(dq, dq2, q, q2, do, lse, delta, k_src, k2_src, v_src, k_offs, k2_offs, v_offs, stride_kn,
-                  stride_vn, offs_m, offs_n, offs_dk, offs_dk2, offs_dv, lo, hi, N, q_shift, qk_scale,
-                  MASKED: tl.constexpr, CAUSAL: tl.constexpr, EVEN_DK: tl.constexpr, EVEN_DK2: tl.constexpr,
-                  EVEN_DV: tl.constexpr, SPLIT_DK: tl.constexpr, BLOCK_DK: tl.constexpr,
-                  D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_N: tl.constexpr, PRECISION: tl.constexpr,
-                  USE_TMA: tl.constexpr, INTERPRET: tl.constexpr):
+def _bwd_dq_inner(
+    dq,
+    dq2,
+    q,
+    q2,
+    do,
+    lse,
+    delta,
+    k_src,
+    k2_src,
+    v_src,
+    k_offs,
+    k2_offs,
+    v_offs,
+    stride_kn,
+    stride_vn,
+    offs_m,
+    offs_n,
+    offs_dk,
+    offs_dk2,
+    offs_dv,
+    lo,
+    hi,
+    N,
+    q_shift,
+    qk_scale,
+    MASKED: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    EVEN_DK: tl.constexpr,
+    EVEN_DK2: tl.constexpr,
+    EVEN_DV: tl.constexpr,
+    SPLIT_DK: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    D_QK: tl.constexpr,
+    D_V: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    INTERPRET: tl.constexpr,
+):
     """Accumulate dQ of one query block over key blocks [lo, hi); the mask split mirrors the forward."""
     for start_n in range(_bound(lo, INTERPRET), _bound(hi, INTERPRET), BLOCK_N):
-        k = _load_rows(k_src, start_n, N, stride_kn, k_offs, offs_n, offs_dk, D_QK,
-                       MASKED, not EVEN_DK, USE_TMA)  # (BLOCK_N, BLOCK_DK)
+        k = _load_rows(
+            k_src, start_n, N, stride_kn, k_offs, offs_n, offs_dk, D_QK, MASKED, not EVEN_DK, USE_TMA
+        )  # (BLOCK_N, BLOCK_DK)
         k2 = k
         if SPLIT_DK:
-            k2 = _load_rows(k2_src, start_n, N, stride_kn, k2_offs, offs_n, offs_dk2, D_QK,
-                            MASKED, not EVEN_DK2, USE_TMA, BLOCK_DK)  # (BLOCK_N, BLOCK_DK2)
-        v = _load_rows(v_src, start_n, N, stride_vn, v_offs, offs_n, offs_dv, D_V,
-                       MASKED, not EVEN_DV, USE_TMA)  # (BLOCK_N, D_v)
+            k2 = _load_rows(
+                k2_src, start_n, N, stride_kn, k2_offs, offs_n, offs_dk2, D_QK, MASKED, not EVEN_DK2, USE_TMA, BLOCK_DK
+            )  # (BLOCK_N, BLOCK_DK2)
+        v = _load_rows(
+            v_src, start_n, N, stride_vn, v_offs, offs_n, offs_dv, D_V, MASKED, not EVEN_DV, USE_TMA
+        )  # (BLOCK_N, D_v)
         qk = _scores(q, q2, k, k2, SPLIT_DK, PRECISION)
         p = tl.math.exp2(qk * qk_scale - lse[:, None])
         if MASKED:
@@ -461,19 +836,64 @@ def _bwd_dq_inner(dq, dq2, q, q2, do, lse, delta, k_src, k2_src, v_src, k_offs, 
 
 @triton.jit
 def _flash_bwd_dq_kernel(
-    Q, K, V, DO, LSE, DELTA, DQ, Out, DLSE,
-    stride_qb, stride_qh, stride_qm, stride_qd,
-    stride_kb, stride_kh, stride_kn, stride_kd,
-    stride_vb, stride_vh, stride_vn, stride_vd,
-    stride_dob, stride_doh, stride_dom, stride_dod,
-    stride_lb, stride_lh, stride_lm,
-    stride_dqb, stride_dqh, stride_dqm, stride_dqd,
-    stride_ob, stride_oh, stride_om, stride_od,
-    stride_gb, stride_gh, stride_gm,
-    M, N, H_Q, bucket, scale, qk_scale,
-    D_QK: tl.constexpr, D_V: tl.constexpr, BLOCK_DK: tl.constexpr, BLOCK_DK2: tl.constexpr, SPLIT_DK: tl.constexpr,
-    BLOCK_DV: tl.constexpr, GROUP_SIZE: tl.constexpr, CAUSAL: tl.constexpr, PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, USE_TMA: tl.constexpr, INTERPRET: tl.constexpr,
+    Q,
+    K,
+    V,
+    DO,
+    LSE,
+    DELTA,
+    DQ,
+    Out,
+    DLSE,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    stride_dob,
+    stride_doh,
+    stride_dom,
+    stride_dod,
+    stride_lb,
+    stride_lh,
+    stride_lm,
+    stride_dqb,
+    stride_dqh,
+    stride_dqm,
+    stride_dqd,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_od,
+    stride_gb,
+    stride_gh,
+    stride_gm,
+    M,
+    N,
+    H_Q,
+    bucket,
+    scale,
+    qk_scale,
+    D_QK: tl.constexpr,
+    D_V: tl.constexpr,
+    BLOCK_DK: tl.constexpr,
+    BLOCK_DK2: tl.constexpr,
+    SPLIT_DK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    GROUP_SIZE: tl.constexpr,
+    CAUSAL: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    USE_TMA: tl.constexpr,
+    INTERPRET: tl.constexpr,
     HAS_DLSE: tl.constexpr,
 ):
     """dQ of one query block, streaming K/V like the forward. It runs first and also writes the block's delta =
@@ -501,12 +921,22 @@ def _flash_bwd_dq_kernel(
 
     q_rows = Q + batch * stride_qb + head * stride_qh + offs_m[:, None] * stride_qm
     q = _load(q_rows + offs_dk[None, :] * stride_qd, row_ok[:, None], offs_dk[None, :] < D_QK, True, not EVEN_DK)
-    do = _load(DO + batch * stride_dob + head * stride_doh + offs_m[:, None] * stride_dom
-               + offs_dv[None, :] * stride_dod, row_ok[:, None], offs_dv[None, :] < D_V, True, not EVEN_DV)
+    do = _load(
+        DO + batch * stride_dob + head * stride_doh + offs_m[:, None] * stride_dom + offs_dv[None, :] * stride_dod,
+        row_ok[:, None],
+        offs_dv[None, :] < D_V,
+        True,
+        not EVEN_DV,
+    )
     lse = tl.load(LSE + batch * stride_lb + head * stride_lh + offs_m * stride_lm, mask=row_ok, other=0.0)
     lse = lse * 1.4426950408889634
-    o = _load(Out + batch * stride_ob + head * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od,
-              row_ok[:, None], offs_dv[None, :] < D_V, True, not EVEN_DV)
+    o = _load(
+        Out + batch * stride_ob + head * stride_oh + offs_m[:, None] * stride_om + offs_dv[None, :] * stride_od,
+        row_ok[:, None],
+        offs_dv[None, :] < D_V,
+        True,
+        not EVEN_DV,
+    )
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     if HAS_DLSE:
         delta -= tl.load(DLSE + batch * stride_gb + head * stride_gh + offs_m * stride_gm, mask=row_ok, other=0.0)
@@ -520,8 +950,9 @@ def _flash_bwd_dq_kernel(
     v_offs = offs_n[:, None] * stride_vn + offs_dv[None, :] * stride_vd
     q2, dq2, k2_src, k2_offs = q, dq, k_src, k_offs  # placeholders when the head dim is one block
     if SPLIT_DK:
-        q2 = _load(q_rows + offs_dk2[None, :] * stride_qd, row_ok[:, None], offs_dk2[None, :] < D_QK, True,
-                   not EVEN_DK2)
+        q2 = _load(
+            q_rows + offs_dk2[None, :] * stride_qd, row_ok[:, None], offs_dk2[None, :] < D_QK, True, not EVEN_DK2
+        )
         dq2 = tl.zeros([BLOCK_M, BLOCK_DK2], tl.float32)
         k2_src = _rows_source(k_base, N, stride_kn, D_QK, BLOCK_N, BLOCK_DK2, USE_TMA)
         k2_offs = offs_n[:, None] * stride_kn + offs_dk2[None, :] * stride_kd
@@ -533,20 +964,98 @@ def _flash_bwd_dq_kernel(
     else:
         n_end = N
         n_full = N // BLOCK_N * BLOCK_N
-    dq, dq2 = _bwd_dq_inner(dq, dq2, q, q2, do, lse, delta, k_src, k2_src, v_src, k_offs, k2_offs, v_offs,
-                            stride_kn, stride_vn, offs_m, offs_n, offs_dk, offs_dk2, offs_dv, 0, n_full, N, q_shift,
-                            qk_scale, False, CAUSAL, EVEN_DK, EVEN_DK2, EVEN_DV, SPLIT_DK, BLOCK_DK, D_QK, D_V,
-                            BLOCK_N, PRECISION, USE_TMA, INTERPRET)
-    dq, dq2 = _bwd_dq_inner(dq, dq2, q, q2, do, lse, delta, k_src, k2_src, v_src, k_offs, k2_offs, v_offs,
-                            stride_kn, stride_vn, offs_m, offs_n, offs_dk, offs_dk2, offs_dv, n_full, n_end, N,
-                            q_shift, qk_scale, True, CAUSAL, EVEN_DK, EVEN_DK2, EVEN_DV, SPLIT_DK, BLOCK_DK, D_QK,
-                            D_V, BLOCK_N, PRECISION, USE_TMA, INTERPRET)
+    dq, dq2 = _bwd_dq_inner(
+        dq,
+        dq2,
+        q,
+        q2,
+        do,
+        lse,
+        delta,
+        k_src,
+        k2_src,
+        v_src,
+        k_offs,
+        k2_offs,
+        v_offs,
+        stride_kn,
+        stride_vn,
+        offs_m,
+        offs_n,
+        offs_dk,
+        offs_dk2,
+        offs_dv,
+        0,
+        n_full,
+        N,
+        q_shift,
+        qk_scale,
+        False,
+        CAUSAL,
+        EVEN_DK,
+        EVEN_DK2,
+        EVEN_DV,
+        SPLIT_DK,
+        BLOCK_DK,
+        D_QK,
+        D_V,
+        BLOCK_N,
+        PRECISION,
+        USE_TMA,
+        INTERPRET,
+    )
+    dq, dq2 = _bwd_dq_inner(
+        dq,
+        dq2,
+        q,
+        q2,
+        do,
+        lse,
+        delta,
+        k_src,
+        k2_src,
+        v_src,
+        k_offs,
+        k2_offs,
+        v_offs,
+        stride_kn,
+        stride_vn,
+        offs_m,
+        offs_n,
+        offs_dk,
+        offs_dk2,
+        offs_dv,
+        n_full,
+        n_end,
+        N,
+        q_shift,
+        qk_scale,
+        True,
+        CAUSAL,
+        EVEN_DK,
+        EVEN_DK2,
+        EVEN_DV,
+        SPLIT_DK,
+        BLOCK_DK,
+        D_QK,
+        D_V,
+        BLOCK_N,
+        PRECISION,
+        USE_TMA,
+        INTERPRET,
+    )
     dq_ptrs = DQ + batch * stride_dqb + head * stride_dqh + offs_m[:, None] * stride_dqm
-    tl.store(dq_ptrs + offs_dk[None, :] * stride_dqd, (dq * scale).to(DQ.dtype.element_ty),
-             mask=row_ok[:, None] & (offs_dk[None, :] < D_QK))
+    tl.store(
+        dq_ptrs + offs_dk[None, :] * stride_dqd,
+        (dq * scale).to(DQ.dtype.element_ty),
+        mask=row_ok[:, None] & (offs_dk[None, :] < D_QK),
+    )
     if SPLIT_DK:
-        tl.store(dq_ptrs + offs_dk2[None, :] * stride_dqd, (dq2 * scale).to(DQ.dtype.element_ty),
-                 mask=row_ok[:, None] & (offs_dk2[None, :] < D_QK))
+        tl.store(
+            dq_ptrs + offs_dk2[None, :] * stride_dqd,
+            (dq2 * scale).to(DQ.dtype.element_ty),
+            mask=row_ok[:, None] & (offs_dk2[None, :] < D_QK),
+        )
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -581,9 +1090,15 @@ _INTERPRETER_CONFIG = (64, 64, 4, 1)
 _TUNE_MIN_SEQ = 512  # below this a launch is tens of microseconds: the default config is not worth timing
 _TUNED: dict[tuple, tuple] = {}
 # Raised when a config needs more shared memory or registers than the GPU has: the tuner skips that config.
-_RESOURCE_ERRORS = tuple(e for e in (getattr(triton.runtime.errors, "OutOfResources", None),
-                                     getattr(triton.runtime.errors, "PTXASError", None),
-                                     triton.compiler.errors.CompilationError) if e is not None)
+_RESOURCE_ERRORS = tuple(
+    e
+    for e in (
+        getattr(triton.runtime.errors, "OutOfResources", None),
+        getattr(triton.runtime.errors, "PTXASError", None),
+        triton.compiler.errors.CompilationError,
+    )
+    if e is not None
+)
 
 
 def _dim_bucket(d_qk: int, d_v: int) -> int:
@@ -595,8 +1110,7 @@ def _autotune_enabled() -> bool:
     return os.environ.get("ZOO_FLASH_AUTOTUNE", "1") != "0"
 
 
-def _pick_config(kind: str, q: torch.Tensor, d_qk: int, d_v: int, causal: bool, m: int, n: int, use_tma: bool,
-                 launch):
+def _pick_config(kind: str, q: torch.Tensor, d_qk: int, d_v: int, causal: bool, m: int, n: int, use_tma: bool, launch):
     """The config for this launch, cached per (kind, head dims, causal, dtype, sequence-length bucket, TMA). On the GPU
     for long sequences each candidate is timed on the GPU alone (`_gpu_ms`), in two alternating rounds (a few ms
     in all, plus the compiles); otherwise the first one that compiles is taken. The length buckets are powers of
@@ -744,8 +1258,11 @@ def _check_qkv(q, k, v, causal: bool, scale):
     if s_kv == 0:
         _checks.fail("k", "S_kv=0", "at least one key (S_kv >= 1)")
     if causal and s_q > s_kv:
-        _checks.fail("causal", f"True with S_q={s_q} > S_kv={s_kv}",
-                     "S_q <= S_kv (bottom-right alignment: query i sits at position S_kv - S_q + i)")
+        _checks.fail(
+            "causal",
+            f"True with S_q={s_q} > S_kv={s_kv}",
+            "S_q <= S_kv (bottom-right alignment: query i sits at position S_kv - S_q + i)",
+        )
     _check_head_dim("q", d_qk)
     _check_head_dim("v", d_v)
     if scale is not None:
@@ -814,11 +1331,34 @@ def _forward(q, k, v, scale: float | None, causal: bool, out=None, lse=None, che
         block_m, block_n, warps, stages = cfg
         n_m = cdiv(s_q, block_m)
         launcher(_flash_fwd_kernel)[(n_m * h_q * b,)](
-            q, k, v, out, lse, *q.stride(), *k.stride(), *v.stride(), *out.stride(), *lse.stride(),
-            s_q, s_kv, h_q, bucket_size(n_m, h_q // h_kv, causal), sm_scale * LOG2E,
-            D_QK=d_qk, D_V=d_v, **_qk_blocks(d_qk), BLOCK_DV=_head_block(d_v),
-            GROUP_SIZE=h_q // h_kv, CAUSAL=causal, PRECISION=_precision(q.dtype), INTERPRET=_checks.interpreting(),
-            BLOCK_M=block_m, BLOCK_N=block_n, USE_TMA=use_tma, num_warps=warps, num_stages=stages,
+            q,
+            k,
+            v,
+            out,
+            lse,
+            *q.stride(),
+            *k.stride(),
+            *v.stride(),
+            *out.stride(),
+            *lse.stride(),
+            s_q,
+            s_kv,
+            h_q,
+            bucket_size(n_m, h_q // h_kv, causal),
+            sm_scale * LOG2E,
+            D_QK=d_qk,
+            D_V=d_v,
+            **_qk_blocks(d_qk),
+            BLOCK_DV=_head_block(d_v),
+            GROUP_SIZE=h_q // h_kv,
+            CAUSAL=causal,
+            PRECISION=_precision(q.dtype),
+            INTERPRET=_checks.interpreting(),
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            USE_TMA=use_tma,
+            num_warps=warps,
+            num_stages=stages,
         )
 
     with device_guard(q):
@@ -860,8 +1400,20 @@ def _hopper_dkdv(programs: int, group: int, device: torch.device, s_kv: int) -> 
     return programs >= sms - sms // 16 and s_kv <= 1024
 
 
-def _backward(q, k, v, out, lse, do, scale: float | None, causal: bool, dlse=None, grads=None, head_splits=None,
-              checked: bool = False):
+def _backward(
+    q,
+    k,
+    v,
+    out,
+    lse,
+    do,
+    scale: float | None,
+    causal: bool,
+    dlse=None,
+    grads=None,
+    head_splits=None,
+    checked: bool = False,
+):
     """Launch dQ (which also writes delta), then dK/dV; or, on Hopper at D = 128 where it measured faster, the
     one-launch backward (`flash_sm90.backward_fused`). `grads` = (dq, dk, dv) may be preallocated (any strides;
     else each is laid out like its input, `_empty_in_order`);
@@ -886,14 +1438,24 @@ def _backward(q, k, v, out, lse, do, scale: float | None, causal: bool, dlse=Non
     sm90 = mode != "0" and flash_sm90.supports_backward(q, k, v, do)
     pair = (d_qk, v.shape[3])
     programs = cdiv(s_kv, flash_sm90.PROGRAM_ROWS) * h_kv * b if sm90 else 0
-    if sm90 and pair in flash_sm90.FUSED_PAIRS and (mode == "fused" or mode == "1" and flash_sm90.fused_backward_wins(
-            *pair, causal, s_kv, h_q // h_kv, programs, num_sms(q.device))
-            and not torch.are_deterministic_algorithms_enabled()):
+    if (
+        sm90
+        and pair in flash_sm90.FUSED_PAIRS
+        and (
+            mode == "fused"
+            or mode == "1"
+            and flash_sm90.fused_backward_wins(*pair, causal, s_kv, h_q // h_kv, programs, num_sms(q.device))
+            and not torch.are_deterministic_algorithms_enabled()
+        )
+    ):
         with device_guard(q):
             flash_sm90.backward_fused(q, k, v, out, lse, do, dlse, dq, dk, dv, sm_scale, causal)
         return dq, dk, dv
-    sm90_dkdv = sm90 and pair in flash_sm90.BWD_CONFIGS and (
-        mode in ("force", "fused") or _hopper_dkdv(programs, h_q // h_kv, q.device, s_kv))
+    sm90_dkdv = (
+        sm90
+        and pair in flash_sm90.BWD_CONFIGS
+        and (mode in ("force", "fused") or _hopper_dkdv(programs, h_q // h_kv, q.device, s_kv))
+    )
     # The Hopper dK/dV kernel reads delta and the lse (in log2 units, written by the dQ kernel) as whole padded
     # blocks of rows (flash_sm90.padded_rows); the Triton one reads delta (B, H_q, S_q).
     rows = flash_sm90.padded_rows(s_q) if sm90_dkdv else s_q
@@ -913,8 +1475,16 @@ def _backward(q, k, v, out, lse, do, scale: float | None, causal: bool, dlse=Non
 
 def _backward_constants(q, k, v, causal: bool) -> dict:
     d_qk, d_v = q.shape[3], v.shape[3]
-    return dict(D_QK=d_qk, D_V=d_v, **_qk_blocks(d_qk), BLOCK_DV=_head_block(d_v), GROUP_SIZE=q.shape[1] // k.shape[1],
-                CAUSAL=causal, PRECISION=_precision(q.dtype), INTERPRET=_checks.interpreting())
+    return dict(
+        D_QK=d_qk,
+        D_V=d_v,
+        **_qk_blocks(d_qk),
+        BLOCK_DV=_head_block(d_v),
+        GROUP_SIZE=q.shape[1] // k.shape[1],
+        CAUSAL=causal,
+        PRECISION=_precision(q.dtype),
+        INTERPRET=_checks.interpreting(),
+    )
 
 
 def _triton_dq(q, k, v, out, lse, do, dlse, delta, dq, sm_scale: float, causal: bool):
@@ -928,11 +1498,35 @@ def _triton_dq(q, k, v, out, lse, do, dlse, delta, dq, sm_scale: float, causal: 
         block_m, block_n, warps, stages = cfg
         n_m = cdiv(s_q, block_m)
         launcher(_flash_bwd_dq_kernel)[(n_m * h_q * b,)](
-            q, k, v, do, lse, delta, dq, out, dlse_arg, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
-            *lse.stride(), *dq.stride(), *out.stride(), *dlse_arg.stride(),
-            s_q, s_kv, h_q, bucket_size(n_m, h_q // h_kv, causal), sm_scale, sm_scale * LOG2E,
+            q,
+            k,
+            v,
+            do,
+            lse,
+            delta,
+            dq,
+            out,
+            dlse_arg,
+            *q.stride(),
+            *k.stride(),
+            *v.stride(),
+            *do.stride(),
+            *lse.stride(),
+            *dq.stride(),
+            *out.stride(),
+            *dlse_arg.stride(),
+            s_q,
+            s_kv,
+            h_q,
+            bucket_size(n_m, h_q // h_kv, causal),
+            sm_scale,
+            sm_scale * LOG2E,
             **_backward_constants(q, k, v, causal),
-            BLOCK_M=block_m, BLOCK_N=block_n, USE_TMA=use_tma, HAS_DLSE=dlse is not None, num_warps=warps,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            USE_TMA=use_tma,
+            HAS_DLSE=dlse is not None,
+            num_warps=warps,
             num_stages=stages,
         )
 
@@ -955,11 +1549,33 @@ def _triton_dkdv(q, k, v, lse, do, delta, dk, dv, sm_scale: float, causal: bool,
             dv_out = torch.empty((b, h_kv * splits, s_kv, d_v), device=q.device, dtype=torch.float32)
         n_kb = cdiv(s_kv, block_n)
         launcher(_flash_bwd_dkdv_kernel)[(n_kb * h_kv * splits * b,)](
-            q, k, v, do, lse, delta, dk_out, dv_out, *q.stride(), *k.stride(), *v.stride(), *do.stride(),
-            *lse.stride(), *dk_out.stride(), *dv_out.stride(),
-            s_q, s_kv, h_q, bucket_size(n_kb, h_q // h_kv, causal), sm_scale, sm_scale * LOG2E,
+            q,
+            k,
+            v,
+            do,
+            lse,
+            delta,
+            dk_out,
+            dv_out,
+            *q.stride(),
+            *k.stride(),
+            *v.stride(),
+            *do.stride(),
+            *lse.stride(),
+            *dk_out.stride(),
+            *dv_out.stride(),
+            s_q,
+            s_kv,
+            h_q,
+            bucket_size(n_kb, h_q // h_kv, causal),
+            sm_scale,
+            sm_scale * LOG2E,
             **_backward_constants(q, k, v, causal),
-            BLOCK_M=block_m, BLOCK_N=block_n, USE_TMA=use_tma, HEAD_SPLITS=splits, num_warps=warps,
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            USE_TMA=use_tma,
+            HEAD_SPLITS=splits,
+            num_warps=warps,
             num_stages=stages,
         )
         if splits > 1:
@@ -975,8 +1591,9 @@ def _triton_dkdv(q, k, v, lse, do, delta, dk, dv, sm_scale: float, causal: bool,
 
 
 @torch.library.custom_op("zoo::flash_fwd", mutates_args=())
-def _flash_fwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                  causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def _flash_fwd_op(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
     return _forward(q, k, v, scale, causal)
 
 
@@ -987,9 +1604,17 @@ def _(q, k, v, scale, causal):
 
 
 @torch.library.custom_op("zoo::flash_bwd", mutates_args=())
-def _flash_bwd_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                  do: torch.Tensor, dlse: torch.Tensor | None, scale: float,
-                  causal: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _flash_bwd_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    do: torch.Tensor,
+    dlse: torch.Tensor | None,
+    scale: float,
+    causal: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return _backward(q, k, v, out, lse, do, scale, causal, dlse=dlse)
 
 
@@ -1053,8 +1678,9 @@ class _FlashAttention(torch.autograd.Function):
 # --------------------------------------------------------------------------------------------------------------
 
 
-def flash_gqa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
-                      causal: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def flash_gqa_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None, causal: bool = False
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Flash attention forward for MHA/GQA/MQA. q (B, H_q, S_q, D_qk), k (B, H_kv, S_kv, D_qk),
     v (B, H_kv, S_kv, D_v), any strides. Returns out (B, H_q, S_q, D_v) in q's dtype and lse (B, H_q, S_q) fp32
     (natural log). Differentiable in both outputs."""
@@ -1064,9 +1690,17 @@ def flash_gqa_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scal
     return _FlashAttention.apply(q, k, v, _scale(scale, q.shape[-1]), causal)
 
 
-def flash_gqa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                       do: torch.Tensor, *, scale: float | None = None,
-                       causal: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def flash_gqa_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    do: torch.Tensor,
+    *,
+    scale: float | None = None,
+    causal: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Gradients (dq, dk, dv) of flash attention given the forward's out and lse and the output gradient do.
     dk and dv are summed over the query heads of each KV group."""
     _check_backward(q, k, v, out, lse, do, causal, scale)
@@ -1075,8 +1709,9 @@ def flash_gqa_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: t
     return _backward(q, k, v, out, lse, do, _scale(scale, q.shape[-1]), causal)
 
 
-def flash_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None,
-                        causal: bool = False) -> torch.Tensor:
+def flash_gqa_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None, causal: bool = False
+) -> torch.Tensor:
     """Differentiable flash attention (MHA/GQA/MQA, D_qk may differ from D_v, bottom-right causal alignment).
     Returns out (B, H_q, S_q, D_v)."""
     return flash_gqa_forward(q, k, v, scale=scale, causal=causal)[0]

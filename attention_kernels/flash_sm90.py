@@ -294,8 +294,25 @@ def _tile_handover():
 
 
 @gluon.jit
-def _load_kv(k_desc, kr_desc, v_desc, k_smem, kr_smem, v_smem, k_ready, v_ready, k_free, v_free, g, batch, kv_head,
-             row, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, DR: gl.constexpr):
+def _load_kv(
+    k_desc,
+    kr_desc,
+    v_desc,
+    k_smem,
+    kr_smem,
+    v_smem,
+    k_ready,
+    v_ready,
+    k_free,
+    v_free,
+    g,
+    batch,
+    kv_head,
+    row,
+    K_STAGES: gl.constexpr,
+    V_STAGES: gl.constexpr,
+    DR: gl.constexpr,
+):
     """Loader: the program's g-th K/V block (rows row.. of one KV head): K into stage g % K_STAGES of its ring once
     every consumer has released that stage's previous block on k_free, V into stage g % V_STAGES of its own once
     they have released that one on v_free (phase parity). The forward's consumers release K after its scores and V
@@ -306,8 +323,9 @@ def _load_kv(k_desc, kr_desc, v_desc, k_smem, kr_smem, v_smem, k_ready, v_ready,
     mbarrier.wait(k_free.index(s), ((g // K_STAGES) & 1) ^ 1, pred=g >= K_STAGES)
     if DR > 0:
         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes + kr_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(kr_desc, [batch, kv_head, row, k_desc.block_type.shape[3]],
-                                        k_ready.index(s), kr_smem.index(s))
+        tma.async_copy_global_to_shared(
+            kr_desc, [batch, kv_head, row, k_desc.block_type.shape[3]], k_ready.index(s), kr_smem.index(s)
+        )
     else:
         mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [batch, kv_head, row, 0], k_ready.index(s), k_smem.index(s))
@@ -318,10 +336,40 @@ def _load_kv(k_desc, kr_desc, v_desc, k_smem, kr_smem, v_smem, k_ready, v_ready,
 
 
 @gluon.jit
-def _loader(q_desc, qr_desc, k_desc, kr_desc, v_desc, q_smem, qr_smem, k_smem, kr_smem, v_smem, q_ready, q_free,
-            k_ready, v_ready, k_free, v_free, tile_smem, tile_ready, tile_free, counter_ptr,
-            n_tiles, n_m, bucket, H, M, N, GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
-            K_STAGES: gl.constexpr, V_STAGES: gl.constexpr, DR: gl.constexpr):
+def _loader(
+    q_desc,
+    qr_desc,
+    k_desc,
+    kr_desc,
+    v_desc,
+    q_smem,
+    qr_smem,
+    k_smem,
+    kr_smem,
+    v_smem,
+    q_ready,
+    q_free,
+    k_ready,
+    v_ready,
+    k_free,
+    v_free,
+    tile_smem,
+    tile_ready,
+    tile_free,
+    counter_ptr,
+    n_tiles,
+    n_m,
+    bucket,
+    H,
+    M,
+    N,
+    GROUP_SIZE: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    K_STAGES: gl.constexpr,
+    V_STAGES: gl.constexpr,
+    DR: gl.constexpr,
+):
     """One warp: for each tile, each consumer's Q rows, then K and V of every key block into their rings. Key block
     number g (counted over all of the program's tiles) goes into stage g % K_STAGES of K's ring and g % V_STAGES of
     V's once every consumer has released those stages' previous blocks (`_load_kv`); a consumer's Q buffer is
@@ -337,15 +385,37 @@ def _loader(q_desc, qr_desc, k_desc, kr_desc, v_desc, q_smem, qr_smem, k_smem, k
             mbarrier.wait(q_free.index(c), (tc & 1) ^ 1, pred=tc > 0)
             if DR > 0:
                 mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes + qr_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(qr_desc, [batch, head, start_m + c * ROWS, q_desc.block_type.shape[3]],
-                                                q_ready.index(c), qr_smem.index(c))
+                tma.async_copy_global_to_shared(
+                    qr_desc,
+                    [batch, head, start_m + c * ROWS, q_desc.block_type.shape[3]],
+                    q_ready.index(c),
+                    qr_smem.index(c),
+                )
             else:
                 mbarrier.expect(q_ready.index(c), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [batch, head, start_m + c * ROWS, 0], q_ready.index(c),
-                                            q_smem.index(c))
+            tma.async_copy_global_to_shared(
+                q_desc, [batch, head, start_m + c * ROWS, 0], q_ready.index(c), q_smem.index(c)
+            )
         for j in range(n_blocks):
-            _load_kv(k_desc, kr_desc, v_desc, k_smem, kr_smem, v_smem, k_ready, v_ready, k_free, v_free, g, batch,
-                     kv_head, j * BLOCK_N, K_STAGES, V_STAGES, DR)
+            _load_kv(
+                k_desc,
+                kr_desc,
+                v_desc,
+                k_smem,
+                kr_smem,
+                v_smem,
+                k_ready,
+                v_ready,
+                k_free,
+                v_free,
+                g,
+                batch,
+                kv_head,
+                j * BLOCK_N,
+                K_STAGES,
+                V_STAGES,
+                DR,
+            )
             g += 1
         tc += 1
         t = gl.num_programs(0) + gl.atomic_add(counter_ptr, 1)  # the next tile nobody has taken
@@ -366,8 +436,7 @@ def _visible(j, start_m, q_shift, N, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr
 
 
 @gluon.jit
-def _mask(s, j, n_unmasked, start_m, q_shift, N, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
-          s_layout: gl.constexpr):
+def _mask(s, j, n_unmasked, start_m, q_shift, N, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, s_layout: gl.constexpr):
     """Scores of key block j with the causal diagonal and the sequence end masked; blocks before n_unmasked are
     wholly visible to every row of the tile and pass through untouched."""
     if j >= n_unmasked:
@@ -386,10 +455,41 @@ def _scores(q, qr, k_smem, kr_smem, st, s, BLOCK_N: gl.constexpr, D: gl.constexp
 
 
 @gluon.jit
-def _step(q, qr, k_smem, kr_smem, v_smem, k_ready, v_ready, k_free, v_free, q_free, last, p, p_op, acc, m_i, l_i, gj,
-          j, n_unmasked, start_m, q_shift, N, qk_scale, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-          DR: gl.constexpr, DV: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
-          s_layout: gl.constexpr, o_layout: gl.constexpr, p_layout: gl.constexpr):
+def _step(
+    q,
+    qr,
+    k_smem,
+    kr_smem,
+    v_smem,
+    k_ready,
+    v_ready,
+    k_free,
+    v_free,
+    q_free,
+    last,
+    p,
+    p_op,
+    acc,
+    m_i,
+    l_i,
+    gj,
+    j,
+    n_unmasked,
+    start_m,
+    q_shift,
+    N,
+    qk_scale,
+    CAUSAL: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    D: gl.constexpr,
+    DR: gl.constexpr,
+    DV: gl.constexpr,
+    K_STAGES: gl.constexpr,
+    V_STAGES: gl.constexpr,
+    s_layout: gl.constexpr,
+    o_layout: gl.constexpr,
+    p_layout: gl.constexpr,
+):
     """Key block j (the program's gj-th): its scores and block j-1's P V on the tensor cores together, then block
     j's softmax (written to overlap that P V; ptxas waits for it first, see the module docstring). K's stage is
     released once the scores are in, V's once P V is, and with `last` (the tile's last block) the Q buffer too."""
@@ -428,10 +528,43 @@ def _skip_kv(k_ready, v_ready, k_free, v_free, g0, j0, n_blocks, K_STAGES: gl.co
 
 
 @gluon.jit
-def _consumer(q_smem, qr_smem, k_smem, kr_smem, v_smem, o_smem, q_ready, q_free, k_ready, v_ready, k_free,
-              v_free, tile_smem, tile_ready, tile_free, o_desc, lse_ptr, stride_lb, stride_lh, stride_lm, n_tiles, n_m,
-              bucket, H, M, N, qk_scale, WG: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr,
-              D: gl.constexpr, DR: gl.constexpr, DV: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr):
+def _consumer(
+    q_smem,
+    qr_smem,
+    k_smem,
+    kr_smem,
+    v_smem,
+    o_smem,
+    q_ready,
+    q_free,
+    k_ready,
+    v_ready,
+    k_free,
+    v_free,
+    tile_smem,
+    tile_ready,
+    tile_free,
+    o_desc,
+    lse_ptr,
+    stride_lb,
+    stride_lh,
+    stride_lm,
+    n_tiles,
+    n_m,
+    bucket,
+    H,
+    M,
+    N,
+    qk_scale,
+    WG: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    D: gl.constexpr,
+    DR: gl.constexpr,
+    DV: gl.constexpr,
+    K_STAGES: gl.constexpr,
+    V_STAGES: gl.constexpr,
+):
     """One warpgroup: for each tile, the online softmax over its key blocks for query rows
     [start_m + WG*64, +64), then its rows of lse, and of out through shared memory (o_smem) and a TMA store, which
     clips the rows past M. Its Q buffer is released with the tile's last scores, so that the next tile's Q arrives
@@ -478,10 +611,41 @@ def _consumer(q_smem, qr_smem, k_smem, kr_smem, v_smem, o_smem, q_ready, q_free,
 
         # Key blocks 1..: each step issues the scores of block j and P V of block j-1 together.
         for j in range(1, n_own):
-            p, p_op, acc, m_i, l_i = _step(q, qr, k_smem, kr_smem, v_smem, k_ready, v_ready, k_free, v_free,
-                                           q_free.index(WG), j == n_own - 1, p, p_op, acc, m_i, l_i, g + j, j,
-                                           n_unmasked, start_m, q_shift, N, qk_scale, CAUSAL, BLOCK_N, D, DR, DV,
-                                           K_STAGES, V_STAGES, s_layout, o_layout, p_layout)
+            p, p_op, acc, m_i, l_i = _step(
+                q,
+                qr,
+                k_smem,
+                kr_smem,
+                v_smem,
+                k_ready,
+                v_ready,
+                k_free,
+                v_free,
+                q_free.index(WG),
+                j == n_own - 1,
+                p,
+                p_op,
+                acc,
+                m_i,
+                l_i,
+                g + j,
+                j,
+                n_unmasked,
+                start_m,
+                q_shift,
+                N,
+                qk_scale,
+                CAUSAL,
+                BLOCK_N,
+                D,
+                DR,
+                DV,
+                K_STAGES,
+                V_STAGES,
+                s_layout,
+                o_layout,
+                p_layout,
+            )
 
         last = (g + n_own - 1) % V_STAGES
         mbarrier.wait(v_ready.index(last), ((g + n_own - 1) // V_STAGES) & 1)
@@ -510,10 +674,32 @@ def _consumer(q_smem, qr_smem, k_smem, kr_smem, v_smem, o_smem, q_ready, q_free,
 
 @gluon.jit
 def _flash_fwd_sm90_kernel(
-    q_desc, qr_desc, k_desc, kr_desc, v_desc, o_desc, lse_ptr, counter_ptr, stride_lb, stride_lh, stride_lm,
-    n_tiles, n_m, bucket, H, M, N, qk_scale,
-    GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr, DR: gl.constexpr,
-    DV: gl.constexpr, K_STAGES: gl.constexpr, V_STAGES: gl.constexpr,
+    q_desc,
+    qr_desc,
+    k_desc,
+    kr_desc,
+    v_desc,
+    o_desc,
+    lse_ptr,
+    counter_ptr,
+    stride_lb,
+    stride_lh,
+    stride_lm,
+    n_tiles,
+    n_m,
+    bucket,
+    H,
+    M,
+    N,
+    qk_scale,
+    GROUP_SIZE: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    D: gl.constexpr,
+    DR: gl.constexpr,
+    DV: gl.constexpr,
+    K_STAGES: gl.constexpr,
+    V_STAGES: gl.constexpr,
 ):
     """Persistent: one program per SM (or per tile, when fewer). Program p starts with tile p; its loader then takes
     the next tile nobody has taken from a global counter (an atomic add), so programs that drew light causal tiles
@@ -551,19 +737,129 @@ def _flash_fwd_sm90_kernel(
 
     # The default partition (this program's own four warps) is consumer 0; the others are worker partitions.
     # Worker arguments cannot be constexprs computed here, so every value is passed explicitly.
-    gl.warp_specialize([
-        (_consumer, (q_smem, qr_smem, k_smem, kr_smem, v_smem, o_smem, q_ready, q_free, k_ready, v_ready, k_free,
-                     v_free, tile_smem, tile_ready, tile_free, o_desc, lse_ptr, stride_lb, stride_lh, stride_lm,
-                     n_tiles, n_m, bucket, H, M, N, qk_scale, gl.constexpr(0), CAUSAL, BLOCK_N, D, DR, DV,
-                     K_STAGES, V_STAGES)),
-        (_consumer, (q_smem, qr_smem, k_smem, kr_smem, v_smem, o_smem, q_ready, q_free, k_ready, v_ready, k_free,
-                     v_free, tile_smem, tile_ready, tile_free, o_desc, lse_ptr, stride_lb, stride_lh, stride_lm,
-                     n_tiles, n_m, bucket, H, M, N, qk_scale, gl.constexpr(1), CAUSAL, BLOCK_N, D, DR, DV,
-                     K_STAGES, V_STAGES)),
-        (_loader, (q_desc, qr_desc, k_desc, kr_desc, v_desc, q_smem, qr_smem, k_smem, kr_smem, v_smem, q_ready,
-                   q_free, k_ready, v_ready, k_free, v_free, tile_smem, tile_ready, tile_free, counter_ptr, n_tiles,
-                   n_m, bucket, H, M, N, GROUP_SIZE, CAUSAL, BLOCK_N, K_STAGES, V_STAGES, DR)),
-    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+    gl.warp_specialize(
+        [
+            (
+                _consumer,
+                (
+                    q_smem,
+                    qr_smem,
+                    k_smem,
+                    kr_smem,
+                    v_smem,
+                    o_smem,
+                    q_ready,
+                    q_free,
+                    k_ready,
+                    v_ready,
+                    k_free,
+                    v_free,
+                    tile_smem,
+                    tile_ready,
+                    tile_free,
+                    o_desc,
+                    lse_ptr,
+                    stride_lb,
+                    stride_lh,
+                    stride_lm,
+                    n_tiles,
+                    n_m,
+                    bucket,
+                    H,
+                    M,
+                    N,
+                    qk_scale,
+                    gl.constexpr(0),
+                    CAUSAL,
+                    BLOCK_N,
+                    D,
+                    DR,
+                    DV,
+                    K_STAGES,
+                    V_STAGES,
+                ),
+            ),
+            (
+                _consumer,
+                (
+                    q_smem,
+                    qr_smem,
+                    k_smem,
+                    kr_smem,
+                    v_smem,
+                    o_smem,
+                    q_ready,
+                    q_free,
+                    k_ready,
+                    v_ready,
+                    k_free,
+                    v_free,
+                    tile_smem,
+                    tile_ready,
+                    tile_free,
+                    o_desc,
+                    lse_ptr,
+                    stride_lb,
+                    stride_lh,
+                    stride_lm,
+                    n_tiles,
+                    n_m,
+                    bucket,
+                    H,
+                    M,
+                    N,
+                    qk_scale,
+                    gl.constexpr(1),
+                    CAUSAL,
+                    BLOCK_N,
+                    D,
+                    DR,
+                    DV,
+                    K_STAGES,
+                    V_STAGES,
+                ),
+            ),
+            (
+                _loader,
+                (
+                    q_desc,
+                    qr_desc,
+                    k_desc,
+                    kr_desc,
+                    v_desc,
+                    q_smem,
+                    qr_smem,
+                    k_smem,
+                    kr_smem,
+                    v_smem,
+                    q_ready,
+                    q_free,
+                    k_ready,
+                    v_ready,
+                    k_free,
+                    v_free,
+                    tile_smem,
+                    tile_ready,
+                    tile_free,
+                    counter_ptr,
+                    n_tiles,
+                    n_m,
+                    bucket,
+                    H,
+                    M,
+                    N,
+                    GROUP_SIZE,
+                    CAUSAL,
+                    BLOCK_N,
+                    K_STAGES,
+                    V_STAGES,
+                    DR,
+                ),
+            ),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, LOADER_REGS],
+    )
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -591,8 +887,7 @@ def _is_sm90(device_index: int) -> bool:
 def supports(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool) -> bool:
     """Does flash._forward launch this kernel for these inputs? On an sm_90 GPU, when `eligible` and there are at
     least MIN_KEYS keys."""
-    return (enabled() and on_hopper(q) and eligible(q, k, v)
-            and k.shape[2] >= MIN_KEYS.get((q.shape[-1], causal), 0))
+    return enabled() and on_hopper(q) and eligible(q, k, v) and k.shape[2] >= MIN_KEYS.get((q.shape[-1], causal), 0)
 
 
 # dK/dV per (D_qk, D_v): (BLOCK_M, STAGES, PERSISTENT), query rows per streamed step, ring stages, and the schedule.
@@ -642,9 +937,11 @@ def backward_mode() -> str:
     (FUSED_PAIRS; elsewhere as "force"); "0" keeps the whole backward on the Triton kernels."""
     mode = os.environ.get("ZOO_FLASH_SM90_BWD", "1")
     if mode not in ("0", "1", "force", "fused"):
-        raise ValueError(f"ZOO_FLASH_SM90_BWD={mode!r}: expected 0 (off), 1 (on; dK/dV where it fills a wave, one "
-                         "launch where it is faster), force (two launches everywhere) or fused (one launch wherever "
-                         "it can)")
+        raise ValueError(
+            f"ZOO_FLASH_SM90_BWD={mode!r}: expected 0 (off), 1 (on; dK/dV where it fills a wave, one "
+            "launch where it is faster), force (two launches everywhere) or fused (one launch wherever "
+            "it can)"
+        )
     return mode
 
 
@@ -652,8 +949,13 @@ def supports_backward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: tor
     """Can `backward_dq` run these inputs (and `backward_dkdv`, where (D_qk, D_v) is in BWD_CONFIGS too)? On an
     sm_90 GPU, `eligible` with (D_qk, D_v) in DQ_CONFIGS and dO TMA-readable too (its shape and dtype are out's,
     checked by the caller)."""
-    return (enabled() and on_hopper(q) and (q.shape[-1], v.shape[-1]) in DQ_CONFIGS and eligible(q, k, v)
-            and _checks.tma_readable(do))
+    return (
+        enabled()
+        and on_hopper(q)
+        and (q.shape[-1], v.shape[-1]) in DQ_CONFIGS
+        and eligible(q, k, v)
+        and _checks.tma_readable(do)
+    )
 
 
 def eligible(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:
@@ -671,8 +973,14 @@ def descriptor(t: torch.Tensor, block: list[int]) -> TensorDescriptor:
     checked t with `_checks.tma_readable`, so this builds what `TensorDescriptor.from_tensor` builds without its
     checks (alignment, block shape), which cost about as much host time as the launch's own work per descriptor."""
     desc = TensorDescriptor.__new__(TensorDescriptor)
-    desc.__dict__.update(base=t, shape=t.shape, strides=t.stride(), block_shape=block,
-                         layout=_nvmma_layout(tuple(block), t.dtype), padding="zero")
+    desc.__dict__.update(
+        base=t,
+        shape=t.shape,
+        strides=t.stride(),
+        block_shape=block,
+        layout=_nvmma_layout(tuple(block), t.dtype),
+        padding="zero",
+    )
     return desc
 
 
@@ -708,7 +1016,7 @@ def tile_counter(device: torch.device, persistent: bool) -> torch.Tensor:
         ring[1] = 0
     start = ring[1] * _SLOT
     ring[1] += 1
-    return ring[0][start:start + 1]
+    return ring[0][start : start + 1]
 
 
 _RING_SIZE = 1024
@@ -751,20 +1059,40 @@ def forward(q, k, v, out, lse, qk_scale: float, causal: bool, config=None):
     block_n, k_stages, v_stages = config or CONFIGS[(d, d_v)]
     smem = forward_smem(d, d_v, block_n, k_stages, v_stages, q.element_size())
     if smem > SMEM_PER_PROGRAM:
-        raise ValueError(f"forward config (BLOCK_N, K stages, V stages) = {(block_n, k_stages, v_stages)} takes "
-                         f"{smem // 1024} KB of shared memory at D_qk {d}, D_v {d_v}; a program has at most "
-                         f"{SMEM_PER_PROGRAM // 1024} KB: take fewer stages or narrower blocks")
+        raise ValueError(
+            f"forward config (BLOCK_N, K stages, V stages) = {(block_n, k_stages, v_stages)} takes "
+            f"{smem // 1024} KB of shared memory at D_qk {d}, D_v {d_v}; a program has at most "
+            f"{SMEM_PER_PROGRAM // 1024} KB: take fewer stages or narrower blocks"
+        )
     d_main, d_rope = qk_tiles(d)
     n_m = cdiv(s_q, PROGRAM_ROWS)
     n_tiles = n_m * h_q * b
     counter = tile_counter(q.device, True)
     grid = (min(n_tiles, num_sms(q.device)),)
     launcher(_flash_fwd_sm90_kernel)[grid](
-        *_qk_descriptors(q, ROWS_PER_CONSUMER), *_qk_descriptors(k, block_n), _descriptor(v, block_n),
-        _descriptor(out, ROWS_PER_CONSUMER), lse, counter, *lse.stride(), n_tiles, n_m,
-        bucket_size(n_m, h_q // h_kv, causal), h_q, s_q, s_kv, qk_scale,
-        GROUP_SIZE=h_q // h_kv, CAUSAL=causal, BLOCK_N=block_n, D=d_main, DR=d_rope, DV=d_v, K_STAGES=k_stages,
-        V_STAGES=v_stages, num_warps=4,
+        *_qk_descriptors(q, ROWS_PER_CONSUMER),
+        *_qk_descriptors(k, block_n),
+        _descriptor(v, block_n),
+        _descriptor(out, ROWS_PER_CONSUMER),
+        lse,
+        counter,
+        *lse.stride(),
+        n_tiles,
+        n_m,
+        bucket_size(n_m, h_q // h_kv, causal),
+        h_q,
+        s_q,
+        s_kv,
+        qk_scale,
+        GROUP_SIZE=h_q // h_kv,
+        CAUSAL=causal,
+        BLOCK_N=block_n,
+        D=d_main,
+        DR=d_rope,
+        DV=d_v,
+        K_STAGES=k_stages,
+        V_STAGES=v_stages,
+        num_warps=4,
     )
 
 
@@ -805,10 +1133,43 @@ def _dkdv_lead(start_n, m_start, M, N, CAUSAL: gl.constexpr, BLOCK_M: gl.constex
 
 
 @gluon.jit
-def _bwd_load_tile(q_desc, qr_desc, do_desc, k_desc, kr_desc, v_desc, lse_desc, delta_desc, q_smem, qr_smem, do_smem,
-                   k_smem, kr_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_free, q_ready, do_ready, qdo_free,
-                   batch, kv_head, start_n, m_start, n_m, step0, tc, H, M_PAD, GROUP_SIZE: gl.constexpr,
-                   BLOCK_M: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr, DR: gl.constexpr):
+def _bwd_load_tile(
+    q_desc,
+    qr_desc,
+    do_desc,
+    k_desc,
+    kr_desc,
+    v_desc,
+    lse_desc,
+    delta_desc,
+    q_smem,
+    qr_smem,
+    do_smem,
+    k_smem,
+    kr_smem,
+    v_smem,
+    lse_smem,
+    delta_smem,
+    kv_ready,
+    kv_free,
+    q_ready,
+    do_ready,
+    qdo_free,
+    batch,
+    kv_head,
+    start_n,
+    m_start,
+    n_m,
+    step0,
+    tc,
+    H,
+    M_PAD,
+    GROUP_SIZE: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    STAGES: gl.constexpr,
+    PERSISTENT: gl.constexpr,
+    DR: gl.constexpr,
+):
     """Loader, the program's tc-th tile: its K and V block into buffer tc % 2 (once the consumers are done with the
     tile before last there), then for every (query head of the group, query block), in the consumers' order, Q with
     its rows' lse and delta (one barrier) and dO into the ring; step0 counts the program's steps over its earlier
@@ -823,10 +1184,12 @@ def _bwd_load_tile(q_desc, qr_desc, do_desc, k_desc, kr_desc, v_desc, lse_desc, 
     if PERSISTENT:
         mbarrier.wait(kv_free.index(kb), ((tc // 2) & 1) ^ 1, pred=tc >= 2)
     if DR > 0:
-        mbarrier.expect(kv_ready.index(kb), k_desc.block_type.nbytes + kr_desc.block_type.nbytes
-                        + v_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(kr_desc, [batch, kv_head, start_n, k_desc.block_type.shape[3]],
-                                        kv_ready.index(kb), kr_smem.index(kb))
+        mbarrier.expect(
+            kv_ready.index(kb), k_desc.block_type.nbytes + kr_desc.block_type.nbytes + v_desc.block_type.nbytes
+        )
+        tma.async_copy_global_to_shared(
+            kr_desc, [batch, kv_head, start_n, k_desc.block_type.shape[3]], kv_ready.index(kb), kr_smem.index(kb)
+        )
     else:
         mbarrier.expect(kv_ready.index(kb), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
     tma.async_copy_global_to_shared(k_desc, [batch, kv_head, start_n, 0], kv_ready.index(kb), k_smem.index(kb))
@@ -834,29 +1197,79 @@ def _bwd_load_tile(q_desc, qr_desc, do_desc, k_desc, kr_desc, v_desc, lse_desc, 
     for hh in range(GROUP_SIZE):
         head = kv_head * GROUP_SIZE + hh
         for m in range(m_start, n_m):
-            _load_qdo(q_desc, qr_desc, do_desc, lse_desc, delta_desc, q_smem, qr_smem, do_smem, lse_smem, delta_smem,
-                      q_ready, do_ready, qdo_free, it, batch, head, m, H, M_PAD, BLOCK_M, STAGES, DR)
+            _load_qdo(
+                q_desc,
+                qr_desc,
+                do_desc,
+                lse_desc,
+                delta_desc,
+                q_smem,
+                qr_smem,
+                do_smem,
+                lse_smem,
+                delta_smem,
+                q_ready,
+                do_ready,
+                qdo_free,
+                it,
+                batch,
+                head,
+                m,
+                H,
+                M_PAD,
+                BLOCK_M,
+                STAGES,
+                DR,
+            )
             it += 1
     return it
 
 
 @gluon.jit
-def _load_qdo(q_desc, qr_desc, do_desc, lse_desc, delta_desc, q_smem, qr_smem, do_smem, lse_smem, delta_smem, q_ready,
-              do_ready, qdo_free, it, batch, head, m, H, M_PAD, BLOCK_M: gl.constexpr, STAGES: gl.constexpr,
-              DR: gl.constexpr):
+def _load_qdo(
+    q_desc,
+    qr_desc,
+    do_desc,
+    lse_desc,
+    delta_desc,
+    q_smem,
+    qr_smem,
+    do_smem,
+    lse_smem,
+    delta_smem,
+    q_ready,
+    do_ready,
+    qdo_free,
+    it,
+    batch,
+    head,
+    m,
+    H,
+    M_PAD,
+    BLOCK_M: gl.constexpr,
+    STAGES: gl.constexpr,
+    DR: gl.constexpr,
+):
     """Loader, the dK/dV program's step `it` (query head `head`, query block m): once the consumers have released
     its ring slot (step it - STAGES), Q with its rows' lse and delta (one barrier) and dO. DR > 0: Q's last DR
     columns (MLA's RoPE part) as a second copy on Q's barrier."""
     s = it % STAGES
     mbarrier.wait(qdo_free.index(s), ((it // STAGES) & 1) ^ 1, pred=it >= STAGES)
     if DR > 0:
-        mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + qr_desc.block_type.nbytes
-                        + lse_desc.block_type.nbytes + delta_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(qr_desc, [batch, head, m * BLOCK_M, q_desc.block_type.shape[3]],
-                                        q_ready.index(s), qr_smem.index(s))
+        mbarrier.expect(
+            q_ready.index(s),
+            q_desc.block_type.nbytes
+            + qr_desc.block_type.nbytes
+            + lse_desc.block_type.nbytes
+            + delta_desc.block_type.nbytes,
+        )
+        tma.async_copy_global_to_shared(
+            qr_desc, [batch, head, m * BLOCK_M, q_desc.block_type.shape[3]], q_ready.index(s), qr_smem.index(s)
+        )
     else:
-        mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes + lse_desc.block_type.nbytes
-                        + delta_desc.block_type.nbytes)
+        mbarrier.expect(
+            q_ready.index(s), q_desc.block_type.nbytes + lse_desc.block_type.nbytes + delta_desc.block_type.nbytes
+        )
     tma.async_copy_global_to_shared(q_desc, [batch, head, m * BLOCK_M, 0], q_ready.index(s), q_smem.index(s))
     row = (batch * H + head) * M_PAD + m * BLOCK_M
     tma.async_copy_global_to_shared(lse_desc, [row], q_ready.index(s), lse_smem.index(s))
@@ -866,11 +1279,51 @@ def _load_qdo(q_desc, qr_desc, do_desc, lse_desc, delta_desc, q_smem, qr_smem, d
 
 
 @gluon.jit
-def _bwd_loader(q_desc, qr_desc, do_desc, k_desc, kr_desc, v_desc, lse_desc, delta_desc, q_smem, qr_smem, do_smem,
-                k_smem, kr_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_free, q_ready, do_ready, qdo_free,
-                tile_smem, tile_ready, tile_free, counter_ptr, batch, kv_head, start_n, m_start, n_m, n_tiles, n_kb,
-                bucket, H_KV, M, N, M_PAD, GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                STAGES: gl.constexpr, PERSISTENT: gl.constexpr, DR: gl.constexpr):
+def _bwd_loader(
+    q_desc,
+    qr_desc,
+    do_desc,
+    k_desc,
+    kr_desc,
+    v_desc,
+    lse_desc,
+    delta_desc,
+    q_smem,
+    qr_smem,
+    do_smem,
+    k_smem,
+    kr_smem,
+    v_smem,
+    lse_smem,
+    delta_smem,
+    kv_ready,
+    kv_free,
+    q_ready,
+    do_ready,
+    qdo_free,
+    tile_smem,
+    tile_ready,
+    tile_free,
+    counter_ptr,
+    batch,
+    kv_head,
+    start_n,
+    m_start,
+    n_m,
+    n_tiles,
+    n_kb,
+    bucket,
+    H_KV,
+    M,
+    N,
+    M_PAD,
+    GROUP_SIZE: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    STAGES: gl.constexpr,
+    PERSISTENT: gl.constexpr,
+    DR: gl.constexpr,
+):
     """One warp. PERSISTENT: tiles from the global counter, each handed to the consumers (tile_smem) and loaded;
     the next tile's K/V and first steps arrive while the consumers finish this one. Else the program's own tile
     (batch, kv_head, start_n, m_start)."""
@@ -881,27 +1334,135 @@ def _bwd_loader(q_desc, qr_desc, do_desc, k_desc, kr_desc, v_desc, lse_desc, del
         while t < n_tiles:
             _publish(tile_smem, tile_ready, tile_free, tc, t)
             batch, kv_head, start_n, m_start = _dkdv_tile(t, n_kb, n_tiles, bucket, H_KV, M, N, CAUSAL, BLOCK_M)
-            it = _bwd_load_tile(q_desc, qr_desc, do_desc, k_desc, kr_desc, v_desc, lse_desc, delta_desc, q_smem,
-                                qr_smem, do_smem, k_smem, kr_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_free,
-                                q_ready, do_ready, qdo_free, batch, kv_head, start_n, m_start, n_m, it, tc,
-                                H_KV * GROUP_SIZE, M_PAD, GROUP_SIZE, BLOCK_M, STAGES, PERSISTENT, DR)
+            it = _bwd_load_tile(
+                q_desc,
+                qr_desc,
+                do_desc,
+                k_desc,
+                kr_desc,
+                v_desc,
+                lse_desc,
+                delta_desc,
+                q_smem,
+                qr_smem,
+                do_smem,
+                k_smem,
+                kr_smem,
+                v_smem,
+                lse_smem,
+                delta_smem,
+                kv_ready,
+                kv_free,
+                q_ready,
+                do_ready,
+                qdo_free,
+                batch,
+                kv_head,
+                start_n,
+                m_start,
+                n_m,
+                it,
+                tc,
+                H_KV * GROUP_SIZE,
+                M_PAD,
+                GROUP_SIZE,
+                BLOCK_M,
+                STAGES,
+                PERSISTENT,
+                DR,
+            )
             tc += 1
             t = gl.num_programs(0) + gl.atomic_add(counter_ptr, 1)  # the next tile nobody has taken
         _publish(tile_smem, tile_ready, tile_free, tc, t)
     else:
-        _bwd_load_tile(q_desc, qr_desc, do_desc, k_desc, kr_desc, v_desc, lse_desc, delta_desc, q_smem, qr_smem,
-                       do_smem, k_smem, kr_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_free, q_ready, do_ready,
-                       qdo_free, batch, kv_head, start_n, m_start, n_m, 0, 0, H_KV * GROUP_SIZE, M_PAD, GROUP_SIZE,
-                       BLOCK_M, STAGES, PERSISTENT, DR)
+        _bwd_load_tile(
+            q_desc,
+            qr_desc,
+            do_desc,
+            k_desc,
+            kr_desc,
+            v_desc,
+            lse_desc,
+            delta_desc,
+            q_smem,
+            qr_smem,
+            do_smem,
+            k_smem,
+            kr_smem,
+            v_smem,
+            lse_smem,
+            delta_smem,
+            kv_ready,
+            kv_free,
+            q_ready,
+            do_ready,
+            qdo_free,
+            batch,
+            kv_head,
+            start_n,
+            m_start,
+            n_m,
+            0,
+            0,
+            H_KV * GROUP_SIZE,
+            M_PAD,
+            GROUP_SIZE,
+            BLOCK_M,
+            STAGES,
+            PERSISTENT,
+            DR,
+        )
 
 
 @gluon.jit
-def _bwd_tile(q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_free, q_ready,
-              do_ready, qdo_free, dk_desc, dkr_desc, dv_desc, dk_ptr, dv_ptr, stride_kb, stride_kh, stride_kn,
-              stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, batch, kv_head, start_n, m_start, n_m, it, tc, M,
-              N, sm_scale, qk_scale,
-              WG: gl.constexpr, GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-              D: gl.constexpr, DR: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
+def _bwd_tile(
+    q_smem,
+    qr_smem,
+    do_smem,
+    k_smem,
+    kr_smem,
+    v_smem,
+    lse_smem,
+    delta_smem,
+    kv_ready,
+    kv_free,
+    q_ready,
+    do_ready,
+    qdo_free,
+    dk_desc,
+    dkr_desc,
+    dv_desc,
+    dk_ptr,
+    dv_ptr,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    batch,
+    kv_head,
+    start_n,
+    m_start,
+    n_m,
+    it,
+    tc,
+    M,
+    N,
+    sm_scale,
+    qk_scale,
+    WG: gl.constexpr,
+    GROUP_SIZE: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    D: gl.constexpr,
+    DR: gl.constexpr,
+    DV: gl.constexpr,
+    STAGES: gl.constexpr,
+    PERSISTENT: gl.constexpr,
+):
     """One warpgroup, the program's tc-th tile: dK and dV of key rows [start_n + WG*64, +64), summed over every
     query head of the KV group and every query block; `it` counts the program's steps (returned updated).
     Transposed products, so the key rows are the M of every wgmma:
@@ -946,13 +1507,23 @@ def _bwd_tile(q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, lse_smem, delta
             t0 = _dkdv_lead(start_n, m_start, M, N, CAUSAL, BLOCK_M)
             _release_kv(q_ready, do_ready, qdo_free, it, 0, t0, STAGES, True)
         mbarrier.wait(q_ready.index((it + t0) % STAGES), ((it + t0) // STAGES) & 1, pred=t0 < total)
-        st = _scores_t(k_wg, kr_wg, q_smem, qr_smem, (it + t0) % STAGES,
-                       gl.zeros([ROWS, BLOCK_M], gl.float32, st_layout), BLOCK_M, D, DR)
+        st = _scores_t(
+            k_wg,
+            kr_wg,
+            q_smem,
+            qr_smem,
+            (it + t0) % STAGES,
+            gl.zeros([ROWS, BLOCK_M], gl.float32, st_layout),
+            BLOCK_M,
+            D,
+            DR,
+        )
     else:  # (as before the skip, so that these kernels compile to the same code)
         t0 = 0
         mbarrier.wait(q_ready.index(it % STAGES), (it // STAGES) & 1)
-        st = _scores_t(k_wg, kr_wg, q_smem, qr_smem, it % STAGES, gl.zeros([ROWS, BLOCK_M], gl.float32, st_layout),
-                       BLOCK_M, D, DR)
+        st = _scores_t(
+            k_wg, kr_wg, q_smem, qr_smem, it % STAGES, gl.zeros([ROWS, BLOCK_M], gl.float32, st_layout), BLOCK_M, D, DR
+        )
     # 128-query steps (D=64) carry their query block instead of taking t % nb each step (16 fewer instructions).
     CARRY_M: gl.constexpr = CAUSAL and BLOCK_M > ROWS
     mc = m_start
@@ -986,8 +1557,9 @@ def _bwd_tile(q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, lse_smem, delta
         dst = (pt * (dpt - delta_smem.index(s).load(cols)[None, :])).to(dtype)
         dk = warpgroup_mma(gl.convert_layout(dst, op_layout), q_t, dk, is_async=True)
         if DR > 0:
-            dkr = warpgroup_mma(gl.convert_layout(dst, r_op_layout), qr_smem.index(s).reshape([BLOCK_M, DR]), dkr,
-                                is_async=True)
+            dkr = warpgroup_mma(
+                gl.convert_layout(dst, r_op_layout), qr_smem.index(s).reshape([BLOCK_M, DR]), dkr, is_async=True
+            )
         # S^T of the next step (past the tile's last step it reads a stale stage; its result is drained, never
         # used).
         s1 = (g + 1) % STAGES
@@ -1008,13 +1580,16 @@ def _bwd_tile(q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, lse_smem, delta
             kr_wg.store((dkr * sm_scale).to(dtype))
         fence_async_shared()
         # (The same rows as TMA tiles: a 4-D view of each buffer's slice.)
-        tma.async_copy_shared_to_global(dk_desc, [batch, kv_head, kv0, 0],
-                                        k_smem.index(kb).slice(WG * ROWS, ROWS, dim=2))
-        tma.async_copy_shared_to_global(dv_desc, [batch, kv_head, kv0, 0],
-                                        v_smem.index(kb).slice(WG * ROWS, ROWS, dim=2))
+        tma.async_copy_shared_to_global(
+            dk_desc, [batch, kv_head, kv0, 0], k_smem.index(kb).slice(WG * ROWS, ROWS, dim=2)
+        )
+        tma.async_copy_shared_to_global(
+            dv_desc, [batch, kv_head, kv0, 0], v_smem.index(kb).slice(WG * ROWS, ROWS, dim=2)
+        )
         if DR > 0:
-            tma.async_copy_shared_to_global(dkr_desc, [batch, kv_head, kv0, D],
-                                            kr_smem.index(kb).slice(WG * ROWS, ROWS, dim=2))
+            tma.async_copy_shared_to_global(
+                dkr_desc, [batch, kv_head, kv0, D], kr_smem.index(kb).slice(WG * ROWS, ROWS, dim=2)
+            )
         tma.store_wait(0)  # the program's shared memory is read out before it exits
     else:
         mbarrier.arrive(kv_free.index(kb), count=1)  # the loader may bring the tile after next's K and V here
@@ -1025,25 +1600,54 @@ def _bwd_tile(q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, lse_smem, delta
         offs_n = kv0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
         offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
         rows_ok = (offs_n < N)[:, None]
-        dk_ptrs = dk_ptr + batch.to(gl.int64) * stride_kb + kv_head.to(gl.int64) * stride_kh \
-            + offs_n[:, None] * stride_kn + offs_d[None, :] * stride_kd
+        dk_ptrs = (
+            dk_ptr
+            + batch.to(gl.int64) * stride_kb
+            + kv_head.to(gl.int64) * stride_kh
+            + offs_n[:, None] * stride_kn
+            + offs_d[None, :] * stride_kd
+        )
         gl.store(dk_ptrs, (dk * sm_scale).to(dk_ptr.dtype.element_ty), mask=rows_ok)
         if DR > 0:
-            _store_rows(dk_ptr + batch.to(gl.int64) * stride_kb + kv_head.to(gl.int64) * stride_kh, dkr * sm_scale, kv0,
-                        N, stride_kn, stride_kd, D, DR, r_layout)
+            _store_rows(
+                dk_ptr + batch.to(gl.int64) * stride_kb + kv_head.to(gl.int64) * stride_kh,
+                dkr * sm_scale,
+                kv0,
+                N,
+                stride_kn,
+                stride_kd,
+                D,
+                DR,
+                r_layout,
+            )
         if DV == D:
-            dv_ptrs = dv_ptr + batch.to(gl.int64) * stride_vb + kv_head.to(gl.int64) * stride_vh \
-                + offs_n[:, None] * stride_vn + offs_d[None, :] * stride_vd
+            dv_ptrs = (
+                dv_ptr
+                + batch.to(gl.int64) * stride_vb
+                + kv_head.to(gl.int64) * stride_vh
+                + offs_n[:, None] * stride_vn
+                + offs_d[None, :] * stride_vd
+            )
             gl.store(dv_ptrs, dv.to(dv_ptr.dtype.element_ty), mask=rows_ok)
         else:
-            _store_rows(dv_ptr + batch.to(gl.int64) * stride_vb + kv_head.to(gl.int64) * stride_vh, dv, kv0, N,
-                        stride_vn, stride_vd, 0, DV, v_layout)
+            _store_rows(
+                dv_ptr + batch.to(gl.int64) * stride_vb + kv_head.to(gl.int64) * stride_vh,
+                dv,
+                kv0,
+                N,
+                stride_vn,
+                stride_vd,
+                0,
+                DV,
+                v_layout,
+            )
     return it + total
 
 
 @gluon.jit
-def _causal_mask_t(pt, m, kv_pos, q_shift, start_n, BLOCK_M: gl.constexpr, IMMEDIATES: gl.constexpr,
-                   cols: gl.constexpr):
+def _causal_mask_t(
+    pt, m, kv_pos, q_shift, start_n, BLOCK_M: gl.constexpr, IMMEDIATES: gl.constexpr, cols: gl.constexpr
+):
     """P^T of query block m (rows: the consumer's keys at kv_pos; columns: the block's BLOCK_M queries) with the
     keys past each query zeroed, where the block crosses the causal diagonal of the program's keys from start_n.
     IMMEDIATES: qc >= first written as (qc & ~6) >= first - (qc & 6). A column's index is its thread's
@@ -1065,8 +1669,9 @@ def _causal_mask_t(pt, m, kv_pos, q_shift, start_n, BLOCK_M: gl.constexpr, IMMED
 def _scores_t(k_wg, kr_wg, q_smem, qr_smem, stage, st, BLOCK_M: gl.constexpr, D: gl.constexpr, DR: gl.constexpr):
     """Issue S^T = K Q^T of the Q block in `stage` into st's registers (its old values unused): with DR > 0, the
     first D columns' product plus the last DR columns' (two wgmma groups)."""
-    st = warpgroup_mma(k_wg, q_smem.index(stage).reshape([BLOCK_M, D]).permute((1, 0)), st, use_acc=False,
-                       is_async=True)
+    st = warpgroup_mma(
+        k_wg, q_smem.index(stage).reshape([BLOCK_M, D]).permute((1, 0)), st, use_acc=False, is_async=True
+    )
     if DR > 0:
         st = warpgroup_mma(kr_wg, qr_smem.index(stage).reshape([BLOCK_M, DR]).permute((1, 0)), st, is_async=True)
     return st
@@ -1077,18 +1682,67 @@ def _store_rows(base, x, row0, n_rows, stride_r, stride_c, col0, COLS: gl.conste
     """Store x (64 rows from row0, COLS columns from col0, in `layout`) at base, the rows past n_rows left out."""
     offs_r = row0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, layout))
     offs_c = col0 + gl.arange(0, COLS, layout=gl.SliceLayout(0, layout))
-    gl.store(base + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c, x.to(base.dtype.element_ty),
-             mask=(offs_r < n_rows)[:, None])
+    gl.store(
+        base + offs_r[:, None] * stride_r + offs_c[None, :] * stride_c,
+        x.to(base.dtype.element_ty),
+        mask=(offs_r < n_rows)[:, None],
+    )
 
 
 @gluon.jit
-def _bwd_consumer(q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_free, q_ready,
-                  do_ready, qdo_free, tile_smem, tile_ready, tile_free, dk_desc, dkr_desc, dv_desc, dk_ptr, dv_ptr,
-                  stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
-                  batch, kv_head, start_n, m_start, n_m, n_tiles, n_kb, bucket, H_KV, M, N, sm_scale, qk_scale,
-                  WG: gl.constexpr, GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr,
-                  D: gl.constexpr, DR: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr,
-                  PERSISTENT: gl.constexpr):
+def _bwd_consumer(
+    q_smem,
+    qr_smem,
+    do_smem,
+    k_smem,
+    kr_smem,
+    v_smem,
+    lse_smem,
+    delta_smem,
+    kv_ready,
+    kv_free,
+    q_ready,
+    do_ready,
+    qdo_free,
+    tile_smem,
+    tile_ready,
+    tile_free,
+    dk_desc,
+    dkr_desc,
+    dv_desc,
+    dk_ptr,
+    dv_ptr,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    batch,
+    kv_head,
+    start_n,
+    m_start,
+    n_m,
+    n_tiles,
+    n_kb,
+    bucket,
+    H_KV,
+    M,
+    N,
+    sm_scale,
+    qk_scale,
+    WG: gl.constexpr,
+    GROUP_SIZE: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    D: gl.constexpr,
+    DR: gl.constexpr,
+    DV: gl.constexpr,
+    STAGES: gl.constexpr,
+    PERSISTENT: gl.constexpr,
+):
     """One warpgroup: `_bwd_tile` for each tile the loader hands over (PERSISTENT), else for the program's own."""
     if PERSISTENT:
         it = 0
@@ -1096,28 +1750,147 @@ def _bwd_consumer(q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, lse_smem, d
         tile = _receive(tile_smem, tile_ready, tile_free, 0)
         while tile < n_tiles:
             batch, kv_head, start_n, m_start = _dkdv_tile(tile, n_kb, n_tiles, bucket, H_KV, M, N, CAUSAL, BLOCK_M)
-            it = _bwd_tile(q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, lse_smem, delta_smem, kv_ready,
-                           kv_free, q_ready, do_ready, qdo_free, dk_desc, dkr_desc, dv_desc, dk_ptr, dv_ptr,
-                           stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
-                           batch, kv_head, start_n, m_start, n_m, it, tc, M, N, sm_scale, qk_scale, WG, GROUP_SIZE,
-                           CAUSAL, BLOCK_M, D, DR, DV, STAGES, PERSISTENT)
+            it = _bwd_tile(
+                q_smem,
+                qr_smem,
+                do_smem,
+                k_smem,
+                kr_smem,
+                v_smem,
+                lse_smem,
+                delta_smem,
+                kv_ready,
+                kv_free,
+                q_ready,
+                do_ready,
+                qdo_free,
+                dk_desc,
+                dkr_desc,
+                dv_desc,
+                dk_ptr,
+                dv_ptr,
+                stride_kb,
+                stride_kh,
+                stride_kn,
+                stride_kd,
+                stride_vb,
+                stride_vh,
+                stride_vn,
+                stride_vd,
+                batch,
+                kv_head,
+                start_n,
+                m_start,
+                n_m,
+                it,
+                tc,
+                M,
+                N,
+                sm_scale,
+                qk_scale,
+                WG,
+                GROUP_SIZE,
+                CAUSAL,
+                BLOCK_M,
+                D,
+                DR,
+                DV,
+                STAGES,
+                PERSISTENT,
+            )
             tc += 1
             tile = _receive(tile_smem, tile_ready, tile_free, tc)
     else:
-        _bwd_tile(q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_free,
-                  q_ready, do_ready, qdo_free, dk_desc, dkr_desc, dv_desc, dk_ptr, dv_ptr, stride_kb, stride_kh,
-                  stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd, batch, kv_head, start_n, m_start,
-                  n_m, 0, 0, M, N, sm_scale, qk_scale, WG, GROUP_SIZE, CAUSAL, BLOCK_M, D, DR, DV, STAGES,
-                  PERSISTENT)
+        _bwd_tile(
+            q_smem,
+            qr_smem,
+            do_smem,
+            k_smem,
+            kr_smem,
+            v_smem,
+            lse_smem,
+            delta_smem,
+            kv_ready,
+            kv_free,
+            q_ready,
+            do_ready,
+            qdo_free,
+            dk_desc,
+            dkr_desc,
+            dv_desc,
+            dk_ptr,
+            dv_ptr,
+            stride_kb,
+            stride_kh,
+            stride_kn,
+            stride_kd,
+            stride_vb,
+            stride_vh,
+            stride_vn,
+            stride_vd,
+            batch,
+            kv_head,
+            start_n,
+            m_start,
+            n_m,
+            0,
+            0,
+            M,
+            N,
+            sm_scale,
+            qk_scale,
+            WG,
+            GROUP_SIZE,
+            CAUSAL,
+            BLOCK_M,
+            D,
+            DR,
+            DV,
+            STAGES,
+            PERSISTENT,
+        )
 
 
 @gluon.jit
 def _flash_bwd_dkdv_sm90_kernel(
-    q_desc, qr_desc, do_desc, k_desc, kr_desc, v_desc, lse_desc, delta_desc, dk_desc, dkr_desc, dv_desc, dk_ptr,
-    dv_ptr, counter_ptr, stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
-    M, M_PAD, N, H_KV, n_tiles, bucket, sm_scale, qk_scale,
-    GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr, DR: gl.constexpr,
-    DV: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
+    q_desc,
+    qr_desc,
+    do_desc,
+    k_desc,
+    kr_desc,
+    v_desc,
+    lse_desc,
+    delta_desc,
+    dk_desc,
+    dkr_desc,
+    dv_desc,
+    dk_ptr,
+    dv_ptr,
+    counter_ptr,
+    stride_kb,
+    stride_kh,
+    stride_kn,
+    stride_kd,
+    stride_vb,
+    stride_vh,
+    stride_vn,
+    stride_vd,
+    M,
+    M_PAD,
+    N,
+    H_KV,
+    n_tiles,
+    bucket,
+    sm_scale,
+    qk_scale,
+    GROUP_SIZE: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    D: gl.constexpr,
+    DR: gl.constexpr,
+    DV: gl.constexpr,
+    STAGES: gl.constexpr,
+    PERSISTENT: gl.constexpr,
 ):
     """Tiles of (128 key rows, KV head, batch). PERSISTENT, as the forward: one program per SM takes tiles from a
     global counter, its loader streaming the next tile's K/V (two buffers) and first Q/dO steps while the
@@ -1126,8 +1899,9 @@ def _flash_bwd_dkdv_sm90_kernel(
     n_kb = gl.cdiv(N, CONSUMERS * ROWS)
     n_m = gl.cdiv(M, BLOCK_M)
     # The program's own tile, for one program per tile (the persistent roles ignore it).
-    batch, kv_head, start_n, m_start = _dkdv_tile(gl.program_id(0), n_kb, gl.num_programs(0), bucket, H_KV, M, N,
-                                                  CAUSAL, BLOCK_M)
+    batch, kv_head, start_n, m_start = _dkdv_tile(
+        gl.program_id(0), n_kb, gl.num_programs(0), bucket, H_KV, M, N, CAUSAL, BLOCK_M
+    )
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     KV_BUFFERS: gl.constexpr = 2 if PERSISTENT else 1
@@ -1140,8 +1914,7 @@ def _flash_bwd_dkdv_sm90_kernel(
         kr_smem = k_smem
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [KV_BUFFERS] + v_desc.block_type.shape, v_desc.layout)
     lse_smem = gl.allocate_shared_memory(lse_desc.dtype, [STAGES] + lse_desc.block_type.shape, lse_desc.layout)
-    delta_smem = gl.allocate_shared_memory(delta_desc.dtype, [STAGES] + delta_desc.block_type.shape,
-                                           delta_desc.layout)
+    delta_smem = gl.allocate_shared_memory(delta_desc.dtype, [STAGES] + delta_desc.block_type.shape, delta_desc.layout)
     kv_ready = gl.allocate_shared_memory(gl.int64, [KV_BUFFERS, 1], mbarrier.MBarrierLayout())
     q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -1164,25 +1937,172 @@ def _flash_bwd_dkdv_sm90_kernel(
         mbarrier.init(qdo_free.index(i), count=CONSUMERS)
     fence_async_shared()
 
-    gl.warp_specialize([
-        (_bwd_consumer, (q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_free,
-                         q_ready, do_ready, qdo_free, tile_smem, tile_ready, tile_free, dk_desc, dkr_desc, dv_desc,
-                         dk_ptr, dv_ptr,
-                         stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
-                         batch, kv_head, start_n, m_start, n_m, n_tiles, n_kb, bucket, H_KV, M, N, sm_scale,
-                         qk_scale, gl.constexpr(0), GROUP_SIZE, CAUSAL, BLOCK_M, D, DR, DV, STAGES, PERSISTENT)),
-        (_bwd_consumer, (q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_free,
-                         q_ready, do_ready, qdo_free, tile_smem, tile_ready, tile_free, dk_desc, dkr_desc, dv_desc,
-                         dk_ptr, dv_ptr,
-                         stride_kb, stride_kh, stride_kn, stride_kd, stride_vb, stride_vh, stride_vn, stride_vd,
-                         batch, kv_head, start_n, m_start, n_m, n_tiles, n_kb, bucket, H_KV, M, N, sm_scale,
-                         qk_scale, gl.constexpr(1), GROUP_SIZE, CAUSAL, BLOCK_M, D, DR, DV, STAGES, PERSISTENT)),
-        (_bwd_loader, (q_desc, qr_desc, do_desc, k_desc, kr_desc, v_desc, lse_desc, delta_desc, q_smem, qr_smem,
-                       do_smem, k_smem, kr_smem, v_smem, lse_smem, delta_smem, kv_ready, kv_free, q_ready, do_ready,
-                       qdo_free, tile_smem, tile_ready, tile_free, counter_ptr, batch, kv_head, start_n, m_start,
-                       n_m, n_tiles, n_kb, bucket, H_KV, M, N, M_PAD, GROUP_SIZE, CAUSAL, BLOCK_M, STAGES,
-                       PERSISTENT, DR)),
-    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+    gl.warp_specialize(
+        [
+            (
+                _bwd_consumer,
+                (
+                    q_smem,
+                    qr_smem,
+                    do_smem,
+                    k_smem,
+                    kr_smem,
+                    v_smem,
+                    lse_smem,
+                    delta_smem,
+                    kv_ready,
+                    kv_free,
+                    q_ready,
+                    do_ready,
+                    qdo_free,
+                    tile_smem,
+                    tile_ready,
+                    tile_free,
+                    dk_desc,
+                    dkr_desc,
+                    dv_desc,
+                    dk_ptr,
+                    dv_ptr,
+                    stride_kb,
+                    stride_kh,
+                    stride_kn,
+                    stride_kd,
+                    stride_vb,
+                    stride_vh,
+                    stride_vn,
+                    stride_vd,
+                    batch,
+                    kv_head,
+                    start_n,
+                    m_start,
+                    n_m,
+                    n_tiles,
+                    n_kb,
+                    bucket,
+                    H_KV,
+                    M,
+                    N,
+                    sm_scale,
+                    qk_scale,
+                    gl.constexpr(0),
+                    GROUP_SIZE,
+                    CAUSAL,
+                    BLOCK_M,
+                    D,
+                    DR,
+                    DV,
+                    STAGES,
+                    PERSISTENT,
+                ),
+            ),
+            (
+                _bwd_consumer,
+                (
+                    q_smem,
+                    qr_smem,
+                    do_smem,
+                    k_smem,
+                    kr_smem,
+                    v_smem,
+                    lse_smem,
+                    delta_smem,
+                    kv_ready,
+                    kv_free,
+                    q_ready,
+                    do_ready,
+                    qdo_free,
+                    tile_smem,
+                    tile_ready,
+                    tile_free,
+                    dk_desc,
+                    dkr_desc,
+                    dv_desc,
+                    dk_ptr,
+                    dv_ptr,
+                    stride_kb,
+                    stride_kh,
+                    stride_kn,
+                    stride_kd,
+                    stride_vb,
+                    stride_vh,
+                    stride_vn,
+                    stride_vd,
+                    batch,
+                    kv_head,
+                    start_n,
+                    m_start,
+                    n_m,
+                    n_tiles,
+                    n_kb,
+                    bucket,
+                    H_KV,
+                    M,
+                    N,
+                    sm_scale,
+                    qk_scale,
+                    gl.constexpr(1),
+                    GROUP_SIZE,
+                    CAUSAL,
+                    BLOCK_M,
+                    D,
+                    DR,
+                    DV,
+                    STAGES,
+                    PERSISTENT,
+                ),
+            ),
+            (
+                _bwd_loader,
+                (
+                    q_desc,
+                    qr_desc,
+                    do_desc,
+                    k_desc,
+                    kr_desc,
+                    v_desc,
+                    lse_desc,
+                    delta_desc,
+                    q_smem,
+                    qr_smem,
+                    do_smem,
+                    k_smem,
+                    kr_smem,
+                    v_smem,
+                    lse_smem,
+                    delta_smem,
+                    kv_ready,
+                    kv_free,
+                    q_ready,
+                    do_ready,
+                    qdo_free,
+                    tile_smem,
+                    tile_ready,
+                    tile_free,
+                    counter_ptr,
+                    batch,
+                    kv_head,
+                    start_n,
+                    m_start,
+                    n_m,
+                    n_tiles,
+                    n_kb,
+                    bucket,
+                    H_KV,
+                    M,
+                    N,
+                    M_PAD,
+                    GROUP_SIZE,
+                    CAUSAL,
+                    BLOCK_M,
+                    STAGES,
+                    PERSISTENT,
+                    DR,
+                ),
+            ),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, LOADER_REGS],
+    )
 
 
 def backward_dkdv(q, k, v, do, lse2, delta, dk, dv, sm_scale: float, causal: bool, config=None):
@@ -1194,8 +2114,9 @@ def backward_dkdv(q, k, v, do, lse2, delta, dk, dv, sm_scale: float, causal: boo
     h_kv, s_kv, d_v = k.shape[1], k.shape[2], v.shape[3]
     block_m, stages, persistent = config or dkdv_config(d, d_v, causal, h_q // h_kv)
     # dK and dV by TMA, in q's dtype: each through a contiguous buffer where it cannot go so.
-    if not persistent and _staged(lambda dk_, dv_: backward_dkdv(q, k, v, do, lse2, delta, dk_, dv_, sm_scale,
-                                                                  causal, config), q.dtype, dk, dv):
+    if not persistent and _staged(
+        lambda dk_, dv_: backward_dkdv(q, k, v, do, lse2, delta, dk_, dv_, sm_scale, causal, config), q.dtype, dk, dv
+    ):
         return
     rows = padded_rows(s_q)
     assert lse2.shape == delta.shape == (b, h_q, rows) and lse2.is_contiguous() and delta.is_contiguous()
@@ -1209,13 +2130,39 @@ def backward_dkdv(q, k, v, do, lse2, delta, dk, dv, sm_scale: float, causal: boo
     dk_desc, dkr_desc = (None, None) if persistent else _qk_descriptors(dk, ROWS_PER_CONSUMER)
     dv_desc = None if persistent else _descriptor(dv, ROWS_PER_CONSUMER)
     launcher(_flash_bwd_dkdv_sm90_kernel)[(min(n_tiles, num_sms(q.device)) if persistent else n_tiles,)](
-        q_desc, qr_desc, _descriptor(do, block_m), k_desc, kr_desc, _descriptor(v, PROGRAM_ROWS),
-        descriptor(lse2.view(-1), [block_m]), descriptor(delta.view(-1), [block_m]), dk_desc, dkr_desc, dv_desc,
-        dk, dv, counter,
-        *dk.stride(), *dv.stride(), s_q, rows, s_kv, h_kv, n_tiles, bucket_size(n_kb, h_q // h_kv, causal), sm_scale,
+        q_desc,
+        qr_desc,
+        _descriptor(do, block_m),
+        k_desc,
+        kr_desc,
+        _descriptor(v, PROGRAM_ROWS),
+        descriptor(lse2.view(-1), [block_m]),
+        descriptor(delta.view(-1), [block_m]),
+        dk_desc,
+        dkr_desc,
+        dv_desc,
+        dk,
+        dv,
+        counter,
+        *dk.stride(),
+        *dv.stride(),
+        s_q,
+        rows,
+        s_kv,
+        h_kv,
+        n_tiles,
+        bucket_size(n_kb, h_q // h_kv, causal),
+        sm_scale,
         sm_scale * LOG2E,
-        GROUP_SIZE=h_q // h_kv, CAUSAL=causal, BLOCK_M=block_m, D=d_main, DR=d_rope, DV=d_v,
-        STAGES=stages, PERSISTENT=persistent, num_warps=4,
+        GROUP_SIZE=h_q // h_kv,
+        CAUSAL=causal,
+        BLOCK_M=block_m,
+        D=d_main,
+        DR=d_rope,
+        DV=d_v,
+        STAGES=stages,
+        PERSISTENT=persistent,
+        num_warps=4,
     )
 
 
@@ -1254,8 +2201,7 @@ def padded_rows(s_q: int) -> int:
 
 
 @gluon.jit
-def _dq_tile(t, n_m, n_tiles, bucket, H, M, N, GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr,
-             BLOCK_N: gl.constexpr):
+def _dq_tile(t, n_m, n_tiles, bucket, H, M, N, GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr):
     """Tile t of the dQ schedule: (batch, head, KV head, first query row, key blocks, unmasked key blocks), in
     `schedule.ranked` order (causal: the last query blocks, which read the most keys, are the heaviest)."""
     BLOCK_M: gl.constexpr = CONSUMERS * ROWS
@@ -1269,9 +2215,36 @@ def _dq_tile(t, n_m, n_tiles, bucket, H, M, N, GROUP_SIZE: gl.constexpr, CAUSAL:
 
 
 @gluon.jit
-def _dq_load_tile(q_desc, qr_desc, do_desc, k_desc, kr_desc, v_desc, q_smem, qr_smem, do_smem, k_smem, kr_smem,
-                  v_smem, q_ready, q_free, k_ready, v_ready, kv_free, batch, head, kv_head, start_m, n_blocks, g0, tc,
-                  BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr, DR: gl.constexpr):
+def _dq_load_tile(
+    q_desc,
+    qr_desc,
+    do_desc,
+    k_desc,
+    kr_desc,
+    v_desc,
+    q_smem,
+    qr_smem,
+    do_smem,
+    k_smem,
+    kr_smem,
+    v_smem,
+    q_ready,
+    q_free,
+    k_ready,
+    v_ready,
+    kv_free,
+    batch,
+    head,
+    kv_head,
+    start_m,
+    n_blocks,
+    g0,
+    tc,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    PERSISTENT: gl.constexpr,
+    DR: gl.constexpr,
+):
     """Loader, the program's tc-th tile: each consumer's Q and dO rows (one barrier for both; buffer tc % 2 when
     persistent, once the consumer is done with the tile before last there), then K and V of every key block into
     the ring, as the forward's loader; g0 counts the program's key blocks over its earlier tiles. DR > 0: Q's and
@@ -1281,32 +2254,91 @@ def _dq_load_tile(q_desc, qr_desc, do_desc, k_desc, kr_desc, v_desc, q_smem, qr_
         if PERSISTENT:
             mbarrier.wait(q_free.index(qb + c), ((tc // 2) & 1) ^ 1, pred=tc >= 2)
         if DR > 0:
-            mbarrier.expect(q_ready.index(qb + c), q_desc.block_type.nbytes + qr_desc.block_type.nbytes
-                            + do_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(qr_desc, [batch, head, start_m + c * ROWS, q_desc.block_type.shape[3]],
-                                            q_ready.index(qb + c), qr_smem.index(qb + c))
+            mbarrier.expect(
+                q_ready.index(qb + c), q_desc.block_type.nbytes + qr_desc.block_type.nbytes + do_desc.block_type.nbytes
+            )
+            tma.async_copy_global_to_shared(
+                qr_desc,
+                [batch, head, start_m + c * ROWS, q_desc.block_type.shape[3]],
+                q_ready.index(qb + c),
+                qr_smem.index(qb + c),
+            )
         else:
             mbarrier.expect(q_ready.index(qb + c), q_desc.block_type.nbytes + do_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [batch, head, start_m + c * ROWS, 0], q_ready.index(qb + c),
-                                        q_smem.index(qb + c))
-        tma.async_copy_global_to_shared(do_desc, [batch, head, start_m + c * ROWS, 0], q_ready.index(qb + c),
-                                        do_smem.index(qb + c))
+        tma.async_copy_global_to_shared(
+            q_desc, [batch, head, start_m + c * ROWS, 0], q_ready.index(qb + c), q_smem.index(qb + c)
+        )
+        tma.async_copy_global_to_shared(
+            do_desc, [batch, head, start_m + c * ROWS, 0], q_ready.index(qb + c), do_smem.index(qb + c)
+        )
     for j in range(n_blocks):
         if PERSISTENT:
             g = g0 + j
         else:
             g = j
-        _load_kv(k_desc, kr_desc, v_desc, k_smem, kr_smem, v_smem, k_ready, v_ready, kv_free, kv_free, g, batch,
-                 kv_head, j * BLOCK_N, STAGES, STAGES, DR)
+        _load_kv(
+            k_desc,
+            kr_desc,
+            v_desc,
+            k_smem,
+            kr_smem,
+            v_smem,
+            k_ready,
+            v_ready,
+            kv_free,
+            kv_free,
+            g,
+            batch,
+            kv_head,
+            j * BLOCK_N,
+            STAGES,
+            STAGES,
+            DR,
+        )
     return g0 + n_blocks
 
 
 @gluon.jit
-def _dq_loader(q_desc, qr_desc, do_desc, k_desc, kr_desc, v_desc, q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem,
-               q_ready, q_free, k_ready, v_ready, kv_free, tile_smem, tile_ready, tile_free, counter_ptr, batch, head,
-               kv_head, start_m, n_blocks, n_m, n_tiles, bucket, H, M, N, GROUP_SIZE: gl.constexpr,
-               CAUSAL: gl.constexpr, BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr,
-               DR: gl.constexpr):
+def _dq_loader(
+    q_desc,
+    qr_desc,
+    do_desc,
+    k_desc,
+    kr_desc,
+    v_desc,
+    q_smem,
+    qr_smem,
+    do_smem,
+    k_smem,
+    kr_smem,
+    v_smem,
+    q_ready,
+    q_free,
+    k_ready,
+    v_ready,
+    kv_free,
+    tile_smem,
+    tile_ready,
+    tile_free,
+    counter_ptr,
+    batch,
+    head,
+    kv_head,
+    start_m,
+    n_blocks,
+    n_m,
+    n_tiles,
+    bucket,
+    H,
+    M,
+    N,
+    GROUP_SIZE: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    PERSISTENT: gl.constexpr,
+    DR: gl.constexpr,
+):
     """One warp. PERSISTENT: tiles from the global counter, each handed to the consumers and loaded, the next
     tile's Q/dO and first key blocks arriving while the consumers finish this one. Else the program's own tile."""
     if PERSISTENT:
@@ -1315,29 +2347,132 @@ def _dq_loader(q_desc, qr_desc, do_desc, k_desc, kr_desc, v_desc, q_smem, qr_sme
         t = gl.program_id(0)
         while t < n_tiles:
             _publish(tile_smem, tile_ready, tile_free, tc, t)
-            batch, head, kv_head, start_m, n_blocks, _ = _dq_tile(t, n_m, n_tiles, bucket, H, M, N, GROUP_SIZE,
-                                                                  CAUSAL, BLOCK_N)
-            g = _dq_load_tile(q_desc, qr_desc, do_desc, k_desc, kr_desc, v_desc, q_smem, qr_smem, do_smem, k_smem,
-                              kr_smem, v_smem, q_ready, q_free, k_ready, v_ready, kv_free, batch, head, kv_head,
-                              start_m, n_blocks, g, tc, BLOCK_N, STAGES, PERSISTENT, DR)
+            batch, head, kv_head, start_m, n_blocks, _ = _dq_tile(
+                t, n_m, n_tiles, bucket, H, M, N, GROUP_SIZE, CAUSAL, BLOCK_N
+            )
+            g = _dq_load_tile(
+                q_desc,
+                qr_desc,
+                do_desc,
+                k_desc,
+                kr_desc,
+                v_desc,
+                q_smem,
+                qr_smem,
+                do_smem,
+                k_smem,
+                kr_smem,
+                v_smem,
+                q_ready,
+                q_free,
+                k_ready,
+                v_ready,
+                kv_free,
+                batch,
+                head,
+                kv_head,
+                start_m,
+                n_blocks,
+                g,
+                tc,
+                BLOCK_N,
+                STAGES,
+                PERSISTENT,
+                DR,
+            )
             tc += 1
             t = gl.num_programs(0) + gl.atomic_add(counter_ptr, 1)  # the next tile nobody has taken
         _publish(tile_smem, tile_ready, tile_free, tc, t)
     else:
-        _dq_load_tile(q_desc, qr_desc, do_desc, k_desc, kr_desc, v_desc, q_smem, qr_smem, do_smem, k_smem, kr_smem,
-                      v_smem, q_ready, q_free, k_ready, v_ready, kv_free, batch, head, kv_head, start_m, n_blocks, 0,
-                      0, BLOCK_N, STAGES, PERSISTENT, DR)
+        _dq_load_tile(
+            q_desc,
+            qr_desc,
+            do_desc,
+            k_desc,
+            kr_desc,
+            v_desc,
+            q_smem,
+            qr_smem,
+            do_smem,
+            k_smem,
+            kr_smem,
+            v_smem,
+            q_ready,
+            q_free,
+            k_ready,
+            v_ready,
+            kv_free,
+            batch,
+            head,
+            kv_head,
+            start_m,
+            n_blocks,
+            0,
+            0,
+            BLOCK_N,
+            STAGES,
+            PERSISTENT,
+            DR,
+        )
 
 
 @gluon.jit
-def _dq_tile_body(q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, q_ready, q_free, k_ready, v_ready, kv_free,
-                  out_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr, dq_ptr,
-                  stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
-                  stride_gb, stride_gh, stride_gm, stride_qb, stride_qh, stride_qm, stride_qd,
-                  batch, head, H, start_m, M, M_ROWS, N, n_blocks, n_unmasked, sm_scale, qk_scale, it0, tc,
-                  WG: gl.constexpr, CAUSAL: gl.constexpr, HAS_DLSE: gl.constexpr, WRITE_LSE2: gl.constexpr,
-                  BLOCK_N: gl.constexpr, D: gl.constexpr, DR: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr,
-                  PERSISTENT: gl.constexpr):
+def _dq_tile_body(
+    q_smem,
+    qr_smem,
+    do_smem,
+    k_smem,
+    kr_smem,
+    v_smem,
+    q_ready,
+    q_free,
+    k_ready,
+    v_ready,
+    kv_free,
+    out_ptr,
+    lse_ptr,
+    dlse_ptr,
+    delta_ptr,
+    lse2_ptr,
+    dq_ptr,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_od,
+    stride_lb,
+    stride_lh,
+    stride_lm,
+    stride_gb,
+    stride_gh,
+    stride_gm,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    batch,
+    head,
+    H,
+    start_m,
+    M,
+    M_ROWS,
+    N,
+    n_blocks,
+    n_unmasked,
+    sm_scale,
+    qk_scale,
+    it0,
+    tc,
+    WG: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    HAS_DLSE: gl.constexpr,
+    WRITE_LSE2: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    D: gl.constexpr,
+    DR: gl.constexpr,
+    DV: gl.constexpr,
+    STAGES: gl.constexpr,
+    PERSISTENT: gl.constexpr,
+):
     """One warpgroup, the program's tc-th tile, query rows [start_m + WG*64, +64): first delta = rowsum(dO * Out)
     - dlse (stored for the dK/dV kernel), then per key block S = Q K^T and dP = dO V^T issued together,
     P = exp2(S - lse), dS = P (dP - delta), dQ += dS K; it0 counts the program's key blocks over its earlier tiles
@@ -1377,8 +2512,10 @@ def _dq_tile_body(q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, q_ready, q_
     gl.store(delta_ptr + (b64 * H + h64) * M_ROWS + offs_mb, delta, mask=offs_mb < M_ROWS)
     delta = gl.convert_layout(delta, rows_s)
     offs_ms = start_m + gl.arange(0, ROWS, layout=rows_s)
-    lse = gl.load(lse_ptr + b64 * stride_lb + h64 * stride_lh + offs_ms * stride_lm, mask=offs_ms < M,
-                  other=0.0) * 1.4426950408889634
+    lse = (
+        gl.load(lse_ptr + b64 * stride_lb + h64 * stride_lh + offs_ms * stride_lm, mask=offs_ms < M, other=0.0)
+        * 1.4426950408889634
+    )
     if WRITE_LSE2:
         gl.store(lse2_ptr + (b64 * H + h64) * M_ROWS + offs_ms, lse, mask=offs_ms < M_ROWS)
 
@@ -1401,19 +2538,20 @@ def _dq_tile_body(q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, q_ready, q_
         mbarrier.wait(k_ready.index(st), phase)
         s = _scores(q, qr, k_smem, kr_smem, st, s, BLOCK_N, D, DR)
         mbarrier.wait(v_ready.index(st), phase)
-        dp = warpgroup_mma(do, v_smem.index(st).reshape([BLOCK_N, DV]).permute((1, 0)), dp, use_acc=False,
-                           is_async=True)
+        dp = warpgroup_mma(
+            do, v_smem.index(st).reshape([BLOCK_N, DV]).permute((1, 0)), dp, use_acc=False, is_async=True
+        )
         s = warpgroup_mma_wait(num_outstanding=1, deps=[s])
         p = gl.exp2(s * qk_scale - lse[:, None])
         if j >= n_unmasked:
             p = gl.where(_visible(j, start_m, q_shift, N, CAUSAL, BLOCK_N, s_layout), p, 0.0)
         dp = warpgroup_mma_wait(num_outstanding=0, deps=[dp])
         ds = (p * (dp - delta[:, None])).to(dtype)
-        dq = warpgroup_mma(gl.convert_layout(ds, op_layout), k_smem.index(st).reshape([BLOCK_N, D]), dq,
-                           is_async=True)
+        dq = warpgroup_mma(gl.convert_layout(ds, op_layout), k_smem.index(st).reshape([BLOCK_N, D]), dq, is_async=True)
         if DR > 0:
-            dqr = warpgroup_mma(gl.convert_layout(ds, r_op_layout), kr_smem.index(st).reshape([BLOCK_N, DR]), dqr,
-                                is_async=True)
+            dqr = warpgroup_mma(
+                gl.convert_layout(ds, r_op_layout), kr_smem.index(st).reshape([BLOCK_N, DR]), dqr, is_async=True
+            )
             dq, dqr = warpgroup_mma_wait(num_outstanding=0, deps=[dq, dqr])
         else:
             dq = warpgroup_mma_wait(num_outstanding=0, deps=[dq])
@@ -1425,11 +2563,23 @@ def _dq_tile_body(q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, q_ready, q_
 
     offs_m = start_m + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
     offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
-    gl.store(dq_ptr + b64 * stride_qb + h64 * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
-             (dq * sm_scale).to(dq_ptr.dtype.element_ty), mask=(offs_m < M)[:, None])
+    gl.store(
+        dq_ptr + b64 * stride_qb + h64 * stride_qh + offs_m[:, None] * stride_qm + offs_d[None, :] * stride_qd,
+        (dq * sm_scale).to(dq_ptr.dtype.element_ty),
+        mask=(offs_m < M)[:, None],
+    )
     if DR > 0:
-        _store_rows(dq_ptr + b64 * stride_qb + h64 * stride_qh, dqr * sm_scale, start_m, M, stride_qm, stride_qd, D,
-                    DR, r_layout)
+        _store_rows(
+            dq_ptr + b64 * stride_qb + h64 * stride_qh,
+            dqr * sm_scale,
+            start_m,
+            M,
+            stride_qm,
+            stride_qd,
+            D,
+            DR,
+            r_layout,
+        )
     return it0 + n_blocks
 
 
@@ -1453,14 +2603,67 @@ def _release_kv(k_ready, v_ready, kv_free, it0, j0, n_blocks, STAGES: gl.constex
 
 
 @gluon.jit
-def _dq_consumer(q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, q_ready, q_free, k_ready, v_ready, kv_free,
-                 tile_smem, tile_ready, tile_free, out_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr, dq_ptr,
-                 stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
-                 stride_gb, stride_gh, stride_gm, stride_qb, stride_qh, stride_qm, stride_qd,
-                 batch, head, H, start_m, M, M_ROWS, N, n_blocks, n_unmasked, n_m, n_tiles, bucket, sm_scale,
-                 qk_scale, WG: gl.constexpr, GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr,
-                 HAS_DLSE: gl.constexpr, WRITE_LSE2: gl.constexpr, BLOCK_N: gl.constexpr, D: gl.constexpr,
-                 DR: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr, PERSISTENT: gl.constexpr):
+def _dq_consumer(
+    q_smem,
+    qr_smem,
+    do_smem,
+    k_smem,
+    kr_smem,
+    v_smem,
+    q_ready,
+    q_free,
+    k_ready,
+    v_ready,
+    kv_free,
+    tile_smem,
+    tile_ready,
+    tile_free,
+    out_ptr,
+    lse_ptr,
+    dlse_ptr,
+    delta_ptr,
+    lse2_ptr,
+    dq_ptr,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_od,
+    stride_lb,
+    stride_lh,
+    stride_lm,
+    stride_gb,
+    stride_gh,
+    stride_gm,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    batch,
+    head,
+    H,
+    start_m,
+    M,
+    M_ROWS,
+    N,
+    n_blocks,
+    n_unmasked,
+    n_m,
+    n_tiles,
+    bucket,
+    sm_scale,
+    qk_scale,
+    WG: gl.constexpr,
+    GROUP_SIZE: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    HAS_DLSE: gl.constexpr,
+    WRITE_LSE2: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    D: gl.constexpr,
+    DR: gl.constexpr,
+    DV: gl.constexpr,
+    STAGES: gl.constexpr,
+    PERSISTENT: gl.constexpr,
+):
     """One warpgroup: `_dq_tile_body` for each tile the loader hands over (PERSISTENT), else for the program's
     own."""
     if PERSISTENT:
@@ -1468,33 +2671,172 @@ def _dq_consumer(q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, q_ready, q_f
         tc = 0
         tile = _receive(tile_smem, tile_ready, tile_free, 0)
         while tile < n_tiles:
-            batch, head, _, start_m, n_blocks, n_unmasked = _dq_tile(tile, n_m, n_tiles, bucket, H, M, N,
-                                                                     GROUP_SIZE, CAUSAL, BLOCK_N)
-            it = _dq_tile_body(q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, q_ready, q_free, k_ready,
-                               v_ready, kv_free, out_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr, dq_ptr,
-                               stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
-                               stride_gb, stride_gh, stride_gm, stride_qb, stride_qh, stride_qm, stride_qd,
-                               batch, head, H, start_m, M, M_ROWS, N, n_blocks, n_unmasked, sm_scale, qk_scale, it,
-                               tc, WG, CAUSAL, HAS_DLSE, WRITE_LSE2, BLOCK_N, D, DR, DV, STAGES, PERSISTENT)
+            batch, head, _, start_m, n_blocks, n_unmasked = _dq_tile(
+                tile, n_m, n_tiles, bucket, H, M, N, GROUP_SIZE, CAUSAL, BLOCK_N
+            )
+            it = _dq_tile_body(
+                q_smem,
+                qr_smem,
+                do_smem,
+                k_smem,
+                kr_smem,
+                v_smem,
+                q_ready,
+                q_free,
+                k_ready,
+                v_ready,
+                kv_free,
+                out_ptr,
+                lse_ptr,
+                dlse_ptr,
+                delta_ptr,
+                lse2_ptr,
+                dq_ptr,
+                stride_ob,
+                stride_oh,
+                stride_om,
+                stride_od,
+                stride_lb,
+                stride_lh,
+                stride_lm,
+                stride_gb,
+                stride_gh,
+                stride_gm,
+                stride_qb,
+                stride_qh,
+                stride_qm,
+                stride_qd,
+                batch,
+                head,
+                H,
+                start_m,
+                M,
+                M_ROWS,
+                N,
+                n_blocks,
+                n_unmasked,
+                sm_scale,
+                qk_scale,
+                it,
+                tc,
+                WG,
+                CAUSAL,
+                HAS_DLSE,
+                WRITE_LSE2,
+                BLOCK_N,
+                D,
+                DR,
+                DV,
+                STAGES,
+                PERSISTENT,
+            )
             tc += 1
             tile = _receive(tile_smem, tile_ready, tile_free, tc)
     else:
-        _dq_tile_body(q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, q_ready, q_free, k_ready, v_ready, kv_free,
-                      out_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr, dq_ptr,
-                      stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
-                      stride_gb, stride_gh, stride_gm, stride_qb, stride_qh, stride_qm, stride_qd,
-                      batch, head, H, start_m, M, M_ROWS, N, n_blocks, n_unmasked, sm_scale, qk_scale, 0, 0,
-                      WG, CAUSAL, HAS_DLSE, WRITE_LSE2, BLOCK_N, D, DR, DV, STAGES, PERSISTENT)
+        _dq_tile_body(
+            q_smem,
+            qr_smem,
+            do_smem,
+            k_smem,
+            kr_smem,
+            v_smem,
+            q_ready,
+            q_free,
+            k_ready,
+            v_ready,
+            kv_free,
+            out_ptr,
+            lse_ptr,
+            dlse_ptr,
+            delta_ptr,
+            lse2_ptr,
+            dq_ptr,
+            stride_ob,
+            stride_oh,
+            stride_om,
+            stride_od,
+            stride_lb,
+            stride_lh,
+            stride_lm,
+            stride_gb,
+            stride_gh,
+            stride_gm,
+            stride_qb,
+            stride_qh,
+            stride_qm,
+            stride_qd,
+            batch,
+            head,
+            H,
+            start_m,
+            M,
+            M_ROWS,
+            N,
+            n_blocks,
+            n_unmasked,
+            sm_scale,
+            qk_scale,
+            0,
+            0,
+            WG,
+            CAUSAL,
+            HAS_DLSE,
+            WRITE_LSE2,
+            BLOCK_N,
+            D,
+            DR,
+            DV,
+            STAGES,
+            PERSISTENT,
+        )
 
 
 @gluon.jit
 def _flash_bwd_dq_sm90_kernel(
-    q_desc, qr_desc, do_desc, k_desc, kr_desc, v_desc, out_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr, dq_ptr,
-    counter_ptr, stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
-    stride_gb, stride_gh, stride_gm, stride_qb, stride_qh, stride_qm, stride_qd,
-    M, M_ROWS, N, H, n_tiles, bucket, sm_scale, qk_scale,
-    GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, HAS_DLSE: gl.constexpr, WRITE_LSE2: gl.constexpr,
-    BLOCK_N: gl.constexpr, D: gl.constexpr, DR: gl.constexpr, DV: gl.constexpr, STAGES: gl.constexpr,
+    q_desc,
+    qr_desc,
+    do_desc,
+    k_desc,
+    kr_desc,
+    v_desc,
+    out_ptr,
+    lse_ptr,
+    dlse_ptr,
+    delta_ptr,
+    lse2_ptr,
+    dq_ptr,
+    counter_ptr,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_od,
+    stride_lb,
+    stride_lh,
+    stride_lm,
+    stride_gb,
+    stride_gh,
+    stride_gm,
+    stride_qb,
+    stride_qh,
+    stride_qm,
+    stride_qd,
+    M,
+    M_ROWS,
+    N,
+    H,
+    n_tiles,
+    bucket,
+    sm_scale,
+    qk_scale,
+    GROUP_SIZE: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    HAS_DLSE: gl.constexpr,
+    WRITE_LSE2: gl.constexpr,
+    BLOCK_N: gl.constexpr,
+    D: gl.constexpr,
+    DR: gl.constexpr,
+    DV: gl.constexpr,
+    STAGES: gl.constexpr,
     PERSISTENT: gl.constexpr,
 ):
     """Tiles of (128 query rows, query head, batch). PERSISTENT, as the forward: one program per SM takes tiles from
@@ -1502,8 +2844,9 @@ def _flash_bwd_dq_sm90_kernel(
     first D columns and, with DR > 0, of their last DR (as the forward)."""
     n_m = gl.cdiv(M, CONSUMERS * ROWS)
     # The program's own tile, for one program per tile (the persistent roles ignore it).
-    batch, head, kv_head, start_m, n_blocks, n_unmasked = _dq_tile(gl.program_id(0), n_m, gl.num_programs(0), bucket,
-                                                                   H, M, N, GROUP_SIZE, CAUSAL, BLOCK_N)
+    batch, head, kv_head, start_m, n_blocks, n_unmasked = _dq_tile(
+        gl.program_id(0), n_m, gl.num_programs(0), bucket, H, M, N, GROUP_SIZE, CAUSAL, BLOCK_N
+    )
 
     Q_BUFFERS: gl.constexpr = 2 * CONSUMERS if PERSISTENT else CONSUMERS
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [Q_BUFFERS] + q_desc.block_type.shape, q_desc.layout)
@@ -1537,26 +2880,183 @@ def _flash_bwd_dq_sm90_kernel(
         tile_ready = q_ready
         tile_free = q_ready
     fence_async_shared()
-    gl.warp_specialize([
-        (_dq_consumer, (q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, q_ready, q_free, k_ready, v_ready,
-                        kv_free, tile_smem, tile_ready, tile_free, out_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr,
-                        dq_ptr, stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
-                        stride_gb, stride_gh, stride_gm, stride_qb, stride_qh, stride_qm, stride_qd,
-                        batch, head, H, start_m, M, M_ROWS, N, n_blocks, n_unmasked, n_m, n_tiles, bucket, sm_scale,
-                        qk_scale, gl.constexpr(0), GROUP_SIZE, CAUSAL, HAS_DLSE, WRITE_LSE2, BLOCK_N, D, DR, DV,
-                        STAGES, PERSISTENT)),
-        (_dq_consumer, (q_smem, qr_smem, do_smem, k_smem, kr_smem, v_smem, q_ready, q_free, k_ready, v_ready,
-                        kv_free, tile_smem, tile_ready, tile_free, out_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr,
-                        dq_ptr, stride_ob, stride_oh, stride_om, stride_od, stride_lb, stride_lh, stride_lm,
-                        stride_gb, stride_gh, stride_gm, stride_qb, stride_qh, stride_qm, stride_qd,
-                        batch, head, H, start_m, M, M_ROWS, N, n_blocks, n_unmasked, n_m, n_tiles, bucket, sm_scale,
-                        qk_scale, gl.constexpr(1), GROUP_SIZE, CAUSAL, HAS_DLSE, WRITE_LSE2, BLOCK_N, D, DR, DV,
-                        STAGES, PERSISTENT)),
-        (_dq_loader, (q_desc, qr_desc, do_desc, k_desc, kr_desc, v_desc, q_smem, qr_smem, do_smem, k_smem, kr_smem,
-                      v_smem, q_ready, q_free, k_ready, v_ready, kv_free, tile_smem, tile_ready, tile_free,
-                      counter_ptr, batch, head, kv_head, start_m, n_blocks, n_m, n_tiles, bucket, H, M, N,
-                      GROUP_SIZE, CAUSAL, BLOCK_N, STAGES, PERSISTENT, DR)),
-    ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+    gl.warp_specialize(
+        [
+            (
+                _dq_consumer,
+                (
+                    q_smem,
+                    qr_smem,
+                    do_smem,
+                    k_smem,
+                    kr_smem,
+                    v_smem,
+                    q_ready,
+                    q_free,
+                    k_ready,
+                    v_ready,
+                    kv_free,
+                    tile_smem,
+                    tile_ready,
+                    tile_free,
+                    out_ptr,
+                    lse_ptr,
+                    dlse_ptr,
+                    delta_ptr,
+                    lse2_ptr,
+                    dq_ptr,
+                    stride_ob,
+                    stride_oh,
+                    stride_om,
+                    stride_od,
+                    stride_lb,
+                    stride_lh,
+                    stride_lm,
+                    stride_gb,
+                    stride_gh,
+                    stride_gm,
+                    stride_qb,
+                    stride_qh,
+                    stride_qm,
+                    stride_qd,
+                    batch,
+                    head,
+                    H,
+                    start_m,
+                    M,
+                    M_ROWS,
+                    N,
+                    n_blocks,
+                    n_unmasked,
+                    n_m,
+                    n_tiles,
+                    bucket,
+                    sm_scale,
+                    qk_scale,
+                    gl.constexpr(0),
+                    GROUP_SIZE,
+                    CAUSAL,
+                    HAS_DLSE,
+                    WRITE_LSE2,
+                    BLOCK_N,
+                    D,
+                    DR,
+                    DV,
+                    STAGES,
+                    PERSISTENT,
+                ),
+            ),
+            (
+                _dq_consumer,
+                (
+                    q_smem,
+                    qr_smem,
+                    do_smem,
+                    k_smem,
+                    kr_smem,
+                    v_smem,
+                    q_ready,
+                    q_free,
+                    k_ready,
+                    v_ready,
+                    kv_free,
+                    tile_smem,
+                    tile_ready,
+                    tile_free,
+                    out_ptr,
+                    lse_ptr,
+                    dlse_ptr,
+                    delta_ptr,
+                    lse2_ptr,
+                    dq_ptr,
+                    stride_ob,
+                    stride_oh,
+                    stride_om,
+                    stride_od,
+                    stride_lb,
+                    stride_lh,
+                    stride_lm,
+                    stride_gb,
+                    stride_gh,
+                    stride_gm,
+                    stride_qb,
+                    stride_qh,
+                    stride_qm,
+                    stride_qd,
+                    batch,
+                    head,
+                    H,
+                    start_m,
+                    M,
+                    M_ROWS,
+                    N,
+                    n_blocks,
+                    n_unmasked,
+                    n_m,
+                    n_tiles,
+                    bucket,
+                    sm_scale,
+                    qk_scale,
+                    gl.constexpr(1),
+                    GROUP_SIZE,
+                    CAUSAL,
+                    HAS_DLSE,
+                    WRITE_LSE2,
+                    BLOCK_N,
+                    D,
+                    DR,
+                    DV,
+                    STAGES,
+                    PERSISTENT,
+                ),
+            ),
+            (
+                _dq_loader,
+                (
+                    q_desc,
+                    qr_desc,
+                    do_desc,
+                    k_desc,
+                    kr_desc,
+                    v_desc,
+                    q_smem,
+                    qr_smem,
+                    do_smem,
+                    k_smem,
+                    kr_smem,
+                    v_smem,
+                    q_ready,
+                    q_free,
+                    k_ready,
+                    v_ready,
+                    kv_free,
+                    tile_smem,
+                    tile_ready,
+                    tile_free,
+                    counter_ptr,
+                    batch,
+                    head,
+                    kv_head,
+                    start_m,
+                    n_blocks,
+                    n_m,
+                    n_tiles,
+                    bucket,
+                    H,
+                    M,
+                    N,
+                    GROUP_SIZE,
+                    CAUSAL,
+                    BLOCK_N,
+                    STAGES,
+                    PERSISTENT,
+                    DR,
+                ),
+            ),
+        ],
+        [4, 1],
+        [CONSUMER_REGS, LOADER_REGS],
+    )
 
 
 # Per (D_qk, D_v): (BLOCK_N, STAGES, PERSISTENT) of the dQ kernel, keys per streamed block, ring stages and the
@@ -1596,12 +3096,42 @@ def backward_dq(q, k, v, out, do, lse, dlse, delta, dq, sm_scale: float, causal:
     k_desc, kr_desc = _qk_descriptors(k, block_n)
     d_main, d_rope = qk_tiles(d)
     launcher(_flash_bwd_dq_sm90_kernel)[(min(n_tiles, num_sms(q.device)) if persistent else n_tiles,)](
-        q_desc, qr_desc, _descriptor(do, ROWS_PER_CONSUMER), k_desc, kr_desc, _descriptor(v, block_n), out, lse,
-        dlse_arg, delta, lse2 if lse2 is not None else delta, dq, counter,
-        *out.stride(), *lse.stride(), *dlse_arg.stride(), *dq.stride(),
-        s_q, rows, s_kv, h_q, n_tiles, bucket_size(n_m, h_q // h_kv, causal), sm_scale, sm_scale * LOG2E,
-        GROUP_SIZE=h_q // h_kv, CAUSAL=causal, HAS_DLSE=dlse is not None, WRITE_LSE2=lse2 is not None,
-        BLOCK_N=block_n, D=d_main, DR=d_rope, DV=d_v, STAGES=stages, PERSISTENT=persistent, num_warps=4,
+        q_desc,
+        qr_desc,
+        _descriptor(do, ROWS_PER_CONSUMER),
+        k_desc,
+        kr_desc,
+        _descriptor(v, block_n),
+        out,
+        lse,
+        dlse_arg,
+        delta,
+        lse2 if lse2 is not None else delta,
+        dq,
+        counter,
+        *out.stride(),
+        *lse.stride(),
+        *dlse_arg.stride(),
+        *dq.stride(),
+        s_q,
+        rows,
+        s_kv,
+        h_q,
+        n_tiles,
+        bucket_size(n_m, h_q // h_kv, causal),
+        sm_scale,
+        sm_scale * LOG2E,
+        GROUP_SIZE=h_q // h_kv,
+        CAUSAL=causal,
+        HAS_DLSE=dlse is not None,
+        WRITE_LSE2=lse2 is not None,
+        BLOCK_N=block_n,
+        D=d_main,
+        DR=d_rope,
+        DV=d_v,
+        STAGES=stages,
+        PERSISTENT=persistent,
+        num_warps=4,
     )
 
 
@@ -1641,9 +3171,35 @@ def _fused_step(t, kv_head, m_start, n_m, GROUP_SIZE: gl.constexpr, CAUSAL: gl.c
 
 
 @gluon.jit
-def _fused_loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem, lse_smem,
-                  delta_smem, kv_ready, q_ready, do_ready, qdo_free, batch, kv_head, start_n, m_start, n_m, H, M_PAD,
-                  GROUP_SIZE: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, STAGES: gl.constexpr):
+def _fused_loader(
+    q_desc,
+    do_desc,
+    k_desc,
+    v_desc,
+    lse_desc,
+    delta_desc,
+    q_smem,
+    do_smem,
+    k_smem,
+    v_smem,
+    lse_smem,
+    delta_smem,
+    kv_ready,
+    q_ready,
+    do_ready,
+    qdo_free,
+    batch,
+    kv_head,
+    start_n,
+    m_start,
+    n_m,
+    H,
+    M_PAD,
+    GROUP_SIZE: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    STAGES: gl.constexpr,
+):
     """One warp: the tile's K and V, then each step's Q (with its rows' lse2 and delta, on Q's barrier) and dO into
     the ring, in `_fused_step`'s order."""
     mbarrier.expect(kv_ready.index(0), k_desc.block_type.nbytes + v_desc.block_type.nbytes)
@@ -1651,13 +3207,46 @@ def _fused_loader(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem,
     tma.async_copy_global_to_shared(v_desc, [batch, kv_head, start_n, 0], kv_ready.index(0), v_smem.index(0))
     for it in range(GROUP_SIZE * (n_m - m_start)):
         head, m = _fused_step(it, kv_head, m_start, n_m, GROUP_SIZE, CAUSAL)
-        _load_qdo(q_desc, q_desc, do_desc, lse_desc, delta_desc, q_smem, q_smem, do_smem, lse_smem, delta_smem,
-                  q_ready, do_ready, qdo_free, it, batch, head, m, H, M_PAD, BLOCK_M, STAGES, 0)
+        _load_qdo(
+            q_desc,
+            q_desc,
+            do_desc,
+            lse_desc,
+            delta_desc,
+            q_smem,
+            q_smem,
+            do_smem,
+            lse_smem,
+            delta_smem,
+            q_ready,
+            do_ready,
+            qdo_free,
+            it,
+            batch,
+            head,
+            m,
+            H,
+            M_PAD,
+            BLOCK_M,
+            STAGES,
+            0,
+        )
 
 
 @gluon.jit
-def _fused_dq(u, ds_smem, k_tile, dq_smem, ds_ready, dq_ready, dq_free, sm_scale, WG: gl.constexpr,
-              BLOCK_M: gl.constexpr, D: gl.constexpr):
+def _fused_dq(
+    u,
+    ds_smem,
+    k_tile,
+    dq_smem,
+    ds_ready,
+    dq_ready,
+    dq_free,
+    sm_scale,
+    WG: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    D: gl.constexpr,
+):
     """Consumer WG, step u: its share of the step's dQ = dS K over the tile's 128 keys (dS^T of both warpgroups
     from shared memory, the wgmma's A read transposed), scaled, into this warpgroup's staging buffer (two,
     alternating) for the writer warp. The share is a 64 x 64 product (`fused_dq_block`): with 64-query steps (D = 128)
@@ -1700,10 +3289,41 @@ def _fused_kv(k_smem, v_smem, m, M, WG: gl.constexpr, BLOCK_M: gl.constexpr, D: 
 
 
 @gluon.jit
-def _fused_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_ready, q_ready,
-                    do_ready, qdo_free, ds_ready, dq_ready, dq_free, k_read, dk_desc, dv_desc, batch, kv_head, start_n,
-                    m_start, n_m, M, N, sm_scale, qk_scale, WG: gl.constexpr, GROUP_SIZE: gl.constexpr,
-                    CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
+def _fused_consumer(
+    q_smem,
+    do_smem,
+    k_smem,
+    v_smem,
+    lse_smem,
+    delta_smem,
+    ds_smem,
+    dq_smem,
+    kv_ready,
+    q_ready,
+    do_ready,
+    qdo_free,
+    ds_ready,
+    dq_ready,
+    dq_free,
+    k_read,
+    dk_desc,
+    dv_desc,
+    batch,
+    kv_head,
+    start_n,
+    m_start,
+    n_m,
+    M,
+    N,
+    sm_scale,
+    qk_scale,
+    WG: gl.constexpr,
+    GROUP_SIZE: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    D: gl.constexpr,
+    STAGES: gl.constexpr,
+):
     """One warpgroup: `_bwd_tile`'s dK and dV of key rows [start_n + WG*64, +64) (one tile per program, D = DV, no
     RoPE part, no skipped steps), and per step also `_fused_dq`: each warpgroup stores its dS^T (64 keys x BLOCK_M
     queries, bf16) into a shared buffer of the step's 128 keys (two, alternating) before it issues the next step's
@@ -1770,8 +3390,20 @@ def _fused_consumer(q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_sm
 
 
 @gluon.jit
-def _fused_writer(dq_desc, dq_smem, dq_ready, dq_free, batch, kv_head, m_start, n_m, GROUP_SIZE: gl.constexpr,
-                  CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr):
+def _fused_writer(
+    dq_desc,
+    dq_smem,
+    dq_ready,
+    dq_free,
+    batch,
+    kv_head,
+    m_start,
+    n_m,
+    GROUP_SIZE: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    D: gl.constexpr,
+):
     """One warp: each step's two dQ tiles (64 x 64 fp32, one per consumer: `_fused_dq`) added into the fp32 dQ by
     TMA reduce, which clips the rows past S_q. A buffer is released once its reduce has read it, checked one step
     later so that the reduces overlap. Each tile's reduce is one bulk group (two messages of 32 fp32 columns, the
@@ -1793,23 +3425,43 @@ def _fused_writer(dq_desc, dq_smem, dq_ready, dq_free, batch, kv_head, m_start, 
 
 
 @gluon.jit
-def _flash_bwd_fused_sm90_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, dk_desc, dv_desc, dq_desc,
-                                 M, M_PAD, N, H_KV, bucket, sm_scale, qk_scale, GROUP_SIZE: gl.constexpr,
-                                 CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, D: gl.constexpr, STAGES: gl.constexpr):
+def _flash_bwd_fused_sm90_kernel(
+    q_desc,
+    do_desc,
+    k_desc,
+    v_desc,
+    lse_desc,
+    delta_desc,
+    dk_desc,
+    dv_desc,
+    dq_desc,
+    M,
+    M_PAD,
+    N,
+    H_KV,
+    bucket,
+    sm_scale,
+    qk_scale,
+    GROUP_SIZE: gl.constexpr,
+    CAUSAL: gl.constexpr,
+    BLOCK_M: gl.constexpr,
+    D: gl.constexpr,
+    STAGES: gl.constexpr,
+):
     """One program per tile of (128 key rows, KV head, batch), in `_dkdv_tile`'s order, BLOCK_M query rows per step:
     dK and dV as the one-tile dK/dV kernel, dQ added into an fp32 (B, H_q, S_q, D) buffer. Roles: two consumer
     warpgroups, the loader warp and the dQ writer warp (setmaxnreg 240 / 24 / 24)."""
     n_kb = gl.cdiv(N, CONSUMERS * ROWS)
     n_m = gl.cdiv(M, BLOCK_M)
-    batch, kv_head, start_n, m_start = _dkdv_tile(gl.program_id(0), n_kb, gl.num_programs(0), bucket, H_KV, M, N,
-                                                  CAUSAL, BLOCK_M)
+    batch, kv_head, start_n, m_start = _dkdv_tile(
+        gl.program_id(0), n_kb, gl.num_programs(0), bucket, H_KV, M, N, CAUSAL, BLOCK_M
+    )
     q_smem = gl.allocate_shared_memory(q_desc.dtype, [STAGES] + q_desc.block_type.shape, q_desc.layout)
     do_smem = gl.allocate_shared_memory(do_desc.dtype, [STAGES] + do_desc.block_type.shape, do_desc.layout)
     k_smem = gl.allocate_shared_memory(k_desc.dtype, [1] + k_desc.block_type.shape, k_desc.layout)
     v_smem = gl.allocate_shared_memory(v_desc.dtype, [1] + v_desc.block_type.shape, v_desc.layout)
     lse_smem = gl.allocate_shared_memory(lse_desc.dtype, [STAGES] + lse_desc.block_type.shape, lse_desc.layout)
-    delta_smem = gl.allocate_shared_memory(delta_desc.dtype, [STAGES] + delta_desc.block_type.shape,
-                                           delta_desc.layout)
+    delta_smem = gl.allocate_shared_memory(delta_desc.dtype, [STAGES] + delta_desc.block_type.shape, delta_desc.layout)
     ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([CONSUMERS * ROWS, BLOCK_M], q_desc.dtype)
     ds_smem = gl.allocate_shared_memory(q_desc.dtype, [2, CONSUMERS * ROWS, BLOCK_M], ds_layout)
     dq_smem = gl.allocate_shared_memory(dq_desc.dtype, [2 * CONSUMERS] + dq_desc.block_type.shape, dq_desc.layout)
@@ -1833,28 +3485,156 @@ def _flash_bwd_fused_sm90_kernel(q_desc, do_desc, k_desc, v_desc, lse_desc, delt
         mbarrier.init(dq_ready.index(i), count=1)
         mbarrier.init(dq_free.index(i), count=1)
     fence_async_shared()
-    gl.warp_specialize([
-        (_fused_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_ready, q_ready,
-                           do_ready, qdo_free, ds_ready, dq_ready, dq_free, k_read, dk_desc, dv_desc, batch, kv_head,
-                           start_n, m_start, n_m, M, N, sm_scale, qk_scale, gl.constexpr(0), GROUP_SIZE, CAUSAL,
-                           BLOCK_M, D, STAGES)),
-        (_fused_consumer, (q_smem, do_smem, k_smem, v_smem, lse_smem, delta_smem, ds_smem, dq_smem, kv_ready, q_ready,
-                           do_ready, qdo_free, ds_ready, dq_ready, dq_free, k_read, dk_desc, dv_desc, batch, kv_head,
-                           start_n, m_start, n_m, M, N, sm_scale, qk_scale, gl.constexpr(1), GROUP_SIZE, CAUSAL,
-                           BLOCK_M, D, STAGES)),
-        (_fused_loader, (q_desc, do_desc, k_desc, v_desc, lse_desc, delta_desc, q_smem, do_smem, k_smem, v_smem,
-                         lse_smem, delta_smem, kv_ready, q_ready, do_ready, qdo_free, batch, kv_head, start_n,
-                         m_start, n_m, H_KV * GROUP_SIZE, M_PAD, GROUP_SIZE, CAUSAL, BLOCK_M, STAGES)),
-        (_fused_writer, (dq_desc, dq_smem, dq_ready, dq_free, batch, kv_head, m_start, n_m, GROUP_SIZE, CAUSAL,
-                         BLOCK_M, D)),
-    ], [4, 1, 1], [CONSUMER_REGS, LOADER_REGS, LOADER_REGS])
+    gl.warp_specialize(
+        [
+            (
+                _fused_consumer,
+                (
+                    q_smem,
+                    do_smem,
+                    k_smem,
+                    v_smem,
+                    lse_smem,
+                    delta_smem,
+                    ds_smem,
+                    dq_smem,
+                    kv_ready,
+                    q_ready,
+                    do_ready,
+                    qdo_free,
+                    ds_ready,
+                    dq_ready,
+                    dq_free,
+                    k_read,
+                    dk_desc,
+                    dv_desc,
+                    batch,
+                    kv_head,
+                    start_n,
+                    m_start,
+                    n_m,
+                    M,
+                    N,
+                    sm_scale,
+                    qk_scale,
+                    gl.constexpr(0),
+                    GROUP_SIZE,
+                    CAUSAL,
+                    BLOCK_M,
+                    D,
+                    STAGES,
+                ),
+            ),
+            (
+                _fused_consumer,
+                (
+                    q_smem,
+                    do_smem,
+                    k_smem,
+                    v_smem,
+                    lse_smem,
+                    delta_smem,
+                    ds_smem,
+                    dq_smem,
+                    kv_ready,
+                    q_ready,
+                    do_ready,
+                    qdo_free,
+                    ds_ready,
+                    dq_ready,
+                    dq_free,
+                    k_read,
+                    dk_desc,
+                    dv_desc,
+                    batch,
+                    kv_head,
+                    start_n,
+                    m_start,
+                    n_m,
+                    M,
+                    N,
+                    sm_scale,
+                    qk_scale,
+                    gl.constexpr(1),
+                    GROUP_SIZE,
+                    CAUSAL,
+                    BLOCK_M,
+                    D,
+                    STAGES,
+                ),
+            ),
+            (
+                _fused_loader,
+                (
+                    q_desc,
+                    do_desc,
+                    k_desc,
+                    v_desc,
+                    lse_desc,
+                    delta_desc,
+                    q_smem,
+                    do_smem,
+                    k_smem,
+                    v_smem,
+                    lse_smem,
+                    delta_smem,
+                    kv_ready,
+                    q_ready,
+                    do_ready,
+                    qdo_free,
+                    batch,
+                    kv_head,
+                    start_n,
+                    m_start,
+                    n_m,
+                    H_KV * GROUP_SIZE,
+                    M_PAD,
+                    GROUP_SIZE,
+                    CAUSAL,
+                    BLOCK_M,
+                    STAGES,
+                ),
+            ),
+            (
+                _fused_writer,
+                (dq_desc, dq_smem, dq_ready, dq_free, batch, kv_head, m_start, n_m, GROUP_SIZE, CAUSAL, BLOCK_M, D),
+            ),
+        ],
+        [4, 1, 1],
+        [CONSUMER_REGS, LOADER_REGS, LOADER_REGS],
+    )
 
 
 @triton.jit
-def _fused_prep_kernel(out_ptr, do_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr, dq_acc_ptr,
-                       stride_ob, stride_oh, stride_om, stride_od, stride_gb, stride_gh, stride_gm, stride_gd,
-                       stride_lb, stride_lh, stride_lm, stride_tb, stride_th, stride_tm, H, M, M_PAD,
-                       HAS_DLSE: tl.constexpr, D: tl.constexpr, BLOCK: tl.constexpr):
+def _fused_prep_kernel(
+    out_ptr,
+    do_ptr,
+    lse_ptr,
+    dlse_ptr,
+    delta_ptr,
+    lse2_ptr,
+    dq_acc_ptr,
+    stride_ob,
+    stride_oh,
+    stride_om,
+    stride_od,
+    stride_gb,
+    stride_gh,
+    stride_gm,
+    stride_gd,
+    stride_lb,
+    stride_lh,
+    stride_lm,
+    stride_tb,
+    stride_th,
+    stride_tm,
+    H,
+    M,
+    M_PAD,
+    HAS_DLSE: tl.constexpr,
+    D: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
     """Before the one-launch backward, per BLOCK rows of one (batch, head): delta = rowsum(dO * Out) - dlse and lse2
     (the lse in log2 units) into contiguous (B, H, M_PAD) buffers (0 past M), and zeros into the rows' fp32 dQ."""
     bh = tl.program_id(1)
@@ -1863,10 +3643,16 @@ def _fused_prep_kernel(out_ptr, do_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr, 
     rows = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     ok = rows < M
     cols = tl.arange(0, D)
-    o = tl.load(out_ptr + b * stride_ob + h * stride_oh + rows[:, None] * stride_om + cols[None, :] * stride_od,
-                mask=ok[:, None], other=0.0)
-    do = tl.load(do_ptr + b * stride_gb + h * stride_gh + rows[:, None] * stride_gm + cols[None, :] * stride_gd,
-                 mask=ok[:, None], other=0.0)
+    o = tl.load(
+        out_ptr + b * stride_ob + h * stride_oh + rows[:, None] * stride_om + cols[None, :] * stride_od,
+        mask=ok[:, None],
+        other=0.0,
+    )
+    do = tl.load(
+        do_ptr + b * stride_gb + h * stride_gh + rows[:, None] * stride_gm + cols[None, :] * stride_gd,
+        mask=ok[:, None],
+        other=0.0,
+    )
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), axis=1)
     if HAS_DLSE:
         delta -= tl.load(dlse_ptr + b * stride_tb + h * stride_th + rows * stride_tm, mask=ok, other=0.0)
@@ -1874,8 +3660,11 @@ def _fused_prep_kernel(out_ptr, do_ptr, lse_ptr, dlse_ptr, delta_ptr, lse2_ptr, 
     padded = bh.to(tl.int64) * M_PAD + rows
     tl.store(delta_ptr + padded, tl.where(ok, delta, 0.0), mask=rows < M_PAD)
     tl.store(lse2_ptr + padded, tl.where(ok, lse2, 0.0), mask=rows < M_PAD)
-    tl.store(dq_acc_ptr + (bh.to(tl.int64) * M + rows[:, None]) * D + cols[None, :], tl.zeros([BLOCK, D], tl.float32),
-             mask=ok[:, None])
+    tl.store(
+        dq_acc_ptr + (bh.to(tl.int64) * M + rows[:, None]) * D + cols[None, :],
+        tl.zeros([BLOCK, D], tl.float32),
+        mask=ok[:, None],
+    )
 
 
 # (D_qk, D_v) pairs the one-launch backward runs: query rows per step (BLOCK_M).
@@ -1933,8 +3722,9 @@ def backward_fused(q, k, v, out, lse, do, dlse, dq, dk, dv, sm_scale: float, cau
     None) (B, H_q, S_q) fp32.
     dQ's fp32 sum over the key blocks is taken in the order their programs finish, so its last bits may differ
     from call to call (dK and dV do not); it takes an fp32 buffer of dQ's shape for the call."""
-    if _staged(lambda dk_, dv_: backward_fused(q, k, v, out, lse, do, dlse, dq, dk_, dv_, sm_scale, causal), q.dtype,
-               dk, dv):
+    if _staged(
+        lambda dk_, dv_: backward_fused(q, k, v, out, lse, do, dlse, dq, dk_, dv_, sm_scale, causal), q.dtype, dk, dv
+    ):
         return
     b, h_q, s_q, d = q.shape
     h_kv, s_kv = k.shape[1], k.shape[2]
@@ -1945,15 +3735,48 @@ def backward_fused(q, k, v, out, lse, do, dlse, dq, dk, dv, sm_scale: float, cau
     dq_acc = torch.empty((b, h_q, s_q, d), device=q.device, dtype=torch.float32)
     dlse_arg = dlse if dlse is not None else lse
     launcher(_fused_prep_kernel)[(cdiv(rows, block_m), b * h_q)](
-        out, do, lse, dlse_arg, delta, lse2, dq_acc, *out.stride(), *do.stride(), *lse.stride(), *dlse_arg.stride(),
-        h_q, s_q, rows, HAS_DLSE=dlse is not None, D=d, BLOCK=block_m, num_warps=4)
+        out,
+        do,
+        lse,
+        dlse_arg,
+        delta,
+        lse2,
+        dq_acc,
+        *out.stride(),
+        *do.stride(),
+        *lse.stride(),
+        *dlse_arg.stride(),
+        h_q,
+        s_q,
+        rows,
+        HAS_DLSE=dlse is not None,
+        D=d,
+        BLOCK=block_m,
+        num_warps=4,
+    )
     n_kb = cdiv(s_kv, PROGRAM_ROWS)
     launcher(_flash_bwd_fused_sm90_kernel)[(n_kb * h_kv * b,)](
-        _descriptor(q, block_m), _descriptor(do, block_m), _descriptor(k, PROGRAM_ROWS), _descriptor(v, PROGRAM_ROWS),
-        descriptor(lse2.view(-1), [block_m]), descriptor(delta.view(-1), [block_m]),
-        _descriptor(dk, ROWS_PER_CONSUMER), _descriptor(dv, ROWS_PER_CONSUMER),
+        _descriptor(q, block_m),
+        _descriptor(do, block_m),
+        _descriptor(k, PROGRAM_ROWS),
+        _descriptor(v, PROGRAM_ROWS),
+        descriptor(lse2.view(-1), [block_m]),
+        descriptor(delta.view(-1), [block_m]),
+        _descriptor(dk, ROWS_PER_CONSUMER),
+        _descriptor(dv, ROWS_PER_CONSUMER),
         descriptor(dq_acc, fused_dq_block(d, block_m)),
-        s_q, rows, s_kv, h_kv, bucket_size(n_kb, h_q // h_kv, causal), sm_scale, sm_scale * LOG2E,
-        GROUP_SIZE=h_q // h_kv, CAUSAL=causal, BLOCK_M=block_m, D=d, STAGES=stages, num_warps=4,
+        s_q,
+        rows,
+        s_kv,
+        h_kv,
+        bucket_size(n_kb, h_q // h_kv, causal),
+        sm_scale,
+        sm_scale * LOG2E,
+        GROUP_SIZE=h_q // h_kv,
+        CAUSAL=causal,
+        BLOCK_M=block_m,
+        D=d,
+        STAGES=stages,
+        num_warps=4,
     )
     dq.copy_(dq_acc)

@@ -77,41 +77,117 @@ def _cut_chain(s, cond):
 
 
 @triton.jit
-def _mla_tile(CKV, KR, BLOCK_TABLE, q, q_rope, m_i, l_i, acc, b, tile_start, end, offs_c, offs_r,
-              stride_cp, stride_cn, stride_cd, stride_rp, stride_rn, stride_rd, stride_tb, stride_tp, scale_log2,
-              D_C: tl.constexpr, D_R: tl.constexpr, BLOCK_N: tl.constexpr, PAGED: tl.constexpr,
-              PAGE_SIZE: tl.constexpr, EVICT: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _mla_tile(
+    CKV,
+    KR,
+    BLOCK_TABLE,
+    q,
+    q_rope,
+    m_i,
+    l_i,
+    acc,
+    b,
+    tile_start,
+    end,
+    offs_c,
+    offs_r,
+    stride_cp,
+    stride_cn,
+    stride_cd,
+    stride_rp,
+    stride_rn,
+    stride_rd,
+    stride_tb,
+    stride_tp,
+    scale_log2,
+    D_C: tl.constexpr,
+    D_R: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    PAGED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    EVICT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
     """One online-softmax step over BLOCK_N latent rows: the c_kv tile serves as K and as V."""
-    offs_n, mask_n, page, slot = _tile_rows(BLOCK_TABLE, b, tile_start, end, stride_tb, stride_tp, BLOCK_N, PAGED,
-                                            PAGE_SIZE)
-    kv = tl.load(CKV + page * stride_cp + slot[:, None] * stride_cn + offs_c[None, :] * stride_cd,
-                 mask=mask_n[:, None] & (offs_c[None, :] < D_C), other=0.0, eviction_policy=EVICT)  # (BLOCK_N, D_c)
-    kr = tl.load(KR + page * stride_rp + slot[:, None] * stride_rn + offs_r[None, :] * stride_rd,
-                 mask=mask_n[:, None] & (offs_r[None, :] < D_R), other=0.0, eviction_policy=EVICT)
+    offs_n, mask_n, page, slot = _tile_rows(
+        BLOCK_TABLE, b, tile_start, end, stride_tb, stride_tp, BLOCK_N, PAGED, PAGE_SIZE
+    )
+    kv = tl.load(
+        CKV + page * stride_cp + slot[:, None] * stride_cn + offs_c[None, :] * stride_cd,
+        mask=mask_n[:, None] & (offs_c[None, :] < D_C),
+        other=0.0,
+        eviction_policy=EVICT,
+    )  # (BLOCK_N, D_c)
+    kr = tl.load(
+        KR + page * stride_rp + slot[:, None] * stride_rn + offs_r[None, :] * stride_rd,
+        mask=mask_n[:, None] & (offs_r[None, :] < D_R),
+        other=0.0,
+        eviction_policy=EVICT,
+    )
     # Each product scaled on its own: a bare dot added to another becomes the other's accumulator, which would
     # chain the two score dots (see _cut_chain).
-    s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION) * scale_log2 \
+    s = (
+        tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION) * scale_log2
         + tl.dot(q_rope, tl.trans(kr), input_precision=DOT_PRECISION) * scale_log2
+    )
     s = _cut_chain(s, tile_start < end)
     return _online_softmax_step(s, mask_n, kv, m_i, l_i, acc, DOT_PRECISION)
 
 
 @triton.jit
 def _mla_decode_kernel(
-    QA, QR, CKV, KR, BLOCK_TABLE, SEQ_LENS, OUT, LSE, FINAL_OUT, FINAL_LSE, COUNTERS,
-    stride_qab, stride_qah, stride_qad,
-    stride_qrb, stride_qrh, stride_qrd,
-    stride_cp, stride_cn, stride_cd,
-    stride_rp, stride_rn, stride_rd,
-    stride_tb, stride_tp,
-    stride_ob, stride_oh, stride_os, stride_od,
-    stride_lb, stride_lh, stride_ls,
-    stride_fb, stride_fh, stride_fd, stride_flb, stride_flh,
+    QA,
+    QR,
+    CKV,
+    KR,
+    BLOCK_TABLE,
+    SEQ_LENS,
+    OUT,
+    LSE,
+    FINAL_OUT,
+    FINAL_LSE,
+    COUNTERS,
+    stride_qab,
+    stride_qah,
+    stride_qad,
+    stride_qrb,
+    stride_qrh,
+    stride_qrd,
+    stride_cp,
+    stride_cn,
+    stride_cd,
+    stride_rp,
+    stride_rn,
+    stride_rd,
+    stride_tb,
+    stride_tp,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_od,
+    stride_lb,
+    stride_lh,
+    stride_ls,
+    stride_fb,
+    stride_fh,
+    stride_fd,
+    stride_flb,
+    stride_flh,
     scale_log2,
-    H: tl.constexpr, D_C: tl.constexpr, D_R: tl.constexpr,
-    BLOCK_H: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DC: tl.constexpr, BLOCK_DR: tl.constexpr,
-    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, NUM_SPLITS: tl.constexpr, STATIC_ITERS: tl.constexpr,
-    EVICT: tl.constexpr, DOT_PRECISION: tl.constexpr, FUSE_CHUNK: tl.constexpr,
+    H: tl.constexpr,
+    D_C: tl.constexpr,
+    D_R: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_DC: tl.constexpr,
+    BLOCK_DR: tl.constexpr,
+    PAGED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+    NUM_SPLITS: tl.constexpr,
+    STATIC_ITERS: tl.constexpr,
+    EVICT: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    FUSE_CHUNK: tl.constexpr,
 ):
     # grid (head tiles, splits, B): the head tiles of one (sequence, split) run side by side and share its
     # tiles through L2.
@@ -122,27 +198,103 @@ def _mla_decode_kernel(
     mask_h = heads < H
     offs_c = tl.arange(0, BLOCK_DC)
     offs_r = tl.arange(0, BLOCK_DR)
-    q = tl.load(QA + b * stride_qab + heads[:, None] * stride_qah + offs_c[None, :] * stride_qad,
-                mask=mask_h[:, None] & (offs_c[None, :] < D_C), other=0.0)  # (BLOCK_H, BLOCK_DC)
-    q_rope = tl.load(QR + b * stride_qrb + heads[:, None] * stride_qrh + offs_r[None, :] * stride_qrd,
-                     mask=mask_h[:, None] & (offs_r[None, :] < D_R), other=0.0)  # (BLOCK_H, BLOCK_DR)
+    q = tl.load(
+        QA + b * stride_qab + heads[:, None] * stride_qah + offs_c[None, :] * stride_qad,
+        mask=mask_h[:, None] & (offs_c[None, :] < D_C),
+        other=0.0,
+    )  # (BLOCK_H, BLOCK_DC)
+    q_rope = tl.load(
+        QR + b * stride_qrb + heads[:, None] * stride_qrh + offs_r[None, :] * stride_qrd,
+        mask=mask_h[:, None] & (offs_r[None, :] < D_R),
+        other=0.0,
+    )  # (BLOCK_H, BLOCK_DR)
 
     start, end = _split_range(SEQ_LENS, b, split, NUM_SPLITS, BLOCK_N)
     m_i = tl.full([BLOCK_H], -float("inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DC], tl.float32)
     for i in range(0, _tile_count(start, end, BLOCK_N, STATIC_ITERS)):  # decode.py's trip count
-        m_i, l_i, acc = _mla_tile(CKV, KR, BLOCK_TABLE, q, q_rope, m_i, l_i, acc, b, start + i * BLOCK_N, end,
-                                  offs_c, offs_r, stride_cp, stride_cn, stride_cd, stride_rp, stride_rn,
-                                  stride_rd, stride_tb, stride_tp, scale_log2, D_C, D_R, BLOCK_N, PAGED,
-                                  PAGE_SIZE, EVICT, DOT_PRECISION)
-    _store_split(OUT, LSE, acc, m_i, l_i, b, heads, mask_h, split, offs_c, D_C,
-                 stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls, NUM_SPLITS)
+        m_i, l_i, acc = _mla_tile(
+            CKV,
+            KR,
+            BLOCK_TABLE,
+            q,
+            q_rope,
+            m_i,
+            l_i,
+            acc,
+            b,
+            start + i * BLOCK_N,
+            end,
+            offs_c,
+            offs_r,
+            stride_cp,
+            stride_cn,
+            stride_cd,
+            stride_rp,
+            stride_rn,
+            stride_rd,
+            stride_tb,
+            stride_tp,
+            scale_log2,
+            D_C,
+            D_R,
+            BLOCK_N,
+            PAGED,
+            PAGE_SIZE,
+            EVICT,
+            DOT_PRECISION,
+        )
+    _store_split(
+        OUT,
+        LSE,
+        acc,
+        m_i,
+        l_i,
+        b,
+        heads,
+        mask_h,
+        split,
+        offs_c,
+        D_C,
+        stride_ob,
+        stride_oh,
+        stride_os,
+        stride_od,
+        stride_lb,
+        stride_lh,
+        stride_ls,
+        NUM_SPLITS,
+    )
     if FUSE_CHUNK > 0:  # the split combine in this launch (decode.py)
-        _combine_if_last(COUNTERS, b * tl.num_programs(0) + tile, OUT, LSE, FINAL_OUT, FINAL_LSE, b, tile * BLOCK_H,
-                         H, offs_c, D_C, stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls,
-                         stride_fb, stride_fh, stride_fd, stride_flb, stride_flh, NUM_SPLITS,
-                         triton.next_power_of_2(min(H, BLOCK_H)), FUSE_CHUNK)
+        _combine_if_last(
+            COUNTERS,
+            b * tl.num_programs(0) + tile,
+            OUT,
+            LSE,
+            FINAL_OUT,
+            FINAL_LSE,
+            b,
+            tile * BLOCK_H,
+            H,
+            offs_c,
+            D_C,
+            stride_ob,
+            stride_oh,
+            stride_os,
+            stride_od,
+            stride_lb,
+            stride_lh,
+            stride_ls,
+            stride_fb,
+            stride_fh,
+            stride_fd,
+            stride_flb,
+            stride_flh,
+            NUM_SPLITS,
+            triton.next_power_of_2(min(H, BLOCK_H)),
+            FUSE_CHUNK,
+        )
 
 
 # ---- Launch heuristics ------------------------------------------------------------------------------------------
@@ -166,8 +318,21 @@ def _mla_config(h: int, d_c: int) -> dict:
 # ---- Launcher ---------------------------------------------------------------------------------------------------
 
 
-def _launch_mla(q_absorbed, q_rope, c_kv, k_rope, block_table, seq_lens, scale: float, num_splits, *, paged: bool,
-                page_size: int, capacity: int, config: dict | None = None):
+def _launch_mla(
+    q_absorbed,
+    q_rope,
+    c_kv,
+    k_rope,
+    block_table,
+    seq_lens,
+    scale: float,
+    num_splits,
+    *,
+    paged: bool,
+    page_size: int,
+    capacity: int,
+    config: dict | None = None,
+):
     batch, h, d_c = q_absorbed.shape
     d_r = q_rope.shape[-1]
     seq_lens = seq_lens.contiguous()  # the kernel reads seq_lens[b] at SEQ_LENS + b (no stride)
@@ -193,8 +358,9 @@ def _launch_mla(q_absorbed, q_rope, c_kv, k_rope, block_table, seq_lens, scale: 
         smem_bound_paged = paged and block_h < 64
         slots = _num_sms(q_absorbed.device) * (2 if smem_bound_paged else 1)
         tile_time = mla_sm90.tile_seconds(tile_flops) if sm90 else tile_seconds(tile_flops, smem_bound_paged)
-        num_splits = auto_num_splits(batch * head_tiles, n_tiles, tile_bytes, tile_time,
-                                     batch * h * (d_c + 1) * 4, slots)
+        num_splits = auto_num_splits(
+            batch * head_tiles, n_tiles, tile_bytes, tile_time, batch * h * (d_c + 1) * 4, slots
+        )
     out = _decode.new_empty((batch, h, d_c), q_absorbed.device, q_absorbed.dtype)
     lse = _decode.new_empty((batch, h), q_absorbed.device, torch.float32)
     if num_splits == 1:
@@ -205,8 +371,19 @@ def _launch_mla(q_absorbed, q_rope, c_kv, k_rope, block_table, seq_lens, scale: 
     fused = False
     if sm90:
         with _decode.device_guard(q_absorbed):
-            mla_sm90.launch(q_absorbed, q_rope, c_kv, k_rope, seq_lens, part_o, part_lse, scale, num_splits,
-                            block_table=block_table if paged else None, heads=block_h)
+            mla_sm90.launch(
+                q_absorbed,
+                q_rope,
+                c_kv,
+                k_rope,
+                seq_lens,
+                part_o,
+                part_lse,
+                scale,
+                num_splits,
+                block_table=block_table if paged else None,
+                heads=block_h,
+            )
     else:
         chunk = fused_combine_chunk(num_splits, min(h, block_h), d_c, batch * h, out.device)
         counters = split_counters(out.device, batch * head_tiles) if chunk else None
@@ -216,16 +393,43 @@ def _launch_mla(q_absorbed, q_rope, c_kv, k_rope, block_table, seq_lens, scale: 
         table_strides = block_table.stride() if paged else (0, 0)
         static_iters = cdiv(n_tiles, num_splits) if _checks.interpreting() else 0
         launcher(_mla_decode_kernel)[(head_tiles, num_splits, batch)](
-            q_absorbed, q_rope, c_kv, k_rope, table, seq_lens, part_o, part_lse, final_o, final_lse,
+            q_absorbed,
+            q_rope,
+            c_kv,
+            k_rope,
+            table,
+            seq_lens,
+            part_o,
+            part_lse,
+            final_o,
+            final_lse,
             counters if fused else seq_lens,
-            *q_absorbed.stride(), *q_rope.stride(), *c_kv.stride(), *k_rope.stride(), *table_strides,
-            *part_o.stride(), *part_lse.stride(), *final_o.stride(), *final_lse.stride(),
+            *q_absorbed.stride(),
+            *q_rope.stride(),
+            *c_kv.stride(),
+            *k_rope.stride(),
+            *table_strides,
+            *part_o.stride(),
+            *part_lse.stride(),
+            *final_o.stride(),
+            *final_lse.stride(),
             float(scale) * LOG2E,
-            H=h, D_C=d_c, D_R=d_r, BLOCK_H=block_h, BLOCK_N=block_n, BLOCK_DC=_pow2(d_c), BLOCK_DR=_pow2(d_r),
-            PAGED=paged, PAGE_SIZE=page_size, NUM_SPLITS=num_splits, STATIC_ITERS=static_iters,
+            H=h,
+            D_C=d_c,
+            D_R=d_r,
+            BLOCK_H=block_h,
+            BLOCK_N=block_n,
+            BLOCK_DC=_pow2(d_c),
+            BLOCK_DR=_pow2(d_r),
+            PAGED=paged,
+            PAGE_SIZE=page_size,
+            NUM_SPLITS=num_splits,
+            STATIC_ITERS=static_iters,
             # One head tile: each latent tile is read once, so stream it past L2. Several: they share it through L2.
-            EVICT="evict_first" if head_tiles == 1 else "", DOT_PRECISION=_dot_precision(q_absorbed.dtype),
-            FUSE_CHUNK=chunk if fused else 0, **cfg,
+            EVICT="evict_first" if head_tiles == 1 else "",
+            DOT_PRECISION=_dot_precision(q_absorbed.dtype),
+            FUSE_CHUNK=chunk if fused else 0,
+            **cfg,
         )
     if num_splits > 1 and not fused:
         combine_splits(part_o, part_lse, out, lse)
@@ -236,10 +440,28 @@ def _launch_mla(q_absorbed, q_rope, c_kv, k_rope, block_table, seq_lens, scale: 
 
 
 @torch.library.custom_op("zoo::mla_decode", mutates_args=())
-def _mla_decode_op(q_absorbed: torch.Tensor, q_rope: torch.Tensor, c_kv: torch.Tensor, k_rope: torch.Tensor,
-                   seq_lens: torch.Tensor, scale: float, num_splits: int | None) -> tuple[torch.Tensor, torch.Tensor]:
-    return _launch_mla(q_absorbed, q_rope, c_kv, k_rope, None, seq_lens, scale, num_splits, paged=False,
-                       page_size=1, capacity=c_kv.shape[1])
+def _mla_decode_op(
+    q_absorbed: torch.Tensor,
+    q_rope: torch.Tensor,
+    c_kv: torch.Tensor,
+    k_rope: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _launch_mla(
+        q_absorbed,
+        q_rope,
+        c_kv,
+        k_rope,
+        None,
+        seq_lens,
+        scale,
+        num_splits,
+        paged=False,
+        page_size=1,
+        capacity=c_kv.shape[1],
+    )
 
 
 @_mla_decode_op.register_fake
@@ -248,12 +470,30 @@ def _(q_absorbed, q_rope, c_kv, k_rope, seq_lens, scale, num_splits):
 
 
 @torch.library.custom_op("zoo::paged_mla_decode", mutates_args=())
-def _paged_mla_decode_op(q_absorbed: torch.Tensor, q_rope: torch.Tensor, c_kv_pages: torch.Tensor,
-                         k_rope_pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, scale: float,
-                         num_splits: int | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _paged_mla_decode_op(
+    q_absorbed: torch.Tensor,
+    q_rope: torch.Tensor,
+    c_kv_pages: torch.Tensor,
+    k_rope_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     page_size = c_kv_pages.shape[1]
-    return _launch_mla(q_absorbed, q_rope, c_kv_pages, k_rope_pages, block_table, seq_lens, scale, num_splits,
-                       paged=True, page_size=page_size, capacity=block_table.shape[1] * page_size)
+    return _launch_mla(
+        q_absorbed,
+        q_rope,
+        c_kv_pages,
+        k_rope_pages,
+        block_table,
+        seq_lens,
+        scale,
+        num_splits,
+        paged=True,
+        page_size=page_size,
+        capacity=block_table.shape[1] * page_size,
+    )
 
 
 @_paged_mla_decode_op.register_fake
@@ -275,8 +515,11 @@ def _check_mla(q_absorbed, q_rope, ckv, kr, seq_lens, scale, num_splits, *, ckv_
     if tuple(q_rope.shape[:2]) != (b, h):
         _checks.fail("q_rope", f"shape {tuple(q_rope.shape)}", f"(B, H, D_r) with (B, H) = {(b, h)} from q_absorbed")
     if (not paged and ckv.shape[0] != b) or ckv.shape[2] != d_c:
-        _checks.fail(ckv_name, f"shape {tuple(ckv.shape)}",
-                     f"{rows}, D_c) with D_c = {d_c}" + ("" if paged else f" and B = {b}") + " from q_absorbed")
+        _checks.fail(
+            ckv_name,
+            f"shape {tuple(ckv.shape)}",
+            f"{rows}, D_c) with D_c = {d_c}" + ("" if paged else f" and B = {b}") + " from q_absorbed",
+        )
     if tuple(kr.shape) != (*ckv.shape[:2], d_r):
         _checks.fail(kr_name, f"shape {tuple(kr.shape)}", f"{(*ckv.shape[:2], d_r)}: {ckv_name}'s rows, D_r of q_rope")
     _checks.check_head_dim("q_absorbed", d_c, 16, 512)
@@ -285,8 +528,9 @@ def _check_mla(q_absorbed, q_rope, ckv, kr, seq_lens, scale, num_splits, *, ckv_
     for name, x in (("q_rope", q_rope), (ckv_name, ckv), (kr_name, kr)):
         _checks.check_float(name, x, q_absorbed, "q_absorbed")
     _checks.check_int32("seq_lens", seq_lens, (b,), "(B,)")
-    _checks.check_same_device({"q_absorbed": q_absorbed, "q_rope": q_rope, ckv_name: ckv, kr_name: kr,
-                               "seq_lens": seq_lens})
+    _checks.check_same_device(
+        {"q_absorbed": q_absorbed, "q_rope": q_rope, ckv_name: ckv, kr_name: kr, "seq_lens": seq_lens}
+    )
     _checks.check_num_splits(num_splits, MAX_SPLITS)
     _checks.check_scale(scale)
 
@@ -294,28 +538,56 @@ def _check_mla(q_absorbed, q_rope, ckv, kr, seq_lens, scale, num_splits, *, ckv_
 # ---- Public functions ---------------------------------------------------------------------------------------------
 
 
-def mla_decode(q_absorbed: torch.Tensor, q_rope: torch.Tensor, c_kv: torch.Tensor, k_rope: torch.Tensor,
-               seq_lens: torch.Tensor, *, scale: float, num_splits: int | None = None,
-               validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def mla_decode(
+    q_absorbed: torch.Tensor,
+    q_rope: torch.Tensor,
+    c_kv: torch.Tensor,
+    k_rope: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float,
+    num_splits: int | None = None,
+    validate: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA decode over a contiguous latent cache. q_absorbed (B, H, D_c), q_rope (B, H, D_r),
     c_kv (B, S_max, D_c), k_rope (B, S_max, D_r), seq_lens (B,) int32. D_c up to 512, D_r up to 128.
     Returns latent out (B, H, D_c) in q_absorbed's dtype and lse (B, H) fp32. validate=False skips the
     seq_lens value check (a device sync)."""
-    _check_mla(q_absorbed, q_rope, c_kv, k_rope, seq_lens, scale, num_splits, ckv_name="c_kv", kr_name="k_rope",
-               paged=False)
+    _check_mla(
+        q_absorbed, q_rope, c_kv, k_rope, seq_lens, scale, num_splits, ckv_name="c_kv", kr_name="k_rope", paged=False
+    )
     if validate and _checks.can_read_values(seq_lens):
         _checks.check_seq_lens_values(seq_lens, c_kv.shape[1], f"S_max of c_kv is {c_kv.shape[1]}")
     return torch.ops.zoo.mla_decode(q_absorbed, q_rope, c_kv, k_rope, seq_lens, float(scale), num_splits)
 
 
-def paged_mla_decode(q_absorbed: torch.Tensor, q_rope: torch.Tensor, c_kv_pages: torch.Tensor,
-                     k_rope_pages: torch.Tensor, block_table: torch.Tensor, seq_lens: torch.Tensor, *, scale: float,
-                     num_splits: int | None = None, validate: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def paged_mla_decode(
+    q_absorbed: torch.Tensor,
+    q_rope: torch.Tensor,
+    c_kv_pages: torch.Tensor,
+    k_rope_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    *,
+    scale: float,
+    num_splits: int | None = None,
+    validate: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """mla_decode over a paged latent cache: c_kv_pages (num_pages, page_size, D_c) and k_rope_pages
     (num_pages, page_size, D_r), one pool each shared by all heads, indexed by one block table (B, max_pages)
     int32. page_size is a power of two from 8 to 256."""
-    _check_mla(q_absorbed, q_rope, c_kv_pages, k_rope_pages, seq_lens, scale, num_splits, ckv_name="c_kv_pages",
-               kr_name="k_rope_pages", paged=True)
+    _check_mla(
+        q_absorbed,
+        q_rope,
+        c_kv_pages,
+        k_rope_pages,
+        seq_lens,
+        scale,
+        num_splits,
+        ckv_name="c_kv_pages",
+        kr_name="k_rope_pages",
+        paged=True,
+    )
     _checks.check_page_size("c_kv_pages", c_kv_pages.shape[1])
     _checks.check_rank("block_table", block_table, 2, "(B, max_pages)")
     _checks.check_int32("block_table", block_table, (q_absorbed.shape[0], block_table.shape[1]), "(B, max_pages)")
@@ -323,5 +595,6 @@ def paged_mla_decode(q_absorbed: torch.Tensor, q_rope: torch.Tensor, c_kv_pages:
     if validate and _checks.can_read_values(seq_lens):
         _checks.check_seq_lens_values(seq_lens, 2**31 - 1, "a positive length")
         _checks.check_block_table_values(block_table, seq_lens, c_kv_pages.shape[1], c_kv_pages.shape[0])
-    return torch.ops.zoo.paged_mla_decode(q_absorbed, q_rope, c_kv_pages, k_rope_pages, block_table, seq_lens,
-                                          float(scale), num_splits)
+    return torch.ops.zoo.paged_mla_decode(
+        q_absorbed, q_rope, c_kv_pages, k_rope_pages, block_table, seq_lens, float(scale), num_splits
+    )

@@ -106,10 +106,34 @@ def _last_block_read(offs_n, j, start, end, PAGED: gl.constexpr, BLOCK_N: gl.con
 
 
 @gluon.jit
-def _mla_loader(qc_desc, qr_desc, c_desc, r_desc, qc0_smem, qc1_smem, qr_smem, c0_smem, c1_smem, r_smem,
-                q_ready, kv_ready, kv_free, table_ptr, stride_tb, stride_tp, b, h0, start, end, n_blocks,
-                BLOCK_N: gl.constexpr, STAGES: gl.constexpr, PAGED: gl.constexpr, PAGE_SIZE: gl.constexpr,
-                PAGE_ROWS: gl.constexpr):
+def _mla_loader(
+    qc_desc,
+    qr_desc,
+    c_desc,
+    r_desc,
+    qc0_smem,
+    qc1_smem,
+    qr_smem,
+    c0_smem,
+    c1_smem,
+    r_smem,
+    q_ready,
+    kv_ready,
+    kv_free,
+    table_ptr,
+    stride_tb,
+    stride_tp,
+    b,
+    h0,
+    start,
+    end,
+    n_blocks,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    PAGED: gl.constexpr,
+    PAGE_SIZE: gl.constexpr,
+    PAGE_ROWS: gl.constexpr,
+):
     """One warp: the program's 64 query heads once, then each block's latent halves and RoPE keys into the ring,
     block j into stage j % STAGES once both consumers have released block j - STAGES."""
     mbarrier.expect(q_ready, 2 * qc_desc.block_type.nbytes + qr_desc.block_type.nbytes)
@@ -135,14 +159,19 @@ def _mla_loader(qc_desc, qr_desc, c_desc, r_desc, qc0_smem, qc1_smem, qr_smem, c
                 if copies > 1:
                     page = gl.sum(gl.where(copy_idx == k, pages, 0), axis=0)
                     slot = gl.sum(gl.where(copy_idx == k, slots, 0), axis=0)
-                tma.async_copy_global_to_shared(c_desc, [page, slot, 0], kv_ready.index(s),
-                                                c0_smem.index(s).slice(k * PAGE_ROWS, PAGE_ROWS, dim=1))
-                tma.async_copy_global_to_shared(c_desc, [page, slot, HALF], kv_ready.index(s),
-                                                c1_smem.index(s).slice(k * PAGE_ROWS, PAGE_ROWS, dim=1))
-                tma.async_copy_global_to_shared(r_desc, [page, slot, 0], kv_ready.index(s),
-                                                r_smem.index(s).slice(k * PAGE_ROWS, PAGE_ROWS, dim=1))
-            pages, slots = tile_pages(table_row, stride_tp, start, end, j + 1, copy_idx, BLOCK_N, PAGE_SIZE,
-                                        PAGE_ROWS)
+                tma.async_copy_global_to_shared(
+                    c_desc, [page, slot, 0], kv_ready.index(s), c0_smem.index(s).slice(k * PAGE_ROWS, PAGE_ROWS, dim=1)
+                )
+                tma.async_copy_global_to_shared(
+                    c_desc,
+                    [page, slot, HALF],
+                    kv_ready.index(s),
+                    c1_smem.index(s).slice(k * PAGE_ROWS, PAGE_ROWS, dim=1),
+                )
+                tma.async_copy_global_to_shared(
+                    r_desc, [page, slot, 0], kv_ready.index(s), r_smem.index(s).slice(k * PAGE_ROWS, PAGE_ROWS, dim=1)
+                )
+            pages, slots = tile_pages(table_row, stride_tp, start, end, j + 1, copy_idx, BLOCK_N, PAGE_SIZE, PAGE_ROWS)
         else:
             row0 = _block_rows(j, n_blocks, start, end, BLOCK_N)
             mbarrier.expect(kv_ready.index(s), copy_bytes)
@@ -152,8 +181,9 @@ def _mla_loader(qc_desc, qr_desc, c_desc, r_desc, qc0_smem, qc1_smem, qr_smem, c
 
 
 @gluon.jit
-def _store_half(o, l_o, out_ptr, b, h0, num_heads, split, col0, stride_ob, stride_oh, stride_os, stride_od,
-                o_layout: gl.constexpr):
+def _store_half(
+    o, l_o, out_ptr, b, h0, num_heads, split, col0, stride_ob, stride_oh, stride_os, stride_od, o_layout: gl.constexpr
+):
     """O / l for 64 heads and 256 columns: the final output for one split, else a partial in fp32; a split that
     saw no token (l = 0) writes zeros (as attention_kernels.decode)."""
     rows: gl.constexpr = gl.SliceLayout(1, o_layout)
@@ -161,19 +191,54 @@ def _store_half(o, l_o, out_ptr, b, h0, num_heads, split, col0, stride_ob, strid
     out = o / gl.where(l_o > 0.0, l_o, 1.0)[:, None]
     heads = h0 + gl.arange(0, HEADS, layout=rows)
     cols = col0 + gl.arange(0, HALF, layout=gl.SliceLayout(0, o_layout))
-    ptrs = out_ptr + b.to(gl.int64) * stride_ob + heads[:, None] * stride_oh + split * stride_os \
+    ptrs = (
+        out_ptr
+        + b.to(gl.int64) * stride_ob
+        + heads[:, None] * stride_oh
+        + split * stride_os
         + cols[None, :] * stride_od
+    )
     gl.store(ptrs, out.to(out_ptr.dtype.element_ty), mask=(heads < num_heads)[:, None])
 
 
 @gluon.jit
-def _mla_softmax_consumer(qc0_smem, qc1_smem, qr_smem, c0_smem, c1_smem, r_smem, p_smem, stat_smem,
-                          q_ready, kv_ready, kv_free, p_ready, p_free, l_ready,
-                          out_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_od,
-                          stride_lb, stride_lh, stride_ls,
-                          b, h0, num_heads, split, start, end, n_blocks, scale_log2,
-                          BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr,
-                          PAGED: gl.constexpr):
+def _mla_softmax_consumer(
+    qc0_smem,
+    qc1_smem,
+    qr_smem,
+    c0_smem,
+    c1_smem,
+    r_smem,
+    p_smem,
+    stat_smem,
+    q_ready,
+    kv_ready,
+    kv_free,
+    p_ready,
+    p_free,
+    l_ready,
+    out_ptr,
+    lse_ptr,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_od,
+    stride_lb,
+    stride_lh,
+    stride_ls,
+    b,
+    h0,
+    num_heads,
+    split,
+    start,
+    end,
+    n_blocks,
+    scale_log2,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    NUM_SPLITS: gl.constexpr,
+    PAGED: gl.constexpr,
+):
     """Warpgroup 0: scores, softmax, P for both consumers, the left half of the output, and the lse."""
     s_layout: gl.constexpr = wgmma_layout(BLOCK_N)
     o_layout: gl.constexpr = wgmma_layout(HALF)
@@ -193,8 +258,7 @@ def _mla_softmax_consumer(qc0_smem, qc1_smem, qr_smem, c0_smem, c1_smem, r_smem,
         c0 = c0_smem.index(st).reshape([BLOCK_N, HALF])
         s = warpgroup_mma(qc0, c0.permute((1, 0)), s, use_acc=False, is_async=True)
         s = warpgroup_mma(qc1, c1_smem.index(st).reshape([BLOCK_N, HALF]).permute((1, 0)), s, is_async=True)
-        s = warpgroup_mma(qr, r_smem.index(st).reshape([BLOCK_N, qr_smem.shape[2]]).permute((1, 0)), s,
-                          is_async=True)
+        s = warpgroup_mma(qr, r_smem.index(st).reshape([BLOCK_N, qr_smem.shape[2]]).permute((1, 0)), s, is_async=True)
         s = warpgroup_mma_wait(num_outstanding=0, deps=[s])
         if j == n_blocks - 1:
             offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
@@ -225,15 +289,35 @@ def _mla_softmax_consumer(qc0_smem, qc1_smem, qr_smem, c0_smem, c1_smem, r_smem,
     if NUM_SPLITS == 1:
         lse = lse * 0.6931471805599453  # the final lse is natural-log; partial ones stay in log2 units
     heads = h0 + gl.arange(0, HEADS, layout=rows_s)
-    gl.store(lse_ptr + b.to(gl.int64) * stride_lb + heads * stride_lh + split * stride_ls, lse,
-             mask=heads < num_heads)
+    gl.store(lse_ptr + b.to(gl.int64) * stride_lb + heads * stride_lh + split * stride_ls, lse, mask=heads < num_heads)
 
 
 @gluon.jit
-def _mla_pv_consumer(c1_smem, p_smem, stat_smem, kv_ready, kv_free, p_ready, p_free, l_ready,
-                     out_ptr, stride_ob, stride_oh, stride_os, stride_od,
-                     b, h0, num_heads, split, start, end, n_blocks, BLOCK_N: gl.constexpr, STAGES: gl.constexpr,
-                     PAGED: gl.constexpr):
+def _mla_pv_consumer(
+    c1_smem,
+    p_smem,
+    stat_smem,
+    kv_ready,
+    kv_free,
+    p_ready,
+    p_free,
+    l_ready,
+    out_ptr,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_od,
+    b,
+    h0,
+    num_heads,
+    split,
+    start,
+    end,
+    n_blocks,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    PAGED: gl.constexpr,
+):
     """Warpgroup 1: the right half of the output, O1 = alpha O1 + P C1 per block."""
     o_layout: gl.constexpr = wgmma_layout(HALF)
     vec: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
@@ -252,15 +336,57 @@ def _mla_pv_consumer(c1_smem, p_smem, stat_smem, kv_ready, kv_free, p_ready, p_f
         mbarrier.arrive(p_free, count=1)
         mbarrier.arrive(kv_free.index(st), count=1)
     mbarrier.wait(l_ready, 0)
-    _store_half(o, stat_smem.load(vec), out_ptr, b, h0, num_heads, split, HALF, stride_ob, stride_oh, stride_os,
-                stride_od, o_layout)
+    _store_half(
+        o,
+        stat_smem.load(vec),
+        out_ptr,
+        b,
+        h0,
+        num_heads,
+        split,
+        HALF,
+        stride_ob,
+        stride_oh,
+        stride_os,
+        stride_od,
+        o_layout,
+    )
 
 
 @gluon.jit
-def _mla_narrow_consumer(qc0_smem, qc1_smem, qr_smem, c0_smem, c1_smem, r_smem, pt_smem, q_ready, kv_ready, kv_free,
-                         out_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls,
-                         b, h0, num_heads, split, start, end, n_blocks, scale_log2,
-                         BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr, PAGED: gl.constexpr):
+def _mla_narrow_consumer(
+    qc0_smem,
+    qc1_smem,
+    qr_smem,
+    c0_smem,
+    c1_smem,
+    r_smem,
+    pt_smem,
+    q_ready,
+    kv_ready,
+    kv_free,
+    out_ptr,
+    lse_ptr,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_od,
+    stride_lb,
+    stride_lh,
+    stride_ls,
+    b,
+    h0,
+    num_heads,
+    split,
+    start,
+    end,
+    n_blocks,
+    scale_log2,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    NUM_SPLITS: gl.constexpr,
+    PAGED: gl.constexpr,
+):
     """One warpgroup, a tile of n_h = 16 or 32 heads (the Q descriptor's block), every product transposed so that
     the heads are the wgmma's N and the block's tokens (or latent columns) its M: S^T = C Qc^T + R Qr^T (BLOCK_N x
     n_h), the online softmax down its columns, P^T to shared memory, then O^T += C^T P^T for both latent halves
@@ -310,25 +436,50 @@ def _mla_narrow_consumer(qc0_smem, qc1_smem, qr_smem, c0_smem, c1_smem, r_smem, 
     l_safe = gl.where(has_tokens, l_i, 1.0)
     heads = h0 + gl.arange(0, n_h, layout=cols_s)
     cols = gl.arange(0, HALF, layout=gl.SliceLayout(1, s_layout))
-    o_ptrs = out_ptr + b.to(gl.int64) * stride_ob + heads[None, :] * stride_oh + split * stride_os \
+    o_ptrs = (
+        out_ptr
+        + b.to(gl.int64) * stride_ob
+        + heads[None, :] * stride_oh
+        + split * stride_os
         + cols[:, None] * stride_od
+    )
     mask = (heads < num_heads)[None, :]
     gl.store(o_ptrs, (o0 / l_safe[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
     gl.store(o_ptrs + HALF * stride_od, (o1 / l_safe[None, :]).to(out_ptr.dtype.element_ty), mask=mask)
     lse = gl.where(has_tokens, m_i + gl.log2(l_safe), -float("inf"))
     if NUM_SPLITS == 1:
         lse = lse * 0.6931471805599453  # the final lse is natural-log; partial ones stay in log2 units
-    gl.store(lse_ptr + b.to(gl.int64) * stride_lb + heads * stride_lh + split * stride_ls, lse,
-             mask=heads < num_heads)
+    gl.store(lse_ptr + b.to(gl.int64) * stride_lb + heads * stride_lh + split * stride_ls, lse, mask=heads < num_heads)
 
 
 @gluon.jit
 def _mla_decode_sm90_kernel(
-    qc_desc, qr_desc, c_desc, r_desc, seq_lens_ptr, table_ptr, out_ptr, lse_ptr, num_heads,
-    stride_tb, stride_tp, stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls,
+    qc_desc,
+    qr_desc,
+    c_desc,
+    r_desc,
+    seq_lens_ptr,
+    table_ptr,
+    out_ptr,
+    lse_ptr,
+    num_heads,
+    stride_tb,
+    stride_tp,
+    stride_ob,
+    stride_oh,
+    stride_os,
+    stride_od,
+    stride_lb,
+    stride_lh,
+    stride_ls,
     scale_log2,
-    BLOCK_N: gl.constexpr, STAGES: gl.constexpr, NUM_SPLITS: gl.constexpr, PAGED: gl.constexpr,
-    PAGE_SIZE: gl.constexpr, PAGE_ROWS: gl.constexpr, WAIT: gl.constexpr = False,
+    BLOCK_N: gl.constexpr,
+    STAGES: gl.constexpr,
+    NUM_SPLITS: gl.constexpr,
+    PAGED: gl.constexpr,
+    PAGE_SIZE: gl.constexpr,
+    PAGE_ROWS: gl.constexpr,
+    WAIT: gl.constexpr = False,
 ):
     """grid (head tiles, splits, B). The Q descriptors' block sets the head tile: 64 heads (two consumer
     warpgroups, heads as the wgmma's M) or NARROW_HEADS (one consumer, heads as the N). WAIT: launched as a
@@ -359,8 +510,9 @@ def _mla_decode_sm90_kernel(
         mbarrier.init(kv_ready.index(i), count=1)
         mbarrier.init(kv_free.index(i), count=consumers)
     if n_h == HEADS:
-        p_smem = gl.allocate_shared_memory(dtype, [HEADS, BLOCK_N],
-                                           gl.NVMMASharedLayout.get_default_for([HEADS, BLOCK_N], dtype))
+        p_smem = gl.allocate_shared_memory(
+            dtype, [HEADS, BLOCK_N], gl.NVMMASharedLayout.get_default_for([HEADS, BLOCK_N], dtype)
+        )
         stat_smem = gl.allocate_shared_memory(gl.float32, [HEADS], gl.SwizzledSharedLayout(1, 1, 1, [0]))
         p_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         p_free = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -369,34 +521,189 @@ def _mla_decode_sm90_kernel(
         mbarrier.init(p_free, count=1)
         mbarrier.init(l_ready, count=1)
         fence_async_shared()
-        gl.warp_specialize([
-            (_mla_softmax_consumer, (qc0_smem, qc1_smem, qr_smem, c0_smem, c1_smem, r_smem, p_smem, stat_smem,
-                                     q_ready, kv_ready, kv_free, p_ready, p_free, l_ready,
-                                     out_ptr, lse_ptr, stride_ob, stride_oh, stride_os, stride_od,
-                                     stride_lb, stride_lh, stride_ls,
-                                     b, h0, num_heads, split, start, end, n_blocks, scale_log2, BLOCK_N, STAGES,
-                                     NUM_SPLITS, PAGED)),
-            (_mla_pv_consumer, (c1_smem, p_smem, stat_smem, kv_ready, kv_free, p_ready, p_free, l_ready,
-                                out_ptr, stride_ob, stride_oh, stride_os, stride_od,
-                                b, h0, num_heads, split, start, end, n_blocks, BLOCK_N, STAGES, PAGED)),
-            (_mla_loader, (qc_desc, qr_desc, c_desc, r_desc, qc0_smem, qc1_smem, qr_smem, c0_smem, c1_smem,
-                           r_smem, q_ready, kv_ready, kv_free, table_ptr, stride_tb, stride_tp, b, h0, start, end,
-                           n_blocks, BLOCK_N, STAGES, PAGED, PAGE_SIZE, PAGE_ROWS)),
-        ], [4, 1], [CONSUMER_REGS, LOADER_REGS])
+        gl.warp_specialize(
+            [
+                (
+                    _mla_softmax_consumer,
+                    (
+                        qc0_smem,
+                        qc1_smem,
+                        qr_smem,
+                        c0_smem,
+                        c1_smem,
+                        r_smem,
+                        p_smem,
+                        stat_smem,
+                        q_ready,
+                        kv_ready,
+                        kv_free,
+                        p_ready,
+                        p_free,
+                        l_ready,
+                        out_ptr,
+                        lse_ptr,
+                        stride_ob,
+                        stride_oh,
+                        stride_os,
+                        stride_od,
+                        stride_lb,
+                        stride_lh,
+                        stride_ls,
+                        b,
+                        h0,
+                        num_heads,
+                        split,
+                        start,
+                        end,
+                        n_blocks,
+                        scale_log2,
+                        BLOCK_N,
+                        STAGES,
+                        NUM_SPLITS,
+                        PAGED,
+                    ),
+                ),
+                (
+                    _mla_pv_consumer,
+                    (
+                        c1_smem,
+                        p_smem,
+                        stat_smem,
+                        kv_ready,
+                        kv_free,
+                        p_ready,
+                        p_free,
+                        l_ready,
+                        out_ptr,
+                        stride_ob,
+                        stride_oh,
+                        stride_os,
+                        stride_od,
+                        b,
+                        h0,
+                        num_heads,
+                        split,
+                        start,
+                        end,
+                        n_blocks,
+                        BLOCK_N,
+                        STAGES,
+                        PAGED,
+                    ),
+                ),
+                (
+                    _mla_loader,
+                    (
+                        qc_desc,
+                        qr_desc,
+                        c_desc,
+                        r_desc,
+                        qc0_smem,
+                        qc1_smem,
+                        qr_smem,
+                        c0_smem,
+                        c1_smem,
+                        r_smem,
+                        q_ready,
+                        kv_ready,
+                        kv_free,
+                        table_ptr,
+                        stride_tb,
+                        stride_tp,
+                        b,
+                        h0,
+                        start,
+                        end,
+                        n_blocks,
+                        BLOCK_N,
+                        STAGES,
+                        PAGED,
+                        PAGE_SIZE,
+                        PAGE_ROWS,
+                    ),
+                ),
+            ],
+            [4, 1],
+            [CONSUMER_REGS, LOADER_REGS],
+        )
     else:
-        pt_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, n_h],
-                                            gl.NVMMASharedLayout.get_default_for([BLOCK_N, n_h], dtype))
+        pt_smem = gl.allocate_shared_memory(
+            dtype, [BLOCK_N, n_h], gl.NVMMASharedLayout.get_default_for([BLOCK_N, n_h], dtype)
+        )
         fence_async_shared()
-        gl.warp_specialize([
-            (_mla_narrow_consumer, (qc0_smem, qc1_smem, qr_smem, c0_smem, c1_smem, r_smem, pt_smem,
-                                    q_ready, kv_ready, kv_free, out_ptr, lse_ptr,
-                                    stride_ob, stride_oh, stride_os, stride_od, stride_lb, stride_lh, stride_ls,
-                                    b, h0, num_heads, split, start, end, n_blocks, scale_log2, BLOCK_N, STAGES,
-                                    NUM_SPLITS, PAGED)),
-            (_mla_loader, (qc_desc, qr_desc, c_desc, r_desc, qc0_smem, qc1_smem, qr_smem, c0_smem, c1_smem,
-                           r_smem, q_ready, kv_ready, kv_free, table_ptr, stride_tb, stride_tp, b, h0, start, end,
-                           n_blocks, BLOCK_N, STAGES, PAGED, PAGE_SIZE, PAGE_ROWS)),
-        ], [1], [LOADER_REGS])
+        gl.warp_specialize(
+            [
+                (
+                    _mla_narrow_consumer,
+                    (
+                        qc0_smem,
+                        qc1_smem,
+                        qr_smem,
+                        c0_smem,
+                        c1_smem,
+                        r_smem,
+                        pt_smem,
+                        q_ready,
+                        kv_ready,
+                        kv_free,
+                        out_ptr,
+                        lse_ptr,
+                        stride_ob,
+                        stride_oh,
+                        stride_os,
+                        stride_od,
+                        stride_lb,
+                        stride_lh,
+                        stride_ls,
+                        b,
+                        h0,
+                        num_heads,
+                        split,
+                        start,
+                        end,
+                        n_blocks,
+                        scale_log2,
+                        BLOCK_N,
+                        STAGES,
+                        NUM_SPLITS,
+                        PAGED,
+                    ),
+                ),
+                (
+                    _mla_loader,
+                    (
+                        qc_desc,
+                        qr_desc,
+                        c_desc,
+                        r_desc,
+                        qc0_smem,
+                        qc1_smem,
+                        qr_smem,
+                        c0_smem,
+                        c1_smem,
+                        r_smem,
+                        q_ready,
+                        kv_ready,
+                        kv_free,
+                        table_ptr,
+                        stride_tb,
+                        stride_tp,
+                        b,
+                        h0,
+                        start,
+                        end,
+                        n_blocks,
+                        BLOCK_N,
+                        STAGES,
+                        PAGED,
+                        PAGE_SIZE,
+                        PAGE_ROWS,
+                    ),
+                ),
+            ],
+            [1],
+            [LOADER_REGS],
+        )
 
 
 def enabled() -> bool:
@@ -446,8 +753,19 @@ def tile_heads(h: int) -> int:
     return HEADS_PER_PROGRAM
 
 
-def launch(q_absorbed, q_rope, c_kv, k_rope, seq_lens, part_o, part_lse, scale: float, num_splits: int,
-           block_table=None, heads: int | None = None):
+def launch(
+    q_absorbed,
+    q_rope,
+    c_kv,
+    k_rope,
+    seq_lens,
+    part_o,
+    part_lse,
+    scale: float,
+    num_splits: int,
+    block_table=None,
+    heads: int | None = None,
+):
     """On inputs `supports` accepted, seq_lens (B,) int32 contiguous: each split's output into part_o (B, H,
     splits, D_c) (the final output, in q's dtype, for one split; fp32 partials otherwise) and its lse into
     part_lse (B, H, splits) (natural log for one split, log2 units for partials), as attention_kernels.decode's splits.
@@ -464,10 +782,26 @@ def launch(q_absorbed, q_rope, c_kv, k_rope, seq_lens, part_o, part_lse, scale: 
     # tile at 128 heads 3.2 us slower (B16 N8k 72.16 -> 75.31).
     wait = heads < HEADS_PER_PROGRAM and pdl(q_absorbed.device)
     launcher(_mla_decode_sm90_kernel)[(cdiv(h, heads), num_splits, batch)](
-        descriptor(q_absorbed, [1, heads, HALF_COLUMNS]), descriptor(q_rope, [1, heads, ROPE_DIM]),
-        descriptor(c_kv, [1, rows, HALF_COLUMNS]), descriptor(k_rope, [1, rows, ROPE_DIM]),
-        seq_lens, table, part_o, part_lse, h, *(block_table.stride() if paged else (0, 0)), *part_o.stride(),
-        *part_lse.stride(), float(scale) * LOG2E,
-        BLOCK_N=BLOCK_N, STAGES=STAGES, NUM_SPLITS=num_splits, PAGED=paged, PAGE_SIZE=page_size, PAGE_ROWS=rows,
-        WAIT=wait, num_warps=4, launch_pdl=wait,
+        descriptor(q_absorbed, [1, heads, HALF_COLUMNS]),
+        descriptor(q_rope, [1, heads, ROPE_DIM]),
+        descriptor(c_kv, [1, rows, HALF_COLUMNS]),
+        descriptor(k_rope, [1, rows, ROPE_DIM]),
+        seq_lens,
+        table,
+        part_o,
+        part_lse,
+        h,
+        *(block_table.stride() if paged else (0, 0)),
+        *part_o.stride(),
+        *part_lse.stride(),
+        float(scale) * LOG2E,
+        BLOCK_N=BLOCK_N,
+        STAGES=STAGES,
+        NUM_SPLITS=num_splits,
+        PAGED=paged,
+        PAGE_SIZE=page_size,
+        PAGE_ROWS=rows,
+        WAIT=wait,
+        num_warps=4,
+        launch_pdl=wait,
     )

@@ -70,8 +70,7 @@ def gather_pages(pages: torch.Tensor, block_table: torch.Tensor, length: int) ->
     return x.transpose(1, 2) if pages.ndim == 4 else x
 
 
-def paged_decode_reference(q, k_pages, v_pages, block_table, seq_lens, *, scale: float, q_rope=None,
-                           k_rope_pages=None):
+def paged_decode_reference(q, k_pages, v_pages, block_table, seq_lens, *, scale: float, q_rope=None, k_rope_pages=None):
     """decode_reference over a paged cache (the pages are gathered into a contiguous cache first)."""
     n = int(seq_lens.max())
     k, v = gather_pages(k_pages, block_table, n), gather_pages(v_pages, block_table, n)
@@ -82,12 +81,12 @@ def paged_decode_reference(q, k_pages, v_pages, block_table, seq_lens, *, scale:
 def mla_decode_reference(q_absorbed, q_rope, c_kv, k_rope, seq_lens, *, scale: float):
     """Absorbed MLA decode: every head attends to the one shared latent cache, K = [c_kv, k_rope], V = c_kv.
     Returns (latent out (B, H, D_c) fp32, lse (B, H) fp32); the per-head value up-projection stays outside."""
-    return decode_reference(q_absorbed, c_kv[:, None], c_kv[:, None], seq_lens, scale=scale, q_rope=q_rope,
-                            k_rope=k_rope[:, None])
+    return decode_reference(
+        q_absorbed, c_kv[:, None], c_kv[:, None], seq_lens, scale=scale, q_rope=q_rope, k_rope=k_rope[:, None]
+    )
 
 
-def paged_mla_decode_reference(q_absorbed, q_rope, c_kv_pages, k_rope_pages, block_table, seq_lens, *,
-                               scale: float):
+def paged_mla_decode_reference(q_absorbed, q_rope, c_kv_pages, k_rope_pages, block_table, seq_lens, *, scale: float):
     n = int(seq_lens.max())
     c_kv, k_rope = gather_pages(c_kv_pages, block_table, n), gather_pages(k_rope_pages, block_table, n)
     return mla_decode_reference(q_absorbed, q_rope, c_kv, k_rope, seq_lens, scale=scale)

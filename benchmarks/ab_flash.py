@@ -44,19 +44,22 @@ SHAPES = [
 
 
 def parse_shape(text: str) -> tuple:
-    """"B,H_q,H_kv,S,D_qk,D_v,causal" (or "full" last) -> the shape tuple."""
+    """ "B,H_q,H_kv,S,D_qk,D_v,causal" (or "full" last) -> the shape tuple."""
     parts = text.split(",")
     if len(parts) != 7 or parts[6] not in ("causal", "full") or not all(p.isdigit() for p in parts[:6]):
-        raise argparse.ArgumentTypeError(f"{text!r}: expected B,H_q,H_kv,S,D_qk,D_v,causal|full, e.g. "
-                                         "4,32,8,4096,128,128,causal")
+        raise argparse.ArgumentTypeError(
+            f"{text!r}: expected B,H_q,H_kv,S,D_qk,D_v,causal|full, e.g. 4,32,8,4096,128,128,causal"
+        )
     return (*(int(p) for p in parts[:6]), parts[6] == "causal")
 
 
 def load_module(path: str, name: str):
     """A copy of attention_kernels/flash_sm90.py loaded as its own module (its kernels compile and cache apart)."""
     if not os.path.isfile(path):
-        raise SystemExit(f"--{name} {path!r}: no such file (a copy of attention_kernels/flash_sm90.py, e.g. git show "
-                         "REV:attention_kernels/flash_sm90.py > PATH)")
+        raise SystemExit(
+            f"--{name} {path!r}: no such file (a copy of attention_kernels/flash_sm90.py, e.g. git show "
+            "REV:attention_kernels/flash_sm90.py > PATH)"
+        )
     spec = importlib.util.spec_from_file_location(f"flash_sm90_{name}", path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
@@ -67,8 +70,10 @@ def load_module(path: str, name: str):
 
 def compare(new, old) -> str:
     """'=' where bitwise equal, else the relative L2 difference, per tensor."""
-    return " ".join("=" if torch.equal(a, b) else f"{((a.float() - b.float()).norm() / b.float().norm()).item():.1e}"
-                    for a, b in zip(new, old))
+    return " ".join(
+        "=" if torch.equal(a, b) else f"{((a.float() - b.float()).norm() / b.float().norm()).item():.1e}"
+        for a, b in zip(new, old)
+    )
 
 
 def ab(fn, versions: dict, rounds: int) -> dict:
@@ -95,9 +100,11 @@ def row(name: str, what: str, n_flops: float, times: dict, diff: str) -> str:
     old, new = times["old"], times["new"]
     pairs = sorted(o / n for o, n in zip(old, new))
     samples = " ".join(f"{t * 1e3:.0f}" for t in old + new)
-    return (f"| {name} | {what} | {min(old) * 1e3:.1f} ({n_flops / min(old) / 1e9:.1f}) | {min(new) * 1e3:.1f} "
-            f"({n_flops / min(new) / 1e9:.1f}) | {min(old) / min(new):.3f} | {pairs[len(pairs) // 2]:.3f} | {diff} "
-            f"| {samples} |")
+    return (
+        f"| {name} | {what} | {min(old) * 1e3:.1f} ({n_flops / min(old) / 1e9:.1f}) | {min(new) * 1e3:.1f} "
+        f"({n_flops / min(new) / 1e9:.1f}) | {min(old) / min(new):.3f} | {pairs[len(pairs) // 2]:.3f} | {diff} "
+        f"| {samples} |"
+    )
 
 
 def run_shape(shape, versions: dict, rounds: int, what: str) -> list[str]:
@@ -129,18 +136,29 @@ def run_shape(shape, versions: dict, rounds: int, what: str) -> list[str]:
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--old", required=True, help="a copy of another revision's attention_kernels/flash_sm90.py")
-    parser.add_argument("--new",
-                        help="a copy to measure in place of the working tree's attention_kernels/flash_sm90.py")
-    parser.add_argument("--shapes", nargs="+", type=parse_shape, default=SHAPES,
-                        help="B,H_q,H_kv,S,D_qk,D_v,causal|full ... (default: session 32's nine)")
+    parser.add_argument(
+        "--new", help="a copy to measure in place of the working tree's attention_kernels/flash_sm90.py"
+    )
+    parser.add_argument(
+        "--shapes",
+        nargs="+",
+        type=parse_shape,
+        default=SHAPES,
+        help="B,H_q,H_kv,S,D_qk,D_v,causal|full ... (default: session 32's nine)",
+    )
     parser.add_argument("--rounds", type=int, default=5, help="alternated rounds per shape (default 5)")
     parser.add_argument("--what", choices=["both", "forward", "backward"], default="both")
     args = parser.parse_args()
-    if (flash.flash_sm90 is None or not torch.cuda.is_available()
-            or not flash.flash_sm90.on_hopper(torch.empty(0, device="cuda"))):
+    if (
+        flash.flash_sm90 is None
+        or not torch.cuda.is_available()
+        or not flash.flash_sm90.on_hopper(torch.empty(0, device="cuda"))
+    ):
         raise SystemExit("needs an sm_90 GPU and Triton 3.6 (the Hopper kernels are what it compares)")
-    versions = {"old": load_module(args.old, "old"),
-                "new": load_module(args.new, "new") if args.new else flash.flash_sm90}
+    versions = {
+        "old": load_module(args.old, "old"),
+        "new": load_module(args.new, "new") if args.new else flash.flash_sm90,
+    }
     print(header())
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
     for _ in range(200):
@@ -149,7 +167,7 @@ def main():
     lines = []
     for shape in args.shapes:
         lines += run_shape(shape, versions, args.rounds, args.what)
-        print("\n".join(lines[-2 if args.what == "both" else -1:]), flush=True)
+        print("\n".join(lines[-2 if args.what == "both" else -1 :]), flush=True)
         torch.cuda.empty_cache()
     print("\nGPU alone, best of the rounds, us (TFLOP/s); speed = old / new: best, and the median round's pair")
     print("| shape | pass | old | new | speed | median pair | new vs old (out lse / dq dk dv) | samples: old, new |")

@@ -72,7 +72,7 @@ def grid_part(shapes: list, part: str) -> list:
         raise SystemExit(f"--part {part!r}: expected i/n with integers, e.g. 2/3") from None
     if not 1 <= i <= n:
         raise SystemExit(f"--part {part!r}: expected 1 <= i <= n")
-    return shapes[(i - 1) * len(shapes) // n: i * len(shapes) // n]
+    return shapes[(i - 1) * len(shapes) // n : i * len(shapes) // n]
 
 
 def flops(shape) -> float:
@@ -218,10 +218,18 @@ def run_shape(shape, dtype, rounds: int, with_flex=True, with_pointers=False):
             print(f"{name}: FlexAttention failed: {type(e).__name__}: {str(e)[:200]}")
     f = flops(shape)
     tf = lambda ms, mult=1.0: None if ms is None else mult * f / ms / 1e9  # noqa: E731
-    row = dict(shape=name, err=err,
-               fwd=tf(fwd["ours"]), fwd_triton=tf(fwd_triton), fwd_sdpa=tf(fwd["ref"]), fwd_flex=tf(flex_fwd),
-               bwd=tf(bwd["ours"], 2.5), bwd_triton=tf(bwd_triton, 2.5), bwd_sdpa=tf(bwd["ref"], 2.5),
-               bwd_flex=tf(flex_bwd, 2.5))
+    row = dict(
+        shape=name,
+        err=err,
+        fwd=tf(fwd["ours"]),
+        fwd_triton=tf(fwd_triton),
+        fwd_sdpa=tf(fwd["ref"]),
+        fwd_flex=tf(flex_fwd),
+        bwd=tf(bwd["ours"], 2.5),
+        bwd_triton=tf(bwd_triton, 2.5),
+        bwd_sdpa=tf(bwd["ref"], 2.5),
+        bwd_flex=tf(flex_bwd, 2.5),
+    )
     for what, t, mult in (("fwd", fwd, 1.0), ("bwd", bwd, 2.5)):
         row[f"{what}/sdpa"] = statistics.median(t["pairs"])
         row[f"{what}/sdpa range"] = span(t["pairs"])
@@ -243,12 +251,18 @@ def main():
     parser.add_argument("--quick", action="store_true", help="four shapes instead of the full grid")
     parser.add_argument("--part", default="1/1", help="i/n: run the i-th of n slices of the grid (default all)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
-    parser.add_argument("--rounds", type=int, default=5,
-                        help="alternated rounds of SDPA and ours per shape (default 5): medians and paired ratios")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=5,
+        help="alternated rounds of SDPA and ours per shape (default 5): medians and paired ratios",
+    )
     parser.add_argument("--no-flex", action="store_true", help="skip FlexAttention (saves its compile time)")
-    parser.add_argument("--pointers", action="store_true",
-                        help="also time our kernels with plain pointer loads everywhere (ZOO_FLASH_TMA=0): "
-                             "the backward's TMA lever")
+    parser.add_argument(
+        "--pointers",
+        action="store_true",
+        help="also time our kernels with plain pointer loads everywhere (ZOO_FLASH_TMA=0): the backward's TMA lever",
+    )
     args = parser.parse_args()
     if args.rounds < 1:
         raise SystemExit(f"--rounds {args.rounds}: expected at least 1")
@@ -262,13 +276,37 @@ def main():
     print("configs picked (BLOCK_M, BLOCK_N, warps, stages):")
     for key, cfg in flash._TUNED.items():
         print(f"  {key[0]:5s} D{key[1]}/{key[2]} causal={key[3]} {key[5]} tma={key[6]}: {cfg}")
-    print(f"\n{args.dtype}, TFLOP/s (forward; backward alone = 2.5x forward FLOPs); ratio > 1: ours faster. Ours "
-          f"and SDPA: medians of {args.rounds} alternated rounds, each ratio the median of the rounds' pairs (range: "
-          "their lowest-highest); Triton and Flex: one sample each")
-    columns = ["shape", "fwd", "fwd_triton", "fwd_sdpa", "fwd_flex", "fwd/sdpa", "fwd/sdpa range", "fwd/flex",
-               "bwd", "bwd_triton", "bwd_sdpa", "bwd_flex", "bwd/sdpa", "bwd/sdpa range", "bwd/flex",
-               "fwd_gpu", "fwd_gpu_sdpa", "fwd_gpu/sdpa", "fwd_gpu/sdpa range",
-               "bwd_gpu", "bwd_gpu_sdpa", "bwd_gpu/sdpa", "bwd_gpu/sdpa range", "err"]
+    print(
+        f"\n{args.dtype}, TFLOP/s (forward; backward alone = 2.5x forward FLOPs); ratio > 1: ours faster. Ours "
+        f"and SDPA: medians of {args.rounds} alternated rounds, each ratio the median of the rounds' pairs (range: "
+        "their lowest-highest); Triton and Flex: one sample each"
+    )
+    columns = [
+        "shape",
+        "fwd",
+        "fwd_triton",
+        "fwd_sdpa",
+        "fwd_flex",
+        "fwd/sdpa",
+        "fwd/sdpa range",
+        "fwd/flex",
+        "bwd",
+        "bwd_triton",
+        "bwd_sdpa",
+        "bwd_flex",
+        "bwd/sdpa",
+        "bwd/sdpa range",
+        "bwd/flex",
+        "fwd_gpu",
+        "fwd_gpu_sdpa",
+        "fwd_gpu/sdpa",
+        "fwd_gpu/sdpa range",
+        "bwd_gpu",
+        "bwd_gpu_sdpa",
+        "bwd_gpu/sdpa",
+        "bwd_gpu/sdpa range",
+        "err",
+    ]
     if args.pointers:
         columns[1:1] = ["fwd_ptr", "bwd_ptr"]
     print_table(rows, columns)

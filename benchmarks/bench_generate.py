@@ -95,8 +95,10 @@ def main():
     if args.device == "cuda":
         require_cuda("bench_generate.py (without --device=cpu)")
         print("ceilings: " + ", ".join(f"{k} {v:.1f}" for k, v in ceilings().items()))
-    print(f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, dtype {args.dtype}, "
-          f"page {args.page_size}, {'tiny' if args.tiny else 'GPT-2 small'} models")
+    print(
+        f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, dtype {args.dtype}, "
+        f"page {args.page_size}, {'tiny' if args.tiny else 'GPT-2 small'} models"
+    )
     rows = []
     for variant in args.variants.split(","):
         backends = ["triton"] if args.no_baselines else ["triton", "torch"]
@@ -107,16 +109,38 @@ def main():
                 if backend == "torch" and batch == 1 and not args.no_baselines:
                     kinds.append("none")
                 for cache in kinds:
-                    row = {"variant": variant, "cache": cache, "backend": backend, "batch": batch,
-                           **run_one(model, cache, batch, args)}
+                    row = {
+                        "variant": variant,
+                        "cache": cache,
+                        "backend": backend,
+                        "batch": batch,
+                        **run_one(model, cache, batch, args),
+                    }
                     rows.append(row)
-                    print(f"  {variant} {cache} {backend} B{batch}: {row['decode tok/s']:.1f} decode tok/s",
-                          file=sys.stderr, flush=True)
+                    print(
+                        f"  {variant} {cache} {backend} B{batch}: {row['decode tok/s']:.1f} decode tok/s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
             del model
             if args.device == "cuda":
                 torch.cuda.empty_cache()
-    print_table(rows, ["variant", "cache", "backend", "batch", "decode tok/s", "ms/step", "prefill tok/s",
-                       "cache GB/s", "KiB/token", "cache MiB", "wall s"])
+    print_table(
+        rows,
+        [
+            "variant",
+            "cache",
+            "backend",
+            "batch",
+            "decode tok/s",
+            "ms/step",
+            "prefill tok/s",
+            "cache GB/s",
+            "KiB/token",
+            "cache MiB",
+            "wall s",
+        ],
+    )
 
 
 if __name__ == "__main__":

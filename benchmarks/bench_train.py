@@ -49,8 +49,11 @@ def step_seconds(model: GPT, batch: int, seq_len: int, steps: int, device: str, 
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, model.config.vocab_size, (batch, seq_len), generator=g).to(device)
     y = torch.randint(0, model.config.vocab_size, (batch, seq_len), generator=g).to(device)
-    autocast = torch.autocast(device_type="cuda", dtype=torch.bfloat16) if device == "cuda" \
+    autocast = (
+        torch.autocast(device_type="cuda", dtype=torch.bfloat16)
+        if device == "cuda"
         else torch.autocast(device_type="cpu", enabled=False)
+    )
     run = torch.compile(model) if mode.startswith("compile") else model
 
     def step():
@@ -133,8 +136,9 @@ def main():
             rows.append(row)
             print(f"{mode} {variant}: triton {row['triton ms']:.1f} ms, torch {row['torch ms']:.1f} ms", flush=True)
     print(f"\nbatch {args.batch} x {seq_len} tokens, bf16 autocast; triton/torch > 1: the Triton step is faster")
-    print_table(rows, ["mode", "variant", "triton ms", "torch ms", "triton/torch", "triton MFU", "torch MFU",
-                       "KV bytes/token"])
+    print_table(
+        rows, ["mode", "variant", "triton ms", "torch ms", "triton/torch", "triton MFU", "torch MFU", "KV bytes/token"]
+    )
 
 
 if __name__ == "__main__":

@@ -16,18 +16,22 @@ from attention_kernels._host import behind_sleep
 
 def header() -> str:
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
-    return (f"date {datetime.date.today().isoformat()} | gpu {gpu} | torch {torch.__version__} | "
-            f"triton {triton.__version__}")
+    return (
+        f"date {datetime.date.today().isoformat()} | gpu {gpu} | torch {torch.__version__} | "
+        f"triton {triton.__version__}"
+    )
 
 
 def require_cuda(script: str):
     """Exit with what to run instead where there is no CUDA GPU: these benchmarks time kernels against SDPA and the
     machine's ceilings, which only a GPU has."""
     if not torch.cuda.is_available():
-        raise SystemExit(f"{script} times the kernels on a CUDA GPU, and torch sees none here; on the CPU, "
-                         "`pytest -n auto` runs the kernels under the Triton interpreter, and `benchmarks/"
-                         "bench_generate.py --device=cpu --tiny` and `bench_train.py --device=cpu --tiny` are smoke "
-                         "runs of the benchmark code")
+        raise SystemExit(
+            f"{script} times the kernels on a CUDA GPU, and torch sees none here; on the CPU, "
+            "`pytest -n auto` runs the kernels under the Triton interpreter, and `benchmarks/"
+            "bench_generate.py --device=cpu --tiny` and `bench_train.py --device=cpu --tiny` are smoke "
+            "runs of the benchmark code"
+        )
 
 
 @contextlib.contextmanager
@@ -128,8 +132,9 @@ def bench_gpu_interleaved_ms(fns: list, n: int = 30) -> list[float]:
         fn()
     torch.cuda.synchronize()
     per_round = time.perf_counter() - t0  # host and GPU together: more than enqueueing alone takes
-    events = [[(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in fns]
-              for _ in range(n)]
+    events = [
+        [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in fns] for _ in range(n)
+    ]
 
     def enqueue():
         for round_events in events:
@@ -141,8 +146,10 @@ def bench_gpu_interleaved_ms(fns: list, n: int = 30) -> list[float]:
 
     for attempt in range(4):
         if behind_sleep(enqueue, (2 * n * per_round + 0.005) * 4**attempt):
-            return [sorted(round_events[i][0].elapsed_time(round_events[i][1]) for round_events in events)[n // 2]
-                    for i in range(len(fns))]
+            return [
+                sorted(round_events[i][0].elapsed_time(round_events[i][1]) for round_events in events)[n // 2]
+                for i in range(len(fns))
+            ]
     raise RuntimeError("bench_gpu_interleaved_ms: the GPU woke before the calls were enqueued, four times")
 
 

@@ -154,8 +154,9 @@ def load_dataset_dir(directory: str) -> TokenData:
     if not isinstance(tok, dict) or not isinstance(tok.get("vocab_size"), int) or "dtype" not in meta:
         raise DataError(f"{meta_path}: expected keys 'tokenizer' (with 'vocab_size') and 'dtype'; {redo}")
     if tok.get("kind") == "char" and len(tok.get("chars", "")) != tok["vocab_size"]:
-        raise DataError(f"{meta_path}: vocab_size {tok['vocab_size']} but {len(tok.get('chars', ''))} characters; "
-                        f"{redo}")
+        raise DataError(
+            f"{meta_path}: vocab_size {tok['vocab_size']} but {len(tok.get('chars', ''))} characters; {redo}"
+        )
     if meta["dtype"] not in ("uint16", "uint32"):
         raise DataError(f"{meta_path}: dtype {meta['dtype']!r}; valid: 'uint16' or 'uint32'; {redo}")
     dtype = np.dtype(meta["dtype"])
@@ -168,8 +169,10 @@ def load_dataset_dir(directory: str) -> TokenData:
         expected = meta.get(f"{split}_tokens")
         if size == 0 or size % dtype.itemsize or (expected is not None and size != expected * dtype.itemsize):
             want = f"{expected:,} {dtype.name} tokens" if expected is not None else f"whole {dtype.name} tokens"
-            raise DataError(f"{path}: {size:,} bytes, where meta.json says {want}: the file is empty, truncated or "
-                            f"from another preparation; {redo}")
+            raise DataError(
+                f"{path}: {size:,} bytes, where meta.json says {want}: the file is empty, truncated or "
+                f"from another preparation; {redo}"
+            )
         splits.append(np.memmap(path, dtype=dtype, mode="r"))
     return TokenData(train=splits[0], val=splits[1], meta=meta)
 
@@ -179,8 +182,9 @@ def prepared_datasets() -> list[str]:
     from data import prepare
 
     builtin = {"pydoc", "char", *prepare.HUB_DATASETS}
-    return sorted(d for d in os.listdir(DATA_ROOT) if d not in builtin
-                  and os.path.isfile(os.path.join(DATA_ROOT, d, "meta.json")))
+    return sorted(
+        d for d in os.listdir(DATA_ROOT) if d not in builtin and os.path.isfile(os.path.join(DATA_ROOT, d, "meta.json"))
+    )
 
 
 def ensure_dataset(name: str, data_dir: str = "") -> TokenData:
@@ -193,8 +197,10 @@ def ensure_dataset(name: str, data_dir: str = "") -> TokenData:
         if name == "pydoc":
             prepare.prepare_pydoc(directory)
         elif name == "char":
-            raise DataError(f"dataset 'char' is not prepared in {directory}: run `python -m data.prepare char "
-                            f"--input=your_text.txt` first (any local text file, no network)")
+            raise DataError(
+                f"dataset 'char' is not prepared in {directory}: run `python -m data.prepare char "
+                f"--input=your_text.txt` first (any local text file, no network)"
+            )
         elif name in prepare.HUB_DATASETS:
             raise DataError(
                 f"dataset {name!r} is not prepared in {directory}: run `python -m data.prepare {name}` first "
@@ -202,9 +208,11 @@ def ensure_dataset(name: str, data_dir: str = "") -> TokenData:
             )
         else:
             valid = ", ".join(["pydoc", "char", *prepare.HUB_DATASETS, *prepared_datasets()])
-            raise DataError(f"dataset: got {name!r} with no prepared data in {directory}; valid: {valid}, or a text "
-                            f"file of your own prepared as {name!r} (`python -m data.prepare char --input=FILE "
-                            f"--name={name}`)")
+            raise DataError(
+                f"dataset: got {name!r} with no prepared data in {directory}; valid: {valid}, or a text "
+                f"file of your own prepared as {name!r} (`python -m data.prepare char --input=FILE "
+                f"--name={name}`)"
+            )
     loaded = load_dataset_dir(directory)
     _check_source(name, directory, loaded.meta.get("source"))
     return loaded
@@ -217,5 +225,7 @@ def _check_source(name: str, directory: str, source) -> None:
 
     expected = "pydoc_data" if name == "pydoc" else getattr(prepare.HUB_DATASETS.get(name), "path", None)
     if expected is not None and isinstance(source, str) and not source.startswith(expected):
-        raise DataError(f"dataset: got {name!r}, but {directory} holds a dataset prepared from {source!r}; valid: "
-                        f"the --dataset that directory was prepared as, or a --data_dir holding {name}")
+        raise DataError(
+            f"dataset: got {name!r}, but {directory} holds a dataset prepared from {source!r}; valid: "
+            f"the --dataset that directory was prepared as, or a --data_dir holding {name}"
+        )

@@ -227,21 +227,31 @@ def write_dataset(
     try:
         os.makedirs(directory, exist_ok=True)
     except OSError as e:
-        raise DataError(f"directory: cannot create {directory!r} ({e.strerror}); valid: a writable directory path") \
-            from None
+        raise DataError(
+            f"directory: cannot create {directory!r} ({e.strerror}); valid: a writable directory path"
+        ) from None
     if os.path.exists(os.path.join(directory, "meta.json")):
         os.remove(os.path.join(directory, "meta.json"))
     dtype = token_dtype(tokenizer_meta["vocab_size"])
-    counts = {split: _write_tokens(os.path.join(directory, f"{split}.bin"), chunks, dtype)
-              for split, chunks in (("train", train), ("val", val))}
+    counts = {
+        split: _write_tokens(os.path.join(directory, f"{split}.bin"), chunks, dtype)
+        for split, chunks in (("train", train), ("val", val))
+    }
     for split, n in counts.items():
         if n == 0:
             raise DataError(f"dataset {source!r}: the {split} split came out empty; valid: at least one document")
-    meta = {"tokenizer": tokenizer_meta, "dtype": dtype.name, "train_tokens": counts["train"],
-            "val_tokens": counts["val"], "source": source}
+    meta = {
+        "tokenizer": tokenizer_meta,
+        "dtype": dtype.name,
+        "train_tokens": counts["train"],
+        "val_tokens": counts["val"],
+        "source": source,
+    }
     _atomic_write(os.path.join(directory, "meta.json"), json.dumps(meta, indent=1).encode())
-    print(f"prepared {directory}: {counts['train']:,} train and {counts['val']:,} val tokens, "
-          f"vocab {tokenizer_meta['vocab_size']}, {dtype.name}")
+    print(
+        f"prepared {directory}: {counts['train']:,} train and {counts['val']:,} val tokens, "
+        f"vocab {tokenizer_meta['vocab_size']}, {dtype.name}"
+    )
     return meta
 
 
@@ -295,8 +305,10 @@ def _check_name(name: str, input_path: str, reserved: list[str]) -> None:
         except (OSError, ValueError, AttributeError):
             source = None
         if source not in (None, os.path.abspath(input_path)):
-            raise DataError(f"--name: {name!r} already holds a dataset prepared from {source!r}; valid: another "
-                            f"--name, or delete {os.path.dirname(meta_path)} first")
+            raise DataError(
+                f"--name: {name!r} already holds a dataset prepared from {source!r}; valid: another "
+                f"--name, or delete {os.path.dirname(meta_path)} first"
+            )
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -184,14 +184,22 @@ def _compile_process():
         root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
         env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
         stderr = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: a full pipe nobody reads would block it
-        proc = subprocess.Popen([sys.executable, "-c", _COMPILE_WORKER], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                stderr=stderr, text=True, env=env, cwd=root)
+        proc = subprocess.Popen(
+            [sys.executable, "-c", _COMPILE_WORKER],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=stderr,
+            text=True,
+            env=env,
+            cwd=root,
+        )
         _compile_worker = (proc, stderr)
     return _compile_worker
 
 
-def compile_gluon_sm90(module: str, kernel: str, types: dict, constants: dict, options: dict | None = None,
-                       gluon: bool = True) -> dict:
+def compile_gluon_sm90(
+    module: str, kernel: str, types: dict, constants: dict, options: dict | None = None, gluon: bool = True
+) -> dict:
     """Compile a Gluon kernel (gluon=False: a Triton-language one) for sm_90 on any machine (in the compile worker,
     a subprocess without the interpreter; Gluon has none, and the interpreter never compiles) and assemble it with
     ptxas: {"ptx", "ttgir" (the layouts Triton chose), "shared" (bytes), "ptxas" (its -v report: registers, spills,
@@ -206,7 +214,7 @@ def compile_gluon_sm90(module: str, kernel: str, types: dict, constants: dict, o
     proc.stdin.flush()
     for line in proc.stdout:  # anything else the compiler prints to stdout is skipped
         if line.startswith("@@compiled "):
-            result = json.loads(line[len("@@compiled "):])
+            result = json.loads(line[len("@@compiled ") :])
             assert "error" not in result, f"compiling {module}.{kernel}:\n{result.get('error', '')[-3000:]}"
             return result
     stderr.seek(0)  # it died (the next compile starts a new one: `_compile_process` polls it)
@@ -224,5 +232,4 @@ def spill_bytes(ptxas_report: str) -> list[tuple[int, int]]:
     """(store, load) spill bytes per function from ptxas -v."""
     import re
 
-    return [(int(a), int(b)) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads",
-                                                    ptxas_report)]
+    return [(int(a), int(b)) for a, b in re.findall(r"(\d+) bytes spill stores, (\d+) bytes spill loads", ptxas_report)]

@@ -78,7 +78,7 @@ def _paged_consistency(cache, shadow):
     for r, toks in enumerate(shadow):
         assert store.lens[r] == len(toks)
         assert len(store.pages[r]) == -(-len(toks) // store.page_size)
-        assert table[r, :len(store.pages[r])].tolist() == store.pages[r]
+        assert table[r, : len(store.pages[r])].tolist() == store.pages[r]
         if toks:
             k_all, _ = _read(cache, r)
             torch.testing.assert_close(k_all, torch.stack(toks, 1), rtol=0, atol=0)
@@ -187,17 +187,27 @@ def _step(cache, shadow, rows, T, dtype, check):
                 check(c_all[0], shadow.stacked(rows[0], layer, 0), "append_latent c_kv")
                 check(r_all[0], shadow.stacked(rows[0], layer, 1), "append_latent k_rope")
                 continue
-            qa, qr = torch.randn(n, 4, 1, 32, device=DEVICE, dtype=dtype), torch.randn(n, 4, 1, 8, device=DEVICE,
-                                                                                      dtype=dtype)
+            qa, qr = (
+                torch.randn(n, 4, 1, 32, device=DEVICE, dtype=dtype),
+                torch.randn(n, 4, 1, 8, device=DEVICE, dtype=dtype),
+            )
             out = view.attend_latent(layer, qa, qr, c[:, :, :], kr, 0.2)
             for i, r in enumerate(rows):
                 cs, rs = shadow.stacked(r, layer, 0), shadow.stacked(r, layer, 1)  # (S, D_c), (S, D_r)
-                ref, _ = reference.mla_decode_reference(qa[i:i + 1, :, 0], qr[i:i + 1, :, 0], cs[None], rs[None],
-                                                        torch.tensor([cs.shape[0]], device=DEVICE), scale=0.2)
-                check(out[i:i + 1, :, 0], ref, f"attend_latent row {r} layer {layer}")
+                ref, _ = reference.mla_decode_reference(
+                    qa[i : i + 1, :, 0],
+                    qr[i : i + 1, :, 0],
+                    cs[None],
+                    rs[None],
+                    torch.tensor([cs.shape[0]], device=DEVICE),
+                    scale=0.2,
+                )
+                check(out[i : i + 1, :, 0], ref, f"attend_latent row {r} layer {layer}")
         else:
-            k, v = torch.randn(n, 2, T, 16, device=DEVICE, dtype=dtype), torch.randn(n, 2, T, 16, device=DEVICE,
-                                                                                  dtype=dtype)
+            k, v = (
+                torch.randn(n, 2, T, 16, device=DEVICE, dtype=dtype),
+                torch.randn(n, 2, T, 16, device=DEVICE, dtype=dtype),
+            )
             shadow.add(rows, layer, k.transpose(1, 2), v.transpose(1, 2))
             if T > 1:
                 k_all, v_all = view.append(layer, k, v)
@@ -209,9 +219,10 @@ def _step(cache, shadow, rows, T, dtype, check):
             for i, r in enumerate(rows):
                 ks, vs = shadow.stacked(r, layer, 0), shadow.stacked(r, layer, 1)  # (S, H_kv, D)
                 n_tok = torch.tensor([ks.shape[0]], device=DEVICE)
-                ref, _ = reference.decode_reference(q[i:i + 1, :, 0], ks.transpose(0, 1)[None],
-                                                    vs.transpose(0, 1)[None], n_tok, scale=0.25)
-                check(y[i:i + 1, :, 0], ref, f"attend row {r} layer {layer}")
+                ref, _ = reference.decode_reference(
+                    q[i : i + 1, :, 0], ks.transpose(0, 1)[None], vs.transpose(0, 1)[None], n_tok, scale=0.25
+                )
+                check(y[i : i + 1, :, 0], ref, f"attend row {r} layer {layer}")
     return pos
 
 
@@ -275,20 +286,29 @@ def test_memory_report():
     grouped = make_cache("grouped", GQA, 3, 40, device="cpu", dtype=bf16)
     per_token = 2 * GQA.n_layer * GQA.n_kv_head * 16 * 2  # K and V, KV heads only, 2 bytes
     grouped.view([0]).reserve(7)
-    assert grouped.memory() == {"bytes_allocated": 3 * 40 * per_token, "bytes_in_use": 7 * per_token,
-                                "bytes_per_token": per_token}
+    assert grouped.memory() == {
+        "bytes_allocated": 3 * 40 * per_token,
+        "bytes_in_use": 7 * per_token,
+        "bytes_per_token": per_token,
+    }
     paged = make_cache("paged", GQA, 3, 40, device="cpu", dtype=bf16, page_size=8, num_pages=9)
     paged.view([0]).reserve(9)  # two pages held
-    assert paged.memory() == {"bytes_allocated": 9 * 8 * per_token, "bytes_in_use": 16 * per_token,
-                              "bytes_per_token": per_token}
+    assert paged.memory() == {
+        "bytes_allocated": 9 * 8 * per_token,
+        "bytes_in_use": 16 * per_token,
+        "bytes_per_token": per_token,
+    }
     latent = MLA.n_layer * (32 + 8) * 2  # c_kv and the shared RoPE key only, 2 bytes
     mla = make_cache("mla", MLA, 2, 16, device="cpu", dtype=bf16)
     mla.view([1]).reserve(5)
     assert mla.memory() == {"bytes_allocated": 2 * 16 * latent, "bytes_in_use": 5 * latent, "bytes_per_token": latent}
     paged_mla = make_cache("paged_mla", MLA, 2, 16, device="cpu", dtype=bf16, page_size=8)
     paged_mla.view([0, 1]).reserve(3)  # one page each
-    assert paged_mla.memory() == {"bytes_allocated": 2 * 2 * 8 * latent,  # 2 pages per row by default
-                                  "bytes_in_use": 2 * 8 * latent, "bytes_per_token": latent}
+    assert paged_mla.memory() == {
+        "bytes_allocated": 2 * 2 * 8 * latent,  # 2 pages per row by default
+        "bytes_in_use": 2 * 8 * latent,
+        "bytes_per_token": latent,
+    }
 
 
 def test_bad_use_raises():
@@ -339,8 +359,11 @@ def test_model_refuses_a_cache_it_cannot_use_before_it_grows():
     from model import GPT, GPTConfig
 
     torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, vocab_size=32, block_size=16, pos_embedding="learned",
-                          attn_backend="torch")).eval()
+    model = GPT(
+        GPTConfig(
+            n_layer=2, n_head=4, n_embd=64, vocab_size=32, block_size=16, pos_embedding="learned", attn_backend="torch"
+        )
+    ).eval()
     other = make_cache("grouped", GQA, 1, 16, device="cpu")  # 2 KV heads: made for a GQA model
     with pytest.raises(ValueError, match=r"cache: made for .*'n_kv_head': 2.*valid: a cache for this model"):
         model(torch.zeros(1, 3, dtype=torch.long), cache=other)

@@ -15,8 +15,17 @@ from checkpoint import TRAIN_KEYS, CheckpointError, clean_state_dict, load_check
 from configurator import ConfigError, parse_config, wants_help
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-DEFAULTS = dict(batch_size=12, learning_rate=6e-4, compile=False, dtype="bfloat16", wandb_run_name="run",
-                n_kv_head=None, betas=(0.9, 0.95), n_head=4, n_embd=128)
+DEFAULTS = dict(
+    batch_size=12,
+    learning_rate=6e-4,
+    compile=False,
+    dtype="bfloat16",
+    wandb_run_name="run",
+    n_kv_head=None,
+    betas=(0.9, 0.95),
+    n_head=4,
+    n_embd=128,
+)
 
 
 def write(tmp_path, name, text):
@@ -26,8 +35,18 @@ def write(tmp_path, name, text):
 
 
 def test_overrides_parse_and_coerce():
-    got = parse_config(DEFAULTS, ["--batch_size=32", "--learning_rate=1", "--compile=True", "--dtype=float16",
-                                  "--wandb_run_name=2024", "--n_kv_head=2", "--betas=(0.9,0.99)"])
+    got = parse_config(
+        DEFAULTS,
+        [
+            "--batch_size=32",
+            "--learning_rate=1",
+            "--compile=True",
+            "--dtype=float16",
+            "--wandb_run_name=2024",
+            "--n_kv_head=2",
+            "--betas=(0.9,0.99)",
+        ],
+    )
     assert got["batch_size"] == 32
     assert got["learning_rate"] == 1.0 and isinstance(got["learning_rate"], float)  # int accepted for a float
     assert got["compile"] is True and got["dtype"] == "float16"
@@ -37,8 +56,7 @@ def test_overrides_parse_and_coerce():
 
 
 def test_config_file_sees_earlier_values_and_overrides_apply_in_order(tmp_path):
-    cfg = write(tmp_path, "c.py", "import math\nn_embd = 64 * n_head\nbatch_size = int(math.sqrt(16))\n"
-                                  "_private = 3\n")
+    cfg = write(tmp_path, "c.py", "import math\nn_embd = 64 * n_head\nbatch_size = int(math.sqrt(16))\n_private = 3\n")
     got = parse_config(DEFAULTS, ["--n_head=6", cfg, "--batch_size=7"])
     assert got["n_embd"] == 384 and got["batch_size"] == 7
     assert "_private" not in got and "math" not in got
@@ -47,10 +65,35 @@ def test_config_file_sees_earlier_values_and_overrides_apply_in_order(tmp_path):
 def test_key_space_value_is_key_equals_value(tmp_path):
     """argparse's spelling (`sample.py --cache paged`) means what `--key=value` means, beside config files."""
     cfg = write(tmp_path, "c.py", "n_embd = 64 * n_head\n")
-    spaced = parse_config(DEFAULTS, ["--n_head", "6", cfg, "--batch_size", "7", "--compile=True", "--dtype", "float16",
-                                     "--wandb_run_name", "2024", "--learning_rate", "-1e-4"])
-    joined = parse_config(DEFAULTS, ["--n_head=6", cfg, "--batch_size=7", "--compile=True", "--dtype=float16",
-                                     "--wandb_run_name=2024", "--learning_rate=-1e-4"])
+    spaced = parse_config(
+        DEFAULTS,
+        [
+            "--n_head",
+            "6",
+            cfg,
+            "--batch_size",
+            "7",
+            "--compile=True",
+            "--dtype",
+            "float16",
+            "--wandb_run_name",
+            "2024",
+            "--learning_rate",
+            "-1e-4",
+        ],
+    )
+    joined = parse_config(
+        DEFAULTS,
+        [
+            "--n_head=6",
+            cfg,
+            "--batch_size=7",
+            "--compile=True",
+            "--dtype=float16",
+            "--wandb_run_name=2024",
+            "--learning_rate=-1e-4",
+        ],
+    )
     assert spaced == joined
     assert spaced["n_embd"] == 384 and spaced["batch_size"] == 7 and spaced["wandb_run_name"] == "2024"
     assert spaced["learning_rate"] == -1e-4
@@ -62,18 +105,31 @@ def test_key_space_value_is_key_equals_value(tmp_path):
         parse_config(DEFAULTS, ["--n_kv_head", "4", write(tmp_path, "d.py", "n_kv_head = 1\n")])
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["--bach_size=3"], "unknown config key 'bach_size' (did you mean batch_size?)"),
-    (["--batch_size=3.5"], "batch_size=3.5 has type float, but batch_size takes type int"),
-    (["--compile=1"], "compile=1 has type int, but compile takes type bool"),
-    (["--learning_rate=fast"], "learning_rate='fast' has type str"),
-    (["--batch_size"], "expected --key=value or --key value"),
-    (["--batch_size", "--compile=True"], "override '--batch_size': expected --key=value or --key value"),
-    (["--batch_size", "many"], "batch_size='many' has type str, but batch_size takes type int"),
-    (["--compile", "1"], "config file '1': no such file"),  # a bool key alone is True; then "1" is an argument
-    (["missing_config.py"], "no such file"),
-], ids=["unknown-key", "float-for-int", "int-for-bool", "str-for-float", "no-value", "no-value-before-override",
-        "spaced-wrong-type", "bare-bool-then-a-stray-value", "missing-file"])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--bach_size=3"], "unknown config key 'bach_size' (did you mean batch_size?)"),
+        (["--batch_size=3.5"], "batch_size=3.5 has type float, but batch_size takes type int"),
+        (["--compile=1"], "compile=1 has type int, but compile takes type bool"),
+        (["--learning_rate=fast"], "learning_rate='fast' has type str"),
+        (["--batch_size"], "expected --key=value or --key value"),
+        (["--batch_size", "--compile=True"], "override '--batch_size': expected --key=value or --key value"),
+        (["--batch_size", "many"], "batch_size='many' has type str, but batch_size takes type int"),
+        (["--compile", "1"], "config file '1': no such file"),  # a bool key alone is True; then "1" is an argument
+        (["missing_config.py"], "no such file"),
+    ],
+    ids=[
+        "unknown-key",
+        "float-for-int",
+        "int-for-bool",
+        "str-for-float",
+        "no-value",
+        "no-value-before-override",
+        "spaced-wrong-type",
+        "bare-bool-then-a-stray-value",
+        "missing-file",
+    ],
+)
 def test_bad_arguments_fail_with_clear_message(argv, needle):
     with pytest.raises(ConfigError) as e:
         parse_config(DEFAULTS, argv)
@@ -82,30 +138,49 @@ def test_bad_arguments_fail_with_clear_message(argv, needle):
         assert "valid keys: batch_size, betas, compile" in str(e.value)
 
 
-@pytest.mark.parametrize("script, first_line, note", [
-    ("train.py", "Train a GPT with MHA, GQA, MQA or MLA attention",
-     "\n# I/O\n  --out_dir=out\n  --eval_interval=250  # every this many iterations"),
-    ("sample.py", "Sample from a trained model (or GPT-2)", "\n  --top_k=200  # 0 = off\n"),
-])
+@pytest.mark.parametrize(
+    "script, first_line, note",
+    [
+        (
+            "train.py",
+            "Train a GPT with MHA, GQA, MQA or MLA attention",
+            "\n# I/O\n  --out_dir=out\n  --eval_interval=250  # every this many iterations",
+        ),
+        ("sample.py", "Sample from a trained model (or GPT-2)", "\n  --top_k=200  # 0 = off\n"),
+    ],
+)
 def test_help_lists_the_keys_and_their_defaults(script, first_line, note):
     """`--help` / `-h`: the script's docstring (its commands), then every key as it is written on the command line,
     with the headings and notes of the script's DEFAULTS block."""
     for flag in ("--help", "-h"):
-        run = subprocess.run([sys.executable, os.path.join(ROOT, script), "configs/gqa.py", flag], capture_output=True,
-                             text=True, timeout=120, cwd=ROOT)
+        run = subprocess.run(
+            [sys.executable, os.path.join(ROOT, script), "configs/gqa.py", flag],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=ROOT,
+        )
         assert run.returncode == 0 and run.stderr == "", run.stderr
         assert run.stdout.startswith(first_line)
         assert "\nConfig keys and their defaults" in run.stdout and "\n  --compile=False\n" in run.stdout
         assert "\n  --device=" in run.stdout and "\n  --out_dir=out\n" in run.stdout and note in run.stdout
-        keys = [line.split("=")[0].strip() for line in run.stdout.split("Config keys")[1].splitlines()[1:]
-                if line.startswith("  --")]
+        keys = [
+            line.split("=")[0].strip()
+            for line in run.stdout.split("Config keys")[1].splitlines()[1:]
+            if line.startswith("  --")
+        ]
         defaults = (train if script == "train.py" else sample).DEFAULTS
         assert sorted(keys) == sorted(f"--{k}" for k in defaults)  # each key once
 
 
 def test_help_is_asked_for_only_outside_values():
-    for argv in (["--help"], ["-h"], ["configs/gqa.py", "--help", "configs/mla.py"], ["--compile", "-h"],
-                 ["--batch_size", "--help"]):
+    for argv in (
+        ["--help"],
+        ["-h"],
+        ["configs/gqa.py", "--help", "configs/mla.py"],
+        ["--compile", "-h"],
+        ["--batch_size", "--help"],
+    ):
         assert wants_help(argv, DEFAULTS), argv
     for argv in (["--dtype", "-h"], ["--dtype=--help"], ["--batch_size=3"]):  # a value, not a request
         assert not wants_help(argv, DEFAULTS), argv
@@ -118,8 +193,11 @@ def test_bad_config_file(tmp_path):
         parse_config(DEFAULTS, [write(tmp_path, "b.py", "n_head = = 3\n")])
     with pytest.raises(ConfigError, match="has type str, but n_head takes type int"):
         parse_config(DEFAULTS, [write(tmp_path, "c.py", "n_head = '4'\n")])
-    with pytest.raises(ConfigError, match=r"d\.py': line 2: NameError: name 'n_heads' is not defined.*valid names "
-                                          r"to read: batch_size, betas"):
+    with pytest.raises(
+        ConfigError,
+        match=r"d\.py': line 2: NameError: name 'n_heads' is not defined.*valid names "
+        r"to read: batch_size, betas",
+    ):
         parse_config(DEFAULTS, [write(tmp_path, "d.py", "n_head = 8\nn_embd = 64 * n_heads\n")])
     nul, latin = tmp_path / "e.py", tmp_path / "f.py"
     nul.write_bytes(b"n_head = 8\x00\n")
@@ -131,10 +209,14 @@ def test_bad_config_file(tmp_path):
     assert issubclass(ConfigError, ValueError)
 
 
-@pytest.mark.parametrize("files", [
-    *[[f] for f in sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))],
-    *[["configs/kv_h200.py", f"configs/{v}.py"] for v in ("mha", "gqa", "mqa", "mla")],
-], ids=lambda f: "+".join(os.path.basename(x)[:-3] for x in f))
+@pytest.mark.parametrize(
+    "files",
+    [
+        *[[f] for f in sorted(glob.glob(os.path.join(ROOT, "configs", "*.py")))],
+        *[["configs/kv_h200.py", f"configs/{v}.py"] for v in ("mha", "gqa", "mqa", "mla")],
+    ],
+    ids=lambda f: "+".join(os.path.basename(x)[:-3] for x in f),
+)
 def test_shipped_configs_parse_and_build_a_model(files):
     import train
     from model import GPTConfig
@@ -150,10 +232,21 @@ def test_shipped_configs_parse_and_build_a_model(files):
 def test_variant_configs_share_size_and_budget():
     import train
 
-    keys = ("n_layer", "n_head", "n_embd", "block_size", "batch_size", "gradient_accumulation_steps", "max_iters",
-            "learning_rate", "dataset")
-    configs = {v: parse_config(train.DEFAULTS, [os.path.join(ROOT, "configs", f"{v}.py")])
-               for v in ("mha", "gqa", "mqa", "mla")}
+    keys = (
+        "n_layer",
+        "n_head",
+        "n_embd",
+        "block_size",
+        "batch_size",
+        "gradient_accumulation_steps",
+        "max_iters",
+        "learning_rate",
+        "dataset",
+    )
+    configs = {
+        v: parse_config(train.DEFAULTS, [os.path.join(ROOT, "configs", f"{v}.py")])
+        for v in ("mha", "gqa", "mqa", "mla")
+    }
     first = configs["mha"]
     for v, c in configs.items():
         assert {k: c[k] for k in keys} == {k: first[k] for k in keys}, v
@@ -163,22 +256,35 @@ def test_variant_configs_share_size_and_budget():
     assert [name for _, name in names.values()] == ["mha", "gqa-kv2", "mqa", "mla"]
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["configs/gqa.py", "--n_head=16"],
-     r"override '--n_head=16' sets n_head after config file '.*gqa\.py', which computed n_kv_head from it, so they "
-     r"would not follow; valid: put it before that file .* or set n_kv_head after it too"),
-    (["configs/mla.py", "--n_embd=256"],
-     r"override '--n_embd=256' sets n_embd after config file '.*mla\.py', which computed kv_lora_rank, "
-     r"qk_nope_head_dim, qk_rope_head_dim, v_head_dim from it"),
-    (["configs/gqa.py", "configs/kv_h200.py"],
-     r"config file '.*kv_h200\.py' sets n_head after config file '.*gqa\.py', which computed n_kv_head from it"),
-    (["--n_kv_head=4", "configs/gqa.py"],
-     r"config file '.*gqa\.py' sets n_kv_head, which would silently replace the value 4 from the earlier override "
-     r"'--n_kv_head=4'; valid: put that override after the file"),
-    (["--out_dir=/tmp/x", "configs/mha.py", "configs/kv_h200.py"],  # the override lives on in mha.py's out_dir
-     r"kv_h200\.py' sets out_dir, which would silently replace the value '/tmp/x-mha' from the earlier override "
-     r"'--out_dir=/tmp/x'"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (
+            ["configs/gqa.py", "--n_head=16"],
+            r"override '--n_head=16' sets n_head after config file '.*gqa\.py', which computed n_kv_head from it, so they "
+            r"would not follow; valid: put it before that file .* or set n_kv_head after it too",
+        ),
+        (
+            ["configs/mla.py", "--n_embd=256"],
+            r"override '--n_embd=256' sets n_embd after config file '.*mla\.py', which computed kv_lora_rank, "
+            r"qk_nope_head_dim, qk_rope_head_dim, v_head_dim from it",
+        ),
+        (
+            ["configs/gqa.py", "configs/kv_h200.py"],
+            r"config file '.*kv_h200\.py' sets n_head after config file '.*gqa\.py', which computed n_kv_head from it",
+        ),
+        (
+            ["--n_kv_head=4", "configs/gqa.py"],
+            r"config file '.*gqa\.py' sets n_kv_head, which would silently replace the value 4 from the earlier override "
+            r"'--n_kv_head=4'; valid: put that override after the file",
+        ),
+        (
+            ["--out_dir=/tmp/x", "configs/mha.py", "configs/kv_h200.py"],  # the override lives on in mha.py's out_dir
+            r"kv_h200\.py' sets out_dir, which would silently replace the value '/tmp/x-mha' from the earlier override "
+            r"'--out_dir=/tmp/x'",
+        ),
+    ],
+)
 def test_an_order_that_would_drop_or_stale_a_value_is_refused(argv, needle):
     """Arguments apply left to right, and a config file computes its values when it runs: a size set after a
     variant file would leave that file's derived values stale, and a file would silently replace an earlier
@@ -190,16 +296,19 @@ def test_an_order_that_would_drop_or_stale_a_value_is_refused(argv, needle):
         parse_config(train.DEFAULTS, argv)
 
 
-@pytest.mark.parametrize("argv, expect", [
-    (["--n_head=16", "configs/gqa.py"], dict(n_head=16, n_kv_head=4)),
-    (["configs/gqa.py", "--n_kv_head=1"], dict(n_head=8, n_kv_head=1)),
-    (["configs/gqa.py", "--n_head=16", "--n_kv_head=4"], dict(n_head=16, n_kv_head=4)),
-    (["--out_dir=/tmp/x", "configs/gqa.py", "--batch_size=2"], dict(out_dir="/tmp/x-gqa", batch_size=2)),
-    (["configs/kv_h200.py", "configs/mla.py", "--out_dir=o"], dict(n_head=16, kv_lora_rank=256, out_dir="o")),
-    (["configs/gqa.py", "--n_head=8"], dict(n_head=8, n_kv_head=2)),  # the same value stales nothing
-    (["--attention=gqa", "configs/gqa.py"], dict(attention="gqa")),  # nor does a file repeating an override
-    (["--wandb_run_name={[1]: 2}"], dict(wandb_run_name="{[1]: 2}")),  # not a literal: the raw text
-])
+@pytest.mark.parametrize(
+    "argv, expect",
+    [
+        (["--n_head=16", "configs/gqa.py"], dict(n_head=16, n_kv_head=4)),
+        (["configs/gqa.py", "--n_kv_head=1"], dict(n_head=8, n_kv_head=1)),
+        (["configs/gqa.py", "--n_head=16", "--n_kv_head=4"], dict(n_head=16, n_kv_head=4)),
+        (["--out_dir=/tmp/x", "configs/gqa.py", "--batch_size=2"], dict(out_dir="/tmp/x-gqa", batch_size=2)),
+        (["configs/kv_h200.py", "configs/mla.py", "--out_dir=o"], dict(n_head=16, kv_lora_rank=256, out_dir="o")),
+        (["configs/gqa.py", "--n_head=8"], dict(n_head=8, n_kv_head=2)),  # the same value stales nothing
+        (["--attention=gqa", "configs/gqa.py"], dict(attention="gqa")),  # nor does a file repeating an override
+        (["--wandb_run_name={[1]: 2}"], dict(wandb_run_name="{[1]: 2}")),  # not a literal: the raw text
+    ],
+)
 def test_orders_that_keep_every_value_apply(argv, expect):
     """Orders that leave nothing stale or dropped, including ones that set a key to the value it already had."""
     import train
@@ -279,11 +388,17 @@ def test_config_file_forms(tmp_path):
         parse("def _kv():\n    return max(1, n_head // 4)\nn_kv_head = _kv()\n", "--n_head=16")
     assert parse("n_layer, n_kv_head = 6, max(1, n_head // 4)\n", "--n_layer=2")["n_layer"] == 2  # only n_kv_head read
     assert parse("n_head: int\nout_dir = __file__\n")["out_dir"] == str(tmp_path / "c.py")
-    for text in ("if n_head >= 16:\n    n_kv_head = 4\nelse:\n    n_kv_head = 2\n",
-                 "for _ in range(1):\n    batch_size = 4\n", "(batch_size := 5)\n",
-                 "def _f():\n    global batch_size\n    batch_size = 3\n_f()\n"):
-        with pytest.raises(ConfigError, match=r"line \d+: (an assignment inside|`global` in a function).*valid: "
-                                              r"top-level assignments"):
+    for text in (
+        "if n_head >= 16:\n    n_kv_head = 4\nelse:\n    n_kv_head = 2\n",
+        "for _ in range(1):\n    batch_size = 4\n",
+        "(batch_size := 5)\n",
+        "def _f():\n    global batch_size\n    batch_size = 3\n_f()\n",
+    ):
+        with pytest.raises(
+            ConfigError,
+            match=r"line \d+: (an assignment inside|`global` in a function).*valid: "
+            r"top-level assignments",
+        ):
             parse(text)
     assert parse("batch_size = max([b for b in (batch_size, 16)])\n")["batch_size"] == 16  # comprehensions are fine
     with pytest.raises(ConfigError, match=r"line 2: SystemExit"):

@@ -57,8 +57,12 @@ def byte_level_encoding():
     BPE files, which tiktoken downloads."""
     import tiktoken
 
-    return tiktoken.Encoding(name="bytes", pat_str=r"\S+|\s+", mergeable_ranks={bytes([i]): i for i in range(256)},
-                             special_tokens={"<|endoftext|>": 256})
+    return tiktoken.Encoding(
+        name="bytes",
+        pat_str=r"\S+|\s+",
+        mergeable_ranks={bytes([i]): i for i in range(256)},
+        special_tokens={"<|endoftext|>": 256},
+    )
 
 
 DOCS = [f"Story {i}. Once upon a time a small model read {i} words." for i in range(40)]
@@ -73,8 +77,12 @@ def test_hub_path_on_local_files(tmp_path, monkeypatch, layout):
     if layout == "json-with-val-split":
         for split, docs in (("train", DOCS[:30]), ("validation", DOCS[30:])):
             (tmp_path / f"{split}.jsonl").write_text("".join(json.dumps({"story": d}) + "\n" for d in docs))
-        source = prep.HubSource("json", data_files={s: str(tmp_path / f"{s}.jsonl") for s in ("train", "validation")},
-                                text_field="story", val_split="validation")
+        source = prep.HubSource(
+            "json",
+            data_files={s: str(tmp_path / f"{s}.jsonl") for s in ("train", "validation")},
+            text_field="story",
+            val_split="validation",
+        )
         want_train, want_val = DOCS[:30], DOCS[30:]
     else:
         (tmp_path / "all.txt").write_text("\n".join(DOCS) + "\n")  # the "text" builder: one document per line
@@ -136,10 +144,13 @@ def test_unprepared_and_unknown_datasets(tmp_path, monkeypatch):
     text.write_text("some text to model, " * 20)
     prep.main(["char", f"--input={text}", "--name=book"])
     ensure_dataset("pydoc")  # built in: not listed twice
-    with pytest.raises(DataError, match=r"got 'shakespeare' with no prepared data in .*root/shakespeare; valid: "
-                                        r"pydoc, char, tinystories, fineweb_edu, openwebtext, book, or a text file "
-                                        r"of your own prepared as 'shakespeare' \(`python -m data.prepare char "
-                                        r"--input=FILE --name=shakespeare`\)"):
+    with pytest.raises(
+        DataError,
+        match=r"got 'shakespeare' with no prepared data in .*root/shakespeare; valid: "
+        r"pydoc, char, tinystories, fineweb_edu, openwebtext, book, or a text file "
+        r"of your own prepared as 'shakespeare' \(`python -m data.prepare char "
+        r"--input=FILE --name=shakespeare`\)",
+    ):
         ensure_dataset("shakespeare")
     assert len(ensure_dataset("book").train) > 0
     with pytest.raises(DataError, match="meta\\['kind'\\]: got 'bpe'"):
@@ -178,8 +189,18 @@ def _damage(directory, how: str):
     }[how]
 
 
-@pytest.mark.parametrize("how", ["no val.bin", "meta not json", "meta without dtype", "odd bytes", "empty val.bin",
-                                 "truncated train.bin", "vocab_size lowered"])
+@pytest.mark.parametrize(
+    "how",
+    [
+        "no val.bin",
+        "meta not json",
+        "meta without dtype",
+        "odd bytes",
+        "empty val.bin",
+        "truncated train.bin",
+        "vocab_size lowered",
+    ],
+)
 def test_damaged_dataset_is_a_data_error(tmp_path, how):
     """A prepared dataset whose files do not match its meta.json is refused with a message naming the file and
     the fix, never a traceback from numpy or json, and never silently trained on (a truncated train.bin)."""
@@ -202,8 +223,11 @@ def test_prepare_cli_refuses_bad_input_and_names(tmp_path, monkeypatch, capsys):
         prep.main(["char", f"--input={binary}", f"--out_dir={tmp_path / 'out'}"])
     with pytest.raises(DataError, match=r"directory: cannot create .*a\.txt' \(File exists\)"):
         prep.main(["char", f"--input={text}", f"--out_dir={text}"])
-    for name, needle in (("", "a plain directory name"), ("../x", "a plain directory name"),
-                         ("tinystories", "a built-in dataset's name")):
+    for name, needle in (
+        ("", "a plain directory name"),
+        ("../x", "a plain directory name"),
+        ("tinystories", "a built-in dataset's name"),
+    ):
         with pytest.raises(DataError, match=rf"--name: got '{re.escape(name)}'.*{needle}"):
             prep.main(["char", f"--input={text}", f"--name={name}"])
     monkeypatch.setattr(data, "DATA_ROOT", str(tmp_path / "root"))
@@ -212,8 +236,11 @@ def test_prepare_cli_refuses_bad_input_and_names(tmp_path, monkeypatch, capsys):
     other.write_text("other text to model, " * 20)
     with pytest.raises(DataError, match=r"--name: 'mine' already holds a dataset prepared from .*a\.txt"):
         prep.main(["char", f"--input={other}", "--name=mine"])
-    for argv, needle in ((["char"], "--input is required"), (["pydoc", "--name=x"], "given for pydoc"),
-                         (["tinystories", "--max_docs=-1"], "--max_docs: got -1")):
+    for argv, needle in (
+        (["char"], "--input is required"),
+        (["pydoc", "--name=x"], "given for pydoc"),
+        (["tinystories", "--max_docs=-1"], "--max_docs: got -1"),
+    ):
         with pytest.raises(SystemExit):
             prep.main(argv)
         assert needle in capsys.readouterr().err
@@ -228,7 +255,10 @@ def test_a_builtin_name_must_find_that_dataset(tmp_path):
     """--dataset=tinystories with a --data_dir holding pydoc would train on pydoc and record tinystories."""
     directory = str(tmp_path / "pydoc")
     ensure_dataset("pydoc", directory)
-    with pytest.raises(DataError, match=r"dataset: got 'tinystories', but .* holds a dataset prepared from "
-                                        r"\"pydoc_data\.topics .*valid: the --dataset that directory was prepared as"):
+    with pytest.raises(
+        DataError,
+        match=r"dataset: got 'tinystories', but .* holds a dataset prepared from "
+        r"\"pydoc_data\.topics .*valid: the --dataset that directory was prepared as",
+    ):
         ensure_dataset("tinystories", directory)
     assert len(ensure_dataset("book", directory).train) > 0  # any other name: what the directory holds

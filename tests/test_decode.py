@@ -60,8 +60,11 @@ def test_grouped_decode_matches_reference(dtype, case, auto):
     _check(out, lse, ref_out, ref_lse, dtype, "grouped_decode")
 
 
-@pytest.mark.parametrize("sms, tiles", [(28, (128, 4, 3)), (7, (64, 4, 3)), (4, (64, 4, 2)), (2, (128, 4, 3))],
-                         ids=["load0.5", "load2", "load3.5", "load7"])
+@pytest.mark.parametrize(
+    "sms, tiles",
+    [(28, (128, 4, 3)), (7, (64, 4, 3)), (4, (64, 4, 2)), (2, (128, 4, 3))],
+    ids=["load0.5", "load2", "load3.5", "load7"],
+)
 def test_grouped_decode_at_every_load(sms, tiles, monkeypatch):
     """D=128 contiguous decode with each of `_tile_config`'s tiles (14 programs on a GPU of `sms` SMs: programs per
     SM 0.5, 2, 3.5, 7), ragged lengths over several tiles, against the reference; fp16, which both the GPU and the
@@ -81,8 +84,11 @@ def test_grouped_decode_at_every_load(sms, tiles, monkeypatch):
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
 def test_grouped_decode_rope_term(dtype):
     b, hq, hkv, s, d, dr = 2, 6, 2, 37, 32, 16
-    q, k, v = (torch.randn(b, hq, d, device=DEVICE, dtype=dtype), torch.randn(b, hkv, s, d, device=DEVICE, dtype=dtype),
-               torch.randn(b, hkv, s, 48, device=DEVICE, dtype=dtype))
+    q, k, v = (
+        torch.randn(b, hq, d, device=DEVICE, dtype=dtype),
+        torch.randn(b, hkv, s, d, device=DEVICE, dtype=dtype),
+        torch.randn(b, hkv, s, 48, device=DEVICE, dtype=dtype),
+    )
     q_rope = torch.randn(b, hq, dr, device=DEVICE, dtype=dtype)
     k_rope = torch.randn(b, hkv, s, dr, device=DEVICE, dtype=dtype)
     seq_lens = ragged_lens(b, s)
@@ -126,8 +132,9 @@ PAGED_CASES = [(8, 3, 6, 2, 70, 48), (16, 2, 8, 2, 100, 64), (64, 3, 4, 1, 150, 
 
 
 @pytest.mark.parametrize("num_splits", [None, 4], ids=lambda s: f"splits{s or 'Auto'}")
-@pytest.mark.parametrize("case", PAGED_CASES, ids=[f"page{p}-B{b}-Hq{hq}-Hkv{hkv}-S{s}-D{d}"
-                                                   for p, b, hq, hkv, s, d in PAGED_CASES])
+@pytest.mark.parametrize(
+    "case", PAGED_CASES, ids=[f"page{p}-B{b}-Hq{hq}-Hkv{hkv}-S{s}-D{d}" for p, b, hq, hkv, s, d in PAGED_CASES]
+)
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
 def test_paged_decode_matches_reference(dtype, case, num_splits):
     page_size, b, hq, hkv, s, d = case
@@ -153,14 +160,18 @@ def test_paged_decode_rope_and_non_contiguous_pool(dtype):
     q_rope = torch.randn(b, hq, dr, device=DEVICE, dtype=dtype)
     k_pages, v_pages, table = _paged(k, v, page_size)
     kr_pages = torch.empty(*k_pages.shape[:3], dr, device=DEVICE, dtype=dtype)
-    kr_pages[table.long()] = torch.nn.functional.pad(k_rope, (0, 0, 0, table.shape[1] * page_size - s)).reshape(
-        b, hkv, table.shape[1], page_size, dr).permute(0, 2, 3, 1, 4)
+    kr_pages[table.long()] = (
+        torch.nn.functional.pad(k_rope, (0, 0, 0, table.shape[1] * page_size - s))
+        .reshape(b, hkv, table.shape[1], page_size, dr)
+        .permute(0, 2, 3, 1, 4)
+    )
     both = torch.stack([k_pages, v_pages], dim=2)  # (pages, page_size, 2, H_kv, D): K and V interleaved
     k_view, v_view = both[:, :, 0], both[:, :, 1]
     assert not k_view.is_contiguous()
     seq_lens = ragged_lens(b, s)
-    out, lse = paged_grouped_decode(q, k_view, v_view, table, seq_lens, scale=0.2, num_splits=None,
-                                    q_rope=q_rope, k_rope_pages=kr_pages)
+    out, lse = paged_grouped_decode(
+        q, k_view, v_view, table, seq_lens, scale=0.2, num_splits=None, q_rope=q_rope, k_rope_pages=kr_pages
+    )
     ref_out, ref_lse = decode_reference(q, k, v, seq_lens, scale=0.2, q_rope=q_rope, k_rope=k_rope)
     _check(out, lse, ref_out, ref_lse, dtype, "paged_grouped_decode+rope")
 
@@ -208,8 +219,14 @@ def _nan_past_end(pools, table, seq_lens, page_size):
 
 
 @pytest.mark.parametrize("kernel", SM90_KERNELS)
-@pytest.mark.parametrize("case", SM90_CASES, ids=[f"B{b}-Hq{hq}-Hkv{hkv}-S{s}-D{d}-" + (f"page{p}" if p else "contig")
-                                                  + f"-splits{n or 'Auto'}" for b, hq, hkv, s, d, p, n in SM90_CASES])
+@pytest.mark.parametrize(
+    "case",
+    SM90_CASES,
+    ids=[
+        f"B{b}-Hq{hq}-Hkv{hkv}-S{s}-D{d}-" + (f"page{p}" if p else "contig") + f"-splits{n or 'Auto'}"
+        for b, hq, hkv, s, d, p, n in SM90_CASES
+    ],
+)
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
 def test_decode_never_reads_past_the_end(dtype, case, kernel, monkeypatch):
     """Every cache row past a sequence's end (and every unused page) holds NaN: a kernel that reads such a row and
@@ -232,6 +249,7 @@ def test_decode_never_reads_past_the_end(dtype, case, kernel, monkeypatch):
     _check(out, lse, ref_out, ref_lse, dtype, "decode" + (f" page {page_size}" if page_size else ""))
     if DEVICE == "cuda" and kernel == "default" and page_size:  # the Hopper kernel's inputs on an H100/H200
         from attention_kernels import decode_sm90
+
         assert decode._sm90_supports(q, k_pages, v_pages, None) == decode_sm90.on_hopper(q)
 
 
@@ -242,8 +260,11 @@ def test_sm90_eligibility():
     from attention_kernels.decode_sm90 import eligible
 
     def inputs(d=128, dv=None, dtype=torch.bfloat16):
-        return (torch.zeros(2, 8, d, dtype=dtype), torch.zeros(6, 16, 2, d, dtype=dtype),
-                torch.zeros(6, 16, 2, dv or d, dtype=dtype))
+        return (
+            torch.zeros(2, 8, d, dtype=dtype),
+            torch.zeros(6, 16, 2, d, dtype=dtype),
+            torch.zeros(6, 16, 2, dv or d, dtype=dtype),
+        )
 
     assert eligible(*inputs(), None) and eligible(*inputs(64), None)
     assert eligible(*inputs(dtype=torch.float16), None)
@@ -260,12 +281,23 @@ def test_sm90_eligibility():
 
 
 # (D, page size, splits, crowded: the ring of a launch with more programs than SMs, `decode_sm90.launch_config`)
-SM90_STRUCTURE = [(128, 8, 1, False), (128, 16, 4, False), (128, 64, 2, False), (128, 256, 1, False),
-                  (64, 16, 1, False), (64, 128, 4, False), (128, 16, 4, True), (128, 64, 1, True)]
+SM90_STRUCTURE = [
+    (128, 8, 1, False),
+    (128, 16, 4, False),
+    (128, 64, 2, False),
+    (128, 256, 1, False),
+    (64, 16, 1, False),
+    (64, 128, 4, False),
+    (128, 16, 4, True),
+    (128, 64, 1, True),
+]
 
 
-@pytest.mark.parametrize("d,page_size,splits,crowded", SM90_STRUCTURE,
-                         ids=[f"D{d}-page{p}-splits{n}" + ("-crowded" if c else "") for d, p, n, c in SM90_STRUCTURE])
+@pytest.mark.parametrize(
+    "d,page_size,splits,crowded",
+    SM90_STRUCTURE,
+    ids=[f"D{d}-page{p}-splits{n}" + ("-crowded" if c else "") for d, p, n, c in SM90_STRUCTURE],
+)
 def test_sm90_kernel_structure(d, page_size, splits, crowded):
     """The Hopper paged decode kernel (Gluon, no CPU interpreter; its numerics run in the paged cases above on an
     H100/H200) compiled for sm_90 on any machine, with pages smaller than, equal to and larger than a tile, and
@@ -285,15 +317,31 @@ def test_sm90_kernel_structure(d, page_size, splits, crowded):
         stages = decode_sm90.CROWDED_STAGES[d]
     rows = min(page_size, block_n)
     block = [1, rows, d]
-    types = dict(q_ptr="*bf16", k_desc=dict(block=block, dtype="bfloat16"), v_desc=dict(block=block, dtype="bfloat16"),
-                 seq_lens_ptr="*i32", table_ptr="*i32", out_ptr="*bf16" if splits == 1 else "*fp32", lse_ptr="*fp32",
-                 final_out_ptr="*bf16", final_lse_ptr="*fp32", counters_ptr="*i32", scale_log2="fp32")
+    types = dict(
+        q_ptr="*bf16",
+        k_desc=dict(block=block, dtype="bfloat16"),
+        v_desc=dict(block=block, dtype="bfloat16"),
+        seq_lens_ptr="*i32",
+        table_ptr="*i32",
+        out_ptr="*bf16" if splits == 1 else "*fp32",
+        lse_ptr="*fp32",
+        final_out_ptr="*bf16",
+        final_lse_ptr="*fp32",
+        counters_ptr="*i32",
+        scale_log2="fp32",
+    )
     chunk = decode.fused_combine_chunk(splits, 4, d, decode.FUSED_COMBINE_MIN_ROWS, torch.device("cpu"))
     assert (chunk > 0) == (splits > 1)
-    const = dict(BLOCK_N=block_n, D=d, STAGES=stages, PAGE_SIZE=page_size, PAGE_ROWS=rows, MERGE_H=4, CHUNK=chunk,
-                 WAIT=crowded)
-    result = compile_gluon_sm90("attention_kernels.decode_sm90", "_grouped_decode_sm90_kernel", types, const,
-                                options=dict(maxnreg=decode_sm90.MAX_REGS))
+    const = dict(
+        BLOCK_N=block_n, D=d, STAGES=stages, PAGE_SIZE=page_size, PAGE_ROWS=rows, MERGE_H=4, CHUNK=chunk, WAIT=crowded
+    )
+    result = compile_gluon_sm90(
+        "attention_kernels.decode_sm90",
+        "_grouped_decode_sm90_kernel",
+        types,
+        const,
+        options=dict(maxnreg=decode_sm90.MAX_REGS),
+    )
     ptx = result["ptx"]
     assert "40" in setmaxnreg_counts(ptx), setmaxnreg_counts(ptx)
     assert "cp.async.bulk.tensor" in ptx, "no TMA load"
@@ -323,8 +371,9 @@ def test_sm90_crowded_launch_config(monkeypatch):
 CROWDED_CASES = [c for c in SM90_CASES if c[5] and c[4] == 128]  # paged, D=128 (the head dim of CROWDED_STAGES)
 
 
-@pytest.mark.parametrize("case", CROWDED_CASES,
-                         ids=[f"B{c[0]}-page{c[5]}-splits{c[6] or 'Auto'}" for c in CROWDED_CASES])
+@pytest.mark.parametrize(
+    "case", CROWDED_CASES, ids=[f"B{c[0]}-page{c[5]}-splits{c[6] or 'Auto'}" for c in CROWDED_CASES]
+)
 def test_paged_decode_crowded(case, monkeypatch):
     """The paged D=128 cases above with the GPU counted as one SM, so that their launches (six programs or more)
     take the crowded ring on an H100/H200 (elsewhere the same calls run the Triton kernel): NaN past every end,
@@ -347,8 +396,7 @@ def test_paged_decode_crowded(case, monkeypatch):
 # (B, S, H_kv) -> the split count `ragged_num_splits` must pick for the Hopper paged kernel (D 128, H_q 32, 132
 # SMs): from an H200 sweep of every power-of-two split on full-length and ragged batches (2026-11-30), the pick that
 # is worst off against each batch's best split by the least (benchmarks/RESULTS.md).
-MEASURED_PAGED_SPLITS = {(1, 65536, 8): 16, (64, 8192, 8): 2, (8, 32768, 8): 16, (128, 4096, 8): 1,
-                         (64, 8192, 1): 4}
+MEASURED_PAGED_SPLITS = {(1, 65536, 8): 16, (64, 8192, 8): 2, (8, 32768, 8): 16, (128, 4096, 8): 1, (64, 8192, 1): 4}
 
 
 @pytest.mark.parametrize("shape", list(MEASURED_PAGED_SPLITS), ids=lambda s: "B{}-S{}-Hkv{}".format(*s))
@@ -357,8 +405,10 @@ def test_ragged_num_splits_matches_measured(shape, monkeypatch):
     batch whose ragged tail would otherwise run alone, none once the programs fill the machine."""
     monkeypatch.setattr(decode, "num_sms", lambda device: 132)
     b, s, h_kv = shape
-    assert decode.grouped_num_splits(b, 32, h_kv, s, 128, 128, 2, torch.device("cuda"), paged=True,
-                                     sm90=True) == MEASURED_PAGED_SPLITS[shape]
+    assert (
+        decode.grouped_num_splits(b, 32, h_kv, s, 128, 128, 2, torch.device("cuda"), paged=True, sm90=True)
+        == MEASURED_PAGED_SPLITS[shape]
+    )
 
 
 def test_ragged_num_splits_limits():
@@ -387,9 +437,18 @@ def test_combine_splits_over_column_blocks():
 # (B, S, H_kv, D) -> the fastest split count of every power of two, measured on an H200 (bf16, H_q 32, CUDA graphs,
 # cold L2) in the sweep behind auto_num_splits; a spread of regimes: one long sequence, few sequences, MQA, a full
 # machine.
-MEASURED_BEST_SPLITS = {(1, 65536, 1, 128): 128, (8, 65536, 1, 128): 16, (32, 65536, 1, 128): 4,
-                        (128, 8192, 1, 64): 2, (1, 1024, 8, 64): 8, (8, 8192, 8, 128): 2, (8, 8192, 32, 128): 1,
-                        (128, 1024, 8, 128): 1, (1, 8192, 32, 64): 8, (32, 8192, 1, 64): 8}
+MEASURED_BEST_SPLITS = {
+    (1, 65536, 1, 128): 128,
+    (8, 65536, 1, 128): 16,
+    (32, 65536, 1, 128): 4,
+    (128, 8192, 1, 64): 2,
+    (1, 1024, 8, 64): 8,
+    (8, 8192, 8, 128): 2,
+    (8, 8192, 32, 128): 1,
+    (128, 1024, 8, 128): 1,
+    (1, 8192, 32, 64): 8,
+    (32, 8192, 1, 64): 8,
+}
 
 
 @pytest.mark.parametrize("shape", list(MEASURED_BEST_SPLITS), ids=lambda s: "B{}-S{}-Hkv{}-D{}".format(*s))
@@ -458,8 +517,14 @@ def _bad_inputs():
 
     def paged(**kw):
         args = dict(q=q, k_pages=pk, v_pages=pv, block_table=table, seq_lens=lens, scale=0.1) | kw
-        return lambda: paged_grouped_decode(args.pop("q"), args.pop("k_pages"), args.pop("v_pages"),
-                                            args.pop("block_table"), args.pop("seq_lens"), **args)
+        return lambda: paged_grouped_decode(
+            args.pop("q"),
+            args.pop("k_pages"),
+            args.pop("v_pages"),
+            args.pop("block_table"),
+            args.pop("seq_lens"),
+            **args,
+        )
 
     return {
         "q-rank": (grouped(q=q[0]), "q"),
@@ -474,28 +539,44 @@ def _bad_inputs():
         "seq_lens-int64": (grouped(seq_lens=lens.long()), "seq_lens"),
         "seq_lens-shape": (grouped(seq_lens=lens[:1]), "seq_lens"),
         "seq_lens-zero": (grouped(seq_lens=torch.tensor([16, 0], dtype=torch.int32, device=DEVICE)), "seq_lens"),
-        "seq_lens-beyond-cache": (grouped(seq_lens=torch.tensor([17, 1], dtype=torch.int32, device=DEVICE)),
-                                  "seq_lens"),
+        "seq_lens-beyond-cache": (
+            grouped(seq_lens=torch.tensor([17, 1], dtype=torch.int32, device=DEVICE)),
+            "seq_lens",
+        ),
         "headdim-too-small": (grouped(q=q[..., :8], k=k[..., :8], v=v[..., :8]), "q"),
-        "headdim-too-large": (grouped(q=torch.randn(2, 4, 272, **f), k=torch.randn(2, 2, 4, 272, **f),
-                                      v=torch.randn(2, 2, 4, 32, **f),
-                                      seq_lens=torch.tensor([4, 4], dtype=torch.int32, device=DEVICE)), "q"),
+        "headdim-too-large": (
+            grouped(
+                q=torch.randn(2, 4, 272, **f),
+                k=torch.randn(2, 2, 4, 272, **f),
+                v=torch.randn(2, 2, 4, 32, **f),
+                seq_lens=torch.tensor([4, 4], dtype=torch.int32, device=DEVICE),
+            ),
+            "q",
+        ),
         "num_splits-zero": (grouped(num_splits=0), "num_splits"),
         "num_splits-float": (grouped(num_splits=2.0), "num_splits"),
         "num_splits-huge": (grouped(num_splits=10_000), "num_splits"),
         "rope-only-q": (grouped(q_rope=torch.randn(2, 4, 16, **f)), "k_rope"),
         "rope-shape": (grouped(q_rope=torch.randn(2, 4, 16, **f), k_rope=torch.randn(2, 2, 15, 16, **f)), "k_rope"),
-        "device-mismatch": (grouped(seq_lens=lens.cpu()) if DEVICE == "cuda" else
-                            grouped(k=k.to("meta"), v=v.to("meta")), "k" if DEVICE == "cpu" else "seq_lens"),
-        "paged-page-size": (paged(k_pages=torch.randn(6, 12, 2, 32, **f), v_pages=torch.randn(6, 12, 2, 32, **f)),
-                            "k_pages"),
+        "device-mismatch": (
+            grouped(seq_lens=lens.cpu()) if DEVICE == "cuda" else grouped(k=k.to("meta"), v=v.to("meta")),
+            "k" if DEVICE == "cpu" else "seq_lens",
+        ),
+        "paged-page-size": (
+            paged(k_pages=torch.randn(6, 12, 2, 32, **f), v_pages=torch.randn(6, 12, 2, 32, **f)),
+            "k_pages",
+        ),
         "paged-v-mismatch": (paged(v_pages=pv[:5]), "v_pages"),
         "paged-table-rank": (paged(block_table=table[0]), "block_table"),
         "paged-table-int64": (paged(block_table=table.long()), "block_table"),
-        "paged-entry-outside-pool": (paged(block_table=torch.tensor([[0, 6], [2, 3]], dtype=torch.int32,
-                                                                    device=DEVICE)), "block_table"),
-        "paged-negative-entry": (paged(block_table=torch.tensor([[0, 1], [-1, 3]], dtype=torch.int32,
-                                                                device=DEVICE)), "block_table"),
+        "paged-entry-outside-pool": (
+            paged(block_table=torch.tensor([[0, 6], [2, 3]], dtype=torch.int32, device=DEVICE)),
+            "block_table",
+        ),
+        "paged-negative-entry": (
+            paged(block_table=torch.tensor([[0, 1], [-1, 3]], dtype=torch.int32, device=DEVICE)),
+            "block_table",
+        ),
         "paged-table-too-short": (paged(block_table=table[:, :1]), "block_table"),
         "paged-seq_lens-zero": (paged(seq_lens=torch.tensor([0, 3], dtype=torch.int32, device=DEVICE)), "seq_lens"),
         "Hkv-zero": (grouped(k=k[:, :0], v=v[:, :0]), "q"),
@@ -504,8 +585,10 @@ def _bad_inputs():
         "scale-negative": (grouped(scale=-0.1), "scale"),
         "k_rope-only": (grouped(k_rope=torch.randn(2, 2, 16, 16, **f)), "q_rope"),
         "k_rope-rank": (grouped(q_rope=torch.randn(2, 4, 16, **f), k_rope=torch.randn(2, 16, 16, **f)), "k_rope"),
-        "q_rope-dtype": (grouped(q_rope=torch.randn(2, 4, 16, device=DEVICE, dtype=other),
-                                 k_rope=torch.randn(2, 2, 16, 16, **f)), "q_rope"),
+        "q_rope-dtype": (
+            grouped(q_rope=torch.randn(2, 4, 16, device=DEVICE, dtype=other), k_rope=torch.randn(2, 2, 16, 16, **f)),
+            "q_rope",
+        ),
         "paged-q-rank": (paged(q=q[0]), "q"),
         "paged-k_pages-rank": (paged(k_pages=pk[0]), "k_pages"),
         "paged-k_pages-headdim": (paged(k_pages=pk[..., :16]), "k_pages"),
@@ -514,8 +597,10 @@ def _bad_inputs():
         "paged-headdim-too-small": (paged(q=q[..., :8], k_pages=pk[..., :8], v_pages=pv[..., :8]), "q"),
         "paged-table-batch": (paged(block_table=table[:1]), "block_table"),
         "paged-seq_lens-beyond-table": (paged(seq_lens=torch.tensor([17, 3], **i32)), "block_table"),
-        "paged-rope-pool-shape": (paged(q_rope=torch.randn(2, 4, 16, **f), k_rope_pages=torch.randn(6, 8, 1, 16, **f)),
-                                  "k_rope_pages"),
+        "paged-rope-pool-shape": (
+            paged(q_rope=torch.randn(2, 4, 16, **f), k_rope_pages=torch.randn(6, 8, 1, 16, **f)),
+            "k_rope_pages",
+        ),
         "paged-device-mismatch": (paged(block_table=table.to("meta" if DEVICE == "cpu" else "cpu")), "block_table"),
         "paged-scale-nan": (paged(scale=float("nan")), "scale"),
     }
@@ -578,8 +663,11 @@ def test_unused_table_entries_are_not_checked():
 def test_validate_false_skips_value_checks():
     """validate=False reads no values (no sync): a zero length is the caller's contract and is not caught."""
     dtype = KERNEL_DTYPES[0]
-    q, k, v = (torch.randn(2, 4, 32, device=DEVICE, dtype=dtype), torch.randn(2, 2, 16, 32, device=DEVICE, dtype=dtype),
-               torch.randn(2, 2, 16, 32, device=DEVICE, dtype=dtype))
+    q, k, v = (
+        torch.randn(2, 4, 32, device=DEVICE, dtype=dtype),
+        torch.randn(2, 2, 16, 32, device=DEVICE, dtype=dtype),
+        torch.randn(2, 2, 16, 32, device=DEVICE, dtype=dtype),
+    )
     zero = torch.tensor([16, 0], dtype=torch.int32, device=DEVICE)
     with pytest.raises(ValueError, match="seq_lens"):
         grouped_decode(q, k, v, zero, scale=0.1, num_splits=1)
@@ -608,8 +696,11 @@ def test_compile_fullgraph():
     assert_close(lse, 2 * ref_lse, dtype, "compiled lse")
 
 
-@pytest.mark.parametrize("case", [(3, 8, 2, 130, 64, 3), (2, 8, 1, 65, 128, 5), (2, 80, 1, 20, 32, 2),
-                                  (2, 4, 4, 70, 16, 9)], ids=lambda c: "B{}-Hq{}-Hkv{}-S{}-D{}-splits{}".format(*c))
+@pytest.mark.parametrize(
+    "case",
+    [(3, 8, 2, 130, 64, 3), (2, 8, 1, 65, 128, 5), (2, 80, 1, 20, 32, 2), (2, 4, 4, 70, 16, 9)],
+    ids=lambda c: "B{}-Hq{}-Hkv{}-S{}-D{}-splits{}".format(*c),
+)
 def test_fused_combine_matches_separate_combine(case, monkeypatch):
     """With splits, the decode launch merges them itself (`_combine_if_last`: the last program of each sequence
     and head tile): the same output and lse as the separate combine kernel, which then never runs, and every
@@ -711,8 +802,12 @@ def test_decode_as_dependent_launch(splits, monkeypatch):
     def check(x, out, lse, name):
         _check(out, lse, *decode_reference(x, k, v, seq_lens, scale=0.125), dtype, name)
 
-    check_dependent_chain(lambda x: grouped_decode(x, k, v, seq_lens, scale=0.125, num_splits=splits, validate=False),
-                          q, check, monkeypatch)
+    check_dependent_chain(
+        lambda x: grouped_decode(x, k, v, seq_lens, scale=0.125, num_splits=splits, validate=False),
+        q,
+        check,
+        monkeypatch,
+    )
 
 
 def test_separate_combine_as_dependent_launch(monkeypatch):
@@ -755,14 +850,43 @@ def test_separate_combine_as_dependent_launch(monkeypatch):
 # separate split combine of eight splits.
 _TRITON_DECODE_COMPILES = {
     "_grouped_decode_kernel": (
-        dict(Q="*bf16", K="*bf16", V="*bf16", Q_ROPE="*bf16", K_ROPE="*bf16", BLOCK_TABLE="*i32", SEQ_LENS="*i32",
-             OUT="*fp32", LSE="*fp32", FINAL_OUT="*bf16", FINAL_LSE="*fp32", COUNTERS="*i32", scale_log2="fp32"),
-        dict(GROUP_SIZE=4, D_QK=128, D_ROPE=0, D_V=128, BLOCK_H=16, BLOCK_N=128, BLOCK_DQK=128, BLOCK_DR=16,
-             BLOCK_DV=128, PAGED=False, PAGE_SIZE=1, NUM_SPLITS=2, STATIC_ITERS=0, DOT_PRECISION="tf32",
-             FUSE_CHUNK=2)),
+        dict(
+            Q="*bf16",
+            K="*bf16",
+            V="*bf16",
+            Q_ROPE="*bf16",
+            K_ROPE="*bf16",
+            BLOCK_TABLE="*i32",
+            SEQ_LENS="*i32",
+            OUT="*fp32",
+            LSE="*fp32",
+            FINAL_OUT="*bf16",
+            FINAL_LSE="*fp32",
+            COUNTERS="*i32",
+            scale_log2="fp32",
+        ),
+        dict(
+            GROUP_SIZE=4,
+            D_QK=128,
+            D_ROPE=0,
+            D_V=128,
+            BLOCK_H=16,
+            BLOCK_N=128,
+            BLOCK_DQK=128,
+            BLOCK_DR=16,
+            BLOCK_DV=128,
+            PAGED=False,
+            PAGE_SIZE=1,
+            NUM_SPLITS=2,
+            STATIC_ITERS=0,
+            DOT_PRECISION="tf32",
+            FUSE_CHUNK=2,
+        ),
+    ),
     "_combine_splits_kernel": (
         dict(PARTIAL_O="*fp32", PARTIAL_LSE="*fp32", OUT="*bf16", LSE="*fp32"),
-        dict(NUM_SPLITS=8, D_V=128, BLOCK_S=8, BLOCK_DV=128)),
+        dict(NUM_SPLITS=8, D_V=128, BLOCK_S=8, BLOCK_DV=128),
+    ),
 }
 
 
@@ -778,8 +902,14 @@ def test_triton_dependent_launch_compiles(kernel, wait):
     from conftest import compile_gluon_sm90
 
     types, const = _TRITON_DECODE_COMPILES[kernel]
-    ptx = compile_gluon_sm90("attention_kernels.decode", kernel, types, dict(const, WAIT=wait),
-                             options=dict(num_warps=4, num_stages=3), gluon=False)["ptx"]
+    ptx = compile_gluon_sm90(
+        "attention_kernels.decode",
+        kernel,
+        types,
+        dict(const, WAIT=wait),
+        options=dict(num_warps=4, num_stages=3),
+        gluon=False,
+    )["ptx"]
     assert ptx.count("griddepcontrol.wait") == (1 if wait else 0)
     first_access = re.search(r"\b(ld\.global|st\.global|cp\.async|atom\.global|red\.global)", ptx)
     assert first_access, "no global memory access in the PTX"

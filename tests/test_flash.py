@@ -386,8 +386,9 @@ def test_torch_compile_float_scale_argument():
     q, k, v, _ = make_inputs((1, 2, 1, 17, 17, 32, 32, True), dtype)
     backend = "inductor" if DEVICE == "cuda" else "aot_eager"
     torch._dynamo.reset()
-    compiled = torch.compile(lambda q, k, v, scale: flash_gqa_attention(q, k, v, scale=scale, causal=True),
-                             fullgraph=True, backend=backend)
+    compiled = torch.compile(
+        lambda q, k, v, scale: flash_gqa_attention(q, k, v, scale=scale, causal=True), fullgraph=True, backend=backend
+    )
     for scale in (0.2, 0.3, 0.4):
         ref, _ = attention_reference(q, k, v, scale=scale, causal=True)
         assert_close(compiled(q, k, v, scale), ref, dtype, f"compiled out, scale={scale}")
@@ -457,8 +458,9 @@ def test_bad_backward_input_raises(name):
     args = _good_backward_args()
     args[arg] = make(args)
     with pytest.raises(ValueError, match="valid") as err:
-        flash_gqa_backward(args.pop("q"), args.pop("k"), args.pop("v"), args.pop("out"), args.pop("lse"),
-                           args.pop("do"))
+        flash_gqa_backward(
+            args.pop("q"), args.pop("k"), args.pop("v"), args.pop("out"), args.pop("lse"), args.pop("do")
+        )
     assert message in str(err.value), str(err.value)
 
 
@@ -480,34 +482,94 @@ def _compile_sm90(d, causal, which, d_v=None, group=4):
 
     if which == "forward":
         block_n, k_stages, v_stages = flash_sm90.CONFIGS[(d, d_v)]
-        const = dict(GROUP_SIZE=group, CAUSAL=causal, BLOCK_N=block_n, D=d_main, DR=d_rest, DV=d_v,
-                     K_STAGES=k_stages, V_STAGES=v_stages)
+        const = dict(
+            GROUP_SIZE=group,
+            CAUSAL=causal,
+            BLOCK_N=block_n,
+            D=d_main,
+            DR=d_rest,
+            DV=d_v,
+            K_STAGES=k_stages,
+            V_STAGES=v_stages,
+        )
         rows = flash_sm90.ROWS_PER_CONSUMER
-        types = dict(**qk("q", rows), **qk("k", block_n), v_desc=desc(block_n, d_v), o_desc=desc(rows, d_v),
-                     lse_ptr="*fp32", counter_ptr="*i32", qk_scale="fp32")
+        types = dict(
+            **qk("q", rows),
+            **qk("k", block_n),
+            v_desc=desc(block_n, d_v),
+            o_desc=desc(rows, d_v),
+            lse_ptr="*fp32",
+            counter_ptr="*i32",
+            qk_scale="fp32",
+        )
         kernel = "_flash_fwd_sm90_kernel"
     elif which == "dq":
         rows, (block_n, stages, persistent) = flash_sm90.ROWS_PER_CONSUMER, flash_sm90.DQ_CONFIGS[(d, d_v)]
         # Unit last strides of out, dq, lse and dlse, which Triton's launcher specializes as constants, as it does
         # for the tensors autograd passes.
-        const = dict(GROUP_SIZE=group, CAUSAL=causal, HAS_DLSE=False, WRITE_LSE2=True, BLOCK_N=block_n, D=d_main,
-                     DR=d_rest, DV=d_v, STAGES=stages, PERSISTENT=persistent, stride_od=1, stride_qd=1, stride_lm=1,
-                     stride_gm=1)
-        types = dict(**qk("q", rows), do_desc=desc(rows, d_v), **qk("k", block_n), v_desc=desc(block_n, d_v),
-                     out_ptr="*bf16", lse_ptr="*fp32", dlse_ptr="*fp32", delta_ptr="*fp32", lse2_ptr="*fp32",
-                     dq_ptr="*bf16", counter_ptr="*i32", sm_scale="fp32", qk_scale="fp32")
+        const = dict(
+            GROUP_SIZE=group,
+            CAUSAL=causal,
+            HAS_DLSE=False,
+            WRITE_LSE2=True,
+            BLOCK_N=block_n,
+            D=d_main,
+            DR=d_rest,
+            DV=d_v,
+            STAGES=stages,
+            PERSISTENT=persistent,
+            stride_od=1,
+            stride_qd=1,
+            stride_lm=1,
+            stride_gm=1,
+        )
+        types = dict(
+            **qk("q", rows),
+            do_desc=desc(rows, d_v),
+            **qk("k", block_n),
+            v_desc=desc(block_n, d_v),
+            out_ptr="*bf16",
+            lse_ptr="*fp32",
+            dlse_ptr="*fp32",
+            delta_ptr="*fp32",
+            lse2_ptr="*fp32",
+            dq_ptr="*bf16",
+            counter_ptr="*i32",
+            sm_scale="fp32",
+            qk_scale="fp32",
+        )
         kernel = "_flash_bwd_dq_sm90_kernel"
     else:
         block_m, stages, persistent = flash_sm90.dkdv_config(d, d_v, causal, group)
         block_n = flash_sm90.PROGRAM_ROWS
         # dK and dV with a unit last stride, which Triton's launcher specializes as a constant, as it does for the
         # gradients autograd allocates: the store addresses then take no registers.
-        const = dict(GROUP_SIZE=group, CAUSAL=causal, BLOCK_M=block_m, D=d_main, DR=d_rest, DV=d_v, STAGES=stages,
-                     PERSISTENT=persistent, stride_kd=1, stride_vd=1)
+        const = dict(
+            GROUP_SIZE=group,
+            CAUSAL=causal,
+            BLOCK_M=block_m,
+            D=d_main,
+            DR=d_rest,
+            DV=d_v,
+            STAGES=stages,
+            PERSISTENT=persistent,
+            stride_kd=1,
+            stride_vd=1,
+        )
         rows = dict(block=[block_m], dtype="float32")
-        types = dict(**qk("q", block_m), do_desc=desc(block_m, d_v), **qk("k", block_n), v_desc=desc(block_n, d_v),
-                     lse_desc=rows, delta_desc=rows, dk_ptr="*bf16", dv_ptr="*bf16", counter_ptr="*i32",
-                     sm_scale="fp32", qk_scale="fp32")
+        types = dict(
+            **qk("q", block_m),
+            do_desc=desc(block_m, d_v),
+            **qk("k", block_n),
+            v_desc=desc(block_n, d_v),
+            lse_desc=rows,
+            delta_desc=rows,
+            dk_ptr="*bf16",
+            dv_ptr="*bf16",
+            counter_ptr="*i32",
+            sm_scale="fp32",
+            qk_scale="fp32",
+        )
         if persistent:  # dK and dV stored from registers (the launcher passes no descriptors for them)
             const.update(dk_desc=None, dkr_desc=None, dv_desc=None)
         else:  # dK and dV by TMA, 64 rows per consumer
@@ -523,10 +585,19 @@ def _compile_sm90(d, causal, which, d_v=None, group=4):
         block_m = flash_sm90.FUSED_PAIRS[(d, d_v)]
         const = dict(GROUP_SIZE=group, CAUSAL=causal, BLOCK_M=block_m, D=d, STAGES=2)
         lse = dict(block=[block_m], dtype="float32")
-        types = dict(q_desc=desc(block_m, d), do_desc=desc(block_m, d), k_desc=desc(keys, d), v_desc=desc(keys, d),
-                     lse_desc=lse, delta_desc=lse, dk_desc=desc(rows, d), dv_desc=desc(rows, d),
-                     dq_desc=dict(block=flash_sm90.fused_dq_block(d, block_m), dtype="float32"), sm_scale="fp32",
-                     qk_scale="fp32")
+        types = dict(
+            q_desc=desc(block_m, d),
+            do_desc=desc(block_m, d),
+            k_desc=desc(keys, d),
+            v_desc=desc(keys, d),
+            lse_desc=lse,
+            delta_desc=lse,
+            dk_desc=desc(rows, d),
+            dv_desc=desc(rows, d),
+            dq_desc=dict(block=flash_sm90.fused_dq_block(d, block_m), dtype="float32"),
+            sm_scale="fp32",
+            qk_scale="fp32",
+        )
         return compile_gluon_sm90("attention_kernels.flash_sm90", "_flash_bwd_fused_sm90_kernel", types, const)
     if not d_rest:
         const.update(qr_desc=None, kr_desc=None)
@@ -534,8 +605,9 @@ def _compile_sm90(d, causal, which, d_v=None, group=4):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d,d_v", [(64, 64), (128, 128), (192, 128), (96, 64)],
-                         ids=["D64", "D128", "D192x128", "D96x64"])
+@pytest.mark.parametrize(
+    "d,d_v", [(64, 64), (128, 128), (192, 128), (96, 64)], ids=["D64", "D128", "D192x128", "D96x64"]
+)
 def test_sm90_kernel_structure(d, d_v, causal):
     """The Hopper forward (Gluon, which has no CPU interpreter; its numerics run in every forward test above on an
     H100/H200) compiled for sm_90 on any machine: a loader warp that gives its registers to two consumer
@@ -583,11 +655,20 @@ def test_sm90_forward_config_must_fit():
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("which,d,d_v", [("dq", 64, 64), ("dq", 128, 128), ("dq", 96, 64), ("dq", 192, 128),
-                                         ("dkdv", 64, 64), ("dkdv", 128, 128), ("dkdv", 96, 64),
-                                         ("dkdv", 192, 128)],
-                         ids=["dq-D64", "dq-D128", "dq-D96x64", "dq-D192x128", "dkdv-D64", "dkdv-D128",
-                              "dkdv-D96x64", "dkdv-D192x128"])
+@pytest.mark.parametrize(
+    "which,d,d_v",
+    [
+        ("dq", 64, 64),
+        ("dq", 128, 128),
+        ("dq", 96, 64),
+        ("dq", 192, 128),
+        ("dkdv", 64, 64),
+        ("dkdv", 128, 128),
+        ("dkdv", 96, 64),
+        ("dkdv", 192, 128),
+    ],
+    ids=["dq-D64", "dq-D128", "dq-D96x64", "dq-D192x128", "dkdv-D64", "dkdv-D128", "dkdv-D96x64", "dkdv-D192x128"],
+)
 def test_sm90_backward_kernel_structure(which, d, d_v, causal):
     """The Hopper dQ and dK/dV kernels compiled for sm_90 on any machine: a loader warp and two consumer
     warpgroups (setmaxnreg 24 / 240), TMA loads, within the 227 KB of shared memory, no register spills but one
@@ -627,8 +708,11 @@ def test_sm90_backward_kernel_structure(which, d, d_v, causal):
     # columns, dP = dO V^T over d_v, and dQ = dS K over the block's keys once per Q/K tile (one, or two with a RoPE
     # part); dK/dV issues S^T = K Q^T over d columns twice (before the loop and in it), dP^T = V dO^T over d_v, and
     # dV += P^T dO and dK += dS^T Q over the step's queries (dK once per tile).
-    products = ((d + d_v) // 16 + tiles * block // 16 if which == "dq"
-                else 2 * (d // 16) + d_v // 16 + (1 + tiles) * block // 16)
+    products = (
+        (d + d_v) // 16 + tiles * block // 16
+        if which == "dq"
+        else 2 * (d // 16) + d_v // 16 + (1 + tiles) * block // 16
+    )
     assert result["ptx"].count("wgmma.mma_async") == 2 * products, "the products' wgmma count"
     assert spills and all(a <= bound and b <= bound for a, b in spills), result["ptxas"]
 
@@ -698,11 +782,17 @@ def test_sm90_fused_backward_structure(d, causal, group):
 
 
 FUSED_CASES = [c for c in CASES if c[5:7] in ((64, 64), (128, 128))] + [
-    (1, 2, 2, 200, 230, 128, 128, True), (2, 4, 2, 333, 333, 128, 128, False), (1, 16, 2, 300, 300, 128, 128, True),
+    (1, 2, 2, 200, 230, 128, 128, True),
+    (2, 4, 2, 333, 333, 128, 128, False),
+    (1, 16, 2, 300, 300, 128, 128, True),
     (3, 8, 8, 129, 129, 128, 128, True),
     # D = 64 takes 128-query steps: several of them, a partial one, the diagonal inside a step, S_q < S_kv.
-    (1, 2, 2, 200, 230, 64, 64, True), (2, 4, 2, 333, 333, 64, 64, False), (1, 16, 2, 300, 300, 64, 64, True),
-    (1, 4, 2, 300, 1000, 64, 64, True), (3, 8, 8, 129, 129, 64, 64, True)]
+    (1, 2, 2, 200, 230, 64, 64, True),
+    (2, 4, 2, 333, 333, 64, 64, False),
+    (1, 16, 2, 300, 300, 64, 64, True),
+    (1, 4, 2, 300, 1000, 64, 64, True),
+    (3, 8, 8, 129, 129, 64, 64, True),
+]
 
 
 @pytest.mark.parametrize("case", FUSED_CASES, ids=case_id)
@@ -727,7 +817,7 @@ def test_sm90_backward_fused(case, monkeypatch):
         dlse = torch.randn(do.shape[:3], device=DEVICE, dtype=torch.float32)
         out, lse = _forward(q, k, v, None, causal)
         bases = [poisoned((*x.shape[:-1], x.shape[-1] + 1), dtype) for x in (q, k)] + [poisoned(v.shape, dtype)]
-        grads = tuple(base[..., :x.shape[-1]] for base, x in zip(bases, (q, k, v)))
+        grads = tuple(base[..., : x.shape[-1]] for base, x in zip(bases, (q, k, v)))
         got = _backward(q, k, v, out, lse, do, None, causal, dlse=dlse, grads=grads)
         ref = reference_grads(q, k, v, do, causal, dlse=dlse)[2:]
         for name, g, want, base in zip(("dq", "dk", "dv"), got, ref, bases):
@@ -739,19 +829,28 @@ def test_sm90_backward_fused(case, monkeypatch):
         assert ran, "the one-launch backward did not run"
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c[5] == c[6] in (64, 128) or (c[5], c[6]) == (192, 128)]
-                         + [(1, 2, 2, 200, 200, 128, 128, True), (1, 4, 2, 200, 520, 64, 64, True),
-                            (1, 2, 1, 130, 600, 64, 64, False), (1, 8, 1, 130, 130, 64, 64, True),
-                            (1, 4, 2, 200, 520, 96, 64, True), (1, 2, 1, 130, 600, 96, 64, False),
-                            (1, 2, 2, 130, 330, 192, 128, False),
-                            # MHA, causal, S_q < S_kv off the blocks' grid (query row i at key 30 + i): the second
-                            # consumer of a dK/dV tile skips the query blocks that end before its keys, real keys
-                            # (flash_sm90._dkdv_lead: one of 64 rows; one, then two of 32 at 192/128), and the first
-                            # consumer of a dQ tile (and of the forward's at 192/128) the key block of 64 past its rows
-                            # (_release_kv).
-                            (1, 2, 2, 200, 230, 128, 128, True), (1, 2, 2, 200, 230, 192, 128, True),
-                            (1, 2, 2, 200, 230, 96, 64, True)],
-                         ids=case_id)
+@pytest.mark.parametrize(
+    "case",
+    [c for c in CASES if c[5] == c[6] in (64, 128) or (c[5], c[6]) == (192, 128)]
+    + [
+        (1, 2, 2, 200, 200, 128, 128, True),
+        (1, 4, 2, 200, 520, 64, 64, True),
+        (1, 2, 1, 130, 600, 64, 64, False),
+        (1, 8, 1, 130, 130, 64, 64, True),
+        (1, 4, 2, 200, 520, 96, 64, True),
+        (1, 2, 1, 130, 600, 96, 64, False),
+        (1, 2, 2, 130, 330, 192, 128, False),
+        # MHA, causal, S_q < S_kv off the blocks' grid (query row i at key 30 + i): the second
+        # consumer of a dK/dV tile skips the query blocks that end before its keys, real keys
+        # (flash_sm90._dkdv_lead: one of 64 rows; one, then two of 32 at 192/128), and the first
+        # consumer of a dQ tile (and of the forward's at 192/128) the key block of 64 past its rows
+        # (_release_kv).
+        (1, 2, 2, 200, 230, 128, 128, True),
+        (1, 2, 2, 200, 230, 192, 128, True),
+        (1, 2, 2, 200, 230, 96, 64, True),
+    ],
+    ids=case_id,
+)
 def test_sm90_backward(case, monkeypatch):
     """dQ and dK/dV through the Hopper kernels wherever they can run (ZOO_FLASH_SM90_BWD=force: on an H100/H200 in
     fp16 and bf16, dK/dV even where its launch would not fill the GPU; on other machines the same call runs the
@@ -805,8 +904,13 @@ def test_sm90_backward_dispatch(monkeypatch):
     monkeypatch.setattr(flash_sm90, "on_hopper", lambda t: True)
     monkeypatch.setenv("ZOO_FLASH_SM90", "1")
     calls = []
-    for module, name in ((flash_sm90, "backward_dq"), (flash_sm90, "backward_dkdv"), (flash_sm90, "backward_fused"),
-                         (flash, "_triton_dq"), (flash, "_triton_dkdv")):
+    for module, name in (
+        (flash_sm90, "backward_dq"),
+        (flash_sm90, "backward_dkdv"),
+        (flash_sm90, "backward_fused"),
+        (flash, "_triton_dq"),
+        (flash, "_triton_dkdv"),
+    ):
         monkeypatch.setattr(module, name, lambda *args, _name=name, **kwargs: calls.append(_name))
 
     def launched(d_qk, d_v, mode="1"):
@@ -820,8 +924,13 @@ def test_sm90_backward_dispatch(monkeypatch):
         flash._backward(q, k, v, out, torch.zeros(1, 4, 256), do, None, True, checked=True)
         return calls[:]
 
-    assert launched(64, 64) == launched(128, 128) == launched(96, 64) == launched(192, 128) == ["backward_dq",
-                                                                                              "backward_dkdv"]
+    assert (
+        launched(64, 64)
+        == launched(128, 128)
+        == launched(96, 64)
+        == launched(192, 128)
+        == ["backward_dq", "backward_dkdv"]
+    )
     assert launched(64, 32) == launched(80, 80) == launched(192, 192) == ["_triton_dq", "_triton_dkdv"]
     assert launched(96, 64, "0") == launched(64, 64, "0") == ["_triton_dq", "_triton_dkdv"]
     # The one-launch backward: D = 128 and 64; by default where `fused_backward_wins` (not for these 8 programs).
@@ -867,8 +976,11 @@ def test_sm90_fused_backward_rule():
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d_qk,d_v,s_kv", [(64, 64, 2100), (64, 64, 1100), (192, 128, 700), (96, 64, 700)],
-                         ids=["D64", "D64-1100", "D192x128", "D96x64"])
+@pytest.mark.parametrize(
+    "d_qk,d_v,s_kv",
+    [(64, 64, 2100), (64, 64, 1100), (192, 128, 700), (96, 64, 700)],
+    ids=["D64", "D64-1100", "D192x128", "D96x64"],
+)
 def test_sm90_forward_many_blocks(d_qk, d_v, s_kv, causal):
     """The Hopper forward over many key blocks where CASES has none: causal D = 64 takes it only from
     MIN_KEYS[(64, True)] keys (1024) up, which no shape in CASES reaches, CASES' one full-attention D = 64 shape has
@@ -883,8 +995,9 @@ def test_sm90_forward_many_blocks(d_qk, d_v, s_kv, causal):
     assert (d_qk, d_v) in flash_sm90.CONFIGS and s_kv >= flash_sm90.MIN_KEYS.get((d_qk, causal), 0)
     for dtype in KERNEL_DTYPES:
         q, k, v, _ = make_inputs(case, dtype)
-        out, lse = _forward(q, k, v, None, causal, out=poisoned((1, 4, 200, d_v), dtype),
-                            lse=poisoned((1, 4, 200), torch.float32))
+        out, lse = _forward(
+            q, k, v, None, causal, out=poisoned((1, 4, 200, d_v), dtype), lse=poisoned((1, 4, 200), torch.float32)
+        )
         ref_out, ref_lse = attention_reference(q.float(), k.float(), v.float(), causal=causal)
         assert_close(out, ref_out, dtype, "out")
         assert_close(lse, ref_lse, dtype, "lse")
@@ -953,7 +1066,7 @@ def test_sm90_staged_grads():
         dv_.fill_(2.0)
 
     assert _staged(launch, torch.float16, dk, dv)
-    (dk_, dv_), = seen
+    ((dk_, dv_),) = seen
     assert dk_ is not dk and dk_.is_contiguous() and dk_.dtype == torch.float16 and dv_ is dv
     assert (dk == 1.0).all() and (dv == 2.0).all()
     dv32 = torch.zeros(1, 2, 8, 64)
@@ -978,7 +1091,7 @@ def test_backward_into_strided_grads(d, d_v, monkeypatch):
     q, k, v, do = make_inputs(case, dtype)
     out, lse = _forward(q, k, v, None, True)
     bases = [poisoned((*x.shape[:-1], x.shape[-1] + 1), dtype) for x in (q, k)] + [poisoned(v.shape, dtype)]
-    grads = tuple(base[..., :x.shape[-1]] for base, x in zip(bases, (q, k, v)))
+    grads = tuple(base[..., : x.shape[-1]] for base, x in zip(bases, (q, k, v)))
     hopper = flash.flash_sm90
     launches = []  # per launch of backward_dkdv: (dk is the caller's view, dv is the caller's tensor)
     if hopper is not None:
@@ -1042,8 +1155,11 @@ def test_sm90_eligibility():
     from attention_kernels.flash_sm90 import eligible
 
     def qkv(d_qk=128, d_v=128, dtype=torch.bfloat16, h=4, s=64):
-        return (torch.zeros(1, h, s, d_qk, dtype=dtype), torch.zeros(1, 2, s, d_qk, dtype=dtype),
-                torch.zeros(1, 2, s, d_v, dtype=dtype))
+        return (
+            torch.zeros(1, h, s, d_qk, dtype=dtype),
+            torch.zeros(1, 2, s, d_qk, dtype=dtype),
+            torch.zeros(1, 2, s, d_v, dtype=dtype),
+        )
 
     assert eligible(*qkv())
     assert eligible(*qkv(dtype=torch.float16))

@@ -21,11 +21,22 @@ VARIANTS = {
     "mha": dict(attention="mha", pos_embedding="learned"),
     "gqa": dict(attention="gqa", n_kv_head=2, pos_embedding="rope"),
     "mqa": dict(attention="mqa", pos_embedding="learned"),
-    "mla": dict(attention="mla", kv_lora_rank=32, q_lora_rank=24, qk_nope_head_dim=16, qk_rope_head_dim=8,
-                v_head_dim=24, pos_embedding="rope"),
+    "mla": dict(
+        attention="mla",
+        kv_lora_rank=32,
+        q_lora_rank=24,
+        qk_nope_head_dim=16,
+        qk_rope_head_dim=8,
+        v_head_dim=24,
+        pos_embedding="rope",
+    ),
 }
-CACHES = {"mha": ("grouped", "paged"), "gqa": ("grouped", "paged"), "mqa": ("grouped", "paged"),
-          "mla": ("mla", "paged_mla")}
+CACHES = {
+    "mha": ("grouped", "paged"),
+    "gqa": ("grouped", "paged"),
+    "mqa": ("grouped", "paged"),
+    "mla": ("mla", "paged_mla"),
+}
 PROMPT_LENS = (6, 1, 11)  # ragged, with a one-token prompt (its "prefill" is a decode step)
 MAX_NEW = 5
 
@@ -37,11 +48,20 @@ TRITON_DTYPE = KERNEL_DTYPES[0]
 LOGIT_TOLERANCES = {torch.float32: TOLERANCES[torch.float32], torch.float16: dict(atol=2e-2, rtol=2e-2)}
 
 
-def tiny_model(variant: str, backend: str = "torch", dtype=torch.float32, block_size: int = 64,
-               n_embd: int = 64) -> GPT:
+def tiny_model(
+    variant: str, backend: str = "torch", dtype=torch.float32, block_size: int = 64, n_embd: int = 64
+) -> GPT:
     torch.manual_seed(0)
-    config = GPTConfig(vocab_size=65, block_size=block_size, n_layer=2, n_head=4, n_embd=n_embd, dropout=0.0,
-                       attn_backend=backend, **VARIANTS[variant])
+    config = GPTConfig(
+        vocab_size=65,
+        block_size=block_size,
+        n_layer=2,
+        n_head=4,
+        n_embd=n_embd,
+        dropout=0.0,
+        attn_backend=backend,
+        **VARIANTS[variant],
+    )
     model = GPT(config)
     with torch.no_grad():  # GPT-2's init gives near-flat logits; a wider (tied) embedding makes greedy margins
         model.transformer.wte.weight.normal_(0.0, 0.5)  # large, so no argmax is decided by rounding noise
@@ -63,15 +83,17 @@ def _close(got, ref, dtype, name):
     err = (got - ref).abs()
     assert (err <= tol["atol"] + tol["rtol"] * ref.abs()).all(), (
         f"{name} ({dtype}): max err {err.max().item():.3e}, mean err {err.mean().item():.3e}, "
-        f"max |ref| {ref.abs().max().item():.3e}")
+        f"max |ref| {ref.abs().max().item():.3e}"
+    )
 
 
 def _variant_cache_backend():
     for variant, kinds in CACHES.items():
         for kind in kinds:
             yield pytest.param(variant, kind, "torch", torch.float32, id=f"{variant}-{kind}-torch")
-            yield pytest.param(variant, kind, "triton", TRITON_DTYPE,
-                               id=f"{variant}-{kind}-triton-{str(TRITON_DTYPE).split('.')[-1]}")
+            yield pytest.param(
+                variant, kind, "triton", TRITON_DTYPE, id=f"{variant}-{kind}-triton-{str(TRITON_DTYPE).split('.')[-1]}"
+            )
 
 
 @pytest.mark.parametrize("variant,kind,backend,dtype", list(_variant_cache_backend()))
@@ -88,7 +110,7 @@ def test_every_decode_step_matches_full_forward(variant, kind, backend, dtype):
     for i, (p, o) in enumerate(zip(ps, out)):
         with torch.no_grad():
             full = plain(torch.tensor([p + o[:-1]], device=DEVICE))[0][0].float().cpu()  # (S, V)
-        ref = full[len(p) - 1:]
+        ref = full[len(p) - 1 :]
         assert len(seen[i]) == MAX_NEW
         for step, got in enumerate(seen[i]):
             _close(got, ref[step], dtype, f"{variant} {kind} {backend} sequence {i} step {step}")
@@ -110,7 +132,7 @@ def test_paged_cache_at_head_dim_64(monkeypatch):
     out, _ = generate(model, ps, "paged", max_new_tokens=MAX_NEW, page_size=16, on_logits=hook)
     for i, (p, o) in enumerate(zip(ps, out)):
         with torch.no_grad():
-            ref = plain(torch.tensor([p + o[:-1]], device=DEVICE))[0][0].float().cpu()[len(p) - 1:]
+            ref = plain(torch.tensor([p + o[:-1]], device=DEVICE))[0][0].float().cpu()[len(p) - 1 :]
         for step, got in enumerate(seen[i]):
             _close(got, ref[step], TRITON_DTYPE, f"paged D64 sequence {i} step {step}")
     hopper = DEVICE == "cuda" and decode_sm90.on_hopper(torch.empty(1, device=DEVICE))
@@ -161,12 +183,16 @@ def test_paged_scheduler_waits_for_pages_or_raises():
     model = tiny_model("mha")
     ps = prompts((5, 9, 3, 12, 7), seed=3)
     ref, _ = generate(model, ps, "grouped", max_new_tokens=6)
-    out, stats = generate(model, ps, "paged", max_new_tokens=6, page_size=8, num_pages=5, wait_for_pages=True,
-                          max_batch=3)
+    out, stats = generate(
+        model, ps, "paged", max_new_tokens=6, page_size=8, num_pages=5, wait_for_pages=True, max_batch=3
+    )
     assert out == ref
     assert stats.cache_bytes_peak <= stats.cache_bytes_allocated == 5 * 8 * stats.cache_bytes_per_token
-    with pytest.raises(ValueError, match=r"num_pages: got 5; the pool must hold 10 pages of 8 tokens for 5 "
-                                         r"sequences at once .* or wait_for_pages=True with >= 3"):
+    with pytest.raises(
+        ValueError,
+        match=r"num_pages: got 5; the pool must hold 10 pages of 8 tokens for 5 "
+        r"sequences at once .* or wait_for_pages=True with >= 3",
+    ):
         generate(model, ps, "paged", max_new_tokens=6, page_size=8, num_pages=5)
     with pytest.raises(ValueError, match=r"num_pages: got 5; the pool must hold 6 pages .* the longest sequence"):
         generate(model, [[1] * 40], "paged", max_new_tokens=6, page_size=8, num_pages=5, wait_for_pages=True)
@@ -191,13 +217,17 @@ def test_sampling_filters():
     assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("option,match", [
-    (dict(temperature=-0.5), r"temperature: got -0.5; valid: a number >= 0"),
-    (dict(temperature=float("nan")), r"temperature: got nan"),
-    (dict(temperature=1.0, top_k=-1), r"top_k: got -1; valid: an int >= 0"),
-    (dict(temperature=1.0, top_p=0.0), r"top_p: got 0.0; valid: a number in \(0, 1\]"),
-    (dict(temperature=1.0, top_p=1.5), r"top_p: got 1.5; valid"),
-], ids=["temperature-neg", "temperature-nan", "top_k-neg", "top_p-0", "top_p-1.5"])
+@pytest.mark.parametrize(
+    "option,match",
+    [
+        (dict(temperature=-0.5), r"temperature: got -0.5; valid: a number >= 0"),
+        (dict(temperature=float("nan")), r"temperature: got nan"),
+        (dict(temperature=1.0, top_k=-1), r"top_k: got -1; valid: an int >= 0"),
+        (dict(temperature=1.0, top_p=0.0), r"top_p: got 0.0; valid: a number in \(0, 1\]"),
+        (dict(temperature=1.0, top_p=1.5), r"top_p: got 1.5; valid"),
+    ],
+    ids=["temperature-neg", "temperature-nan", "top_k-neg", "top_p-0", "top_p-1.5"],
+)
 def test_bad_sampling_options_raise(option, match):
     model = tiny_model("mqa")
     with pytest.raises(ValueError, match=match):
@@ -241,8 +271,16 @@ def _checkpoint(directory, variant="mla"):
     from data import char_meta
 
     model = tiny_model(variant, dtype=torch.float32).cpu()
-    save_checkpoint(directory / "last.pt", {"model": model.state_dict(), "model_args": vars(model.config),
-                                            "tokenizer": char_meta(CHARS), "iter_num": 7, "config": {}})
+    save_checkpoint(
+        directory / "last.pt",
+        {
+            "model": model.state_dict(),
+            "model_args": vars(model.config),
+            "tokenizer": char_meta(CHARS),
+            "iter_num": 7,
+            "config": {},
+        },
+    )
     return model
 
 
@@ -258,10 +296,25 @@ def test_sample_py_end_to_end(tmp_path):
     expected_text = start + tok.decode(expected[0])
     (tmp_path / "prompt.txt").write_text(start)
     env = {**os.environ, "PYTHONPATH": REPO}
-    run = subprocess.run([sys.executable, os.path.join(REPO, "sample.py"), f"--init_from={tmp_path}",
-                          "--device=cpu", "--cache=paged", "--num_samples=2", "--max_new_tokens=20",
-                          "--temperature=0", "--start=FILE:prompt.txt", "--page_size=8"],
-                         capture_output=True, text=True, env=env, timeout=120, cwd=tmp_path)
+    run = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(REPO, "sample.py"),
+            f"--init_from={tmp_path}",
+            "--device=cpu",
+            "--cache=paged",
+            "--num_samples=2",
+            "--max_new_tokens=20",
+            "--temperature=0",
+            "--start=FILE:prompt.txt",
+            "--page_size=8",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert run.returncode == 0, run.stderr
     assert run.stdout == f"{expected_text}\n---------------\n{expected_text}\n"
     assert "decode:" in run.stderr and "tokens/s" in run.stderr and "bytes/token" in run.stderr
@@ -277,16 +330,34 @@ def test_sample_py_wandb_run_lands_beside_the_checkpoint(tmp_path):
     _checkpoint(ckpt)
     env = {k: v for k, v in os.environ.items() if not k.startswith("WANDB_")}
     env.update(PYTHONPATH=REPO, HOME=str(tmp_path))  # no ~/.netrc: no credentials
-    run = subprocess.run([sys.executable, os.path.join(REPO, "sample.py"), "--out_dir", "out-mla", "--device=cpu",
-                          "--start=HELLO, ", "--max_new_tokens=5", "--num_samples=1", "--wandb_log"],
-                         capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    run = subprocess.run(
+        [
+            sys.executable,
+            os.path.join(REPO, "sample.py"),
+            "--out_dir",
+            "out-mla",
+            "--device=cpu",
+            "--start=HELLO, ",
+            "--max_new_tokens=5",
+            "--num_samples=1",
+            "--wandb_log",
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+        cwd=tmp_path,
+    )
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.startswith("HELLO, ") and "wandb" not in run.stdout
     runs = list(ckpt.glob("wandb/offline-run-*/run-*.wandb"))
     assert len(runs) == 1 and not (tmp_path / "wandb").exists(), os.listdir(tmp_path)
     assert f"wandb sync {os.path.join('out-mla', 'wandb', runs[0].parent.name)}" in run.stderr
-    history = [{i.key or "/".join(i.nested_key) for i in r.history.item}
-               for r in read_wandb_records(runs[0]) if r.WhichOneof("record_type") == "history"]
+    history = [
+        {i.key or "/".join(i.nested_key) for i in r.history.item}
+        for r in read_wandb_records(runs[0])
+        if r.WhichOneof("record_type") == "history"
+    ]
     assert {"sample/decode_tokens", "sample/prefill_tokens"} <= set().union(*history), history
 
 
@@ -308,8 +379,17 @@ def test_sample_py_stops_at_end_of_text(tmp_path, monkeypatch, capsys):
         return tokenizer
 
     monkeypatch.setattr(data, "get_tokenizer", with_eot)
-    summary = sample.main([f"--init_from={tmp_path}", "--device=cpu", "--cache=paged", "--page_size=8",
-                           "--max_new_tokens=20", "--temperature=0", f"--start={start}"])
+    summary = sample.main(
+        [
+            f"--init_from={tmp_path}",
+            "--device=cpu",
+            "--cache=paged",
+            "--page_size=8",
+            "--max_new_tokens=20",
+            "--temperature=0",
+            f"--start={start}",
+        ]
+    )
     assert capsys.readouterr().out == start + tok.decode(free[0][:stop]) + "\n"
     assert summary["prefill_tokens"] == len(start) and summary["decode_tokens"] == stop
 
@@ -319,8 +399,10 @@ BAD_OPTIONS = [
     ("--cache=flat", r"--cache: got 'flat'; valid: auto, grouped, paged, mla, paged_mla, none"),
     ("--num_samples=0", r"--num_samples: got 0; valid: an int >= 1"),
     # 4e16 bytes of tokens: more than any host has (the OS would kill the run partway, with --cache=none too).
-    ("--num_samples=100000000000000 --cache=none",
-     r"--num_samples=100000000000000 x --max_new_tokens=10: the samples' tokens need .* GiB of host memory"),
+    (
+        "--num_samples=100000000000000 --cache=none",
+        r"--num_samples=100000000000000 x --max_new_tokens=10: the samples' tokens need .* GiB of host memory",
+    ),
     ("--temperature=-1", r"temperature: got -1.0; valid"),
     ("--top_k=-2", r"top_k: got -2; valid"),
     ("--top_p=1.5", r"top_p: got 1.5; valid"),
@@ -333,8 +415,10 @@ BAD_OPTIONS = [
     ("--max_new_tokens=70", r"block_size=64; this RoPE model may go past .* --allow_past_block_size=True"),
     ("--cache=mla --num_pages=4", r"--num_pages=4 / --wait_for_pages=False: given with --cache=mla.*--cache=paged"),
     ("--cache=mla --wait_for_pages=True", r"given with --cache=mla, which has no page pool"),
-    ("--cache=paged --page_size=8 --num_samples=3 --num_pages=5",  # 2 pages each at full length
-     r"--num_pages: got 5; the pool must hold 6 pages .* 3 samples at once.*>= 6, or --wait_for_pages=True with >= 2"),
+    (
+        "--cache=paged --page_size=8 --num_samples=3 --num_pages=5",  # 2 pages each at full length
+        r"--num_pages: got 5; the pool must hold 6 pages .* 3 samples at once.*>= 6, or --wait_for_pages=True with >= 2",
+    ),
     ("--cache=paged --page_size=8 --num_pages=1 --wait_for_pages=True", r"--num_pages: got 1; .* for one sample"),
 ]
 
@@ -346,8 +430,9 @@ def test_sample_py_rejects_bad_options_at_start(tmp_path, monkeypatch, capsys, a
     _checkpoint(tmp_path)
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match=match):
-        sample.main([f"--init_from={tmp_path}", "--device=cpu", "--start=HELLO, ", "--max_new_tokens=10",
-                     *args.split()])
+        sample.main(
+            [f"--init_from={tmp_path}", "--device=cpu", "--start=HELLO, ", "--max_new_tokens=10", *args.split()]
+        )
     assert capsys.readouterr().out == ""
 
 
@@ -356,8 +441,11 @@ def test_generate_refuses_sizes_that_cannot_work_at_start(monkeypatch):
     a boolean top_k and a max_batch below 1 are refused before anything runs."""
     model = tiny_model("mha", dtype=torch.float32).cpu()
     monkeypatch.setattr(sample, "_available_bytes", lambda device: 1000)
-    with pytest.raises(ValueError, match=r"cache: .* GiB \(2 sequences of up to 12 tokens at \d+ bytes a token\), "
-                                         r"but 0.0 GiB is available on cpu; valid: fewer samples"):
+    with pytest.raises(
+        ValueError,
+        match=r"cache: .* GiB \(2 sequences of up to 12 tokens at \d+ bytes a token\), "
+        r"but 0.0 GiB is available on cpu; valid: fewer samples",
+    ):
         generate(model, [[1, 2, 3], [4]], "grouped", max_new_tokens=10)
     monkeypatch.undo()
     with pytest.raises(ValueError, match=r"top_k: got True; valid: an int >= 0"):
@@ -374,8 +462,11 @@ def test_sample_py_bad_checkpoint_and_prompt_sources(tmp_path, monkeypatch):
     _checkpoint(tmp_path)
     monkeypatch.chdir(tmp_path)
     for bad in (str(tmp_path / "last.pt"), "gpt3"):
-        with pytest.raises(ValueError, match=r"--init_from: got .*, which is not a directory; valid: 'resume' .*, a "
-                                             r"directory holding best.pt or last.pt, or gpt2, "):
+        with pytest.raises(
+            ValueError,
+            match=r"--init_from: got .*, which is not a directory; valid: 'resume' .*, a "
+            r"directory holding best.pt or last.pt, or gpt2, ",
+        ):
             sample.main([f"--init_from={bad}", "--device=cpu"])
     (tmp_path / "prompt.bin").write_bytes(b"\xff\xfe\x00binary")
     with pytest.raises(ValueError, match=r"--start: got 'FILE:prompt.bin', which cannot be read \(not UTF-8 text\)"):
@@ -391,29 +482,55 @@ def test_sample_py_names_the_checkpoints_it_can_find(tmp_path, monkeypatch):
     """An --out_dir without best.pt or last.pt (train.py configs/gqa.py writes out-gqa, sample.py reads out by
     default) names the directories here that hold one, or says how to make one."""
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(ValueError, match=r"--out_dir: no checkpoint in 'out' \(best.pt or last.pt; .*valid: a "
-                                         r"directory train.py has written .*--init_from=gpt2"):
+    with pytest.raises(
+        ValueError,
+        match=r"--out_dir: no checkpoint in 'out' \(best.pt or last.pt; .*valid: a "
+        r"directory train.py has written .*--init_from=gpt2",
+    ):
         sample.main(["--device=cpu"])
     for name in ("out-gqa", "out-mla", "empty"):
         (tmp_path / name).mkdir()
     _checkpoint(tmp_path / "out-gqa", "gqa")
     _checkpoint(tmp_path / "out-mla")
-    with pytest.raises(ValueError, match=r"--out_dir: no checkpoint in 'out' .*; valid: --out_dir=out-gqa, "
-                                         r"--out_dir=out-mla$"):
+    with pytest.raises(
+        ValueError,
+        match=r"--out_dir: no checkpoint in 'out' .*; valid: --out_dir=out-gqa, "
+        r"--out_dir=out-mla$",
+    ):
         sample.main(["--device=cpu", "--cache", "paged"])
     with pytest.raises(ValueError, match=r"--init_from: no checkpoint in '.*empty' .*; valid: --out_dir=out-gqa"):
         sample.main([f"--init_from={tmp_path / 'empty'}", "--device=cpu"])
-    summary = sample.main(["--out_dir", "out-gqa", "--cache", "paged", "--page_size", "8", "--device=cpu",
-                           "--start", "HELLO, ", "--max_new_tokens", "4", "--num_samples", "1"])
+    summary = sample.main(
+        [
+            "--out_dir",
+            "out-gqa",
+            "--cache",
+            "paged",
+            "--page_size",
+            "8",
+            "--device=cpu",
+            "--start",
+            "HELLO, ",
+            "--max_new_tokens",
+            "4",
+            "--num_samples",
+            "1",
+        ]
+    )
     assert summary["prefill_tokens"] == 7 and summary["decode_tokens"] == 3
 
 
 def test_sample_py_error_is_a_message_not_a_traceback(tmp_path):
     _checkpoint(tmp_path)
-    run = subprocess.run([sys.executable, os.path.join(REPO, "sample.py"), f"--init_from={tmp_path}",
-                          "--device=cpu", "--cache=grouped"], capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "PYTHONPATH": REPO})
+    run = subprocess.run(
+        [sys.executable, os.path.join(REPO, "sample.py"), f"--init_from={tmp_path}", "--device=cpu", "--cache=grouped"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": REPO},
+    )
     assert run.returncode == 1 and run.stdout == ""
     assert "Traceback" not in run.stderr
-    assert run.stderr.strip().endswith("error: --cache: got 'grouped' for a model with attention='mla'; valid: "
-                                       "auto, mla, paged, paged_mla, none")
+    assert run.stderr.strip().endswith(
+        "error: --cache: got 'grouped' for a model with attention='mla'; valid: auto, mla, paged, paged_mla, none"
+    )

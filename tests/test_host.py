@@ -41,10 +41,40 @@ def test_spec_determines_triton_specialization():
     """Any two arguments `_spec` cannot tell apart get the same specialization from Triton (so one compiled kernel
     serves both), over ints at every boundary Triton cares about, floats, bools, None, tensors of several dtypes
     at aligned and misaligned offsets, and TMA descriptors of Gluon and Triton."""
-    ints = [0, 1, -1, 2, 3, 15, 16, 17, 31, 32, 48, 64, 1000, 1024, 4096, -16, -17, 2**31 - 16, 2**31 - 1, 2**31,
-            2**31 + 16, -(2**31), -(2**31) - 16, 2**62, 2**63 - 16, 2**63, 2**63 + 16, 2**64 - 16]
-    flat = {dtype: torch.empty(64, dtype=dtype) for dtype in (torch.float32, torch.bfloat16, torch.float16,
-                                                              torch.int32, torch.int64, torch.uint8)}
+    ints = [
+        0,
+        1,
+        -1,
+        2,
+        3,
+        15,
+        16,
+        17,
+        31,
+        32,
+        48,
+        64,
+        1000,
+        1024,
+        4096,
+        -16,
+        -17,
+        2**31 - 16,
+        2**31 - 1,
+        2**31,
+        2**31 + 16,
+        -(2**31),
+        -(2**31) - 16,
+        2**62,
+        2**63 - 16,
+        2**63,
+        2**63 + 16,
+        2**64 - 16,
+    ]
+    flat = {
+        dtype: torch.empty(64, dtype=dtype)
+        for dtype in (torch.float32, torch.bfloat16, torch.float16, torch.int32, torch.int64, torch.uint8)
+    }
     tensors = [t[i:] for t in flat.values() for i in (0, 1, 2, 3, 4, 8, 16)]
     values = ints + [0.5, 1.0, -2.0, True, False, None] + tensors + _descriptors()
     seen = {}
@@ -77,14 +107,14 @@ class _Kernel:
     """A stand-in for a compiled JITFunction: kernel(x_ptr, n, BLOCK: constexpr, FLAG: constexpr)."""
 
     def __init__(self):
-        self.params = [_Param(0, "x", False), _Param(1, "n", False), _Param(2, "BLOCK", True),
-                       _Param(3, "FLAG", True)]
+        self.params = [_Param(0, "x", False), _Param(1, "n", False), _Param(2, "BLOCK", True), _Param(3, "FLAG", True)]
         self.device_caches, self.pre_run_hooks, self.calls = {}, [], []
 
     def __getitem__(self, grid):
         def run(*args, **kwargs):
             self.calls.append(("triton", grid, args, kwargs))
             return _Compiled(self.calls)
+
         return run
 
 
@@ -113,8 +143,18 @@ def test_launcher_reuses_the_compiled_kernel(stand_in):
     assert kernel.calls[1] == ("cached", (5, 2, 1), 1234, "function", "metadata", None, None, None, (x, 48, 64, True))
 
 
-@pytest.mark.parametrize("change", ["n not divisible by 16", "n is 1", "misaligned pointer", "other dtype",
-                                    "constexpr", "constexpr by position", "option"])
+@pytest.mark.parametrize(
+    "change",
+    [
+        "n not divisible by 16",
+        "n is 1",
+        "misaligned pointer",
+        "other dtype",
+        "constexpr",
+        "constexpr by position",
+        "option",
+    ],
+)
 def test_launcher_key_tells_specializations_apart(stand_in, change):
     """Whatever Triton would compile anew for, the cache does not reuse a kernel for."""
     kernel, launch = stand_in
@@ -169,8 +209,10 @@ def test_launcher_of_an_interpreted_kernel_is_triton_s_path():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(DEVICE != "cuda", reason="compiled kernels exist on a GPU only; the stand-in tests above cover "
-                                             "the cache's logic on the CPU")
+@pytest.mark.skipif(
+    DEVICE != "cuda",
+    reason="compiled kernels exist on a GPU only; the stand-in tests above cover the cache's logic on the CPU",
+)
 def test_cached_launches_match_triton_launches(monkeypatch):
     """On the GPU, flash attention forward and backward twice through the cache (the second call never enters
     JITFunction.run) give bitwise the results of Triton's own launches (ZOO_LAUNCH_CACHE=0)."""

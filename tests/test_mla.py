@@ -54,8 +54,16 @@ def _check(out, lse, ref_out, ref_lse, dtype, name):
 # non-powers of 2. On an H100/H200 the 512 + 64 cases run the Gluon kernels (attention_kernels/mla_sm90.py; 7, 16 and 24
 # heads the narrow one, in tiles of 16 or 32 heads; 40 heads a zero-padded 64-head tile): a sequence shorter than
 # one 64-token block, ragged last blocks, several blocks per split, empty splits.
-CASES = [(2, 16, 33, 512, 64, 3), (3, 7, 130, 512, 64, 2), (2, 24, 100, 512, 64, 2), (1, 40, 70, 512, 64, 2),
-         (1, 128, 20, 512, 64, 1), (3, 64, 300, 512, 64, 3), (3, 5, 70, 80, 16, 7), (2, 20, 40, 96, 48, 2)]
+CASES = [
+    (2, 16, 33, 512, 64, 3),
+    (3, 7, 130, 512, 64, 2),
+    (2, 24, 100, 512, 64, 2),
+    (1, 40, 70, 512, 64, 2),
+    (1, 128, 20, 512, 64, 1),
+    (3, 64, 300, 512, 64, 3),
+    (3, 5, 70, 80, 16, 7),
+    (2, 20, 40, 96, 48, 2),
+]
 
 
 @pytest.mark.parametrize("auto", [True, False], ids=["splitsAuto", "splitsFixed"])
@@ -67,9 +75,15 @@ def test_mla_decode_matches_reference(dtype, case, auto):
     seq_lens = ragged_lens(b, s)
     # NaN in every row past a sequence's end: a kernel that reads one and gives it zero weight returns NaN.
     past_end = torch.arange(s, device=DEVICE)[None, :, None] >= seq_lens[:, None, None]
-    out, lse = mla_decode(q_abs, q_rope, c_kv.masked_fill(past_end, float("nan")),
-                          k_rope.masked_fill(past_end, float("nan")), seq_lens, scale=scale,
-                          num_splits=None if auto else splits)
+    out, lse = mla_decode(
+        q_abs,
+        q_rope,
+        c_kv.masked_fill(past_end, float("nan")),
+        k_rope.masked_fill(past_end, float("nan")),
+        seq_lens,
+        scale=scale,
+        num_splits=None if auto else splits,
+    )
     ref_out, ref_lse = mla_decode_reference(q_abs, q_rope, c_kv, k_rope, seq_lens, scale=scale)
     _check(out, lse, ref_out, ref_lse, dtype, "mla_decode")
 
@@ -109,7 +123,8 @@ def _paged_latent(c_kv, k_rope, page_size, extra_pages=2):
     for x in (c_kv, k_rope):
         pool = torch.randn(num_pages, page_size, x.shape[-1], device=DEVICE, dtype=x.dtype)  # unused pages: noise
         pool[table.long()] = torch.nn.functional.pad(x, (0, 0, 0, max_pages * page_size - s)).reshape(
-            b, max_pages, page_size, -1)
+            b, max_pages, page_size, -1
+        )
         pools.append(pool)
     return pools[0], pools[1], table
 
@@ -147,8 +162,16 @@ def test_paged_mla_decode_matches_reference(dtype, page_size, heads, kernel, mon
     seq_lens = ragged_lens(b, s)
     ref_out2, _ = paged_mla_decode_reference(q_abs, q_rope, c_pages, r_pages, table, seq_lens, scale=scale)
     c_poisoned, r_poisoned = _poison_past_end(c_pages, r_pages, table, seq_lens)
-    out, lse = paged_mla_decode(q_abs, q_rope, c_poisoned, r_poisoned, table, seq_lens, scale=scale,
-                                num_splits=None if page_size in (16, 256) else 3)
+    out, lse = paged_mla_decode(
+        q_abs,
+        q_rope,
+        c_poisoned,
+        r_poisoned,
+        table,
+        seq_lens,
+        scale=scale,
+        num_splits=None if page_size in (16, 256) else 3,
+    )
     ref_out, ref_lse = mla_decode_reference(q_abs, q_rope, c_kv, k_rope, seq_lens, scale=scale)
     _check(out, lse, ref_out, ref_lse, dtype, "paged_mla_decode")
     assert_close(out, ref_out2, dtype, "paged_mla_decode vs paged reference")
@@ -182,14 +205,30 @@ def _bad_inputs():
 
     def dense(**kw):
         a = dict(q_absorbed=qa, q_rope=qr, c_kv=ckv, k_rope=kr, seq_lens=lens, num_splits=None, scale=0.1) | kw
-        return lambda: mla_decode(a["q_absorbed"], a["q_rope"], a["c_kv"], a["k_rope"], a["seq_lens"],
-                                  scale=a["scale"], num_splits=a["num_splits"])
+        return lambda: mla_decode(
+            a["q_absorbed"],
+            a["q_rope"],
+            a["c_kv"],
+            a["k_rope"],
+            a["seq_lens"],
+            scale=a["scale"],
+            num_splits=a["num_splits"],
+        )
 
     def paged(**kw):
-        a = dict(q_absorbed=qa, q_rope=qr, c_kv_pages=cp, k_rope_pages=rp, block_table=table, seq_lens=lens,
-                 scale=0.1) | kw
-        return lambda: paged_mla_decode(a["q_absorbed"], a["q_rope"], a["c_kv_pages"], a["k_rope_pages"],
-                                        a["block_table"], a["seq_lens"], scale=a["scale"])
+        a = (
+            dict(q_absorbed=qa, q_rope=qr, c_kv_pages=cp, k_rope_pages=rp, block_table=table, seq_lens=lens, scale=0.1)
+            | kw
+        )
+        return lambda: paged_mla_decode(
+            a["q_absorbed"],
+            a["q_rope"],
+            a["c_kv_pages"],
+            a["k_rope_pages"],
+            a["block_table"],
+            a["seq_lens"],
+            scale=a["scale"],
+        )
 
     other = torch.bfloat16 if f["dtype"] != torch.bfloat16 else torch.float16
     return {
@@ -199,25 +238,34 @@ def _bad_inputs():
         "c_kv-batch": (dense(c_kv=ckv[:1], k_rope=kr[:1]), "c_kv"),
         "c_kv-latent-dim": (dense(c_kv=torch.randn(2, 16, 32, **f)), "c_kv"),
         "k_rope-rows": (dense(k_rope=kr[:, :8]), "k_rope"),
-        "latent-dim-too-large": (dense(q_absorbed=torch.randn(2, 4, 576, **f), c_kv=torch.randn(2, 16, 576, **f)),
-                                 "q_absorbed"),
-        "rope-dim-too-large": (dense(q_rope=torch.randn(2, 4, 144, **f), k_rope=torch.randn(2, 16, 144, **f)),
-                               "q_rope"),
+        "latent-dim-too-large": (
+            dense(q_absorbed=torch.randn(2, 4, 576, **f), c_kv=torch.randn(2, 16, 576, **f)),
+            "q_absorbed",
+        ),
+        "rope-dim-too-large": (
+            dense(q_rope=torch.randn(2, 4, 144, **f), k_rope=torch.randn(2, 16, 144, **f)),
+            "q_rope",
+        ),
         "c_kv-dtype": (dense(c_kv=ckv.to(other)), "c_kv"),
         "q_absorbed-int": (dense(q_absorbed=qa.int()), "q_absorbed"),
         "seq_lens-int64": (dense(seq_lens=lens.long()), "seq_lens"),
         "seq_lens-zero": (dense(seq_lens=torch.tensor([0, 3], dtype=torch.int32, device=DEVICE)), "seq_lens"),
-        "seq_lens-beyond-cache": (dense(seq_lens=torch.tensor([17, 3], dtype=torch.int32, device=DEVICE)),
-                                  "seq_lens"),
+        "seq_lens-beyond-cache": (dense(seq_lens=torch.tensor([17, 3], dtype=torch.int32, device=DEVICE)), "seq_lens"),
         "num_splits-negative": (dense(num_splits=-1), "num_splits"),
-        "device-mismatch": (dense(c_kv=ckv.to("meta"), k_rope=kr.to("meta")) if DEVICE == "cpu" else
-                            dense(seq_lens=lens.cpu()), "c_kv" if DEVICE == "cpu" else "seq_lens"),
-        "paged-page-size": (paged(c_kv_pages=torch.randn(6, 4, 64, **f), k_rope_pages=torch.randn(6, 4, 16, **f)),
-                            "c_kv_pages"),
+        "device-mismatch": (
+            dense(c_kv=ckv.to("meta"), k_rope=kr.to("meta")) if DEVICE == "cpu" else dense(seq_lens=lens.cpu()),
+            "c_kv" if DEVICE == "cpu" else "seq_lens",
+        ),
+        "paged-page-size": (
+            paged(c_kv_pages=torch.randn(6, 4, 64, **f), k_rope_pages=torch.randn(6, 4, 16, **f)),
+            "c_kv_pages",
+        ),
         "paged-rope-pool-mismatch": (paged(k_rope_pages=rp[:5]), "k_rope_pages"),
         "paged-table-int64": (paged(block_table=table.long()), "block_table"),
-        "paged-entry-outside-pool": (paged(block_table=torch.tensor([[0, 9], [2, 3]], dtype=torch.int32,
-                                                                    device=DEVICE)), "block_table"),
+        "paged-entry-outside-pool": (
+            paged(block_table=torch.tensor([[0, 9], [2, 3]], dtype=torch.int32, device=DEVICE)),
+            "block_table",
+        ),
         "paged-table-too-short": (paged(block_table=table[:, :1]), "block_table"),
         "latent-dim-too-small": (dense(q_absorbed=qa[..., :8], c_kv=ckv[..., :8]), "q_absorbed"),
         "q_rope-dtype": (dense(q_rope=qr.to(other)), "q_rope"),
@@ -230,11 +278,15 @@ def _bad_inputs():
         "paged-c_kv_pages-dtype": (paged(c_kv_pages=cp.to(other)), "c_kv_pages"),
         "paged-table-rank": (paged(block_table=table[0]), "block_table"),
         "paged-table-batch": (paged(block_table=table[:1]), "block_table"),
-        "paged-negative-entry": (paged(block_table=torch.tensor([[0, 1], [-1, 3]], dtype=torch.int32,
-                                                                device=DEVICE)), "block_table"),
+        "paged-negative-entry": (
+            paged(block_table=torch.tensor([[0, 1], [-1, 3]], dtype=torch.int32, device=DEVICE)),
+            "block_table",
+        ),
         "paged-seq_lens-zero": (paged(seq_lens=torch.tensor([16, 0], dtype=torch.int32, device=DEVICE)), "seq_lens"),
-        "paged-seq_lens-beyond-table": (paged(seq_lens=torch.tensor([17, 3], dtype=torch.int32, device=DEVICE)),
-                                        "block_table"),
+        "paged-seq_lens-beyond-table": (
+            paged(seq_lens=torch.tensor([17, 3], dtype=torch.int32, device=DEVICE)),
+            "block_table",
+        ),
         "paged-device-mismatch": (paged(block_table=table.to("meta" if DEVICE == "cpu" else "cpu")), "block_table"),
         "paged-scale-none": (paged(scale=None), "scale"),
     }
@@ -280,8 +332,9 @@ def test_compile_fullgraph():
         return a.float() + p.float(), lse_a + lse_p
 
     torch._dynamo.reset()
-    out, lse = torch.compile(step, fullgraph=True, backend="aot_eager")(q_abs, q_rope, c_kv, k_rope, c_pages,
-                                                                         r_pages, table, lens)
+    out, lse = torch.compile(step, fullgraph=True, backend="aot_eager")(
+        q_abs, q_rope, c_kv, k_rope, c_pages, r_pages, table, lens
+    )
     ref_out, ref_lse = mla_decode_reference(q_abs, q_rope, c_kv, k_rope, lens, scale=scale)
     assert_close(out, 2 * ref_out, dtype, "compiled out")
     assert_close(lse, 2 * ref_lse, dtype, "compiled lse")
@@ -302,13 +355,44 @@ def test_128_head_tile_computes_each_score_once(paged):
     assert cfg["BLOCK_H"] == 64 and cfg["num_warps"] == 8, cfg
     # A 64-head tile's partials are merged by the separate combine (decode.fused_combine_chunk).
     assert mla.fused_combine_chunk(2, 64, 512, 1 << 20, torch.device("cpu")) == 0
-    const = dict(H=128, D_C=512, D_R=64, BLOCK_H=cfg["BLOCK_H"], BLOCK_N=cfg["BLOCK_N"], BLOCK_DC=512, BLOCK_DR=64,
-                 PAGED=paged, PAGE_SIZE=64 if paged else 1, NUM_SPLITS=2, STATIC_ITERS=0, EVICT="",
-                 DOT_PRECISION="tf32", FUSE_CHUNK=0)
-    types = dict(QA="*bf16", QR="*bf16", CKV="*bf16", KR="*bf16", BLOCK_TABLE="*i32", SEQ_LENS="*i32", OUT="*fp32",
-                 LSE="*fp32", FINAL_OUT="*bf16", FINAL_LSE="*fp32", COUNTERS="*i32", scale_log2="fp32")
-    result = compile_gluon_sm90("attention_kernels.mla", "_mla_decode_kernel", types, const, gluon=False,
-                                options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]))
+    const = dict(
+        H=128,
+        D_C=512,
+        D_R=64,
+        BLOCK_H=cfg["BLOCK_H"],
+        BLOCK_N=cfg["BLOCK_N"],
+        BLOCK_DC=512,
+        BLOCK_DR=64,
+        PAGED=paged,
+        PAGE_SIZE=64 if paged else 1,
+        NUM_SPLITS=2,
+        STATIC_ITERS=0,
+        EVICT="",
+        DOT_PRECISION="tf32",
+        FUSE_CHUNK=0,
+    )
+    types = dict(
+        QA="*bf16",
+        QR="*bf16",
+        CKV="*bf16",
+        KR="*bf16",
+        BLOCK_TABLE="*i32",
+        SEQ_LENS="*i32",
+        OUT="*fp32",
+        LSE="*fp32",
+        FINAL_OUT="*bf16",
+        FINAL_LSE="*fp32",
+        COUNTERS="*i32",
+        scale_log2="fp32",
+    )
+    result = compile_gluon_sm90(
+        "attention_kernels.mla",
+        "_mla_decode_kernel",
+        types,
+        const,
+        gluon=False,
+        options=dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"]),
+    )
     layouts = re.findall(r"nvidia_mma<\{versionMajor = 3[^}]*warpsPerCTA = \[(\d+), (\d+)\]", result["ttgir"])
     assert layouts, "no Hopper tensor-core (wgmma) layout in the compiled kernel"
     assert all(w == ("4", "2") for w in layouts), f"warp grids {layouts}: a score tile is computed twice"
@@ -322,14 +406,27 @@ def _compile_sm90(splits: int, page_size: int, heads: int) -> dict:
 
     half, n, rope = mla_sm90.HALF_COLUMNS, mla_sm90.BLOCK_N, mla_sm90.ROPE_DIM
     rows = min(page_size, n) if page_size else n
-    types = dict(qc_desc=dict(block=[1, heads, half], dtype="bfloat16"),
-                 qr_desc=dict(block=[1, heads, rope], dtype="bfloat16"),
-                 c_desc=dict(block=[1, rows, half], dtype="bfloat16"),
-                 r_desc=dict(block=[1, rows, rope], dtype="bfloat16"),
-                 seq_lens_ptr="*i32", table_ptr="*i32", out_ptr="*bf16" if splits == 1 else "*fp32",
-                 lse_ptr="*fp32", num_heads="i32", scale_log2="fp32")
-    const = dict(BLOCK_N=n, STAGES=mla_sm90.STAGES, NUM_SPLITS=splits, PAGED=page_size > 0,
-                 PAGE_SIZE=max(page_size, 1), PAGE_ROWS=rows, WAIT=heads < mla_sm90.HEADS_PER_PROGRAM)
+    types = dict(
+        qc_desc=dict(block=[1, heads, half], dtype="bfloat16"),
+        qr_desc=dict(block=[1, heads, rope], dtype="bfloat16"),
+        c_desc=dict(block=[1, rows, half], dtype="bfloat16"),
+        r_desc=dict(block=[1, rows, rope], dtype="bfloat16"),
+        seq_lens_ptr="*i32",
+        table_ptr="*i32",
+        out_ptr="*bf16" if splits == 1 else "*fp32",
+        lse_ptr="*fp32",
+        num_heads="i32",
+        scale_log2="fp32",
+    )
+    const = dict(
+        BLOCK_N=n,
+        STAGES=mla_sm90.STAGES,
+        NUM_SPLITS=splits,
+        PAGED=page_size > 0,
+        PAGE_SIZE=max(page_size, 1),
+        PAGE_ROWS=rows,
+        WAIT=heads < mla_sm90.HEADS_PER_PROGRAM,
+    )
     return compile_gluon_sm90("attention_kernels.mla_sm90", "_mla_decode_sm90_kernel", types, const)
 
 
@@ -337,8 +434,11 @@ def _compile_sm90(splits: int, page_size: int, heads: int) -> dict:
 SM90_STRUCTURE = [(1, 0), (4, 0), (1, 8), (4, 16), (1, 64), (4, 256)]
 
 
-@pytest.mark.parametrize("splits,page_size", SM90_STRUCTURE,
-                         ids=[f"splits{s}-" + (f"page{p}" if p else "contiguous") for s, p in SM90_STRUCTURE])
+@pytest.mark.parametrize(
+    "splits,page_size",
+    SM90_STRUCTURE,
+    ids=[f"splits{s}-" + (f"page{p}" if p else "contiguous") for s, p in SM90_STRUCTURE],
+)
 def test_sm90_kernel_structure(splits, page_size):
     """The Hopper MLA kernel (Gluon, no CPU interpreter; its numerics run in the 64- and 128-head cases above on an
     H100/H200) compiled for sm_90 on any machine: a loader warp that gives its registers to two consumer
@@ -367,8 +467,11 @@ def test_sm90_kernel_structure(splits, page_size):
     assert "griddepcontrol.wait" not in ptx
 
 
-@pytest.mark.parametrize("splits,page_size,heads", [(1, 0, 16), (4, 16, 16), (2, 0, 32)],
-                         ids=["splits1-contiguous-H16", "splits4-page16-H16", "splits2-contiguous-H32"])
+@pytest.mark.parametrize(
+    "splits,page_size,heads",
+    [(1, 0, 16), (4, 16, 16), (2, 0, 32)],
+    ids=["splits1-contiguous-H16", "splits4-page16-H16", "splits2-contiguous-H32"],
+)
 def test_sm90_narrow_kernel_structure(splits, page_size, heads):
     """The narrow Hopper MLA kernel (a tile of 16 or 32 heads as the wgmma's N; its numerics run in the 5-, 7-, 16-
     and 24-head cases above on an H100/H200) compiled for sm_90: a loader warp (setmaxnreg 40) and one consumer
@@ -400,8 +503,12 @@ def test_sm90_eligibility():
     from attention_kernels.mla_sm90 import eligible
 
     def inputs(h=128, d_c=512, d_r=64, dtype=torch.bfloat16):
-        return (torch.zeros(2, h, d_c, dtype=dtype), torch.zeros(2, h, d_r, dtype=dtype),
-                torch.zeros(2, 40, d_c, dtype=dtype), torch.zeros(2, 40, d_r, dtype=dtype))
+        return (
+            torch.zeros(2, h, d_c, dtype=dtype),
+            torch.zeros(2, h, d_r, dtype=dtype),
+            torch.zeros(2, 40, d_c, dtype=dtype),
+            torch.zeros(2, 40, d_r, dtype=dtype),
+        )
 
     assert eligible(*inputs()) and eligible(*inputs(h=64)) and eligible(*inputs(dtype=torch.float16))
     # Up to 32 heads: the narrow kernel; 33-63 one zero-padded 64-head tile; contiguous or paged alike.
@@ -418,8 +525,9 @@ def test_sm90_eligibility():
     assert not eligible(q[..., :512], q[..., 512:], odd[..., :512], cache[..., 512:]), "unaligned row stride"
 
 
-@pytest.mark.parametrize("h,splits", [(16, 1), (16, 4), (24, 2), (64, 2)],
-                         ids=["H16-splits1", "H16-splits4", "H24-splits2", "H64-splits2"])
+@pytest.mark.parametrize(
+    "h,splits", [(16, 1), (16, 4), (24, 2), (64, 2)], ids=["H16-splits1", "H16-splits4", "H24-splits2", "H64-splits2"]
+)
 def test_mla_decode_as_dependent_launch(h, splits, monkeypatch):
     """The narrow Hopper MLA program (up to 32 heads, on an H100/H200) launches as a programmatic dependent of the
     kernel before it where `decode.pdl` says so: its programs wait for that kernel before they read anything (the
@@ -433,5 +541,9 @@ def test_mla_decode_as_dependent_launch(h, splits, monkeypatch):
     def check(x, out, lse, name):
         _check(out, lse, *mla_decode_reference(x, q_rope, c_kv, k_rope, lens, scale=scale), dtype, name)
 
-    check_dependent_chain(lambda x: mla_decode(x, q_rope, c_kv, k_rope, lens, scale=scale, num_splits=splits,
-                                               validate=False), q_abs, check, monkeypatch)
+    check_dependent_chain(
+        lambda x: mla_decode(x, q_rope, c_kv, k_rope, lens, scale=scale, num_splits=splits, validate=False),
+        q_abs,
+        check,
+        monkeypatch,
+    )

@@ -49,8 +49,10 @@ def assert_scaled_close(got: torch.Tensor, ref: torch.Tensor, tol: float, name: 
     assert got32.shape == ref32.shape, f"{name}: shape {tuple(got32.shape)} != {tuple(ref32.shape)}"
     assert torch.isfinite(got32).all(), f"{name}: non-finite values"
     err, scale = (got32 - ref32).abs().max().item(), ref32.abs().max().item()
-    assert err <= tol * scale + 1e-12, (f"{name}: max err {err:.3e} > {tol:g} * max|ref| {scale:.3e} "
-                                        f"(mean err {(got32 - ref32).abs().mean().item():.3e})")
+    assert err <= tol * scale + 1e-12, (
+        f"{name}: max err {err:.3e} > {tol:g} * max|ref| {scale:.3e} "
+        f"(mean err {(got32 - ref32).abs().mean().item():.3e})"
+    )
 
 
 def count_flash_calls(monkeypatch) -> list:
@@ -104,8 +106,10 @@ def test_triton_path_matches_torch_path(variant, pos, dtype, monkeypatch):
 
     cfg = triton_model.config
     H_kv = cfg.n_kv_head  # K/V heads reach the kernel unrepeated (MLA: its n_head materialized heads)
-    assert calls == [((B, cfg.n_head, T, cfg.qk_head_dim), (B, H_kv, T, cfg.qk_head_dim), (B, H_kv, T, cfg.v_dim))
-                     ] * cfg.n_layer
+    assert (
+        calls
+        == [((B, cfg.n_head, T, cfg.qk_head_dim), (B, H_kv, T, cfg.qk_head_dim), (B, H_kv, T, cfg.v_dim))] * cfg.n_layer
+    )
     tol = MODEL_TOL[dtype]
     assert_scaled_close(logits, ref_logits, tol["out"], "logits")
     assert_scaled_close(loss, ref_loss, tol["out"], "loss")
@@ -172,8 +176,9 @@ class ReferenceCache:
         self.calls.append(("attend_latent", layer, scale))
         c_all, r_all = self._grow(layer, c_kv, k_rope, 1)
         seq_lens = torch.full((self.batch_size,), self.length, dtype=torch.int32, device=self.device)
-        out, _ = reference.mla_decode_reference(q_absorbed[:, :, 0], q_rope[:, :, 0], c_all, r_all, seq_lens,
-                                                scale=scale)
+        out, _ = reference.mla_decode_reference(
+            q_absorbed[:, :, 0], q_rope[:, :, 0], c_all, r_all, seq_lens, scale=scale
+        )
         return out.to(q_absorbed.dtype)[:, :, None]
 
 
@@ -196,8 +201,8 @@ def test_cached_forward_matches_full_forward(variant, pos, backend):
         start = 0
         for T in chunks:
             cache.calls.clear()
-            logits, _ = model(idx[:, start:start + T], cache=cache)
-            assert_scaled_close(logits, full[:, start:start + T], 1e-4, f"logits of tokens {start}..{start + T}")
+            logits, _ = model(idx[:, start : start + T], cache=cache)
+            assert_scaled_close(logits, full[:, start : start + T], 1e-4, f"logits of tokens {start}..{start + T}")
             start += T
             mla = cfg.attention == "mla"
             if T > 1:
@@ -254,8 +259,11 @@ BAD_CONFIGS = {
     "mla-negative-q-lora": (dict(attention="mla", q_lora_rank=-1, **MLA_DIMS), "q_lora_rank", ">= 0"),
 }
 for _field in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-    BAD_CONFIGS[f"mla-missing-{_field}"] = (dict(attention="mla", **{**MLA_DIMS, _field: 0}), _field,
-                                            "a positive int for attention='mla'")
+    BAD_CONFIGS[f"mla-missing-{_field}"] = (
+        dict(attention="mla", **{**MLA_DIMS, _field: 0}),
+        _field,
+        "a positive int for attention='mla'",
+    )
 
 
 @pytest.mark.parametrize("case", list(BAD_CONFIGS))
@@ -351,21 +359,32 @@ def test_flops_and_mfu_by_hand():
 def test_mfu_peaks(monkeypatch):
     model = GPT(make_config("mha"))
     assert model.estimate_mfu(4, 0.5) is None  # the CPU has no bf16 tensor-core peak to compare against
-    names = {"NVIDIA H200": 989e12, "NVIDIA H200 NVL": 835e12, "NVIDIA GH200 480GB": 989e12,
-             "NVIDIA H100 80GB HBM3": 989e12, "NVIDIA H100 PCIe": 756e12, "NVIDIA A100-SXM4-80GB": 312e12,
-             "NVIDIA L40S": 362e12, "NVIDIA L4": 121e12, "Tesla T4": None}
+    names = {
+        "NVIDIA H200": 989e12,
+        "NVIDIA H200 NVL": 835e12,
+        "NVIDIA GH200 480GB": 989e12,
+        "NVIDIA H100 80GB HBM3": 989e12,
+        "NVIDIA H100 PCIe": 756e12,
+        "NVIDIA A100-SXM4-80GB": 312e12,
+        "NVIDIA L40S": 362e12,
+        "NVIDIA L4": 121e12,
+        "Tesla T4": None,
+    }
     for name, peak in names.items():
         monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None, name=name: name)
         assert peak_bf16_flops(torch.device("cuda", 0)) == peak, name
 
 
-@pytest.mark.parametrize("variant, dtype, expected", [
-    ("mha", torch.bfloat16, 2 * 2 * 4 * 16 * 2),  # 2 (K, V) * n_layer * n_kv_head * head_dim * bytes
-    ("gqa-g4", torch.bfloat16, 2 * 2 * 2 * 16 * 2),
-    ("gqa-g4", torch.float32, 2 * 2 * 2 * 16 * 4),
-    ("mqa", torch.float16, 2 * 2 * 1 * 16 * 2),
-    ("mla", torch.bfloat16, 2 * (32 + 8) * 2),  # n_layer * (kv_lora_rank + qk_rope_head_dim) * bytes
-])
+@pytest.mark.parametrize(
+    "variant, dtype, expected",
+    [
+        ("mha", torch.bfloat16, 2 * 2 * 4 * 16 * 2),  # 2 (K, V) * n_layer * n_kv_head * head_dim * bytes
+        ("gqa-g4", torch.bfloat16, 2 * 2 * 2 * 16 * 2),
+        ("gqa-g4", torch.float32, 2 * 2 * 2 * 16 * 4),
+        ("mqa", torch.float16, 2 * 2 * 1 * 16 * 2),
+        ("mla", torch.bfloat16, 2 * (32 + 8) * 2),  # n_layer * (kv_lora_rank + qk_rope_head_dim) * bytes
+    ],
+)
 def test_kv_cache_bytes_per_token(variant, dtype, expected):
     assert GPT(make_config(variant)).kv_cache_bytes_per_token(dtype) == expected
 
@@ -412,8 +431,14 @@ def test_from_pretrained_errors(monkeypatch, tmp_path):
 def test_from_pretrained_refuses_another_architecture(tmp_path):
     """transformers loads a Llama directory into GPT2LMHeadModel with a warning and random weights; we refuse."""
     transformers = pytest.importorskip("transformers")
-    llama = transformers.LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
-                                     num_attention_heads=4, max_position_embeddings=32)
+    llama = transformers.LlamaConfig(
+        vocab_size=96,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=1,
+        num_attention_heads=4,
+        max_position_embeddings=32,
+    )
     transformers.LlamaForCausalLM(llama).save_pretrained(tmp_path)
     with pytest.raises(ValueError, match=r"name_or_path: .* lacks GPT-2 weights \['transformer\."):
         GPT.from_pretrained(str(tmp_path))

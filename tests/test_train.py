@@ -24,8 +24,18 @@ from model import GPT
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Size overrides go before a variant config file (it reads n_head / n_embd); 8 heads of 8 dims give GQA 2 K/V
 # heads and MLA a 32-wide latent.
-TINY = ["--n_layer=1", "--n_head=8", "--n_embd=64", "--block_size=32", "--batch_size=4", "--eval_iters=2",
-        "--attn_backend=torch", "--device=cpu", "--warmup_iters=2", "--learning_rate=3e-3"]
+TINY = [
+    "--n_layer=1",
+    "--n_head=8",
+    "--n_embd=64",
+    "--block_size=32",
+    "--batch_size=4",
+    "--eval_iters=2",
+    "--attn_backend=torch",
+    "--device=cpu",
+    "--warmup_iters=2",
+    "--learning_rate=3e-3",
+]
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +65,9 @@ def subprocess_env(**extra):
 
 @pytest.mark.parametrize("variant", ["mha", "gqa", "mqa", "mla"])
 def test_each_attention_config_lowers_the_loss(data_dir, tmp_path, variant):
-    result = run_inprocess(data_dir, tmp_path, "--max_iters=40", "--eval_interval=40", "--log_interval=20",
-                           config=variant)
+    result = run_inprocess(
+        data_dir, tmp_path, "--max_iters=40", "--eval_interval=40", "--log_interval=20", config=variant
+    )
     first, last = metrics(tmp_path)[0], metrics(tmp_path)[-1]
     assert first["iter"] == 0 and last["iter"] == 40
     assert last["val_loss"] < first["val_loss"] - 0.5, (first, last)
@@ -70,8 +81,13 @@ def test_each_attention_config_lowers_the_loss(data_dir, tmp_path, variant):
 
 def test_resume_continues_bit_for_bit(data_dir, tmp_path, capsys):
     # Dropout and gradient accumulation on: the restored RNG and sampler states both matter.
-    common = ["--dropout=0.1", "--gradient_accumulation_steps=2", "--eval_interval=3", "--log_interval=1",
-              "--lr_decay_iters=6"]
+    common = [
+        "--dropout=0.1",
+        "--gradient_accumulation_steps=2",
+        "--eval_interval=3",
+        "--log_interval=1",
+        "--lr_decay_iters=6",
+    ]
     run_inprocess(data_dir, tmp_path / "a", *common, "--max_iters=6")
     uninterrupted = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("iter ", "eval "))]
     run_inprocess(data_dir, tmp_path / "b", *common, "--max_iters=3")
@@ -94,8 +110,16 @@ def test_resume_continues_bit_for_bit(data_dir, tmp_path, capsys):
 
 
 def test_ctrl_c_saves_the_last_iteration_and_resumes(data_dir, tmp_path):
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), *TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path}",
-           "--max_iters=100000", "--eval_interval=100000", "--log_interval=1"]
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "train.py"),
+        *TINY,
+        f"--data_dir={data_dir}",
+        f"--out_dir={tmp_path}",
+        "--max_iters=100000",
+        "--eval_interval=100000",
+        "--log_interval=1",
+    ]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=subprocess_env())
     lines = []
     deadline = time.time() + 120
@@ -111,18 +135,33 @@ def test_ctrl_c_saves_the_last_iteration_and_resumes(data_dir, tmp_path):
     last_logged = max(int(line.split()[1].split("/")[0]) for line in output.splitlines() if line.startswith("iter "))
     ckpt = load_checkpoint(tmp_path / "last.pt", required_keys=TRAIN_KEYS)
     assert ckpt["iter_num"] == last_logged >= 3  # log_interval=1: every completed iteration printed its line
-    result = run_inprocess(data_dir, tmp_path, "--eval_interval=100000", f"--max_iters={ckpt['iter_num'] + 2}",
-                           "--init_from=resume")
+    result = run_inprocess(
+        data_dir, tmp_path, "--eval_interval=100000", f"--max_iters={ckpt['iter_num'] + 2}", "--init_from=resume"
+    )
     assert result["iter_num"] == ckpt["iter_num"] + 2
 
 
 def test_ddp_two_gloo_processes_match_one_process(data_dir, tmp_path):
     # Global batch: 2 micro-steps of 4 sequences per iteration. One process runs both micro-steps; two
     # processes run one each and all-reduce. Same sampler draws, so the same global batch.
-    args = [*TINY, "--gradient_accumulation_steps=2", "--max_iters=4", "--eval_interval=2", "--log_interval=1",
-            f"--data_dir={data_dir}"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           os.path.join(ROOT, "train.py"), *args, f"--out_dir={tmp_path / 'ddp'}"]
+    args = [
+        *TINY,
+        "--gradient_accumulation_steps=2",
+        "--max_iters=4",
+        "--eval_interval=2",
+        "--log_interval=1",
+        f"--data_dir={data_dir}",
+    ]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc_per_node=2",
+        os.path.join(ROOT, "train.py"),
+        *args,
+        f"--out_dir={tmp_path / 'ddp'}",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=subprocess_env(), cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("eval 4:") == 1, "only rank 0 prints"
@@ -147,9 +186,19 @@ def test_wandb_without_credentials_writes_an_offline_run(data_dir, tmp_path):
     env = subprocess_env(HOME=str(tmp_path))  # no ~/.netrc: no credentials
     for key in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_DIR"):
         env.pop(key, None)
-    cmd = [sys.executable, os.path.join(ROOT, "train.py"), *TINY, os.path.join(ROOT, "configs", "mla.py"),
-           f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'out'}", "--max_iters=4", "--eval_interval=2",
-           "--log_interval=2", "--wandb_log=True", "--wandb_group=test-group"]
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "train.py"),
+        *TINY,
+        os.path.join(ROOT, "configs", "mla.py"),
+        f"--data_dir={data_dir}",
+        f"--out_dir={tmp_path / 'out'}",
+        "--max_iters=4",
+        "--eval_interval=2",
+        "--log_interval=2",
+        "--wandb_log=True",
+        "--wandb_group=test-group",
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     runs = glob.glob(str(tmp_path / "out" / "wandb" / "offline-run-*" / "run-*.wandb"))  # beside the checkpoints
@@ -157,8 +206,11 @@ def test_wandb_without_credentials_writes_an_offline_run(data_dir, tmp_path):
     assert f"wandb sync {os.path.dirname(runs[0])}" in proc.stdout
 
     records = read_wandb_records(runs[0])
-    history = [{i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
-               for r in records if r.WhichOneof("record_type") == "history"]
+    history = [
+        {i.key or "/".join(i.nested_key): json.loads(i.value_json) for i in r.history.item}
+        for r in records
+        if r.WhichOneof("record_type") == "history"
+    ]
     logged = set().union(*history)
     assert {"train/loss", "val/loss", "lr", "tokens_per_sec", "train/running_loss"} <= logged, logged
     evals = [h for h in history if "val/loss" in h]
@@ -173,30 +225,53 @@ def test_wandb_without_credentials_writes_an_offline_run(data_dir, tmp_path):
 
 
 def test_unknown_key_stops_the_entry_point_with_the_valid_keys(tmp_path):
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), "--n_layers=2"], capture_output=True,
-                          text=True, timeout=120, env=subprocess_env(), cwd=tmp_path)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "train.py"), "--n_layers=2"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=subprocess_env(),
+        cwd=tmp_path,
+    )
     assert proc.returncode != 0
     assert "error: override '--n_layers=2': unknown config key 'n_layers' (did you mean n_layer?)" in proc.stderr
     assert "valid keys: attention, attn_backend, backend, batch_size" in proc.stderr
     assert "Traceback" not in proc.stderr
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["--batch_size=big"], "batch_size='big' has type str, but batch_size takes type int"),
-    (["--device=tpu"], "device: got 'tpu'"),
-    (["--dtype=float8"], "dtype: got 'float8'"),
-    (["--attention=linear"], "GPTConfig.attention: got 'linear'"),
-    (["--attention=gqa", "--n_kv_head=3"], "GPTConfig.n_kv_head: got 3"),
-    (["--init_from=gpt5"], "init_from: got 'gpt5'"),
-    (["--learning_rate=-1"], "learning_rate: got -1.0; valid: a finite number >= 0"),
-    (["--learning_rate=1e400"], "learning_rate: got inf; valid: a finite number >= 0"),
-    (["--rope_theta=1e400"], "rope_theta: got inf; valid: a finite number > 0"),
-    (["--beta2=1.5"], "beta2: got 1.5; valid: a number in [0, 1)"),
-    (["--backend=mpi"], "backend: got 'mpi'; valid: 'auto', 'nccl', 'gloo'"),
-    (["--device=cuda:99"], "device: got 'cuda:99'"),
-    (["--cuda_graphs=True"], "cuda_graphs: got True on device 'cpu'; valid: True on a CUDA device, else False"),
-], ids=["type", "device", "dtype", "attention", "n_kv_head", "init_from", "lr", "lr-inf", "rope-theta-inf", "beta2",
-        "backend", "cuda-index", "cuda-graphs-on-cpu"])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (["--batch_size=big"], "batch_size='big' has type str, but batch_size takes type int"),
+        (["--device=tpu"], "device: got 'tpu'"),
+        (["--dtype=float8"], "dtype: got 'float8'"),
+        (["--attention=linear"], "GPTConfig.attention: got 'linear'"),
+        (["--attention=gqa", "--n_kv_head=3"], "GPTConfig.n_kv_head: got 3"),
+        (["--init_from=gpt5"], "init_from: got 'gpt5'"),
+        (["--learning_rate=-1"], "learning_rate: got -1.0; valid: a finite number >= 0"),
+        (["--learning_rate=1e400"], "learning_rate: got inf; valid: a finite number >= 0"),
+        (["--rope_theta=1e400"], "rope_theta: got inf; valid: a finite number > 0"),
+        (["--beta2=1.5"], "beta2: got 1.5; valid: a number in [0, 1)"),
+        (["--backend=mpi"], "backend: got 'mpi'; valid: 'auto', 'nccl', 'gloo'"),
+        (["--device=cuda:99"], "device: got 'cuda:99'"),
+        (["--cuda_graphs=True"], "cuda_graphs: got True on device 'cpu'; valid: True on a CUDA device, else False"),
+    ],
+    ids=[
+        "type",
+        "device",
+        "dtype",
+        "attention",
+        "n_kv_head",
+        "init_from",
+        "lr",
+        "lr-inf",
+        "rope-theta-inf",
+        "beta2",
+        "backend",
+        "cuda-index",
+        "cuda-graphs-on-cpu",
+    ],
+)
 def test_bad_values_fail_with_clear_message(data_dir, tmp_path, argv, needle):
     with pytest.raises(ConfigError) as e:
         run_inprocess(data_dir, tmp_path, *argv)
@@ -210,8 +285,11 @@ def test_cuda_graphs_refuse_several_processes():
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(DEVICE != "cuda", reason="CUDA graphs need a CUDA GPU; on the CPU cuda_graphs=True is refused "
-                    "(test_bad_values_fail_with_clear_message)")
+@pytest.mark.skipif(
+    DEVICE != "cuda",
+    reason="CUDA graphs need a CUDA GPU; on the CPU cuda_graphs=True is refused "
+    "(test_bad_values_fail_with_clear_message)",
+)
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
 def test_cuda_graphs_train_like_eager(data_dir, tmp_path, dtype):
     # Two micro-steps per iteration (the replays must add into the gradients, not overwrite them) on the Triton
@@ -219,8 +297,17 @@ def test_cuda_graphs_train_like_eager(data_dir, tmp_path, dtype):
     # same inputs, so the two runs agree to the last bits but for reduction orders that can differ between
     # launches (cuBLAS may pick another algorithm under capture): 4 Adam steps keep that at rounding level.
     # Two heads of 16, the kernels' smallest head dim.
-    args = ["--n_head=2", "--n_embd=32", "--device=cuda", f"--dtype={dtype}", "--attn_backend=triton",
-            "--gradient_accumulation_steps=2", "--max_iters=4", "--eval_interval=2", "--log_interval=1"]
+    args = [
+        "--n_head=2",
+        "--n_embd=32",
+        "--device=cuda",
+        f"--dtype={dtype}",
+        "--attn_backend=triton",
+        "--gradient_accumulation_steps=2",
+        "--max_iters=4",
+        "--eval_interval=2",
+        "--log_interval=1",
+    ]
     eager = run_inprocess(data_dir, tmp_path / "eager", *args)
     graphed = run_inprocess(data_dir, tmp_path / "graphed", *args, "--cuda_graphs=True")
     for m_graph, m_eager in zip(metrics(tmp_path / "graphed"), metrics(tmp_path / "eager")):
@@ -254,8 +341,11 @@ def test_a_new_run_never_replaces_another_runs_files_unasked(data_dir, tmp_path)
     moves, or says --overwrite=True; then the old run's files are gone, not mixed with the new run's."""
     run_inprocess(data_dir, tmp_path, "--max_iters=4", "--eval_interval=2")
     before = (tmp_path / "last.pt").read_bytes()
-    with pytest.raises(ConfigError, match=r"out_dir: .* already holds a run \(last\.pt, best\.pt, metrics\.jsonl\); "
-                                          r"valid: --init_from=resume .* --overwrite=True"):
+    with pytest.raises(
+        ConfigError,
+        match=r"out_dir: .* already holds a run \(last\.pt, best\.pt, metrics\.jsonl\); "
+        r"valid: --init_from=resume .* --overwrite=True",
+    ):
         run_inprocess(data_dir, tmp_path, "--max_iters=2", "--eval_interval=2")
     assert (tmp_path / "last.pt").read_bytes() == before
     run_inprocess(data_dir, tmp_path, "--max_iters=2", "--eval_interval=2", "--overwrite=True")
@@ -263,8 +353,13 @@ def test_a_new_run_never_replaces_another_runs_files_unasked(data_dir, tmp_path)
     assert load_checkpoint(tmp_path / "last.pt")["iter_num"] == 2
 
 
-@pytest.mark.parametrize("out_dir, needle", [("", r"out_dir: got ''; valid: a directory path"),
-                                             ("FILE", r"out_dir: got '.*FILE' \(a file\); valid: a directory path")])
+@pytest.mark.parametrize(
+    "out_dir, needle",
+    [
+        ("", r"out_dir: got ''; valid: a directory path"),
+        ("FILE", r"out_dir: got '.*FILE' \(a file\); valid: a directory path"),
+    ],
+)
 def test_bad_out_dir_fails_clearly(data_dir, tmp_path, out_dir, needle):
     if out_dir == "FILE":
         out_dir = str(tmp_path / "FILE")
@@ -278,8 +373,7 @@ def test_resume_names_the_model_settings_it_does_not_take(data_dir, tmp_path, ca
     silence (and block_size is not reported as changed, since the run keeps the checkpoint's)."""
     run_inprocess(data_dir, tmp_path, "--max_iters=2", "--eval_interval=2")
     capsys.readouterr()
-    result = run_inprocess(data_dir, tmp_path, "--max_iters=3", "--init_from=resume", "--n_layer=2",
-                           "--block_size=16")
+    result = run_inprocess(data_dir, tmp_path, "--max_iters=3", "--init_from=resume", "--n_layer=2", "--block_size=16")
     out = capsys.readouterr().out
     assert result["iter_num"] == 3
     assert "resume: the model is the checkpoint's; not taken from this run's config: " in out
@@ -291,12 +385,21 @@ def test_resume_names_the_model_settings_it_does_not_take(data_dir, tmp_path, ca
     assert "resume: the run already finished at iteration 3 (max_iters=3)" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("argv, needle", [
-    (["--attn_backend=triton"], r"attn_backend: got 'triton' on device 'cpu'; valid: 'torch' or 'auto' there, or "
-                                r"TRITON_INTERPRET=1"),
-    (["--attn_backend=triton", "--n_head=16"], r"which take head dims from 16 to 256, and this model's query/key "
-                                               r"head dim is 4; valid: --attn_backend=torch"),
-])
+@pytest.mark.parametrize(
+    "argv, needle",
+    [
+        (
+            ["--attn_backend=triton"],
+            r"attn_backend: got 'triton' on device 'cpu'; valid: 'torch' or 'auto' there, or "
+            r"TRITON_INTERPRET=1",
+        ),
+        (
+            ["--attn_backend=triton", "--n_head=16"],
+            r"which take head dims from 16 to 256, and this model's query/key "
+            r"head dim is 4; valid: --attn_backend=torch",
+        ),
+    ],
+)
 def test_triton_backend_limits_fail_before_training(data_dir, tmp_path, monkeypatch, argv, needle):
     """The Triton kernels' limits (a GPU or the interpreter; head dims 16-256) are config errors before anything is
     written, not a kernel's ValueError at the first step."""
@@ -309,11 +412,14 @@ def test_triton_backend_limits_fail_before_training(data_dir, tmp_path, monkeypa
     assert not (tmp_path / "out").exists()
 
 
-@pytest.mark.parametrize("damage, needle", [
-    ("n_layer", r"its model_args and weights do not make a model \(RuntimeError: Error\(s\) in loading"),
-    ("new_field", r"its model_args and weights do not make a model \(TypeError: .*new_field"),
-    ("rng", r"its training state \(optimizer, scaler, sampler, RNG\) does not fit this model \(KeyError"),
-])
+@pytest.mark.parametrize(
+    "damage, needle",
+    [
+        ("n_layer", r"its model_args and weights do not make a model \(RuntimeError: Error\(s\) in loading"),
+        ("new_field", r"its model_args and weights do not make a model \(TypeError: .*new_field"),
+        ("rng", r"its training state \(optimizer, scaler, sampler, RNG\) does not fit this model \(KeyError"),
+    ],
+)
 def test_checkpoint_that_does_not_fit_its_model_fails_clearly(data_dir, tmp_path, damage, needle):
     """A loadable checkpoint whose contents disagree (edited model_args, a field from another model.py, a broken RNG
     state) is a CheckpointError naming the file, not a traceback from load_state_dict or GPTConfig."""
@@ -390,8 +496,9 @@ def test_triton_backend_trains_like_torch(data_dir, tmp_path):
 def test_checkpoint_resumes_on_the_cpu(data_dir, tmp_path):
     # Written on this machine's device (the GPU where there is one), resumed on the CPU (map_location).
     run_inprocess(data_dir, tmp_path, f"--device={DEVICE}", "--max_iters=2", "--eval_interval=2")
-    result = run_inprocess(data_dir, tmp_path, "--device=cpu", "--max_iters=4", "--eval_interval=2",
-                           "--init_from=resume")
+    result = run_inprocess(
+        data_dir, tmp_path, "--device=cpu", "--max_iters=4", "--eval_interval=2", "--init_from=resume"
+    )
     assert result["iter_num"] == 4
     assert load_checkpoint(tmp_path / "last.pt")["config"]["device"] == "cpu"
 
@@ -413,11 +520,18 @@ def test_finetune_from_gpt2_weights_in_a_local_directory(data_dir, tmp_path):
     # --init_from takes GPT-2 hub names (network) or a directory in GPT2LMHeadModel.save_pretrained's format:
     # a tiny random GPT-2 here, with room for the 103-104 characters of the pydoc vocabulary.
     transformers = pytest.importorskip("transformers")
-    hf_config = transformers.GPT2Config(vocab_size=128, n_positions=64, n_embd=32, n_layer=1, n_head=2,
-                                        bos_token_id=0, eos_token_id=0)
+    hf_config = transformers.GPT2Config(
+        vocab_size=128, n_positions=64, n_embd=32, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0
+    )
     transformers.GPT2LMHeadModel(hf_config).save_pretrained(tmp_path / "hf")
-    result = run_inprocess(data_dir, tmp_path / "out", f"--init_from={tmp_path / 'hf'}", "--max_iters=6",
-                           "--eval_interval=6", "--block_size=32")
+    result = run_inprocess(
+        data_dir,
+        tmp_path / "out",
+        f"--init_from={tmp_path / 'hf'}",
+        "--max_iters=6",
+        "--eval_interval=6",
+        "--block_size=32",
+    )
     ckpt = load_checkpoint(tmp_path / "out" / "last.pt")
     assert ckpt["model_args"]["attention"] == "mha" and ckpt["model_args"]["pos_embedding"] == "learned"
     assert ckpt["model_args"]["block_size"] == 32, "cropped from the checkpoint's 64 positions"
