@@ -4,7 +4,7 @@
     python3 benchmarks/bench_generate.py --device=cpu --tiny   # a smoke run of the same code on the CPU
 
 For each variant (mha, gqa with 4 KV heads, mqa, mla) and each cache that fits it, a batch of random prompts of
---prompt_len tokens is prefilled and then --new_tokens tokens are decoded greedily through sample.generate, with the
+--prompt_len tokens is prefilled and then --new_tokens tokens are decoded greedily through generate.generate, with the
 Triton kernels; decode tokens/s = batch * decode steps / decode seconds (device-synchronized). Baselines in the same
 run: the same caches on the plain PyTorch attention (backend "torch", attention_kernels/reference.py) and, at batch 1,
 no cache at all (the full forward every step). "cache GB/s" is the bytes of cache every decode step reads (the whole
@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from benchmarks.common import ceilings, header, print_table, require_cuda  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
-from sample import generate  # noqa: E402
+from generate import generate  # noqa: E402
 
 GPT2_SMALL = dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304, bias=True, dropout=0.0)
 TINY = dict(n_layer=2, n_head=4, n_embd=64, block_size=256, vocab_size=512, bias=True, dropout=0.0)

@@ -11,9 +11,10 @@ import pytest
 import torch
 from conftest import DEVICE, KERNEL_DTYPES, TOLERANCES, read_wandb_records
 
+import generate as engine
 import sample
+from generate import check_length, generate, resolve_cache_kind, sample_next
 from model import GPT, GPTConfig
-from sample import check_length, generate, resolve_cache_kind, sample_next
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -417,7 +418,8 @@ BAD_OPTIONS = [
     ("--cache=mla --wait_for_pages=True", r"given with --cache=mla, which has no page pool"),
     (
         "--cache=paged --page_size=8 --num_samples=3 --num_pages=5",  # 2 pages each at full length
-        r"--num_pages: got 5; the pool must hold 6 pages .* 3 samples at once.*>= 6, or --wait_for_pages=True with >= 2",
+        r"--num_pages: got 5; the pool must hold 6 pages .* 3 samples at once.*>= 6, "
+        r"or --wait_for_pages=True with >= 2",
     ),
     ("--cache=paged --page_size=8 --num_pages=1 --wait_for_pages=True", r"--num_pages: got 1; .* for one sample"),
 ]
@@ -440,7 +442,7 @@ def test_generate_refuses_sizes_that_cannot_work_at_start(monkeypatch):
     """A cache larger than the device's available memory (it would fail to allocate, or get the process killed),
     a boolean top_k and a max_batch below 1 are refused before anything runs."""
     model = tiny_model("mha", dtype=torch.float32).cpu()
-    monkeypatch.setattr(sample, "_available_bytes", lambda device: 1000)
+    monkeypatch.setattr(engine, "_available_bytes", lambda device: 1000)
     with pytest.raises(
         ValueError,
         match=r"cache: .* GiB \(2 sequences of up to 12 tokens at \d+ bytes a token\), "
