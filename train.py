@@ -269,11 +269,19 @@ def check_backend(model: GPT, device: str) -> None:
 def run_names(config: dict) -> tuple[str, str]:
     """The wandb group and run name, where the config leaves them empty: the group from the data and the size,
     which the four variant files leave alike (so their runs land on one chart), the name from the attention."""
-    group = config["wandb_group"] or (
-        f"{config['dataset']}-L{config['n_layer']}-E{config['n_embd']}-H{config['n_head']}-T{config['block_size']}"
-    )
+    group = config["wandb_group"] or f"{config['dataset']}-{size_name(config)}"
     kv = f"-kv{config['n_kv_head']}" if config["attention"] == "gqa" else ""
     return group, config["wandb_run_name"] or f"{config['attention']}{kv}"
+
+
+def size_name(config: dict) -> str:
+    """The model size as layers, width, heads and context ("L4-E128-H8-T128"): what runs must share to compare."""
+    return f"L{config['n_layer']}-E{config['n_embd']}-H{config['n_head']}-T{config['block_size']}"
+
+
+def tokens_per_iter(config: dict) -> int:
+    """Training tokens of one iteration over all ranks (gradient_accumulation_steps is global)."""
+    return config["gradient_accumulation_steps"] * config["batch_size"] * config["block_size"]
 
 
 def build_model(config: dict, vocab_size: int, ckpt: dict | None) -> GPT:
@@ -472,7 +480,7 @@ def load_resume_checkpoint(config: dict) -> dict:
     old = ckpt["config"] if isinstance(ckpt["config"], dict) else {}
     changed = [k for k in ("batch_size", "gradient_accumulation_steps", "seed", "dataset") if old.get(k) != config[k]]
     if changed:  # allowed (e.g. a larger batch for the rest of the run), but then it is no longer the same run
-        print(
+        say(
             f"resume: {', '.join(f'{k} {old.get(k)!r} -> {config[k]!r}' for k in changed)} changed since the "
             "checkpoint; the run will not match an uninterrupted one"
         )
@@ -489,7 +497,7 @@ def note_ignored_model_args(config: dict, ckpt: dict, vocab_size: int) -> None:
     saved = ckpt["model_args"] if isinstance(ckpt["model_args"], dict) else {}
     differ = [k for k in saved if k not in ("attn_backend", "dropout") and k in wanted and wanted[k] != saved[k]]
     if differ:
-        print(
+        say(
             "resume: the model is the checkpoint's; not taken from this run's config: "
             + ", ".join(f"{k}={wanted[k]!r} (checkpoint: {saved[k]!r})" for k in differ)
         )
@@ -498,64 +506,112 @@ def note_ignored_model_args(config: dict, ckpt: dict, vocab_size: int) -> None:
 # ----------------------------------------------------------------------------------------------- logging
 
 
+def say(*args, **kwargs) -> None:
+    """print, flushed, that never raises: when stdout's reader has gone (`python train.py ... | tee log` after Ctrl-C
+    closes the pipe), stdout is pointed at /dev/null, so this and every later print succeed and the run goes on to
+    save its checkpoint."""
+    try:
+        print(*args, **kwargs, flush=True)
+    except OSError:  # BrokenPipeError, or EIO from a terminal that has gone
+        try:
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        except (OSError, ValueError):  # a stdout without a file descriptor (a test's capture): nothing to repoint
+            pass
+
+
 def print_setup(config: dict, model: GPT, d: Dist) -> None:
     """The resolved config, the model and the batch, as the run will use them."""
     text = ", ".join(f"{k}={v!r}" for k, v in config.items())
-    print("config: " + textwrap.fill(text, width=118, subsequent_indent="  "))
+    say("config: " + textwrap.fill(text, width=118, subsequent_indent="  "))
     mc = model.config
-    print(
+    say(
         f"model: {mc.attention}, {mc.n_layer} layers, {mc.n_head} heads / {mc.n_kv_head} KV heads, {mc.n_embd} "
         f"wide, {model.num_params() / 1e6:.2f}M params, KV cache {model.kv_cache_bytes_per_token()} bytes/token "
         f"(bf16), attention via {model.attn_backend_for(config['device'])}"
     )
     accum, batch, block = config["gradient_accumulation_steps"], config["batch_size"], config["block_size"]
-    print(
+    say(
         f"tokens per iteration: {accum * batch * block:,} ({accum} micro-steps x {batch} sequences x {block} "
         f"tokens, over {d.world_size} process(es)); device {config['device']}, {config['dtype']}"
     )
 
 
-def init_wandb(config: dict, model: GPT):
-    """A wandb run in config's project and group; offline (never blocking) without credentials or network."""
+def run_facts(config: dict, model: GPT) -> dict:
+    """What every metrics line carries besides the numbers of the moment, so that compare.py builds its table from a
+    run directory alone (older lines lack these keys; compare.py reads them from the checkpoint then)."""
+    mc = model.config
+    mla = mc.attention == "mla"
+    return dict(
+        params=model.num_params(),
+        kv_cache_bytes_per_token=model.kv_cache_bytes_per_token(PTDTYPES[config["dtype"]]),
+        kv_cache_dtype=config["dtype"],
+        attention=mc.attention,
+        n_kv_head=None if mla else mc.n_kv_head,  # MLA caches a latent, not K/V heads
+        kv_lora_rank=mc.kv_lora_rank if mla else 0,
+        dataset=config["dataset"],
+        seed=config["seed"],
+        size=size_name(config),
+        token_budget=config["max_iters"] * tokens_per_iter(config),
+    )
+
+
+def peak_memory_bytes(device: str) -> int | None:
+    """The most memory the run's tensors have held on the GPU so far (PyTorch's allocator); None off CUDA."""
+    return torch.cuda.max_memory_allocated(device) if device.startswith("cuda") else None
+
+
+# wandb names of the numbers logged over the run; each is charted against `tokens` (training tokens seen), so runs
+# with different batch sizes line up on one x-axis.
+WANDB_NAMES = {"train_loss": "train/loss", "val_loss": "val/loss"}
+WANDB_SERIES = ("train/loss", "val/loss", "train/running_loss", "lr", "tokens_per_sec", "mfu", "peak_memory_bytes")
+
+
+def init_wandb(config: dict, model: GPT, facts: dict):
+    """A wandb run in config's project and group; offline (never blocking) without credentials or network. The run's
+    facts (params, KV bytes/token and its dtype, ...) go into its config and summary."""
     try:
         import wandb
     except ImportError:
-        print("wandb: not installed (pip install wandb); metrics go to metrics.jsonl only")
+        say("wandb: not installed (pip install wandb); metrics go to metrics.jsonl only")
         return None
-    name = config["wandb_run_name"]
-    summary = dict(
-        config,
-        n_kv_head=model.config.n_kv_head,
-        params=model.num_params(),
-        kv_cache_bytes_per_token=model.kv_cache_bytes_per_token(),
-    )
+    summary = {**config, **facts, "n_kv_head": model.config.n_kv_head}  # the config keeps the model's own value
     kwargs = dict(
         project=config["wandb_project"],
         group=config["wandb_group"],
-        name=name,
+        name=config["wandb_run_name"],
         config=summary,
         dir=os.environ.get("WANDB_DIR") or config["out_dir"],
     )  # each run's files beside its checkpoints
-    run = open_wandb_run(wandb, kwargs, "metrics go to metrics.jsonl only")
+    run = open_wandb_run(wandb, kwargs, "metrics go to metrics.jsonl only", log=say)
     if run is not None:
-        run.summary.update({k: summary[k] for k in ("params", "kv_cache_bytes_per_token")})
+        run.define_metric("tokens")
+        for name in WANDB_SERIES:
+            run.define_metric(name, step_metric="tokens")
+        run.summary.update(facts)
     return run
 
 
 def log_eval(config: dict, run, record: dict) -> None:
-    """One JSON line in out_dir/metrics.jsonl (always) and the same numbers on wandb (if on)."""
+    """One JSON line in out_dir/metrics.jsonl (always) and its numbers on wandb (if on; the run's facts are in its
+    summary already)."""
     with open(os.path.join(config["out_dir"], "metrics.jsonl"), "a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")
     if run is not None:
-        names = {"train_loss": "train/loss", "val_loss": "val/loss"}
-        run.log({names.get(k, k): v for k, v in record.items() if v is not None and k != "iter"}, step=record["iter"])
+        numbers = ("tokens", "train_loss", "val_loss", "lr", "tokens_per_sec", "mfu", "peak_memory_bytes")
+        run.log({WANDB_NAMES.get(k, k): record[k] for k in numbers if record[k] is not None}, step=record["iter"])
 
 
-def format_progress(it: int, config: dict, loss: float, lr: float, dt: float, tok_s: float, mfu) -> str:
+def format_progress(
+    it: int, config: dict, loss: float, lr: float, dt: float, tok_s: float, mfu, peak_bytes: int | None = None
+) -> str:
+    """The progress line: loss, learning rate, time per iteration, throughput, MFU and (on CUDA) peak memory."""
     mfu_text = f"{100 * mfu:.1f}%" if mfu is not None else "n/a"
+    peak = f" | peak mem {peak_bytes / 2**30:.2f} GiB" if peak_bytes is not None else ""
     return (
         f"iter {it}/{config['max_iters']} | loss {loss:.4f} | lr {lr:.2e} | {1000 * dt:.1f} ms/iter | "
-        f"{tok_s:,.0f} tok/s | mfu {mfu_text}"
+        f"{tok_s:,.0f} tok/s | mfu {mfu_text}{peak}"
     )
 
 
@@ -570,7 +626,7 @@ def stop_on_signal():
             raise KeyboardInterrupt
         requested["stop"] = True
         requested["signal"] = signum
-        print(f"\n{signal.Signals(signum).name}: stopping after this iteration (Ctrl-C again to abort at once)")
+        say(f"\n{signal.Signals(signum).name}: stopping after this iteration (Ctrl-C again to abort at once)")
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         previous[sig] = signal.signal(sig, handler)
@@ -688,7 +744,7 @@ def setup(config: dict, d: Dist, device: str) -> Setup:
                 f"sampler, RNG) does not fit this model ({type(e).__name__}: {first_line(e)})"
             ) from None
         if len(ckpt["rng"]) != d.world_size and d.master:
-            print(
+            say(
                 f"resume: the checkpoint has RNG states of {len(ckpt['rng'])} processes, this run has "
                 f"{d.world_size}; RNGs stay seeded (only dropout is affected)"
             )
@@ -708,7 +764,7 @@ def setup(config: dict, d: Dist, device: str) -> Setup:
                 if os.path.exists(os.path.join(config["out_dir"], name)):
                     os.remove(os.path.join(config["out_dir"], name))
         print_setup(config, raw_model, d)
-        run = init_wandb(config, raw_model) if config["wandb_log"] else None
+        run = init_wandb(config, raw_model, run_facts(config, raw_model)) if config["wandb_log"] else None
     return Setup(
         data,
         raw_model,
@@ -732,14 +788,15 @@ def train(config: dict, d: Dist, device: str, s: Setup, stop_requested: dict) ->
     data, raw_model, model, optimizer, scaler, sampler = s.data, s.raw_model, s.model, s.optimizer, s.scaler, s.sampler
     iter_num, best_val_loss, start_iter = s.iter_num, s.best_val_loss, s.iter_num
     local_accum = config["gradient_accumulation_steps"] // d.world_size
-    tokens_per_iter = config["gradient_accumulation_steps"] * config["batch_size"] * config["block_size"]
+    iter_tokens = tokens_per_iter(config)
+    facts = run_facts(config, raw_model)
     window_loss, window_iters = torch.zeros((), device=device), 0  # summed on the device: no sync until a log
     t_window, tok_s, mfu, losses = time.perf_counter(), None, None, {}
     graphed = None  # the GraphedMicroStep, built at the first micro-step when cuda_graphs=True
     interrupted = None  # the signal that stopped the run early
     if s.resumed and iter_num >= config["max_iters"] and not config["eval_only"]:  # no eval line appended twice
         if d.master:
-            print(
+            say(
                 f"resume: the run already finished at iteration {iter_num} (max_iters={config['max_iters']}); "
                 "nothing to do: raise --max_iters to train on"
             )
@@ -758,19 +815,19 @@ def train(config: dict, d: Dist, device: str, s: Setup, stop_requested: dict) ->
                 raise NonFiniteLoss(f"eval loss at iteration {iter_num} is {losses}; the last checkpoint is kept")
             rng = gather_rng_states(d)
             if d.master:
-                print(f"eval {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
-                log_eval(
-                    config,
-                    s.run,
-                    dict(
-                        iter=iter_num,
-                        train_loss=losses["train"],
-                        val_loss=losses["val"],
-                        lr=lr,
-                        tokens_per_sec=tok_s,
-                        mfu=mfu,
-                    ),
+                say(f"eval {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
+                record = dict(
+                    iter=iter_num,
+                    tokens=iter_num * iter_tokens,
+                    train_loss=losses["train"],
+                    val_loss=losses["val"],
+                    lr=lr,
+                    tokens_per_sec=tok_s,
+                    mfu=mfu,
+                    peak_memory_bytes=peak_memory_bytes(device),
+                    time=time.time(),
                 )
+                log_eval(config, s.run, dict(record, **facts))
                 if iter_num > start_iter:
                     state = training_state(
                         raw_model,
@@ -825,20 +882,21 @@ def train(config: dict, d: Dist, device: str, s: Setup, stop_requested: dict) ->
         if iter_num % config["log_interval"] == 0:
             loss_mean = check_window(window_loss, window_iters, iter_num, d)  # syncs the device
             dt = (time.perf_counter() - t_window) / window_iters
-            tok_s = tokens_per_iter / dt
+            tok_s = iter_tokens / dt
             mfu = raw_model.estimate_mfu(config["batch_size"] * local_accum, dt)
+            peak = peak_memory_bytes(device)
             if d.master:
-                print(format_progress(iter_num, config, loss_mean, lr, dt, tok_s, mfu), flush=True)
+                say(format_progress(iter_num, config, loss_mean, lr, dt, tok_s, mfu, peak))
                 if s.run is not None:
-                    s.run.log(
-                        {
-                            "train/running_loss": loss_mean,
-                            "lr": lr,
-                            "tokens_per_sec": tok_s,
-                            **({"mfu": mfu} if mfu is not None else {}),
-                        },
-                        step=iter_num,
-                    )
+                    numbers = {
+                        "tokens": iter_num * iter_tokens,
+                        "train/running_loss": loss_mean,
+                        "lr": lr,
+                        "tokens_per_sec": tok_s,
+                        "mfu": mfu,
+                        "peak_memory_bytes": peak,
+                    }
+                    s.run.log({k: v for k, v in numbers.items() if v is not None}, step=iter_num)
             window_loss.zero_()
             window_iters, t_window = 0, time.perf_counter()
 
@@ -868,7 +926,7 @@ def save_interrupted(raw_model, optimizer, scaler, sampler, config, iter_num, be
         save_checkpoint(
             path, training_state(raw_model, optimizer, scaler, sampler, config, iter_num, best_val_loss, rng, data.meta)
         )
-        print(f"interrupted: saved {path} at iteration {iter_num}; continue with --init_from=resume")
+        say(f"interrupted: saved {path} at iteration {iter_num}; continue with --init_from=resume")
 
 
 def training_state(raw_model, optimizer, scaler, sampler, config, iter_num, best_val_loss, rng, meta) -> dict:

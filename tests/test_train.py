@@ -77,6 +77,64 @@ def test_each_attention_config_lowers_the_loss(data_dir, tmp_path, variant):
     assert ckpt["model_args"]["n_kv_head"] == {"mha": 8, "gqa": 2, "mqa": 1, "mla": 8}[variant]
     assert ckpt["iter_num"] == 40 and ckpt["tokenizer"]["kind"] == "char"
     assert os.path.isfile(tmp_path / "best.pt")
+    check_metrics_schema(metrics(tmp_path), GPT(train.GPTConfig(**ckpt["model_args"])), max_iters=40)
+
+
+# The keys of every metrics.jsonl eval line (compare.py builds its table from them) and their types.
+METRICS_SCHEMA = dict(
+    iter=int,
+    train_loss=float,
+    val_loss=float,
+    lr=float,
+    tokens_per_sec=(float, type(None)),
+    mfu=(float, type(None)),
+    tokens=int,
+    params=int,
+    kv_cache_bytes_per_token=int,
+    kv_cache_dtype=str,
+    peak_memory_bytes=(int, type(None)),
+    attention=str,
+    n_kv_head=(int, type(None)),
+    kv_lora_rank=int,
+    dataset=str,
+    seed=int,
+    size=str,
+    token_budget=int,
+    time=float,
+)
+
+
+def check_metrics_schema(lines, model, max_iters):
+    """Every line has exactly the schema's keys, of its types, with the values of this TINY run (on the CPU:
+    float32, no peak memory, no MFU)."""
+    tokens_per_iter = 4 * 32  # batch_size x block_size x 1 micro-step
+    mla = model.config.attention == "mla"
+    for line in lines:
+        assert set(line) == set(METRICS_SCHEMA), set(line) ^ set(METRICS_SCHEMA)
+        for key, types in METRICS_SCHEMA.items():
+            assert isinstance(line[key], types) and not isinstance(line[key], bool), (key, line[key])
+        assert line["tokens"] == line["iter"] * tokens_per_iter
+        assert line["token_budget"] == max_iters * tokens_per_iter
+        assert line["params"] == model.num_params()
+        assert line["kv_cache_bytes_per_token"] == model.kv_cache_bytes_per_token(torch.float32)
+        assert line["kv_cache_dtype"] == "float32" and line["peak_memory_bytes"] is None
+        assert line["attention"] == model.config.attention
+        assert line["n_kv_head"] == (None if mla else model.config.n_kv_head)
+        assert line["kv_lora_rank"] == (model.config.kv_lora_rank if mla else 0)
+        assert line["dataset"] == "pydoc" and line["seed"] == 1337 and line["size"] == "L1-E64-H8-T32"
+        assert abs(line["time"] - time.time()) < 600
+    assert lines[0]["tokens_per_sec"] is None and lines[-1]["tokens_per_sec"] > 0  # none measured before iteration 1
+
+
+def test_progress_line_shows_throughput_mfu_and_peak_memory():
+    config = dict(max_iters=100)
+    line = train.format_progress(10, config, 2.5, 3e-4, 0.125, 32768.0, 0.4123, 3 * 2**30 + 2**29)
+    assert line == (
+        "iter 10/100 | loss 2.5000 | lr 3.00e-04 | 125.0 ms/iter | 32,768 tok/s | mfu 41.2% | peak mem 3.50 GiB"
+    )
+    cpu = train.format_progress(10, config, 2.5, 3e-4, 0.125, 32768.0, None, None)  # no MFU peak, no CUDA memory
+    assert cpu == "iter 10/100 | loss 2.5000 | lr 3.00e-04 | 125.0 ms/iter | 32,768 tok/s | mfu n/a"
+    assert train.peak_memory_bytes("cpu") is None
 
 
 def test_resume_continues_bit_for_bit(data_dir, tmp_path, capsys):
@@ -212,16 +270,29 @@ def test_wandb_without_credentials_writes_an_offline_run(data_dir, tmp_path):
         if r.WhichOneof("record_type") == "history"
     ]
     logged = set().union(*history)
-    assert {"train/loss", "val/loss", "lr", "tokens_per_sec", "train/running_loss"} <= logged, logged
+    assert {"train/loss", "val/loss", "lr", "tokens_per_sec", "train/running_loss", "tokens"} <= logged, logged
+    assert "peak_memory_bytes" not in logged and "mfu" not in logged  # on the CPU: no CUDA memory, no MFU peak
     evals = [h for h in history if "val/loss" in h]
     assert [h["_step"] for h in evals] == [0, 2, 4]
+    assert [h["tokens"] for h in evals] == [0, 2 * 4 * 32, 4 * 4 * 32]  # tokens seen: the charts' x-axis
     assert evals[-1]["val/loss"] == pytest.approx(metrics(tmp_path / "out")[-1]["val_loss"])
+    metric_steps = {r.metric.name: r.metric.step_metric for r in records if r.WhichOneof("record_type") == "metric"}
+    assert metric_steps.get("val/loss") == "tokens" and metric_steps.get("train/loss") == "tokens", metric_steps
+    summary = {}
+    for r in records:
+        if r.WhichOneof("record_type") == "summary":
+            summary.update({i.key: json.loads(i.value_json) for i in r.summary.update})
+    line = metrics(tmp_path / "out")[-1]
+    for key in ("params", "kv_cache_bytes_per_token", "kv_cache_dtype", "size", "token_budget"):
+        assert summary[key] == line[key], (key, summary.get(key), line[key])
     run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
     assert run.run_group == "test-group"
     config = {i.key: json.loads(i.value_json) for i in run.config.update if i.key != "_wandb"}
     assert config["attention"] == "mla" and config["kv_lora_rank"] == 32 and config["qk_rope_head_dim"] == 4
     assert config["n_kv_head"] == 8 and config["qk_nope_head_dim"] == config["v_head_dim"] == 8
-    assert config["kv_cache_bytes_per_token"] == 1 * (32 + 4) * 2 and config["params"] > 0
+    # n_layer x (kv_lora_rank + qk_rope_head_dim) x 4 bytes: at the dtype the run trains in (float32 on the CPU)
+    assert config["kv_cache_bytes_per_token"] == 1 * (32 + 4) * 4 and config["params"] > 0
+    assert config["kv_cache_dtype"] == "float32"
 
 
 def test_unknown_key_stops_the_entry_point_with_the_valid_keys(tmp_path):
