@@ -46,8 +46,9 @@ def help_text(doc: str, defaults: dict, source: str) -> str:
     """A script's docstring, then every config key with its default as it would be written on the command line,
     with the section headings and notes of the `DEFAULTS = dict(...)` block in `source` (the script's file)."""
 
-    def shown(value):
-        return value if isinstance(value, str) and value and " " not in value else repr(value)
+    def shown(value):  # a string as typed on the command line, unless it is empty or holds spaces or a newline
+        plain = isinstance(value, str) and value and value.isprintable() and " " not in value
+        return value if plain else repr(value)
 
     text = open(source, encoding="utf-8").read()
     start = text.index("DEFAULTS = dict(\n")

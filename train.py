@@ -16,16 +16,20 @@ Override anything (`--key=value` or `--key value`; they apply left to right), re
 One node with 8 GPUs (DDP over NCCL; `gradient_accumulation_steps` is global and is divided among the ranks):
     torchrun --standalone --nproc_per_node=8 train.py configs/gpt2_small_gqa.py
 Two nodes of 8 GPUs (node 0 at 10.0.0.1; every node needs the prepared data; global rank 0 writes out_dir;
-NCCL_IB_DISABLE=1 where there is no InfiniBand):
-    torchrun --nproc_per_node=8 --nnodes=2 --node_rank=0 --master_addr=10.0.0.1 --master_port=29500 \
-        train.py configs/gpt2_small_gqa.py                   # on node 0; the same with --node_rank=1 on node 1
+NCCL_IB_DISABLE=1 where there is no InfiniBand), on node 0 (and the same with --node_rank=1 on node 1):
+    torchrun --nproc_per_node=8 --nnodes=2 --node_rank=0 --master_addr=10.0.0.1 --master_port=29500 \\
+        train.py configs/gpt2_small_gqa.py
 On CPUs, torchrun runs DDP over gloo (`--nproc_per_node=2 train.py` works on a laptop).
 
 Every eval appends a line to out_dir/metrics.jsonl and writes out_dir/last.pt (and best.pt when val loss
-improves) atomically. A new run refuses an out_dir that holds another run's files (resume it, pick another out_dir,
-or --overwrite=True). Ctrl-C (or SIGTERM) finishes the current iteration, saves last.pt and exits with status 130
-(143), so a shell loop over runs stops too; a NaN/inf loss stops the run with a message and leaves the last good
-checkpoint untouched. Data order depends only on `seed` and the iteration, so `--init_from=resume` reproduces an
+improves) atomically. An out_dir that already holds this run, finished, with the same config is kept and the
+command succeeds doing nothing (so a loop over the variant files trains only what is missing); one that holds
+another or an unfinished run is refused before anything starts, with exit status 2 and what to do (resume it, pick
+another out_dir, or --overwrite=True). Ctrl-C (or SIGTERM) finishes the current iteration, saves last.pt and exits
+with status 130 (143), so a shell loop over runs stops too, whatever became of stdout (`| tee log`); a NaN/inf loss
+stops the run with a message and leaves the last good checkpoint untouched. `seed` sets the initial weights, the
+data order and dropout; the eval batches are the same for every seed, so runs that differ only in seed compare on
+the same data. The data order depends only on `seed` and the iteration, so `--init_from=resume` reproduces an
 uninterrupted run exactly; on resume the model is the checkpoint's, and a model setting it does not take is named.
 """
 
@@ -71,7 +75,7 @@ DEFAULTS = dict(
     eval_only=False,
     init_from="scratch",  # "scratch", "resume" (out_dir/last.pt), a GPT-2 name (GPT2_NAMES) or its local dir
     overwrite=False,  # a run that does not resume refuses an out_dir holding another run's files, unless True
-    seed=1337,
+    seed=1337,  # initial weights, data order and dropout (the eval batches are the same for every seed)
     # wandb (offline automatically without credentials or network)
     wandb_log=False,
     wandb_project="attention-zoo",
@@ -121,6 +125,7 @@ DEFAULTS = dict(
 MODEL_KEYS = [f.name for f in fields(GPTConfig)]
 RUN_FILES = ("last.pt", "best.pt", "metrics.jsonl")  # what a run writes into out_dir
 PTDTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+EVAL_SEED = 1338  # the eval batches: the same in every run, whatever its seed, so every run is measured alike
 
 
 class NonFiniteLoss(RuntimeError):
@@ -224,13 +229,89 @@ def check_config(config: dict, d: Dist) -> None:
         raise ConfigError(
             f"out_dir: got {out_dir!r}{' (a file)' if out_dir else ''}; valid: a directory path (created if missing)"
         )
+
+
+# Keys that say where or how a run computes and logs, not what it trains: two configs that differ only in these
+# describe the same run.
+NOT_THE_RUN = (
+    "out_dir",
+    "init_from",
+    "overwrite",
+    "wandb_log",
+    "wandb_project",
+    "wandb_run_name",
+    "wandb_group",
+    "log_interval",
+    "data_dir",
+    "device",
+    "compile",
+    "cuda_graphs",
+    "backend",
+    "attn_backend",
+)
+
+
+def check_out_dir(config: dict, d: Dist, device: str) -> tuple[str, int] | None:
+    """Before anything starts: None where out_dir is free for this run (or it resumes, or --overwrite=True);
+    (message, its iteration) where out_dir holds this very run, finished (the caller keeps it and does nothing); a
+    ConfigError naming what to do where it holds another run or an unfinished one. Rank 0 reads out_dir (the only
+    rank that writes it) and tells the others."""
+    outcome = [("free", None)]
+    if d.master:
+        try:
+            outcome = [("kept", held_run(config, device))]
+        except ConfigError as e:
+            outcome = [("refused", str(e))]
+    if d.ddp:
+        dist.broadcast_object_list(outcome, src=0)
+    kind, message = outcome[0]
+    if kind == "refused":
+        raise ConfigError(message)
+    return message
+
+
+def held_run(config: dict, device: str) -> tuple[str, int] | None:
+    out_dir = config["out_dir"]
     held = [f for f in RUN_FILES if os.path.exists(os.path.join(out_dir, f))]
-    if init != "resume" and held and not config["overwrite"]:
+    if config["init_from"] == "resume" or not held or config["overwrite"]:
+        return None
+    valid = (
+        "valid: --init_from=resume to continue it, another --out_dir, or --overwrite=True to start over there "
+        "(its checkpoints and metrics are deleted)"
+    )
+    try:  # only the config and the iteration are read: mmap leaves the tensors on disk
+        saved = torch.load(resume_path(config), map_location="cpu", mmap=True, weights_only=True)
+        old, iter_num = dict(saved["config"]), int(saved["iter_num"])
+        differ = config_differences(config, old, saved["model_args"], device)
+    except Exception as e:  # no last.pt, or one this code cannot read: the generic refusal, with the reason
+        reason = f"its last.pt cannot be read: {type(e).__name__}: {first_line(e)}"
+        raise ConfigError(f"out_dir: {out_dir!r} already holds a run ({', '.join(held)}); {valid} ({reason})") from None
+    if differ:
         raise ConfigError(
-            f"out_dir: {out_dir!r} already holds a run ({', '.join(held)}); valid: --init_from=resume "
-            "to continue it, another --out_dir, or --overwrite=True to start over there (its "
-            "checkpoints and metrics are deleted)"
+            f"out_dir: {out_dir!r} already holds a run ({', '.join(held)}); {valid}. That run differs from this "
+            "one in " + ", ".join(f"{k} ({old.get(k)!r} there, {v!r} here)" for k, v in differ.items())
         )
+    if iter_num < config["max_iters"]:
+        raise ConfigError(
+            f"out_dir: {out_dir!r} already holds this run (same config), stopped at iteration {iter_num} of "
+            f"{config['max_iters']}; valid: --init_from=resume to continue it, or --overwrite=True to start over"
+        )
+    message = (
+        f"{out_dir} already holds this run, finished at iteration {iter_num} (same config): kept; "
+        "--overwrite=True trains it again"
+    )
+    return message, iter_num
+
+
+def config_differences(config: dict, old: dict, old_model_args: dict, device: str) -> dict:
+    """The keys (outside NOT_THE_RUN) where this config, resolved as setup() resolves it, differs from a saved run's
+    config: key -> this run's value."""
+    mine = dict(config, dtype=resolve_dtype(config["dtype"], device))
+    try:  # the model fields as the model resolves them (vocab_size 0: the dataset's, which the saved run has)
+        mine.update(asdict(model_config(config, old_model_args["vocab_size"])))
+    except ConfigError:  # settings that would not build a model: compared as written
+        pass
+    return {k: v for k, v in mine.items() if k not in NOT_THE_RUN and old.get(k) != v}
 
 
 def model_config(config: dict, vocab_size: int) -> GPTConfig:
@@ -419,11 +500,11 @@ def get_batch(tokens: np.ndarray, offsets: torch.Tensor, block_size: int, device
 
 @torch.no_grad()
 def estimate_loss(model, data, config: dict, d: Dist, ctx, device: str) -> dict[str, float]:
-    """Mean loss over the same eval_iters batches of each split every time, sharded across ranks."""
+    """Mean loss over the same eval_iters batches of each split every time and in every run, sharded across ranks."""
     model.eval()
     losses = {}
     for i, (split, tokens) in enumerate((("train", data.train), ("val", data.val))):
-        g = torch.Generator().manual_seed(config["seed"] + 1 + i)
+        g = torch.Generator().manual_seed(EVAL_SEED + i)
         offsets = torch.randint(
             len(tokens) - config["block_size"], (config["eval_iters"], config["batch_size"]), generator=g
         )
@@ -526,10 +607,15 @@ def print_setup(config: dict, model: GPT, d: Dist) -> None:
     text = ", ".join(f"{k}={v!r}" for k, v in config.items())
     say("config: " + textwrap.fill(text, width=118, subsequent_indent="  "))
     mc = model.config
+    if mc.attention == "mla":  # what MLA caches: one latent and one shared RoPE key per token and layer
+        heads = f"{mc.n_head} heads, latent cache {mc.kv_lora_rank} + {mc.qk_rope_head_dim} per token and layer"
+    else:
+        heads = f"{mc.n_head} heads / {mc.n_kv_head} KV heads"
+    kv_bytes = model.kv_cache_bytes_per_token(PTDTYPES[config["dtype"]])
     say(
-        f"model: {mc.attention}, {mc.n_layer} layers, {mc.n_head} heads / {mc.n_kv_head} KV heads, {mc.n_embd} "
-        f"wide, {model.num_params() / 1e6:.2f}M params, KV cache {model.kv_cache_bytes_per_token()} bytes/token "
-        f"(bf16), attention via {model.attn_backend_for(config['device'])}"
+        f"model: {mc.attention}, {mc.n_layer} layers, {heads}, {mc.n_embd} wide, {model.num_params() / 1e6:.2f}M "
+        f"params, KV cache {kv_bytes:,} bytes/token in {config['dtype']}, attention via "
+        f"{model.attn_backend_for(config['device'])}"
     )
     accum, batch, block = config["gradient_accumulation_steps"], config["batch_size"], config["block_size"]
     say(
@@ -626,7 +712,14 @@ def stop_on_signal():
             raise KeyboardInterrupt
         requested["stop"] = True
         requested["signal"] = signum
-        say(f"\n{signal.Signals(signum).name}: stopping after this iteration (Ctrl-C again to abort at once)")
+        # No print here: a print can raise (BrokenPipeError after `| tee` died of the same Ctrl-C, or a reentrant
+        # call into the stdout buffer the loop was writing), and an exception from a handler would lose the save.
+        # One unbuffered write to stderr, which reaches the terminal even when stdout is piped, errors ignored.
+        notice = f"\n{signal.Signals(signum).name}: stopping after this iteration (Ctrl-C again to abort at once)\n"
+        try:
+            os.write(2, notice.encode())
+        except OSError:
+            pass
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         previous[sig] = signal.signal(sig, handler)
@@ -674,6 +767,13 @@ def main(argv: list[str] | None = None) -> dict:
     d, device = setup_distributed(config)
     finished = False
     try:
+        check_config(config, d)
+        kept = check_out_dir(config, d, device)  # before anything is printed or started
+        if kept is not None:
+            if d.master:
+                say(kept[0])
+            finished = True
+            return dict(iter_num=kept[1], losses={}, best_val_loss=None, interrupted=None, kept=True)
         with stop_on_signal() as stop_requested:
             s = setup(config, d, device)
             try:
@@ -695,7 +795,7 @@ def main(argv: list[str] | None = None) -> dict:
 
 
 def setup(config: dict, d: Dist, device: str) -> Setup:
-    check_config(config, d)
+    """Data, model, optimizer and loggers; a resumed run's state restored. check_config has run."""
     config["device"], config["dtype"] = device, resolve_dtype(config["dtype"], device)
     device_type = "cuda" if device.startswith("cuda") else "cpu"
     if config["cuda_graphs"] and device_type != "cuda":
@@ -764,6 +864,8 @@ def setup(config: dict, d: Dist, device: str) -> Setup:
                 if os.path.exists(os.path.join(config["out_dir"], name)):
                     os.remove(os.path.join(config["out_dir"], name))
         print_setup(config, raw_model, d)
+        if ckpt is not None:
+            say(f"resumed from iteration {iter_num} ({resume_path(config)})")
         run = init_wandb(config, raw_model, run_facts(config, raw_model)) if config["wandb_log"] else None
     return Setup(
         data,
@@ -902,7 +1004,21 @@ def train(config: dict, d: Dist, device: str, s: Setup, stop_requested: dict) ->
 
     if s.run is not None:
         s.run.summary["best_val_loss"] = best_val_loss
+    if d.master and interrupted is None:
+        say_where_it_went(config["out_dir"], iter_num, best_val_loss)
     return dict(iter_num=iter_num, losses=losses, best_val_loss=best_val_loss, interrupted=interrupted)
+
+
+def say_where_it_went(out_dir: str, iter_num: int, best_val_loss: float) -> None:
+    """The end of a run: where its checkpoints are and what to run next."""
+    last, best = os.path.join(out_dir, "last.pt"), os.path.join(out_dir, "best.pt")
+    if not os.path.exists(last):  # eval_only, or max_iters=0: nothing was trained
+        return
+    saved = f"saved: {last} (iteration {iter_num})"
+    if os.path.exists(best):
+        saved += f" and {best} (val loss {best_val_loss:.4f})"
+    say(saved)
+    say(f"next: `python sample.py --out_dir={out_dir}` generates from it, `python compare.py` compares the runs here")
 
 
 def check_window(window_loss: torch.Tensor, window_iters: int, iter_num: int, d: Dist) -> float:
@@ -951,7 +1067,10 @@ if __name__ == "__main__":
         sys.exit(0)
     try:
         result = main()
-    except (ConfigError, DataError, CheckpointError, NonFiniteLoss) as e:  # a message, not a traceback
+    except ConfigError as e:  # a usage error: status 2, as argparse's, so that `... || break` in a loop stops
+        sys.stderr.write(f"error: {e}\n")
+        sys.exit(2)
+    except (DataError, CheckpointError, NonFiniteLoss) as e:  # a message, not a traceback
         raise SystemExit(f"error: {e}") from None
     if result["interrupted"]:  # saved, but not finished: 130 after Ctrl-C, 143 after SIGTERM, so a script stops too
         sys.exit(128 + int(result["interrupted"]))

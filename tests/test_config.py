@@ -12,7 +12,7 @@ import torch
 import sample
 import train
 from checkpoint import TRAIN_KEYS, CheckpointError, clean_state_dict, load_checkpoint, save_checkpoint
-from configurator import ConfigError, parse_config, wants_help
+from configurator import ConfigError, help_text, parse_config, wants_help
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULTS = dict(
@@ -171,6 +171,23 @@ def test_help_lists_the_keys_and_their_defaults(script, first_line, note):
         ]
         defaults = (train if script == "train.py" else sample).DEFAULTS
         assert sorted(keys) == sorted(f"--{k}" for k in defaults)  # each key once
+
+
+def test_help_shows_each_default_on_its_own_line(tmp_path):
+    """A string default with a newline (sample.py's --start) or spaces is shown as its repr, so that it stays on its
+    line; a plain one as typed."""
+    source = write(
+        tmp_path,
+        "script.py",
+        'DEFAULTS = dict(\n    start="\\n",  # the prompt\n    name="a b",\n    empty="",\n    plain="out",\n)\n',
+    )
+    text = help_text("Doc.", dict(start="\n", name="a b", empty="", plain="out"), source)
+    assert text.splitlines()[-4:] == [
+        "  --start='\\n'  # the prompt",
+        "  --name='a b'",
+        "  --empty=''",
+        "  --plain=out",
+    ]
 
 
 def test_help_is_asked_for_only_outside_values():

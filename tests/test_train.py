@@ -6,6 +6,7 @@ train.py runs as a subprocess where the entry point matters (torchrun, signals, 
 import glob
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -151,7 +152,9 @@ def test_resume_continues_bit_for_bit(data_dir, tmp_path, capsys):
     run_inprocess(data_dir, tmp_path / "b", *common, "--max_iters=3")
     first_half = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("iter ", "eval "))]
     run_inprocess(data_dir, tmp_path / "b", *common, "--max_iters=6", "--init_from=resume")
-    second_half = [line for line in capsys.readouterr().out.splitlines() if line.startswith(("iter ", "eval "))]
+    out = capsys.readouterr().out
+    assert f"resumed from iteration 3 ({tmp_path / 'b' / 'last.pt'})\n" in out
+    second_half = [line for line in out.splitlines() if line.startswith(("iter ", "eval "))]
 
     def strip_timing(lines):
         # iteration (without the /max_iters), loss, lr; not the timings
@@ -197,6 +200,117 @@ def test_ctrl_c_saves_the_last_iteration_and_resumes(data_dir, tmp_path):
         data_dir, tmp_path, "--eval_interval=100000", f"--max_iters={ckpt['iter_num'] + 2}", "--init_from=resume"
     )
     assert result["iter_num"] == ckpt["iter_num"] + 2
+
+
+def test_ctrl_c_saves_when_stdout_is_a_closed_pipe(data_dir, tmp_path):
+    """`python train.py ... | tee log`, then Ctrl-C: tee dies and the pipe closes, so every later print raises
+    BrokenPipeError; the stop notice, the save and the exit status must not depend on it."""
+    cmd = [
+        sys.executable,
+        os.path.join(ROOT, "train.py"),
+        *TINY,
+        f"--data_dir={data_dir}",
+        f"--out_dir={tmp_path}",
+        "--max_iters=100000",
+        "--eval_interval=100000",
+        "--log_interval=1",
+    ]
+    stderr = open(tmp_path / "stderr", "w+")
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, env=subprocess_env())
+    deadline = time.time() + 120
+    for line in proc.stdout:
+        if line.startswith("iter 2/") or time.time() > deadline:
+            break
+    proc.stdout.close()  # the reader is gone, as tee after Ctrl-C
+    proc.send_signal(signal.SIGINT)
+    proc.wait(timeout=120)
+    stderr.seek(0)
+    err = stderr.read()
+    assert proc.returncode == 128 + signal.SIGINT, err
+    assert "SIGINT: stopping after this iteration" in err and "Traceback" not in err and "Exception" not in err, err
+    assert load_checkpoint(tmp_path / "last.pt", required_keys=TRAIN_KEYS)["iter_num"] >= 2
+
+
+def test_seed_sets_the_initial_weights_and_the_data_order(data_dir, tmp_path):
+    """--seed=N: another seed, another initialisation and batch order; the same seed, the same run. The eval batches
+    are the same for every seed (the loss at iteration 0 differs only through the weights)."""
+    for name, seed in (("a", 1), ("b", 2), ("c", 1)):
+        run_inprocess(data_dir, tmp_path / name, f"--seed={seed}", "--max_iters=1", "--eval_interval=1")
+    a, b, c = (load_checkpoint(tmp_path / name / "last.pt") for name in "abc")
+    assert a["config"]["seed"] == 1 and b["config"]["seed"] == 2
+    assert all(torch.equal(a["model"][k], c["model"][k]) for k in a["model"])
+    assert not torch.equal(a["model"]["lm_head.weight"], b["model"]["lm_head.weight"])
+    assert metrics(tmp_path / "a")[0]["val_loss"] != metrics(tmp_path / "b")[0]["val_loss"]
+    config = dict(train.DEFAULTS, block_size=32, batch_size=4)
+    draws = {s: train.BatchSampler(10_000, dict(config, seed=s), train.Dist()).next() for s in (1, 2)}
+    assert not torch.equal(draws[1], draws[2])
+    assert torch.equal(draws[1], train.BatchSampler(10_000, dict(config, seed=1), train.Dist()).next())
+
+
+def test_a_run_names_its_cache_dtype_and_says_where_it_went(data_dir, tmp_path, capsys):
+    """The model line gives the KV cache in the run's dtype and, for MLA, what it caches instead of K/V heads; the
+    end of a run names its checkpoints and the commands to run next."""
+    run_inprocess(data_dir, tmp_path / "out-mla", "--max_iters=2", "--eval_interval=2", config="mla")
+    out = capsys.readouterr().out
+    assert "model: mla, 1 layers, 8 heads, latent cache 32 + 4 per token and layer, 64 wide, " in out
+    assert "KV cache 144 bytes/token in float32, attention via torch" in out  # 1 layer x (32 + 4) x 4 bytes
+    last, best = tmp_path / "out-mla" / "last.pt", tmp_path / "out-mla" / "best.pt"
+    assert f"saved: {last} (iteration 2) and {best} (val loss " in out
+    assert f"next: `python sample.py --out_dir={tmp_path / 'out-mla'}` generates from it, `python compare.py`" in out
+    run_inprocess(data_dir, tmp_path / "out-gqa", "--max_iters=0", config="gqa")
+    out = capsys.readouterr().out
+    assert "model: gqa, 1 layers, 8 heads / 2 KV heads, 64 wide, " in out
+    assert "KV cache 128 bytes/token in float32" in out  # 2 (K, V) x 1 layer x 2 heads x 8 dims x 4 bytes
+    assert "saved:" not in out, "nothing trained, nothing saved"
+
+
+def test_docstring_commands_have_no_runs_of_spaces():
+    """--help prints the docstring: its commands are copied from there, so no padding inside or after them."""
+    for line in train.__doc__.splitlines():
+        assert not re.search(r"\S {9,}", line), line
+
+
+def test_an_out_dir_holding_this_finished_run_is_kept_and_another_run_is_refused_first(data_dir, tmp_path):
+    """The README's loop (`for v in ...; do python train.py configs/$v.py || break; done`) after one variant was
+    trained: the finished run with the same config is kept (status 0, one line), so the loop goes on; a different
+    run in the out_dir is refused before anything else is printed, on stderr with status 2, so the loop stops."""
+    args = [*TINY, f"--data_dir={data_dir}", f"--out_dir={tmp_path / 'out'}", "--max_iters=2", "--eval_interval=2"]
+    train.main([*args, os.path.join(ROOT, "configs", "gqa.py")])  # writes tmp/out-gqa
+    loop = (
+        "for v in gqa mha; do "
+        f'{sys.executable} {os.path.join(ROOT, "train.py")} {" ".join(args)} {ROOT}/configs/$v.py "$@" || exit; '
+        "echo loop-went-on-after-$v; done"
+    )
+
+    def run_loop(*extra):
+        return subprocess.run(
+            ["bash", "-c", loop, "loop", *extra], capture_output=True, text=True, timeout=300, env=subprocess_env()
+        )
+
+    ok = run_loop()
+    assert ok.returncode == 0, ok.stderr[-3000:]
+    out = ok.stdout.splitlines()
+    assert out[0] == (
+        f"{tmp_path / 'out-gqa'} already holds this run, finished at iteration 2 (same config): kept; "
+        "--overwrite=True trains it again"
+    )
+    assert out[1] == "loop-went-on-after-gqa" and out[-1] == "loop-went-on-after-mha", ok.stdout[-3000:]
+    assert load_checkpoint(tmp_path / "out-mha" / "last.pt")["iter_num"] == 2
+
+    refused = run_loop("--max_iters=3")  # another token budget: not the run out-gqa holds
+    assert refused.returncode == 2 and refused.stdout == "", refused.stdout[-3000:]
+    assert refused.stderr.startswith(
+        f"error: out_dir: {str(tmp_path / 'out-gqa')!r} already holds a run (last.pt, best.pt, metrics.jsonl); "
+        "valid: --init_from=resume to continue it, another --out_dir, or --overwrite=True"
+    ), refused.stderr
+    assert "That run differs from this one in max_iters (2 there, 3 here)" in refused.stderr
+
+    ckpt = load_checkpoint(tmp_path / "out-gqa" / "last.pt")  # the same run, stopped before its end
+    save_checkpoint(tmp_path / "out-gqa" / "last.pt", dict(ckpt, iter_num=1))
+    with pytest.raises(
+        ConfigError, match=r"holds this run \(same config\), stopped at iteration 1 of 2; valid: --init_from=resume"
+    ):
+        train.main([*args, os.path.join(ROOT, "configs", "gqa.py")])
 
 
 def test_ddp_two_gloo_processes_match_one_process(data_dir, tmp_path):
