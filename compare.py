@@ -367,12 +367,15 @@ def _found_here() -> str:
 # -------------------------------------------------------------------------------------------- decode speed
 
 
-def decode_setup(device: str, run: Run) -> tuple[str, torch.dtype]:
-    """(attention backend, dtype) of the decode measurement: our kernels at the training dtype on a GPU, the plain
-    PyTorch attention in float32 on a CPU."""
-    if device.startswith("cuda"):
-        return "triton", DTYPES[run.kv_dtype]
-    return "torch", torch.float32
+def decode_backend(device: str) -> str:
+    """The attention of the decode measurement: our Triton kernels on a GPU, the plain PyTorch path on a CPU (the
+    kernels' CPU interpreter would time numpy, not the design)."""
+    return "triton" if device.startswith("cuda") else "torch"
+
+
+def decode_dtype(device: str, run: Run) -> torch.dtype:
+    """The run's training dtype on a GPU; float32 on a CPU (where bfloat16 matmuls are emulated and slow)."""
+    return DTYPES[run.kv_dtype] if device.startswith("cuda") else torch.float32
 
 
 def check_decode_length(runs: list[Run], decode_tokens: int) -> None:
@@ -391,8 +394,7 @@ def measure_decode(run: Run, batches: tuple[int, ...], decode_tokens: int, devic
     cache; a warm-up run of the same size first (kernel compiles and autotuning, allocator growth)."""
     from generate import generate
 
-    _, dtype = decode_setup(device, run)
-    model = run.model.to(device, dtype)
+    model = run.model.to(device, decode_dtype(device, run))
     vocab = model.config.vocab_size
     prompt = [(7 * i + 1) % vocab for i in range(PROMPT_LEN)]
     result = {}
@@ -762,8 +764,7 @@ def main(argv: list[str]) -> dict:
     dirs, overrides = split_argv(argv)
     cfg = parse_config(DEFAULTS, overrides)
     device = check_options(cfg)
-    backend = "triton" if device.startswith("cuda") else "torch"
-    runs = load_runs(dirs, backend)
+    runs = load_runs(dirs, decode_backend(device))
     if cfg["decode"]:
         check_decode_length(runs, cfg["decode_tokens"])
         batches = (1, cfg["decode_batch"])
