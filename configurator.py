@@ -12,14 +12,11 @@ text (so `--wandb_run_name=2024` stays the string "2024"). An unknown key or a v
 `ConfigError` naming it and listing the valid keys, before anything runs; so does a config file that fails to run (a
 misspelt name: its line and the names it may read).
 
-Order matters, and a wrong order is an error rather than a silent surprise:
-- a config file that derives values from a key (`n_kv_head = n_head // 4`) fixes them when it runs, so that key
-  set again after it (`configs/gqa.py --n_head=16`) would leave them stale: refused, unless the derived values
-  are set again after it too;
-- a config file that sets a key an earlier `--key=value` set, without reading it, would silently drop that
-  override (`--n_kv_head=4 configs/gqa.py`): refused, also where a file in between carried the override on
-  (`--out_dir=x configs/mha.py configs/kv_h200.py`). Setting a key to the value it already has changes nothing
-  and is never refused.
+Later settings win, and a config file may build on a value set before it (`out_dir = f"{out_dir}-gqa"`). The one
+order that would surprise is refused: a config file that sets a key an earlier `--key=value` set, or one an earlier
+file built on its previous value, without reading it, would silently drop that value (`--attention=mla
+configs/gqa.py`; `configs/gqa.py configs/kv_h200.py` would lose gqa.py's `-gqa` in out_dir): refused, naming the
+order that works. Setting a key to the value it already has changes nothing and is never refused.
 A config file's settings are its top-level assignments (helpers, functions and conditional expressions are fine);
 one made inside an if/for/with/try block, by `:=` or through `global` would be dropped silently, so it is refused.
 """
@@ -72,58 +69,29 @@ def parse_config(defaults: dict, argv: list[str]) -> dict:
     """Return a copy of `defaults` with the config files and `--key=value` overrides of `argv` applied in order."""
     argv = _joined(argv, defaults)
     config = dict(defaults)
-    kept: dict[str, str] = {}  # key -> the override its value carries, until a file replaces it without reading it
-    derived: dict[str, tuple[set[str], str]] = {}  # key -> (the keys a config file computed it from, that file)
-    stale: dict[str, tuple[str, str, str]] = {}  # key -> (source key, file, the argument that changed the source)
-
-    def changed(keys: list[str], by: str):
-        for key in keys:
-            for target, (sources, file) in derived.items():
-                if key in sources and target not in keys:
-                    stale[target] = (key, file, by)
-
+    # key -> what its value carries that a later config file must not drop in silence: an override, or a value a
+    # file built on the one before it (`out_dir = f"{out_dir}-gqa"`). A file that reads the key carries it on.
+    kept: dict[str, str] = {}
     for arg in argv:
         if arg.startswith("--"):
             key, value = _parse_override(arg)
-            new = _checked(defaults, key, value, source=f"override {arg!r}")
-            if new != config[key]:  # the same value changes nothing, so it stales nothing
-                changed([key], f"override {arg!r}")
-            config[key] = new
-            stale.pop(key, None)
-            derived.pop(key, None)
+            config[key] = _checked(defaults, key, value, source=f"override {arg!r}")
             kept[key] = f"override {arg!r}"
-        else:
-            values, reads = _read_config_file(arg, config)
-            moved = []
-            for key, value in values.items():
-                new = _checked(defaults, key, value, source=f"config file {arg!r}")
-                if new != config[key]:
-                    if key in kept and key not in reads[key]:
-                        raise ConfigError(
-                            f"config file {arg!r} sets {key}, which would silently replace the value "
-                            f"{config[key]!r} from the earlier {kept[key]}; valid: put that override "
-                            "after the file (arguments apply left to right)"
-                        )
-                    moved.append(key)
-                if key not in reads[key]:
-                    kept.pop(key, None)  # (one that read it carries the override on: `out_dir = f"{out_dir}-gqa"`)
-                config[key] = new
-            changed(moved, f"config file {arg!r}")
-            for key in values:
-                stale.pop(key, None)
-                sources = reads[key] - {key}
-                if sources:
-                    derived[key] = (sources, arg)
-                else:
-                    derived.pop(key, None)
-    if stale:
-        key, (source, file, by) = next(iter(stale.items()))
-        targets = sorted(t for t, (s, f, b) in stale.items() if (s, f, b) == (source, file, by))
-        raise ConfigError(
-            f"{by} sets {source} after config file {file!r}, which computed {', '.join(targets)} from "
-            f"it, so they would not follow; valid: put it before that file (arguments apply left to "
-            f"right), or set {', '.join(targets)} after it too"
-        )
+            continue
+        values, reads = _read_config_file(arg, config)
+        for key, value in values.items():
+            new = _checked(defaults, key, value, source=f"config file {arg!r}")
+            if key in reads[key]:
+                kept.setdefault(key, f"config file {arg!r}")
+            else:
+                if new != config[key] and key in kept:
+                    fix = "that override after the file" if kept[key].startswith("override") else f"it after {arg!r}"
+                    raise ConfigError(
+                        f"config file {arg!r} sets {key}, which would silently replace the value {config[key]!r} "
+                        f"from the earlier {kept[key]}; valid: put {fix} (arguments apply left to right)"
+                    )
+                kept.pop(key, None)
+            config[key] = new
     return config
 
 

@@ -9,14 +9,18 @@ Triton on CUDA and PyTorch elsewhere.
     python -c "from model import GPT, GPTConfig; GPT(GPTConfig(attention='gqa', n_kv_head=4))"
     python -c "from model import GPT; GPT.from_pretrained('gpt2')"      # needs transformers and the network
 
-Attention variants (head_dim = n_embd // n_head for the GQA family):
+Attention variants (h = head_dim = n_embd // n_head). A size field left at None or 0 takes the variant's natural
+value, resolved here, in one place, so that a config names a variant and a size and nothing derived from them:
     mha   n_kv_head == n_head K/V heads (None -> n_head; another value is an error)
-    gqa   n_kv_head K/V heads, 1 <= n_kv_head <= n_head, dividing n_head (must be given)
+    gqa   n_kv_head K/V heads, 1 <= n_kv_head <= n_head, dividing n_head (None -> groups of 4 query heads:
+          n_head // 4, or the largest divisor of n_head below it, at least 1)
     mqa   one K/V head (None -> 1; another value is an error)
     mla   K/V compressed into a latent c_kv of kv_lora_rank (RMSNorm'd) plus a RoPE key of qk_rope_head_dim
           shared by all heads; per-head up-projections W_UK (c_kv -> qk_nope_head_dim) and W_UV
-          (c_kv -> v_head_dim); optional query compression (q_lora_rank > 0). n_kv_head resolves to n_head
-          (training materializes n_head K/V heads). The MLA fields are ignored by the other variants.
+          (c_kv -> v_head_dim); optional query compression (q_lora_rank > 0). Dims left at 0 follow DeepSeek-V2's
+          ratios to h (there h = 128): kv_lora_rank 4h, qk_rope_head_dim h/2 (even, at least 2),
+          qk_nope_head_dim = v_head_dim = h. n_kv_head resolves to n_head (training materializes n_head K/V
+          heads). The MLA fields are ignored by the other variants.
 
 Positions: pos_embedding="learned" adds GPT-2's learned absolute position embedding to the token embedding;
 "rope" uses rotary embeddings instead (GQA family: all head_dim dims of q and k are rotated, rotate-half
@@ -99,12 +103,12 @@ class GPTConfig:
     dropout: float = 0.0
     bias: bool = True  # biases in the Linears and LayerNorms, as GPT-2
     attention: str = "mha"  # one of ATTENTIONS
-    n_kv_head: int | None = None  # K/V heads; resolved in __post_init__ (see the module docstring)
-    kv_lora_rank: int = 0  # MLA: latent width D_c
+    n_kv_head: int | None = None  # K/V heads; None (or 0): the variant's (see the module docstring)
+    kv_lora_rank: int = 0  # MLA: latent width D_c (0: 4 h)
     q_lora_rank: int = 0  # MLA: query compression width (0 = one plain query projection)
-    qk_nope_head_dim: int = 0  # MLA: per-head query/key dims without position
-    qk_rope_head_dim: int = 0  # MLA: per-head query dims / shared key dims with RoPE (even)
-    v_head_dim: int = 0  # MLA: per-head value dims
+    qk_nope_head_dim: int = 0  # MLA: per-head query/key dims without position (0: h)
+    qk_rope_head_dim: int = 0  # MLA: per-head query dims / shared key dims with RoPE, even (0: h / 2)
+    v_head_dim: int = 0  # MLA: per-head value dims (0: h)
     pos_embedding: str = "learned"  # one of POS_EMBEDDINGS
     rope_theta: float = 10000.0
     attn_backend: str = "auto"  # one of ATTN_BACKENDS
@@ -139,24 +143,32 @@ class GPTConfig:
             _invalid("n_embd", self.n_embd, f"n_embd // n_head even for RoPE (head_dim {self.n_embd // self.n_head})")
         derived = {"mha": self.n_head, "mqa": 1}.get(self.attention)
         if derived is not None:  # mha / mqa fix the head count: None means "derive it"
-            if self.n_kv_head not in (None, derived):
+            if self.n_kv_head not in (None, 0, derived):
                 _invalid("n_kv_head", self.n_kv_head, f"None or {derived} for attention={self.attention!r}")
             self.n_kv_head = derived
             return
+        if self.n_kv_head in (None, 0):  # groups of 4 query heads per K/V head, where n_head allows
+            self.n_kv_head = max(g for g in range(1, max(1, self.n_head // 4) + 1) if self.n_head % g == 0)
         n_kv = self.n_kv_head
         if not _is_int(n_kv) or not 1 <= n_kv <= self.n_head or self.n_head % n_kv:
             _invalid("n_kv_head", n_kv, f"an int in [1, n_head={self.n_head}] that divides n_head for attention='gqa'")
 
     def _check_mla(self):
-        for field in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
+        h = self.n_embd // self.n_head
+        natural = dict(kv_lora_rank=4 * h, qk_nope_head_dim=h, qk_rope_head_dim=max(2, h // 4 * 2), v_head_dim=h)
+        for field, value in natural.items():
+            if getattr(self, field) == 0:  # DeepSeek-V2's ratio to the head dim
+                if self.n_embd % self.n_head:
+                    _invalid(field, 0, f"a positive int, or 0 with n_embd a multiple of n_head={self.n_head}")
+                setattr(self, field, value)
             value = getattr(self, field)
             if not _is_int(value) or value < 1:
-                _invalid(field, value, "a positive int for attention='mla'")
+                _invalid(field, value, "a positive int for attention='mla' (or 0: DeepSeek-V2's ratio to the head dim)")
         if self.qk_rope_head_dim % 2:
             _invalid("qk_rope_head_dim", self.qk_rope_head_dim, "an even int (RoPE rotates pairs)")
         if not _is_int(self.q_lora_rank) or self.q_lora_rank < 0:
             _invalid("q_lora_rank", self.q_lora_rank, "an int >= 0 (0 = no query compression)")
-        if self.n_kv_head not in (None, self.n_head):
+        if self.n_kv_head not in (None, 0, self.n_head):
             _invalid("n_kv_head", self.n_kv_head, f"None or n_head={self.n_head} for attention='mla'")
         self.n_kv_head = self.n_head
 

@@ -1,5 +1,6 @@
 # A GPT-2-small-sized model (12 layers, 12 heads, 768 wide, 1024 context) with grouped-query attention
-# (3 K/V heads, groups of 4), trained on the Triton kernels with torch.compile. ~0.5M tokens per iteration.
+# (3 K/V heads: model.GPTConfig's groups of 4), trained on the Triton kernels with torch.compile. ~0.5M tokens per
+# iteration.
 #     python -m data.prepare fineweb_edu --max_docs=2000000       # once, needs the network (~2B tokens)
 #     python train.py configs/gpt2_small_gqa.py                  # one GPU
 #     torchrun --standalone --nproc_per_node=8 train.py configs/gpt2_small_gqa.py
@@ -13,7 +14,6 @@ n_head = 12
 n_embd = 768
 block_size = 1024
 attention = "gqa"
-n_kv_head = 3
 bias = False
 pos_embedding = "rope"
 dropout = 0.0

@@ -1,10 +1,9 @@
 # GPU size for comparing the attention variants where the KV cache matters: 16 heads of 64 dims and a 2048
 # context, so MHA's cache (2 x 16 x 64 numbers per token per layer) is 4x GQA's, 16x MQA's and ~7x MLA's
-# (4 x 64 + 32). Stack a variant file after it; the four runs share one wandb group and token budget:
-#     python train.py configs/kv_h200.py configs/mha.py
-#     python train.py configs/kv_h200.py configs/gqa.py
-#     python train.py configs/kv_h200.py configs/mqa.py
-#     python train.py configs/kv_h200.py configs/mla.py
+# (4 x 64 + 32). Stack a variant file after it (it appends its name to out_dir: out-kv-mha .. out-kv-mla); the
+# four runs share one wandb group and token budget:
+#     for v in mha gqa mqa mla; do python train.py configs/kv_h200.py configs/$v.py || break; done
+#     python compare.py out-kv-*
 out_dir = "out-kv"
 dataset = "fineweb_edu"
 wandb_group = "kv-h200"

@@ -1,7 +1,6 @@
-# Multi-query attention (Shazeer 2019; PaLM): every query head shares one K/V head, the smallest KV cache of
-# the GQA family. See configs/mha.py for how the four variants are run and compared.
+# Multi-query attention (Shazeer 2019; PaLM): every query head shares one K/V head, the smallest KV cache of the GQA
+# family. See configs/mha.py for how the four variants are run and compared.
 #     python train.py configs/mqa.py
 #     python train.py configs/kv_h200.py configs/mqa.py
 attention = "mqa"
-n_kv_head = None  # the model sets 1
-out_dir = f"{out_dir}-mqa"  # noqa: F821 (config files see the values set before them)
+out_dir = f"{out_dir}-mqa"

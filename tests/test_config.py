@@ -1,6 +1,7 @@
 """configurator.parse_config and checkpoint.py: config files and overrides, the errors they promise, and atomic,
 corruption-checked checkpoints. Plus: every shipped config file parses and builds a valid model."""
 
+import dataclasses
 import glob
 import os
 import subprocess
@@ -101,7 +102,7 @@ def test_key_space_value_is_key_equals_value(tmp_path):
     assert parse_config(DEFAULTS, ["--compile", cfg])["compile"] is True
     assert parse_config(DEFAULTS, ["--compile=True", "--compile", "False"])["compile"] is False
     assert parse_config(DEFAULTS, ["--batch_size", "3", "--compile"]) == {**DEFAULTS, "batch_size": 3, "compile": True}
-    with pytest.raises(ConfigError, match="override '--n_kv_head=4'"):  # the order checks see the joined form
+    with pytest.raises(ConfigError, match="override '--n_kv_head=4'"):  # the order check sees the joined form
         parse_config(DEFAULTS, ["--n_kv_head", "4", write(tmp_path, "d.py", "n_kv_head = 1\n")])
 
 
@@ -277,35 +278,25 @@ def test_variant_configs_share_size_and_budget():
     "argv, needle",
     [
         (
-            ["configs/gqa.py", "--n_head=16"],
-            r"override '--n_head=16' sets n_head after config file '.*gqa\.py', which computed n_kv_head from it, so they "
-            r"would not follow; valid: put it before that file .* or set n_kv_head after it too",
-        ),
-        (
-            ["configs/mla.py", "--n_embd=256"],
-            r"override '--n_embd=256' sets n_embd after config file '.*mla\.py', which computed kv_lora_rank, "
-            r"qk_nope_head_dim, qk_rope_head_dim, v_head_dim from it",
-        ),
-        (
-            ["configs/gqa.py", "configs/kv_h200.py"],
-            r"config file '.*kv_h200\.py' sets n_head after config file '.*gqa\.py', which computed n_kv_head from it",
-        ),
-        (
-            ["--n_kv_head=4", "configs/gqa.py"],
-            r"config file '.*gqa\.py' sets n_kv_head, which would silently replace the value 4 from the earlier override "
-            r"'--n_kv_head=4'; valid: put that override after the file",
+            ["--attention=mla", "configs/gqa.py"],
+            r"config file '.*gqa\.py' sets attention, which would silently replace the value 'mla' from the earlier "
+            r"override '--attention=mla'; valid: put that override after the file",
         ),
         (
             ["--out_dir=/tmp/x", "configs/mha.py", "configs/kv_h200.py"],  # the override lives on in mha.py's out_dir
-            r"kv_h200\.py' sets out_dir, which would silently replace the value '/tmp/x-mha' from the earlier override "
-            r"'--out_dir=/tmp/x'",
+            r"kv_h200\.py' sets out_dir, which would silently replace the value '/tmp/x-mha' from the earlier "
+            r"override '--out_dir=/tmp/x'",
+        ),
+        (
+            ["configs/gqa.py", "configs/kv_h200.py"],  # gqa.py built out-gqa on out_dir: kv_h200.py would drop it
+            r"config file '.*kv_h200\.py' sets out_dir, which would silently replace the value 'out-gqa' from the "
+            r"earlier config file '.*gqa\.py'; valid: put it after '.*kv_h200\.py'",
         ),
     ],
 )
-def test_an_order_that_would_drop_or_stale_a_value_is_refused(argv, needle):
-    """Arguments apply left to right, and a config file computes its values when it runs: a size set after a
-    variant file would leave that file's derived values stale, and a file would silently replace an earlier
-    override. Both are refused with the order that works."""
+def test_an_order_that_would_drop_a_value_is_refused(argv, needle):
+    """Arguments apply left to right: a config file that would silently replace an earlier override, or a value an
+    earlier file built on, is refused with the order that works."""
     import train
 
     argv = [os.path.join(ROOT, a) if a.startswith("configs/") else a for a in argv]
@@ -317,22 +308,42 @@ def test_an_order_that_would_drop_or_stale_a_value_is_refused(argv, needle):
     "argv, expect",
     [
         (["--n_head=16", "configs/gqa.py"], dict(n_head=16, n_kv_head=4)),
+        (["configs/gqa.py", "--n_head=16"], dict(n_head=16, n_kv_head=4)),  # sizes in any order: nothing is stale
         (["configs/gqa.py", "--n_kv_head=1"], dict(n_head=8, n_kv_head=1)),
         (["configs/gqa.py", "--n_head=16", "--n_kv_head=4"], dict(n_head=16, n_kv_head=4)),
+        (["--n_kv_head=4", "configs/gqa.py"], dict(n_head=8, n_kv_head=4)),
+        (["configs/mla.py", "--n_embd=256"], dict(kv_lora_rank=128, qk_rope_head_dim=16, v_head_dim=32)),
         (["--out_dir=/tmp/x", "configs/gqa.py", "--batch_size=2"], dict(out_dir="/tmp/x-gqa", batch_size=2)),
         (["configs/kv_h200.py", "configs/mla.py", "--out_dir=o"], dict(n_head=16, kv_lora_rank=256, out_dir="o")),
-        (["configs/gqa.py", "--n_head=8"], dict(n_head=8, n_kv_head=2)),  # the same value stales nothing
-        (["--attention=gqa", "configs/gqa.py"], dict(attention="gqa")),  # nor does a file repeating an override
+        (["configs/kv_h200.py", "configs/gqa.py"], dict(n_head=16, n_kv_head=4, out_dir="out-kv-gqa")),
+        (["configs/gqa.py", "--n_head=8"], dict(n_head=8, n_kv_head=2)),
+        (["--attention=gqa", "configs/gqa.py"], dict(attention="gqa")),  # a file repeating an override drops nothing
         (["--wandb_run_name={[1]: 2}"], dict(wandb_run_name="{[1]: 2}")),  # not a literal: the raw text
     ],
 )
 def test_orders_that_keep_every_value_apply(argv, expect):
-    """Orders that leave nothing stale or dropped, including ones that set a key to the value it already had."""
+    """Orders that drop nothing apply, including ones that set a key to the value it already had; the sizes a
+    variant derives (n_kv_head, MLA's dims) come from the model config, whatever the order of the size settings."""
     import train
 
     argv = [os.path.join(ROOT, a) if a.startswith("configs/") else a for a in argv]
     config = parse_config(train.DEFAULTS, argv)
+    config.update(dataclasses.asdict(train.model_config(config, vocab_size=50257)))
     assert {k: config[k] for k in expect} == expect
+
+
+def test_variant_out_dirs_are_distinct_at_every_size():
+    """Each variant file appends its name to the out_dir before it: out-<variant> by default, out-kv-<variant> after
+    the GPU size file, so no two runs of a comparison share a directory."""
+    import train
+
+    for size in ([], ["configs/kv_h200.py"]):
+        dirs = {
+            parse_config(train.DEFAULTS, [os.path.join(ROOT, f) for f in (*size, f"configs/{v}.py")])["out_dir"]
+            for v in ("mha", "gqa", "mqa", "mla")
+        }
+        prefix = "out-kv-" if size else "out-"
+        assert dirs == {f"{prefix}{v}" for v in ("mha", "gqa", "mqa", "mla")}
 
 
 # ----------------------------------------------------------------------------------------------- checkpoints
@@ -401,8 +412,15 @@ def test_config_file_forms(tmp_path):
         path.write_text(text)
         return parse_config(train.DEFAULTS, [str(path), *after])
 
-    with pytest.raises(ConfigError, match=r"computed n_kv_head from it"):
-        parse("def _kv():\n    return max(1, n_head // 4)\nn_kv_head = _kv()\n", "--n_head=16")
+    assert parse("def _kv():\n    return max(1, n_head // 4)\nn_kv_head = _kv()\n", "--n_head=16")["n_kv_head"] == 2
+    with pytest.raises(ConfigError, match=r"replace the value 'out-x' from the earlier config file"):
+        parse_config(  # a file that builds on out_dir through a helper still carries it on
+            train.DEFAULTS,
+            [
+                write(tmp_path, "a.py", "def _suffix(d):\n    return d + '-x'\nout_dir = _suffix(out_dir)\n"),
+                write(tmp_path, "b.py", "out_dir = 'other'\n"),
+            ],
+        )
     assert parse("n_layer, n_kv_head = 6, max(1, n_head // 4)\n", "--n_layer=2")["n_layer"] == 2  # only n_kv_head read
     assert parse("n_head: int\nout_dir = __file__\n")["out_dir"] == str(tmp_path / "c.py")
     for text in (

@@ -251,7 +251,7 @@ BAD_CONFIGS = {
     "rope-odd-head-dim": (dict(n_embd=12, n_head=4, pos_embedding="rope"), "n_embd", "even for RoPE"),
     "mha-contradicting-kv": (dict(attention="mha", n_head=4, n_kv_head=2), "n_kv_head", "None or 4"),
     "mqa-contradicting-kv": (dict(attention="mqa", n_head=4, n_kv_head=2), "n_kv_head", "None or 1"),
-    "gqa-missing-kv": (dict(attention="gqa", n_head=4), "n_kv_head", "divides n_head"),
+    "gqa-negative-kv": (dict(attention="gqa", n_head=4, n_kv_head=-1), "n_kv_head", "divides n_head"),
     "gqa-kv-not-dividing": (dict(attention="gqa", n_head=4, n_kv_head=3), "n_kv_head", "divides n_head"),
     "gqa-kv-above-heads": (dict(attention="gqa", n_head=4, n_kv_head=8), "n_kv_head", r"\[1, n_head=4\]"),
     "mla-contradicting-kv": (dict(attention="mla", n_kv_head=2, **MLA_DIMS), "n_kv_head", "None or n_head=4"),
@@ -259,10 +259,15 @@ BAD_CONFIGS = {
     "mla-negative-q-lora": (dict(attention="mla", q_lora_rank=-1, **MLA_DIMS), "q_lora_rank", ">= 0"),
 }
 for _field in ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"):
-    BAD_CONFIGS[f"mla-missing-{_field}"] = (
-        dict(attention="mla", **{**MLA_DIMS, _field: 0}),
+    BAD_CONFIGS[f"mla-negative-{_field}"] = (
+        dict(attention="mla", **{**MLA_DIMS, _field: -1}),
         _field,
         "a positive int for attention='mla'",
+    )
+    BAD_CONFIGS[f"mla-derived-{_field}-without-head-dim"] = (  # 0 derives from n_embd / n_head, which is not whole
+        dict(attention="mla", **{**MLA_DIMS, "n_embd": 66, _field: 0}),
+        _field,
+        "or 0 with n_embd a multiple of n_head=4",
     )
 
 
@@ -278,6 +283,28 @@ def test_n_kv_head_resolution_round_trips(variant, expected):
     config = make_config(variant)
     assert config.n_kv_head == expected
     assert GPTConfig(**dataclasses.asdict(config)) == config  # what a checkpoint's model_args rebuilds
+
+
+@pytest.mark.parametrize(
+    "n_head, n_embd, n_kv_head",
+    [(1, 16, 1), (4, 64, 1), (6, 96, 1), (8, 64, 2), (12, 768, 3), (14, 224, 2), (16, 1024, 4), (32, 1024, 8)],
+)
+def test_unset_sizes_take_the_variants_natural_values(n_head, n_embd, n_kv_head):
+    """None or 0 means the variant's own value, derived in the model config alone: GQA groups 4 query heads per K/V
+    head (the largest divisor of n_head up to n_head // 4), MHA n_head, MQA 1; MLA takes DeepSeek-V2's ratios to the
+    head dim h (latent 4h, RoPE h/2 rounded down to even and at least 2, nope and value h)."""
+    size = dict(TINY, n_head=n_head, n_embd=n_embd)
+    for unset in (None, 0):
+        assert GPTConfig(**size, attention="gqa", n_kv_head=unset).n_kv_head == n_kv_head
+        assert GPTConfig(**size, attention="mha", n_kv_head=unset).n_kv_head == n_head
+        assert GPTConfig(**size, attention="mqa", n_kv_head=unset).n_kv_head == 1
+    h = n_embd // n_head
+    mla = GPTConfig(**size, attention="mla")
+    assert (mla.kv_lora_rank, mla.qk_nope_head_dim, mla.v_head_dim, mla.n_kv_head) == (4 * h, h, h, n_head)
+    assert mla.qk_rope_head_dim == max(2, h // 2 - (h // 2) % 2) and mla.qk_rope_head_dim % 2 == 0
+    set_dims = dict(kv_lora_rank=40, qk_nope_head_dim=24, qk_rope_head_dim=6, v_head_dim=20)
+    assert {k: getattr(GPTConfig(**size, attention="mla", **set_dims), k) for k in set_dims} == set_dims
+    assert GPTConfig(**dataclasses.asdict(mla)) == mla  # resolved values rebuild the same config
 
 
 def test_mla_fields_are_ignored_by_other_variants():

@@ -23,8 +23,7 @@ from configurator import ConfigError
 from model import GPT
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# Size overrides go before a variant config file (it reads n_head / n_embd); 8 heads of 8 dims give GQA 2 K/V
-# heads and MLA a 32-wide latent.
+# 8 heads of 8 dims: the model config gives GQA 2 K/V heads and MLA a 32-wide latent and a 4-dim RoPE key.
 TINY = [
     "--n_layer=1",
     "--n_head=8",
