@@ -23,6 +23,16 @@ Layouts (the letters of attention_kernels/reference.py):
 
 The host owns the lengths and the block tables (plain Python lists); the device gets small index tensors once
 per `reserve`, so decoding needs no device-to-host sync and the kernels run with validate=False.
+
+Static decode (a cache made with `static=True`, for a decode step that a CUDA graph replays): `static_view(b)` is
+rows 0 .. b-1, and its `reserve(1)` does no host work at all: each row's write position is read from the device
+tensor `next_pos` (B,), which the caller advances in place (generate.py does it inside the captured step), and the
+decode reads every row's whole capacity (S_max, or the whole block table) with the lengths next_pos + 1, so
+nothing in the step depends on a host value that changes between replays. A row that is not decoding keeps
+next_pos = 0 and writes its token at position 0 of its own (finished or free) row; in a paged cache a free row's
+first table entry points at a scratch page that belongs to no sequence. The host catches up afterwards:
+`ensure_capacity` gives rows the pages of several steps ahead, `set_len` records what the steps wrote,
+`move_rows` packs the live sequences into rows 0 .. n-1 (so a smaller step covers them).
 """
 
 from __future__ import annotations
@@ -125,6 +135,8 @@ class ContiguousRows:
         self.batch_size, self.max_len, self.device, self.dtype = batch_size, max_len, device, dtype
         self.lens = [0] * batch_size
         self.buffers: list[torch.Tensor] = []  # token-major views, for memory accounting and compaction
+        self.next_pos = torch.zeros(batch_size, dtype=torch.int64, device=device)  # static decode: see the top
+        self.capacity = max_len  # the tokens a static decode step may read in each row
 
     def new_buffer(self, feat: tuple[int, ...]) -> torch.Tensor:
         if len(feat) == 2:  # (H, D): head-major storage, token-major view
@@ -148,6 +160,21 @@ class ContiguousRows:
     def step(self, rows_t, starts_t, T) -> _Step:
         positions = starts_t[:, None] + torch.arange(T, device=self.device)
         return _Step(rows_t, positions, (starts_t + T).int())
+
+    def static_step(self, rows_t) -> _Step:
+        """Rows 0 .. b-1, one token each at next_pos: device tensors only (graph-safe)."""
+        pos = self.next_pos[: rows_t.shape[0]]
+        return _Step(rows_t, pos[:, None], (pos + 1).int())
+
+    def ensure_capacity(self, rows: list[int], lengths: list[int]):
+        for r, n in zip(rows, lengths):
+            if n > self.max_len:
+                raise ValueError(f"lengths: got {n} tokens for row {r}; valid: at most max_len={self.max_len}")
+
+    def move(self, src: int, dst: int):
+        for buf in self.buffers:
+            buf[dst, : self.lens[src]] = buf[src, : self.lens[src]]
+        self.lens[dst], self.lens[src] = self.lens[src], 0
 
     def write(self, buf, step: _Step, x):
         # buf (B, S_max, *feat), x (n, T, *feat): one scatter covers prefill (same start) and ragged decode
@@ -183,33 +210,41 @@ class PagedRows:
     """Per-row token storage in pages: pools (num_pages, page_size, *feat) shared by every row and one
     BlockAllocator and block table shared by every buffer (every layer, K and V alike).
 
-    Invariants: row r owns exactly ceil(lens[r] / page_size) pages, listed in order in pages[r], and
-    block_table[r, i] == pages[r][i] for those; entries past them are stale and never read. A row's pages are
-    owned by no other row (the allocator guarantees it). `grow` allocates all the pages it needs at once, before
-    anything is written, so exhaustion leaves every sequence intact.
+    Invariants: row r owns at least ceil(lens[r] / page_size) pages (exactly that many, unless
+    `ensure_capacity` gave it pages ahead), listed in order in pages[r], and block_table[r, i] == pages[r][i] for
+    those; entries past them are stale and never read. A row's pages are owned by no other row (the allocator
+    guarantees it). `grow` allocates all the pages it needs at once, before anything is written, so exhaustion
+    leaves every sequence intact. With a scratch page (static decode), it is page `num_pages` of every pool, never
+    handed out, and the first table entry of every row without pages points at it.
     """
 
     paged = True
 
-    def __init__(self, batch_size: int, max_len: int, device, dtype, page_size: int, num_pages: int | None):
+    def __init__(
+        self, batch_size: int, max_len: int, device, dtype, page_size: int, num_pages: int | None, scratch=False
+    ):
         check_page_size(page_size)
         self.batch_size, self.max_len, self.device, self.dtype = batch_size, max_len, device, dtype
         self.page_size = page_size
         self.max_pages = _cdiv(max_len, page_size)
+        self.capacity = self.max_pages * page_size
         num_pages = batch_size * self.max_pages if num_pages is None else num_pages
         self.allocator = BlockAllocator(num_pages)
+        self.scratch = num_pages if scratch else None
         self.lens = [0] * batch_size
         self.pages: list[list[int]] = [[] for _ in range(batch_size)]
-        self.block_table = torch.zeros(batch_size, self.max_pages, dtype=torch.int32, device=device)
+        self.block_table = torch.full((batch_size, self.max_pages), self.scratch or 0, dtype=torch.int32, device=device)
         self.buffers: list[torch.Tensor] = []
+        self.next_pos = torch.zeros(batch_size, dtype=torch.int64, device=device)
 
     def new_buffer(self, feat: tuple[int, ...]) -> torch.Tensor:
-        pool = torch.zeros(self.allocator.num_pages, self.page_size, *feat, device=self.device, dtype=self.dtype)
+        pages = self.allocator.num_pages + (self.scratch is not None)
+        pool = torch.zeros(pages, self.page_size, *feat, device=self.device, dtype=self.dtype)
         self.buffers.append(pool)
         return pool
 
     def pages_needed(self, rows: list[int], T: int) -> int:
-        return sum(_cdiv(self.lens[r] + T, self.page_size) - len(self.pages[r]) for r in rows)
+        return sum(max(0, _cdiv(self.lens[r] + T, self.page_size) - len(self.pages[r])) for r in rows)
 
     def grow(self, rows: list[int], T: int):
         for r in rows:
@@ -218,28 +253,59 @@ class PagedRows:
                     f"T: got {T} new tokens for row {r} holding {self.lens[r]}; valid: at most "
                     f"max_len - {self.lens[r]} = {self.max_len - self.lens[r]} (the cache's max_len)"
                 )
-        fresh = self.allocator.allocate(self.pages_needed(rows, T))  # all or nothing: raises before any change
-        entries = []
+        self._allocate(rows, [self.lens[r] + T for r in rows])
         for r in rows:
-            for _ in range(_cdiv(self.lens[r] + T, self.page_size) - len(self.pages[r])):
+            self.lens[r] += T
+
+    def _allocate(self, rows: list[int], lengths: list[int]):
+        """Pages so that each row holds `lengths` tokens: all or nothing, one host-to-device copy."""
+        fresh = self.allocator.allocate(
+            sum(max(0, _cdiv(n, self.page_size) - len(self.pages[r])) for r, n in zip(rows, lengths))
+        )
+        entries = []
+        for r, n in zip(rows, lengths):
+            for _ in range(_cdiv(n, self.page_size) - len(self.pages[r])):
                 entries.append((r, len(self.pages[r]), fresh[len(entries)]))
                 self.pages[r].append(entries[-1][2])
-            self.lens[r] += T
-        if entries:  # one small host-to-device copy for all the new table entries
+        if entries:
             idx = torch.tensor(entries, dtype=torch.int64).t().to(self.device)
             self.block_table[idx[0], idx[1]] = idx[2].int()
+
+    def ensure_capacity(self, rows: list[int], lengths: list[int]):
+        """Pages ahead for static decode steps: row r can then hold lengths[i] tokens (raises as grow does)."""
+        for r, n in zip(rows, lengths):
+            if n > self.max_len:
+                raise ValueError(f"lengths: got {n} tokens for row {r}; valid: at most max_len={self.max_len}")
+        self._allocate(rows, lengths)
 
     def step(self, rows_t, starts_t, T) -> _Step:
         positions = starts_t[:, None] + torch.arange(T, device=self.device)
         pages = self.block_table[rows_t[:, None], positions // self.page_size].long()
         return _Step(rows_t, positions, (starts_t + T).int(), pages, positions % self.page_size)
 
+    def static_step(self, rows_t) -> _Step:
+        """Rows 0 .. b-1, one token each at next_pos, its page looked up on the device (graph-safe)."""
+        b = rows_t.shape[0]
+        pos = self.next_pos[:b, None]  # (b, 1)
+        pages = self.block_table[:b].gather(1, pos // self.page_size).long()
+        return _Step(rows_t, pos, (pos[:, 0] + 1).int(), pages, pos % self.page_size)
+
+    def move(self, src: int, dst: int):
+        """Row src's sequence into the free row dst: only the table row moves, the pages stay."""
+        n = len(self.pages[src])
+        self.block_table[dst, :n] = self.block_table[src, :n]
+        self.pages[dst], self.pages[src] = self.pages[src], []
+        self.lens[dst], self.lens[src] = self.lens[src], 0
+        if self.scratch is not None:
+            self.block_table[src, 0] = self.scratch
+
     def write(self, pool, step: _Step, x):
         pool[step.pages, step.offsets] = x  # pool (num_pages, page_size, *feat), x (n, T, *feat)
 
     def table(self, rows: list[int], rows_t) -> torch.Tensor:
-        if rows == list(range(self.batch_size)):
-            return self.block_table
+        r0 = rows[0]
+        if rows == list(range(r0, r0 + len(rows))):
+            return self.block_table[r0 : r0 + len(rows)]
         return self.block_table.index_select(0, rows_t)
 
     def prefix(self, pool, rows: list[int], rows_t, length: int):
@@ -253,6 +319,8 @@ class PagedRows:
         self.allocator.free(self.pages[row])
         self.pages[row] = []
         self.lens[row] = 0
+        if self.scratch is not None:  # a padding row of a static step writes here, not into a reused page
+            self.block_table[row, 0] = self.scratch
 
     def compact(self, rows: list[int]) -> list[int]:
         """Release every row not listed; the kept ones stay where they are (a paged view of any rows is cheap)."""
@@ -264,6 +332,10 @@ class PagedRows:
     def tokens_held(self) -> int:
         return self.allocator.num_used * self.page_size
 
+    def gather(self, pool, rows_t, b: int):
+        """Static decode with the torch backend: every row's whole capacity, gathered from the table (b, S, ...)."""
+        return self.prefix(pool, list(range(b)), rows_t, self.capacity)
+
 
 class _Cache:
     """What every cache shares: the rows it covers, reserve/view/release, and the memory report."""
@@ -274,6 +346,7 @@ class _Cache:
         self.store, self.n_layer, self.backend = store, n_layer, backend
         self._set_rows(list(range(store.batch_size)))
         self._step: _Step | None = None
+        self._static = False
 
     def _set_rows(self, rows: list[int]):
         self.rows = rows
@@ -295,12 +368,33 @@ class _Cache:
         v.__dict__.update(self.__dict__)
         v._set_rows(rows)
         v._step = None
+        v._static = False
         return v
+
+    def static_view(self, batch: int) -> "_Cache":
+        """Rows 0 .. batch-1 for a static decode step (see the top of this file): reserve(1) reads next_pos."""
+        if getattr(self.store, "scratch", 0) is None:
+            raise ValueError("static_view: this paged cache has no scratch page; valid: make_cache(..., static=True)")
+        if not isinstance(batch, int) or not 1 <= batch <= self.store.batch_size:
+            raise ValueError(f"batch: got {batch!r}; valid: an int in [1, {self.store.batch_size}]")
+        v = self.view(list(range(batch)))
+        v._static = True
+        return v
+
+    @property
+    def next_pos(self) -> torch.Tensor:
+        """(B,) int64 on the device: where each row's next static decode token goes (0 for a row not decoding)."""
+        return self.store.next_pos
 
     def reserve(self, T: int) -> torch.Tensor:
         """Grow every sequence of this view by T tokens; returns their positions (B, T) on the device."""
         if not isinstance(T, int) or isinstance(T, bool) or T < 0:
             raise ValueError(f"T: got {T!r}; valid: an int >= 0 (the new tokens of each sequence)")
+        if self._static:
+            if T != 1:
+                raise ValueError(f"T: got {T} for a static view; valid: 1 (static views decode one token)")
+            self._step = self.store.static_step(self._rows_t)
+            return self._step.positions
         starts = self.lens
         self.store.grow(self.rows, T)  # raises (CacheFullError / ValueError) before anything changes
         starts_t = torch.tensor(starts, dtype=torch.int64).to(self.store.device)
@@ -311,6 +405,35 @@ class _Cache:
         """A finished sequence gives its storage back (its pages, for a paged cache)."""
         self._check_row(row, "row")
         self.store.release(row)
+        self.store.next_pos[row] = 0
+
+    def move_rows(self, moves: list[tuple[int, int]]):
+        """Move the sequence of row src into the free row dst, for each (src, dst): its tokens (a contiguous cache
+        copies them; a paged one moves its table row), length and next_pos. src is free afterwards."""
+        for src, dst in moves:
+            self._check_row(src, "src")
+            self._check_row(dst, "dst")
+            if self.store.lens[dst] or (self.store.paged and self.store.pages[dst]):
+                raise ValueError(f"dst: got row {dst}, which holds a sequence; valid: a free row")
+            self.store.move(src, dst)
+        if moves:
+            idx = torch.tensor(moves, dtype=torch.int64).t().to(self.store.device)
+            self.store.next_pos[idx[1]] = self.store.next_pos[idx[0]]
+            self.store.next_pos[idx[0]] = 0
+
+    def ensure_capacity(self, rows: list[int], lengths: list[int]):
+        """Room for row rows[i] to hold lengths[i] tokens before static steps write them (pages, for a paged
+        cache: all or nothing, CacheFullError when the pool cannot)."""
+        self.store.ensure_capacity(rows, lengths)
+
+    def set_len(self, row: int, length: int):
+        """The host learns that static steps left `length` tokens in `row` (within the capacity ensured)."""
+        self._check_row(row, "row")
+        if self.store.paged and _cdiv(length, self.store.page_size) > len(self.store.pages[row]):
+            raise ValueError(f"length: got {length} for row {row}; valid: at most the pages it holds")
+        if length > self.store.max_len:
+            raise ValueError(f"length: got {length} for row {row}; valid: at most max_len={self.store.max_len}")
+        self.store.lens[row] = length
 
     def compact(self, rows: list[int]) -> list[int]:
         """Keep only the sequences of `rows`; returns the row each now lives in (see the store's compact)."""
@@ -400,7 +523,9 @@ class GroupedCache(_KVCache):
         super().__init__(ContiguousRows(batch_size, max_len, device, dtype), n_layer, n_kv_head, d_qk, d_v, backend)
 
     def _decode(self, layer, q, scale):
-        n = max(self.lens)  # the kernel only reads up to each row's length; narrowing S saves the reference work
+        # The kernel only reads up to each row's length; narrowing S saves the reference work. A static step reads
+        # the whole capacity, because max(lens) is a host value that changes between replays.
+        n = self.store.capacity if self._static else max(self.lens)
         k = self.store.prefix(self.k[layer], self.rows, self._rows_t, n).transpose(1, 2)  # (B, H_kv, n, D)
         v = self.store.prefix(self.v[layer], self.rows, self._rows_t, n).transpose(1, 2)
         if self.backend == "torch":
@@ -423,13 +548,17 @@ class PagedCache(_KVCache):
         backend,
         page_size=16,
         num_pages=None,
+        static=False,
     ):
-        super().__init__(
-            PagedRows(batch_size, max_len, device, dtype, page_size, num_pages), n_layer, n_kv_head, d_qk, d_v, backend
-        )
+        store = PagedRows(batch_size, max_len, device, dtype, page_size, num_pages, scratch=static)
+        super().__init__(store, n_layer, n_kv_head, d_qk, d_v, backend)
 
     def _decode(self, layer, q, scale):
         table = self.store.table(self.rows, self._rows_t)
+        if self.backend == "torch" and self._static:  # the reference reads max(seq_lens) on the host
+            k = self.store.gather(self.k[layer], self._rows_t, self.batch_size).transpose(1, 2)
+            v = self.store.gather(self.v[layer], self._rows_t, self.batch_size).transpose(1, 2)
+            return reference.decode_reference(q, k, v, self._step.seq_lens, scale=scale)[0]
         if self.backend == "torch":
             return reference.paged_decode_reference(
                 q, self.k[layer], self.v[layer], table, self._step.seq_lens, scale=scale
@@ -479,7 +608,7 @@ class MLACache(_LatentCache):
         super().__init__(ContiguousRows(batch_size, max_len, device, dtype), n_layer, d_c, d_r, backend)
 
     def _decode(self, layer, q_abs, q_rope, scale):
-        n = max(self.lens)
+        n = self.store.capacity if self._static else max(self.lens)
         c = self.store.prefix(self.c[layer], self.rows, self._rows_t, n)
         r = self.store.prefix(self.r[layer], self.rows, self._rows_t, n)
         if self.backend == "torch":
@@ -488,13 +617,18 @@ class MLACache(_LatentCache):
 
 
 class PagedMLACache(_LatentCache):
-    def __init__(self, batch_size, max_len, n_layer, d_c, d_r, *, device, dtype, backend, page_size=16, num_pages=None):
-        super().__init__(
-            PagedRows(batch_size, max_len, device, dtype, page_size, num_pages), n_layer, d_c, d_r, backend
-        )
+    def __init__(
+        self, batch_size, max_len, n_layer, d_c, d_r, *, device, dtype, backend, page_size=16, num_pages=None, **kw
+    ):
+        store = PagedRows(batch_size, max_len, device, dtype, page_size, num_pages, scratch=kw.get("static", False))
+        super().__init__(store, n_layer, d_c, d_r, backend)
 
     def _decode(self, layer, q_abs, q_rope, scale):
         table = self.store.table(self.rows, self._rows_t)
+        if self.backend == "torch" and self._static:  # the reference reads max(seq_lens) on the host
+            c = self.store.gather(self.c[layer], self._rows_t, self.batch_size)
+            r = self.store.gather(self.r[layer], self._rows_t, self.batch_size)
+            return reference.mla_decode_reference(q_abs, q_rope, c, r, self._step.seq_lens, scale=scale)[0]
         if self.backend == "torch":
             return reference.paged_mla_decode_reference(
                 q_abs, q_rope, self.c[layer], self.r[layer], table, self._step.seq_lens, scale=scale
@@ -528,9 +662,11 @@ def make_cache(
     backend: str = "torch",
     page_size: int = 16,
     num_pages: int | None = None,
+    static: bool = False,
 ) -> _Cache:
     """Build the cache `kind` for a model of GPTConfig `config`: grouped/paged for MHA/GQA/MQA, mla/paged_mla
-    for MLA. Any other combination raises ValueError listing the kinds valid for that model."""
+    for MLA. Any other combination raises ValueError listing the kinds valid for that model. static=True makes it
+    ready for static decode steps (`static_view`; a paged pool gets its scratch page)."""
     valid = valid_cache_kinds(config)
     if kind not in valid:
         raise ValueError(
@@ -545,7 +681,7 @@ def make_cache(
             "another type would round K and V to it)"
         )
     common = dict(device=device, dtype=dtype, backend=backend)
-    paged = dict(page_size=page_size, num_pages=num_pages)
+    paged = dict(page_size=page_size, num_pages=num_pages, static=static)
     dims = [v for k, v in layout_for(config).items() if k != "kind"]
     if config.attention == "mla":
         if kind == "mla":

@@ -4,12 +4,26 @@
     out, stats = generate(model, prompts, "paged", max_new_tokens=100, temperature=0.8, top_k=200)
     stats.summary()["decode_tokens_per_s"]
 
-Prefill runs the model over each admitted prompt (the flash kernel); decode runs one token per step for every
-active sequence. A scheduler admits waiting prompts into free cache rows (and pages) as soon as they free up.
+A scheduler admits waiting prompts into free cache rows (and pages) as soon as they free up: more prompts than
+`max_batch` run through a queue (continuous batching). An admitted prompt is prefilled eagerly (the flash kernel);
+then every active sequence decodes one token per step, in one of three engines:
+
+- eager: the model's forward through a cache view of the active rows, the next tokens read back every step.
+- static: one decode step over static device buffers: each row's input token, write position (the cache's
+  `next_pos`), tokens still allowed and liveness live on the device and are advanced in place by the step itself;
+  sampling (greedy, temperature, top-k, top-p) runs on the device; the batch is padded up to a bucket (1, 2, 4, 8,
+  then steps of 16 up to max_batch) whose padding rows write only to free rows or the paged cache's scratch page.
+  The host reads the sampled tokens back every `sync_every` steps (or as soon as a row must end so a waiting
+  prompt can take it), not every token. The same function runs on the CPU, where the tests check it.
+- graphs: the static step captured once per bucket in a CUDA graph (one memory pool for all of them, captured at
+  the start, reported on stderr) and replayed: a step is one graph launch, with no Python or kernel launches.
+
+"auto" is graphs on a CUDA device and eager elsewhere.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -17,6 +31,11 @@ from dataclasses import dataclass, field
 import torch
 
 from cache import CacheFullError, make_cache
+
+ENGINES = ("auto", "eager", "static", "graphs")
+
+
+# ---------------------------------------------------------------------------------------------- choices
 
 
 def resolve_cache_kind(config, requested: str) -> str:
@@ -33,18 +52,46 @@ def resolve_cache_kind(config, requested: str) -> str:
     return "paged_mla" if mla and requested == "paged" else requested
 
 
-def check_length(config, prompt_lens: list[int], max_new_tokens: int, allow_past_block_size: bool):
+def resolve_engine(engine: str, kind: str, device) -> str:
+    """auto -> graphs on a CUDA device, eager elsewhere (and without a cache)."""
+    if engine not in ENGINES:
+        raise ValueError(f"engine: got {engine!r}; valid: {', '.join(ENGINES)}")
+    cuda = torch.device(device).type == "cuda"
+    if engine == "auto":
+        return "graphs" if cuda and kind != "none" else "eager"
+    if engine != "eager" and kind == "none":
+        raise ValueError(f"engine: got {engine!r} with cache 'none'; valid: eager (or auto) without a cache")
+    if engine == "graphs" and not cuda:
+        raise ValueError(f"engine: got 'graphs' on {device}; valid: eager or static (CUDA graphs need a CUDA device)")
+    return engine
+
+
+def per_prompt(max_new_tokens, n: int) -> list[int]:
+    """max_new_tokens as one int per prompt (an int applies to all)."""
+    values = [max_new_tokens] * n if not isinstance(max_new_tokens, (list, tuple)) else list(max_new_tokens)
+    if len(values) != n or any(not isinstance(m, int) or isinstance(m, bool) or m < 1 for m in values):
+        raise ValueError(f"max_new_tokens: got {max_new_tokens!r}; valid: an int >= 1, or one per prompt ({n})")
+    return values
+
+
+def check_length(config, prompt_lens: list[int], max_new_tokens, allow_past_block_size: bool):
     """Positions run up to prompt + max_new_tokens - 2 (the last sampled token is never fed back)."""
     if not prompt_lens:
         raise ValueError("prompts: got none; valid: at least one prompt")
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens: got {max_new_tokens}; valid: an int >= 1")
+    max_new = per_prompt(max_new_tokens, len(prompt_lens))
     if min(prompt_lens) < 1:
         raise ValueError("start: got an empty prompt; valid: at least one token")
-    longest = max(prompt_lens) + max_new_tokens - 1
+    if max(prompt_lens) > config.block_size and (config.pos_embedding == "learned" or not allow_past_block_size):
+        rope = "" if config.pos_embedding == "learned" else ", or allow_past_block_size=True (a RoPE model)"
+        raise ValueError(
+            f"prompt: got {max(prompt_lens)} tokens, longer than the model's block_size={config.block_size}; "
+            f"valid: at most {config.block_size} tokens (shorten the prompt){rope}"
+        )
+    longest = max(n + m - 1 for n, m in zip(prompt_lens, max_new))
     if longest <= config.block_size:
         return
-    how = f"prompt of {max(prompt_lens)} tokens + max_new_tokens={max_new_tokens} - 1 = {longest} tokens"
+    n, m = max((n + m - 1, n, m) for n, m in zip(prompt_lens, max_new))[1:]
+    how = f"prompt of {n} tokens + max_new_tokens={m} - 1 = {longest} tokens"
     if config.pos_embedding == "learned":
         raise ValueError(
             f"{how}; valid: at most block_size={config.block_size} for learned position embeddings "
@@ -60,14 +107,15 @@ def check_length(config, prompt_lens: list[int], max_new_tokens: int, allow_past
 # --------------------------------------------------------------------------------------------- sampling
 
 
-def check_sampling(temperature: float, top_k: int | None, top_p: float | None):
-    """temperature >= 0 (0: greedy), top_k >= 0 (0 or None: off), top_p in (0, 1] (1 or None: off)."""
+def check_sampling(temperature: float, top_k: int | None, top_p: float | None, prefix: str = ""):
+    """temperature >= 0 (0: greedy), top_k >= 0 (0 or None: off), top_p in (0, 1] (1 or None: off). `prefix`
+    goes before each name in the message ("--" for a command line)."""
     if not temperature >= 0:  # also refuses NaN
-        raise ValueError(f"temperature: got {temperature!r}; valid: a number >= 0 (0 = greedy)")
+        raise ValueError(f"{prefix}temperature: got {temperature!r}; valid: a number >= 0 (0 = greedy)")
     if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0):
-        raise ValueError(f"top_k: got {top_k!r}; valid: an int >= 0 (0 = off)")
+        raise ValueError(f"{prefix}top_k: got {top_k!r}; valid: an int >= 0 (0 = off)")
     if top_p is not None and not 0 < top_p <= 1:
-        raise ValueError(f"top_p: got {top_p!r}; valid: a number in (0, 1] (1 = off)")
+        raise ValueError(f"{prefix}top_p: got {top_p!r}; valid: a number in (0, 1] (1 = off)")
 
 
 def sample_next(
@@ -77,7 +125,12 @@ def sample_next(
     top_p: float | None = None,
     generator: torch.Generator | None = None,
 ) -> torch.Tensor:
-    """logits (B, V) -> next tokens (B,). temperature 0 is greedy (argmax); top_k / top_p filter before sampling."""
+    """logits (B, V) -> next tokens (B,) on the logits' device, with no host sync (a CUDA graph captures it).
+    temperature 0 is greedy (argmax); top_k / top_p filter before sampling.
+
+    Sampling is the exponential race: with E_i ~ Exp(1) independent, argmax_i p_i / E_i is token i with
+    probability p_i (the Gumbel-max trick written with exponentials), so one random kernel and an argmax replace
+    torch.multinomial. The noise comes from `generator` (a CUDA graph registers it, so every replay draws anew)."""
     if temperature == 0:
         return logits.argmax(dim=-1)
     logits = logits.float()
@@ -92,7 +145,10 @@ def sample_next(
         cum = sorted_logits.softmax(dim=-1).cumsum(dim=-1)
         drop = cum - sorted_logits.softmax(dim=-1) > top_p  # keep the smallest prefix whose mass reaches top_p
         logits = logits.scatter(-1, order, sorted_logits.masked_fill(drop, float("-inf")))
-    return torch.multinomial(logits.softmax(dim=-1), 1, generator=generator)[:, 0]
+    probs = logits.softmax(dim=-1)
+    # An exponential draw of exactly 0 would make 0 / 0 = NaN for a filtered token: clamp it to the smallest normal.
+    race = torch.empty_like(probs).exponential_(generator=generator).clamp_min_(torch.finfo(torch.float32).tiny)
+    return (probs / race).argmax(dim=-1)
 
 
 # ------------------------------------------------------------------------------------------- generation
@@ -108,7 +164,7 @@ class GenerationStats:
     cache_bytes_allocated: int = 0
     cache_bytes_peak: int = 0
     cache_bytes_per_token: int = 0
-    extra: dict = field(default_factory=dict)
+    extra: dict = field(default_factory=dict)  # engine; static engines: buckets, reads, steps_per_bucket, capture_s
 
     def summary(self) -> dict:
         return {
@@ -120,6 +176,7 @@ class GenerationStats:
             "cache_bytes_allocated": self.cache_bytes_allocated,
             "cache_bytes_peak": self.cache_bytes_peak,
             "cache_bytes_per_token": self.cache_bytes_per_token,
+            **self.extra,
         }
 
 
@@ -142,8 +199,8 @@ class _Timer:
 class _Sequences:
     """Host bookkeeping of a generation: each prompt's new tokens and whether it is done."""
 
-    def __init__(self, prompts, max_new_tokens, eot_token, on_token):
-        self.prompts, self.max_new, self.eot, self.on_token = prompts, max_new_tokens, eot_token, on_token
+    def __init__(self, prompts, max_new: list[int], eot_token, on_token):
+        self.prompts, self.max_new, self.eot, self.on_token = prompts, max_new, eot_token, on_token
         self.out: list[list[int]] = [[] for _ in prompts]
 
     def emit(self, i: int, token: int) -> bool:
@@ -153,10 +210,17 @@ class _Sequences:
         self.out[i].append(token)
         if self.on_token is not None:
             self.on_token(i, token)
-        return len(self.out[i]) >= self.max_new
+        return len(self.out[i]) >= self.max_new[i]
 
     def last(self, i: int) -> int:
         return self.out[i][-1]
+
+    def remaining(self, i: int) -> int:
+        return self.max_new[i] - len(self.out[i])
+
+    def cached(self, i: int) -> int:
+        """Tokens of sequence i in the cache: the prompt and every new token but the last (not fed back yet)."""
+        return len(self.prompts[i]) + len(self.out[i]) - 1
 
 
 @torch.no_grad()
@@ -165,7 +229,7 @@ def generate(
     prompts: list[list[int]],
     cache_kind: str = "auto",
     *,
-    max_new_tokens: int,
+    max_new_tokens: int | list[int],
     temperature: float = 0.0,
     top_k: int | None = None,
     top_p: float | None = None,
@@ -177,47 +241,68 @@ def generate(
     max_batch: int | None = None,
     allow_past_block_size: bool = False,
     dtype: torch.dtype | None = None,
+    engine: str = "auto",
+    sync_every: int = 8,
     on_token=None,
     on_logits=None,
 ):
-    """Generate up to max_new_tokens after each prompt; returns (new tokens per prompt, GenerationStats).
+    """Generate up to max_new_tokens (an int, or one per prompt) after each prompt; returns (new tokens per prompt,
+    GenerationStats).
 
-    cache_kind: as resolve_cache_kind takes it ("none" recomputes the full context every step). on_token(i, tok)
-    sees every emitted token as it comes (streaming); on_logits(i, logits (V,)) sees the logits each new token of
-    sequence i was sampled from (the tests compare them with the full forward). max_batch caps the rows decoded
-    together (default: all prompts); with wait_for_pages a paged cache admits prompts only as pages free up.
+    cache_kind: as resolve_cache_kind takes it ("none" recomputes the full context every step). engine: one of
+    ENGINES (the module docstring). max_batch caps the rows decoded together (default: all prompts; the others wait
+    in a queue); with wait_for_pages a paged cache admits prompts only as pages free up. sync_every: decode steps
+    between reads of the sampled tokens in the static and graphs engines (a finished row is noticed, and a waiting
+    prompt admitted, at the next read). on_token(i, tok) sees every emitted token, in order per sequence
+    (streaming; the static engines deliver them at each read); on_logits(i, logits (V,)) sees the logits each new
+    token of sequence i was sampled from (the tests compare them with the full forward; it makes the static engines
+    read back every step).
     """
     config = model.config
     kind = resolve_cache_kind(config, cache_kind)
     check_sampling(temperature, top_k, top_p)
     if max_batch is not None and (not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1):
         raise ValueError(f"max_batch: got {max_batch!r}; valid: None (all prompts together) or an int >= 1")
+    if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
+        raise ValueError(f"sync_every: got {sync_every!r}; valid: an int >= 1")
     check_length(config, [len(p) for p in prompts], max_new_tokens, allow_past_block_size)
-    seqs = _Sequences(prompts, max_new_tokens, eot_token, on_token)
-    stats = GenerationStats()
+    max_new = per_prompt(max_new_tokens, len(prompts))
+    device = next(model.parameters()).device
+    engine = resolve_engine(engine, kind, device)
+    seqs = _Sequences(prompts, max_new, eot_token, on_token)
+    stats = GenerationStats(extra={"engine": engine})
     pick = lambda logits: sample_next(logits, temperature, top_k, top_p, generator)  # noqa: E731
     if kind == "none":
         _generate_uncached(model, seqs, pick, on_logits, stats)
+        return seqs.out, stats
+    rows = min(len(prompts), max_batch or len(prompts))
+    max_len = max(len(p) + m - 1 for p, m in zip(prompts, max_new))
+    if kind in ("paged", "paged_mla") and num_pages:
+        _check_pages(prompts, max_new, page_size, num_pages, wait_for_pages, rows)
+    dtype = dtype or next(model.parameters()).dtype
+    _check_fits(model, kind, rows, max_len, page_size, num_pages, dtype, device)
+    cache = make_cache(
+        kind,
+        config,
+        rows,
+        max_len,
+        device=device,
+        dtype=dtype,
+        backend=model.attn_backend_for(device),
+        page_size=page_size,
+        num_pages=num_pages or None,
+        static=engine != "eager",
+    )
+    sched = _Scheduler(cache, seqs, wait_for_pages)
+    if engine == "eager":
+        _generate_eager(model, sched, pick, on_logits, stats)
     else:
-        device = next(model.parameters()).device
-        rows = min(len(prompts), max_batch or len(prompts))
-        max_len = max(len(p) for p in prompts) + max_new_tokens - 1
-        if kind in ("paged", "paged_mla") and num_pages:
-            _check_pages(prompts, max_new_tokens, page_size, num_pages, wait_for_pages, rows)
-        dtype = dtype or next(model.parameters()).dtype
-        _check_fits(model, kind, rows, max_len, page_size, num_pages, dtype, device)
-        cache = make_cache(
-            kind,
-            config,
-            rows,
-            max_len,
-            device=device,
-            dtype=dtype,
-            backend=model.attn_backend_for(device),
-            page_size=page_size,
-            num_pages=num_pages or None,
-        )
-        _generate_cached(model, cache, seqs, pick, on_logits, stats, wait_for_pages)
+        decoder = StaticDecoder(model, cache, pick, eot_token, sync_every, keep_logits=on_logits is not None)
+        if engine == "graphs":
+            decoder.capture(generator)
+            stats.extra["capture_s"] = decoder.capture_s
+        stats.extra["buckets"] = decoder.buckets
+        _generate_static(model, sched, decoder, pick, on_logits, stats)
     return seqs.out, stats
 
 
@@ -253,7 +338,8 @@ class _Scheduler:
     """Which prompt goes into which cache row, and when. Without waiting every prompt is admitted as soon as a row
     is free (a pool too small raises CacheFullError). With waiting (paged caches) a prompt is admitted only when
     the free pages cover its whole life (prompt + max_new_tokens - 1 tokens) on top of what the running sequences
-    may still claim, so a running sequence never meets an empty pool."""
+    may still claim, so a running sequence never meets an empty pool. `pack` keeps the running sequences in rows
+    0 .. n-1, so that a decode step over the first rows covers them."""
 
     def __init__(self, cache, seqs: _Sequences, wait: bool):
         self.cache, self.seqs = cache, seqs
@@ -263,7 +349,7 @@ class _Scheduler:
 
     def pages_for_life(self, i: int) -> int:
         ps = self.cache.store.page_size
-        return -(-(len(self.seqs.prompts[i]) + self.seqs.max_new - 1) // ps)
+        return -(-(len(self.seqs.prompts[i]) + self.seqs.max_new[i] - 1) // ps)
 
     def admit(self) -> list[tuple[int, int]]:
         """(row, sequence) pairs admitted now, lowest free rows first."""
@@ -288,55 +374,31 @@ class _Scheduler:
         return admitted
 
     def finish(self, rows: list[int]):
-        """Release finished rows; a contiguous cache then moves the survivors down so decode views stay slices."""
         for r in rows:
             del self.active[r]
             self.cache.release(r)
-        if rows and not self.cache.store.paged and self.active:
-            old = sorted(self.active)
-            new = self.cache.compact(old)
-            self.active = {n: self.active[o] for o, n in zip(old, new)}
+
+    def pack(self) -> list[tuple[int, int]]:
+        """Move the sequences above row n-1 (n running) into the free rows below it, fewest moves first: a
+        contiguous cache copies each moved sequence once, a paged one moves a table row. Returns (src, dst)."""
+        n = len(self.active)
+        holes = [r for r in range(n) if r not in self.active]
+        movers = sorted(r for r in self.active if r >= n)
+        moves = list(zip(movers, holes))
+        self.cache.move_rows(moves)
+        for src, dst in moves:
+            self.active[dst] = self.active.pop(src)
+        return moves
 
 
-def _generate_cached(model, cache, seqs: _Sequences, pick, on_logits, stats: GenerationStats, wait: bool):
-    device = next(model.parameters()).device
-    sched = _Scheduler(cache, seqs, wait)
-    mem = cache.memory()
-    stats.cache_bytes_allocated, stats.cache_bytes_per_token = mem["bytes_allocated"], mem["bytes_per_token"]
-    while sched.waiting or sched.active:
-        admitted = sched.admit()
-        if not admitted and not sched.active:
-            raise CacheFullError("no prompt can be admitted into an empty cache; raise --num_pages")
-        _prefill(model, cache, seqs, sched, admitted, pick, on_logits, stats, device)
-        stats.cache_bytes_peak = max(stats.cache_bytes_peak, cache.memory()["bytes_in_use"])
-        if not sched.active:
-            continue
-        rows = sorted(sched.active)
-        with _Timer(device) as t:
-            idx = torch.tensor([[seqs.last(sched.active[r])] for r in rows], device=device)
-            logits = model(idx, cache=cache.view(rows))[0][:, -1].float()
-            tokens = pick(logits).tolist()
-        stats.decode_tokens, stats.decode_s, stats.decode_steps = (
-            stats.decode_tokens + len(rows),
-            stats.decode_s + t.seconds,
-            stats.decode_steps + 1,
-        )
-        stats.cache_bytes_peak = max(stats.cache_bytes_peak, cache.memory()["bytes_in_use"])
-        done = []
-        for j, r in enumerate(rows):
-            if on_logits is not None:
-                on_logits(sched.active[r], logits[j])
-            if seqs.emit(sched.active[r], tokens[j]):
-                done.append(r)
-        sched.finish(done)
-
-
-def _prefill(model, cache, seqs, sched, admitted, pick, on_logits, stats, device):
-    """Prefill admitted prompts; prompts of one length go together through one view, others one at a time."""
+def _prefill(model, sched: _Scheduler, admitted, pick, on_logits, stats, device) -> list[tuple[int, int]]:
+    """Prefill admitted prompts (eager, through the flash kernel); prompts of one length go together through one
+    view, others one at a time. Returns the (row, sequence) pairs still running after their first token."""
+    seqs, cache = sched.seqs, sched.cache
     by_len: dict[int, list[tuple[int, int]]] = {}
     for r, i in admitted:
         by_len.setdefault(len(seqs.prompts[i]), []).append((r, i))
-    done = []
+    done, running = [], []
     for group in by_len.values():
         with _Timer(device) as t:
             idx = torch.tensor([seqs.prompts[i] for _, i in group], device=device)
@@ -347,9 +409,214 @@ def _prefill(model, cache, seqs, sched, admitted, pick, on_logits, stats, device
         for j, (r, i) in enumerate(group):
             if on_logits is not None:
                 on_logits(i, logits[j])
-            if seqs.emit(i, tokens[j]):
+            (done if seqs.emit(i, tokens[j]) else running).append((r, i))
+    sched.finish([r for r, _ in done])
+    return running
+
+
+def _admit(model, sched: _Scheduler, pick, on_logits, stats, device) -> list[tuple[int, int]]:
+    """Admit and prefill what fits; returns the running newcomers (their rows before `pack`)."""
+    admitted = sched.admit()
+    if not admitted and not sched.active:
+        raise CacheFullError("no prompt can be admitted into an empty cache; raise --num_pages")
+    running = _prefill(model, sched, admitted, pick, on_logits, stats, device)
+    stats.cache_bytes_peak = max(stats.cache_bytes_peak, sched.cache.memory()["bytes_in_use"])
+    return running
+
+
+def _generate_eager(model, sched: _Scheduler, pick, on_logits, stats: GenerationStats):
+    """One forward per decode step through a view of the running rows; the next tokens read back every step."""
+    cache, seqs = sched.cache, sched.seqs
+    device = next(model.parameters()).device
+    mem = cache.memory()
+    stats.cache_bytes_allocated, stats.cache_bytes_per_token = mem["bytes_allocated"], mem["bytes_per_token"]
+    while sched.waiting or sched.active:
+        _admit(model, sched, pick, on_logits, stats, device)
+        sched.pack()  # the running rows are 0 .. n-1: the view's caches are slices, not gathered copies
+        if not sched.active:
+            continue
+        rows = sorted(sched.active)
+        with _Timer(device) as t:
+            idx = torch.tensor([[seqs.last(sched.active[r])] for r in rows], device=device)
+            logits = model(idx, cache=cache.view(rows))[0][:, -1].float()
+            tokens = pick(logits).tolist()
+        stats.decode_tokens += len(rows)
+        stats.decode_s += t.seconds
+        stats.decode_steps += 1
+        stats.cache_bytes_peak = max(stats.cache_bytes_peak, cache.memory()["bytes_in_use"])
+        done = []
+        for j, r in enumerate(rows):
+            if on_logits is not None:
+                on_logits(sched.active[r], logits[j])
+            if seqs.emit(sched.active[r], tokens[j]):
                 done.append(r)
-    sched.finish(done)
+        sched.finish(done)
+
+
+# ------------------------------------------------------------------------------------ static decode steps
+
+
+def batch_buckets(rows: int) -> list[int]:
+    """Batch sizes that get a decode step of their own: 1, 2, 4, 8, then steps of 16, up to `rows` (the last)."""
+    return [b for b in (1, 2, 4, 8) if b < rows] + list(range(16, rows, 16)) + [rows]
+
+
+class StaticDecoder:
+    """The decode step over static device buffers, for rows 0 .. b-1 of a cache made with static=True, b a bucket.
+
+    Per row on the device: `tokens` (the input of the next step), `remaining` (tokens it may still emit), `live`;
+    the cache's `next_pos` (where the row's next token is written). One step runs the model over a static cache
+    view, samples on the device, and advances all of these in place: a live row that emits end-of-text or its last
+    allowed token stops being live, and a row that is not live writes at position 0 of its own row (free, or
+    finished and not yet released) or the scratch page, so padding never touches a live sequence. The sampled
+    tokens go into `history` (step, row) at the device counter `step_index`; the host reads them after a run of
+    steps and replays the same end-of-text / length rule to know what each row emitted (`_generate_static`).
+    With `capture`, each bucket's step is a CUDA graph; without, the same function runs eagerly (the CPU tests)."""
+
+    def __init__(self, model, cache, pick, eot_token: int | None, sync_every: int, keep_logits: bool):
+        self.model, self.cache, self.pick, self.eot = model, cache, pick, eot_token
+        rows, device = cache.store.batch_size, cache.store.device
+        self.buckets = batch_buckets(rows)
+        self.views = {b: cache.static_view(b) for b in self.buckets}  # made before capture: they copy row ids in
+        self.tokens = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.remaining = torch.zeros(rows, dtype=torch.int64, device=device)
+        self.live = torch.zeros(rows, dtype=torch.bool, device=device)
+        self.history = torch.zeros(sync_every, rows, dtype=torch.int64, device=device)
+        self.step_index = torch.zeros(1, dtype=torch.int64, device=device)
+        vocab = model.config.vocab_size
+        self.logits = torch.zeros(rows, vocab, dtype=torch.float32, device=device) if keep_logits else None
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.capture_s = 0.0
+
+    def bucket(self, n: int) -> int:
+        return next(b for b in self.buckets if b >= n)
+
+    def step(self, b: int):
+        """One decode step of rows 0 .. b-1 (device work only: this is what a graph captures)."""
+        view, next_pos = self.views[b], self.cache.next_pos[:b]
+        logits = self.model(self.tokens[:b, None], cache=view)[0][:, -1].float()  # (b, V)
+        if self.logits is not None:
+            self.logits[:b].copy_(logits)
+        new = self.pick(logits)  # (b,)
+        live = self.live[:b]
+        self.remaining[:b] -= live.long()
+        still = live & (self.remaining[:b] > 0)
+        if self.eot is not None:
+            still &= new != self.eot
+        next_pos.copy_((next_pos + 1) * still)  # a row that stops writes at 0 from now on (see the class docstring)
+        live.copy_(still)
+        self.tokens[:b].copy_(new)
+        self.history[:, :b].index_copy_(0, self.step_index, new[None])
+        self.step_index += 1
+
+    def run(self, b: int, steps: int):
+        """`steps` decode steps of bucket b, queued without a host sync."""
+        self.step_index.zero_()
+        for _ in range(steps):
+            if self.graphs:
+                self.graphs[b].replay()
+            else:
+                self.step(b)
+
+    def start(self, rows: list[int], tokens: list[int], remaining: list[int], positions: list[int]):
+        """Rows that just prefilled: their first token, what they may still emit and their next write position,
+        in one copy to the device."""
+        if not rows:
+            return
+        device = self.tokens.device
+        rows_t, tok, rem, pos = torch.tensor([rows, tokens, remaining, positions], dtype=torch.int64).to(device)
+        self.tokens[rows_t], self.remaining[rows_t], self.live[rows_t] = tok, rem, True
+        self.cache.next_pos[rows_t] = pos
+
+    def move(self, moves: list[tuple[int, int]]):
+        """The row state follows the sequences that `_Scheduler.pack` moved (the cache moved its own)."""
+        if not moves:
+            return
+        src, dst = torch.tensor(moves, dtype=torch.int64).t().to(self.tokens.device)
+        for buf in (self.tokens, self.remaining, self.live):
+            buf[dst] = buf[src]
+        self.live[src] = False
+
+    def capture(self, generator: torch.Generator | None = None):
+        """One CUDA graph per bucket, the largest first so that the smaller ones reuse its memory in the shared
+        pool. Each is warmed up once (kernel compiles and tuning, the kernels' persistent buffers) on a side
+        stream before its capture; nothing is live yet, so those runs write only to free rows and scratch."""
+        if self.live.any():
+            raise RuntimeError("capture: rows are live; valid: capture before any prompt is admitted")
+        t0 = time.perf_counter()
+        pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
+        for b in reversed(self.buckets):
+            stream.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(stream):
+                self.run(b, 1)
+            torch.cuda.current_stream().wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            if generator is not None and generator.device.type == "cuda":
+                graph.register_generator_state(generator)  # each replay advances its offset, as an eager draw does
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                self.step(b)
+            self.graphs[b] = graph
+        torch.cuda.synchronize()
+        self.capture_s = time.perf_counter() - t0
+        kind = type(self.cache).__name__
+        print(
+            f"cuda graphs: captured the decode step for {len(self.buckets)} batch sizes "
+            f"({', '.join(map(str, self.buckets))}) over the {kind} in {self.capture_s:.2f} s",
+            file=sys.stderr,
+        )
+
+
+def _generate_static(model, sched: _Scheduler, decoder: StaticDecoder, pick, on_logits, stats: GenerationStats):
+    """Runs of decode steps between host reads: admit and prefill, pack, give every running row the pages of the
+    run, queue the steps, read their tokens back once, then emit and finish on the host."""
+    cache, seqs = sched.cache, sched.seqs
+    device = next(model.parameters()).device
+    mem = cache.memory()
+    stats.cache_bytes_allocated, stats.cache_bytes_per_token = mem["bytes_allocated"], mem["bytes_per_token"]
+    most = decoder.history.shape[0] if on_logits is None else 1
+    stats.extra.update(reads=0, steps_per_bucket={})  # host reads of the sampled tokens; steps run per bucket
+    while sched.waiting or sched.active:
+        running = _admit(model, sched, pick, on_logits, stats, device)
+        decoder.start(
+            [r for r, _ in running],
+            [seqs.last(i) for _, i in running],
+            [seqs.remaining(i) for _, i in running],
+            [len(seqs.prompts[i]) for _, i in running],
+        )
+        decoder.move(sched.pack())
+        if not sched.active:
+            continue
+        rows = sorted(sched.active)  # 0 .. n-1
+        left = [seqs.remaining(sched.active[r]) for r in rows]
+        steps = min(most, max(left))
+        if sched.waiting:  # a row that reaches its length frees its place for a waiting prompt at once
+            steps = min(steps, min(left))
+        cache.ensure_capacity(rows, [seqs.cached(sched.active[r]) + min(steps, m) for r, m in zip(rows, left)])
+        stats.cache_bytes_peak = max(stats.cache_bytes_peak, cache.memory()["bytes_in_use"])
+        bucket = decoder.bucket(len(rows))
+        with _Timer(device) as t:
+            decoder.run(bucket, steps)
+            history = decoder.history[:steps, : len(rows)].tolist()  # the one sync of the run
+        stats.decode_s += t.seconds
+        stats.decode_steps += steps
+        stats.extra["reads"] += 1
+        stats.extra["steps_per_bucket"][bucket] = stats.extra["steps_per_bucket"].get(bucket, 0) + steps
+        done = []
+        for j, r in enumerate(rows):
+            i = sched.active[r]
+            for k in range(steps):
+                if on_logits is not None:
+                    on_logits(i, decoder.logits[j])
+                stats.decode_tokens += 1
+                if seqs.emit(i, history[k][j]):
+                    done.append(r)
+                    break
+            else:
+                cache.set_len(r, seqs.cached(i))
+        sched.finish(done)
+
+
+# ---------------------------------------------------------------------------------------------- memory
 
 
 def _check_fits(model, kind: str, rows: int, max_len: int, page_size: int, num_pages, dtype, device):
@@ -381,14 +648,15 @@ def _available_bytes(device: torch.device) -> int | None:
         return None
 
 
-def pages_needed(prompt_lens: list[int], max_new_tokens: int, page_size: int, wait: bool, rows: int):
+def pages_needed(prompt_lens: list[int], max_new_tokens, page_size: int, wait: bool, rows: int):
     """(pages a pool must hold so that generation cannot run out partway, pages of the longest sequence): one
     sequence at full length when waiting for pages, else the `rows` largest together."""
-    per_sample = sorted((-(-(n + max_new_tokens - 1) // page_size) for n in prompt_lens), reverse=True)
+    max_new = per_prompt(max_new_tokens, len(prompt_lens))
+    per_sample = sorted((-(-(n + m - 1) // page_size) for n, m in zip(prompt_lens, max_new)), reverse=True)
     return (per_sample[0] if wait else sum(per_sample[:rows])), per_sample[0]
 
 
-def _check_pages(prompts, max_new_tokens: int, page_size: int, num_pages: int, wait: bool, rows: int):
+def _check_pages(prompts, max_new_tokens, page_size: int, num_pages: int, wait: bool, rows: int):
     """A pool that cannot hold what must be resident at once would run out partway through, after tokens were
     generated (`pages_needed`)."""
     need, longest = pages_needed([len(p) for p in prompts], max_new_tokens, page_size, wait, rows)
