@@ -1,14 +1,23 @@
-"""Host-side helpers of the launchers. Integers: Triton 3.6 wraps `triton.cdiv` and `triton.next_power_of_2` as
-constexpr functions (for use inside kernels), which costs about 3 us a call on the host; a backward launch
-computed a dozen of them. Inside kernels, keep Triton's. Launches: `Launcher`, which takes a kernel's repeated
-launches past `JITFunction.run`. Timing: `behind_sleep`, the GPU-alone timing that the config tuner
-(flash._gpu_ms) and the benchmarks (benchmarks/common.bench_gpu_ms) share."""
+"""Host-side helpers shared by every launcher: integer arithmetic, the device's properties, launches.
 
+Integers: Triton 3.6 wraps `triton.cdiv` and `triton.next_power_of_2` as constexpr functions (for use inside
+kernels), which costs about 3 us a call on the host, so the launchers use the plain versions below; inside kernels,
+keep Triton's. Devices: `num_sms`, `capability`, `device_guard`, `pdl`. Launches: `Launcher`, which takes a
+kernel's repeated launches past `JITFunction.run`. Timing: `behind_sleep`, the GPU-alone timing that the flash
+config tuner and the benchmarks (benchmarks/common.bench_gpu_ms) share.
+"""
+
+import contextlib
+import functools
 import os
 
 import torch
 from triton import knobs
 from triton.runtime import driver
+
+from attention_kernels import _checks
+
+LOG2E = 1.4426950408889634  # kernels compute exp2(x * log2(e)) = e^x: the scale carries the factor
 
 
 def cdiv(a: int, b: int) -> int:
@@ -18,6 +27,44 @@ def cdiv(a: int, b: int) -> int:
 def next_power_of_2(n: int) -> int:
     """The smallest power of two >= n (0 for n = 0, as Triton's)."""
     return 1 << (n - 1).bit_length() if n > 0 else 0
+
+
+@functools.cache
+def capability(device_index: int) -> tuple[int, int]:
+    """(major, minor) compute capability of a CUDA device, cached: the query costs microseconds per launch."""
+    return torch.cuda.get_device_capability(device_index)
+
+
+@functools.cache
+def _sm_count(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def num_sms(device: torch.device) -> int:
+    """Streaming multiprocessors of the device; the interpreter on the CPU plays a 2-SM GPU (few programs, fast)."""
+    if device.type != "cuda":
+        return 2
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def device_guard(t: torch.Tensor):
+    """Launch on t's GPU: a device switch only when it is not the current one (the switch costs microseconds on
+    every call, and a training step makes dozens)."""
+    if t.is_cuda and t.device.index != torch.cuda.current_device():
+        return torch.cuda.device(t.device)
+    return contextlib.nullcontext()
+
+
+def pdl(device: torch.device) -> bool:
+    """Launch the decode kernels and the split combine as programmatic dependents of the kernel before each? On
+    sm_90 and newer (ZOO_PDL=0 turns it off) the GPU then starts a launch's programs as the previous kernel's
+    programs exit, and `gdc_wait` in the kernel holds each one until that kernel's outputs are visible. It measured
+    faster on most decode shapes of the H200 grid (benchmarks/RESULTS.md)."""
+    if device.type != "cuda" or _checks.interpreting() or os.environ.get("ZOO_PDL", "1") == "0":
+        return False
+    if torch.version.hip is not None:  # ROCm reports its own capabilities (MI300: 9.4) and has no such launch
+        return False
+    return capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
 
 
 def behind_sleep(enqueue, seconds: float) -> bool:
@@ -37,9 +84,8 @@ def behind_sleep(enqueue, seconds: float) -> bool:
 class Launcher:
     """`Launcher(kernel)[grid](*args, **kwargs)` launches like `kernel[grid](*args, **kwargs)`, and repeated launches
     skip Triton's `JITFunction.run`. That run binds and specializes every argument in Python and looks up the
-    compiled kernel on each call: on the H200's host 40-90 us of a 67-127 us launch, against 24-38 us for the
-    compiled kernel's own launcher (benchmarks/RESULTS.md, session 31). A small training step is bound by that
-    host time (a GPT-2-small layer makes three such launches per step).
+    compiled kernel on each call, which on the H200's host took more than half of a launch's host time
+    (benchmarks/RESULTS.md); a small training step is bound by that host time.
 
     The first launch of each specialization goes through `kernel[grid]`, which compiles (or finds) the kernel; the
     compiled kernel is kept under a key that is at least as fine as Triton's own: the device, every keyword (the

@@ -51,7 +51,6 @@ the arithmetic are the same in both places.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import heapq
 import math
@@ -63,10 +62,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
 from attention_kernels import _checks
-from attention_kernels._host import cdiv, launcher, next_power_of_2
+from attention_kernels._host import LOG2E, cdiv, launcher, next_power_of_2, num_sms, pdl
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 MAX_SPLITS = 128
 
 
@@ -579,26 +576,6 @@ def _combine_splits_kernel(
 
 
 # ---- Launch heuristics ------------------------------------------------------------------------------------------
-
-
-@functools.cache
-def _sm_count(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
-
-
-def device_guard(t: torch.Tensor):
-    """Launch on t's GPU: a device switch only when it is not the current one (the switch costs microseconds on
-    every call, and a training step makes dozens)."""
-    if t.is_cuda and t.device.index != torch.cuda.current_device():
-        return torch.cuda.device(t.device)
-    return contextlib.nullcontext()
-
-
-def num_sms(device: torch.device) -> int:
-    """Streaming multiprocessors of the device; the interpreter on the CPU plays a 2-SM GPU (few programs, fast)."""
-    if device.type != "cuda":
-        return 2
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
 
 
 SPLIT_CHOICES = (1, 2, 4, 8, 16, 32, 64, 128)  # powers of two: few compiled variants (NUM_SPLITS is constexpr)
@@ -1132,34 +1109,6 @@ def combine_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tens
         num_warps=4,
         launch_pdl=wait,
     )
-
-
-def pdl(device: torch.device) -> bool:
-    """Are the split combine and the grouped decode launch (the Triton kernel and the Hopper paged kernel of
-    decode_sm90.py) programmatic dependents of the kernel before each (sm_90 and newer; ZOO_PDL=0 turns it
-    off)? The GPU then starts a launch's programs as the previous kernel's programs exit, without the gap between
-    two launches, and `gdc_wait` holds each one until that kernel's outputs are stored and visible (the combine's
-    partials; the decode's query and cache, whatever wrote them). Measured on an H200 (bf16, rotated caches in one
-    CUDA graph, the best of two alternations, us, off -> on; benchmarks/RESULTS.md). The combine (2026-12-01,
-    session 24): MLA 16 heads B16 N8k 44.6 -> 44.3 (8 splits 45.2 -> 44.3), with 64-token pages 46.2 -> 45.3; MQA
-    D=128 B1 S64k (128 splits) 15.7 -> 15.0, B8 S8k 16.1 -> 15.3; MQA D=64 B1 S8k 6.87 -> 6.23. Signalling the
-    dependents at the start of every decode program (griddepcontrol.launch_dependents, so the combine's programs
-    wait resident) was faster on some of these and slower on others (B4 N32k 44.7 -> 48.6 us), and was not kept. The
-    decode launch (session 25, the combine dependent in both): 0.16-0.72 us faster on 12 of 14 grouped shapes (MQA
-    D=64 B1 S1k 5.08 -> 4.52, B128 S1k 14.32 -> 14.05; GQA D=64 B32 S1k 20.15 -> 19.70), 1.0 us (0.05%) on the
-    longest, 0.56 us slower on one (B32 S1k H_kv32 D=64, 66.08 -> 66.64); outputs the same bit for bit. Of the MLA
-    decode kernels, the narrow Hopper program runs it too (`mla_sm90.launch`: 0.3-0.4 us faster), the 64-head tile
-    does not (3 us slower) and the Triton kernel was not measured with it."""
-    if device.type != "cuda" or _checks.interpreting() or os.environ.get("ZOO_PDL", "1") == "0":
-        return False
-    if torch.version.hip is not None:  # ROCm reports its own capabilities (MI300: 9.4) and has no such launch
-        return False
-    return _capability(device.index if device.index is not None else torch.cuda.current_device()) >= 9
-
-
-@functools.cache
-def _capability(device_index: int) -> int:
-    return torch.cuda.get_device_capability(device_index)[0]
 
 
 def new_empty(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:

@@ -18,7 +18,7 @@ consumer (four warps) computes S = Q K^T with Q in registers, the online softmax
 then releases the stage. Decode is memory-bound, so one warpgroup's serial loop keeps up with the stream; two
 programs share an SM to hide each one's start and end. A launch of more programs than SMs streams through a ring
 of two stages instead of three (`launch_config`), and on sm_90 the launch is a programmatic dependent of the kernel
-before it (`decode.pdl`): its programs start as that kernel ends and wait for its outputs first.
+before it (`_host.pdl`): its programs start as that kernel ends and wait for its outputs first.
 
 No row past a sequence's end meets a zero probability (a cache's unused rows may hold anything, NaN included): a
 copy wholly past the end re-reads the last valid page (every tile moves the same bytes, as the mbarrier's expected
@@ -50,8 +50,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from attention_kernels import _checks
-from attention_kernels._host import cdiv, launcher, next_power_of_2
-from attention_kernels.decode import num_sms, pdl
+from attention_kernels._host import cdiv, launcher, next_power_of_2, num_sms, pdl
 from attention_kernels.flash_sm90 import descriptor, on_hopper, wgmma_layout
 
 HEAD_DIMS = (64, 128)
@@ -173,7 +172,7 @@ def _loader(
 
 @gluon.jit
 def gdc_wait():
-    """Gluon's `triton.language.extra.cuda.gdc_wait`: in a programmatic dependent launch (`decode.pdl`), wait until
+    """Gluon's `triton.language.extra.cuda.gdc_wait`: in a programmatic dependent launch (`_host.pdl`), wait until
     the kernel before it has finished and its writes are visible."""
     gl.inline_asm_elementwise("griddepcontrol.wait; // dummy $0", "=r", [], dtype=gl.int32, is_pure=False, pack=1)
 
@@ -465,7 +464,7 @@ def _grouped_decode_sm90_kernel(
     """grid (head tiles, num_splits, B): a head tile is block_h (at most 64) query heads of one KV group of
     `group`. The group, the tile and the split count are plain arguments, so one compiled kernel serves every GQA
     shape and split count of a head dim and page size. WAIT: launched as a programmatic dependent of the kernel
-    before it (`decode.pdl`); every thread waits for that kernel's outputs before the first memory access."""
+    before it (`_host.pdl`); every thread waits for that kernel's outputs before the first memory access."""
     if WAIT:
         gdc_wait()
     tile = gl.program_id(0)

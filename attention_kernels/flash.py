@@ -74,8 +74,16 @@ import triton
 import triton.language as tl
 
 from attention_kernels import _checks
-from attention_kernels._host import behind_sleep, cdiv, launcher, next_power_of_2
-from attention_kernels.decode import device_guard, num_sms
+from attention_kernels._host import (
+    LOG2E,
+    behind_sleep,
+    capability,
+    cdiv,
+    device_guard,
+    launcher,
+    next_power_of_2,
+    num_sms,
+)
 from attention_kernels.schedule import bucket_size, ranked
 
 try:
@@ -83,7 +91,6 @@ try:
 except ImportError:  # a triton without Gluon's Hopper API: the Triton kernel runs on every GPU
     flash_sm90 = None
 
-LOG2E = 1.4426950408889634
 MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
 
 
@@ -1188,7 +1195,7 @@ def _use_tma(backward: bool, *tensors: torch.Tensor) -> bool:
     address (each (batch, head) slice becomes one 2-d descriptor)."""
     mode = os.environ.get("ZOO_FLASH_TMA", "auto")
     t0 = tensors[0]
-    if mode == "0" or (mode != "1" and not (backward and t0.is_cuda and _capability(t0.device.index)[0] >= 9)):
+    if mode == "0" or (mode != "1" and not (backward and t0.is_cuda and capability(t0.device.index)[0] >= 9)):
         return False
     if not all(_checks.tma_readable(t) for t in tensors):
         return False
@@ -1202,11 +1209,6 @@ def _use_tma(backward: bool, *tensors: torch.Tensor) -> bool:
 def _precision(dtype: torch.dtype):
     # fp32 inputs get true fp32 products (the reference's precision, not tf32); fp16/bf16 use the default.
     return "ieee" if dtype == torch.float32 else None
-
-
-@functools.cache
-def _capability(device_index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(device_index)
 
 
 @functools.cache

@@ -184,8 +184,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from attention_kernels import _checks
-from attention_kernels._host import cdiv, launcher
-from attention_kernels.decode import LOG2E, num_sms
+from attention_kernels._host import LOG2E, cdiv, launcher, num_sms
 from attention_kernels.schedule import bucket_size, ranked
 
 SMEM_PER_PROGRAM = 227 * 1024  # Hopper: the most shared memory one program may take

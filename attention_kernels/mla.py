@@ -31,9 +31,8 @@ import triton.language as tl
 
 from attention_kernels import _checks
 from attention_kernels import decode as _decode
-from attention_kernels._host import cdiv, launcher
+from attention_kernels._host import LOG2E, cdiv, device_guard, launcher, num_sms
 from attention_kernels.decode import (
-    LOG2E,
     MAX_SPLITS,
     _block_h,
     _combine_if_last,
@@ -50,7 +49,6 @@ from attention_kernels.decode import (
     split_counters,
     tile_seconds,
 )
-from attention_kernels.decode import num_sms as _num_sms
 
 try:  # Gluon (triton.experimental) is missing from some Triton builds; the Triton kernel then runs everywhere.
     from attention_kernels import mla_sm90
@@ -356,7 +354,7 @@ def _launch_mla(
         # Paged launches of the narrow Hopper program (under 64 heads) count twice the programs too, though it runs
         # one per SM: its picks were measured that way, and one per SM picks the same splits on the bench grid.
         smem_bound_paged = paged and block_h < 64
-        slots = _num_sms(q_absorbed.device) * (2 if smem_bound_paged else 1)
+        slots = num_sms(q_absorbed.device) * (2 if smem_bound_paged else 1)
         tile_time = mla_sm90.tile_seconds(tile_flops) if sm90 else tile_seconds(tile_flops, smem_bound_paged)
         num_splits = auto_num_splits(
             batch * head_tiles, n_tiles, tile_bytes, tile_time, batch * h * (d_c + 1) * 4, slots
@@ -370,7 +368,7 @@ def _launch_mla(
         part_lse = _decode.new_empty((batch, h, num_splits), out.device, torch.float32)
     fused = False
     if sm90:
-        with _decode.device_guard(q_absorbed):
+        with device_guard(q_absorbed):
             mla_sm90.launch(
                 q_absorbed,
                 q_rope,

@@ -23,7 +23,7 @@ tensor-core work, which at 16 heads costs about as long as streaming the block. 
 heads the N (16) and the tokens the M (64): S^T = C Qc^T + R Qr^T, the softmax down the columns, P^T through
 shared memory, and O^T += C^T P^T with the latent tile read transposed (M-major) from the same shared memory.
 One consumer warpgroup does it all; the loader is the same. Its launches are programmatic dependents of the kernel
-before them (`decode.pdl`; the 64-head tile's measured slower that way, see `launch`).
+before them (`_host.pdl`; the 64-head tile's measured slower that way, see `launch`).
 
 No row past a sequence's end ever meets a zero probability (the tests' poisoned caches hold NaN there):
 - contiguous: the last block of a split is loaded ending at the split's last token (rows end-64 .. end-1, TMA
@@ -62,8 +62,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 )
 
 from attention_kernels import _checks
-from attention_kernels._host import cdiv, launcher
-from attention_kernels.decode import LOG2E, pdl
+from attention_kernels._host import LOG2E, cdiv, launcher, pdl
 from attention_kernels.decode_sm90 import gdc_wait, split_range, tile_pages, zero_rows
 from attention_kernels.flash_sm90 import descriptor, on_hopper, wgmma_layout
 
@@ -483,7 +482,7 @@ def _mla_decode_sm90_kernel(
 ):
     """grid (head tiles, splits, B). The Q descriptors' block sets the head tile: 64 heads (two consumer
     warpgroups, heads as the wgmma's M) or NARROW_HEADS (one consumer, heads as the N). WAIT: launched as a
-    programmatic dependent of the kernel before it (`decode.pdl`; the narrow program only, see `launch`); every
+    programmatic dependent of the kernel before it (`_host.pdl`; the narrow program only, see `launch`); every
     thread waits for that kernel's outputs before the first memory access."""
     if WAIT:
         gdc_wait()
