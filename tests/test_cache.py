@@ -172,9 +172,11 @@ class _Shadow:
                 self.tok[key] = []
 
 
-def _step(cache, shadow, rows, T, dtype, check):
-    """Grow `rows` of the cache by T tokens in every layer and check what the cache returns."""
-    view = cache.view(rows)
+def _step(cache, shadow, rows, T, dtype, check, view=None, checked=None):
+    """Grow `rows` of the cache by T tokens in every layer and check what the cache returns (for the rows of
+    `checked`, default all; `view`: a view of `rows` to go through, default cache.view(rows))."""
+    view = cache.view(rows) if view is None else view
+    checked = rows if checked is None else checked
     pos = view.reserve(T)
     n = len(rows)
     mla = hasattr(cache, "c")
@@ -192,7 +194,7 @@ def _step(cache, shadow, rows, T, dtype, check):
                 torch.randn(n, 4, 1, 8, device=DEVICE, dtype=dtype),
             )
             out = view.attend_latent(layer, qa, qr, c[:, :, :], kr, 0.2)
-            for i, r in enumerate(rows):
+            for i, r in ((i, r) for i, r in enumerate(rows) if r in checked):
                 cs, rs = shadow.stacked(r, layer, 0), shadow.stacked(r, layer, 1)  # (S, D_c), (S, D_r)
                 ref, _ = reference.mla_decode_reference(
                     qa[i : i + 1, :, 0],
@@ -216,7 +218,7 @@ def _step(cache, shadow, rows, T, dtype, check):
                 continue
             q = torch.randn(n, 4, 1, 16, device=DEVICE, dtype=dtype)
             y = view.attend(layer, q, k, v, 0.25)
-            for i, r in enumerate(rows):
+            for i, r in ((i, r) for i, r in enumerate(rows) if r in checked):
                 ks, vs = shadow.stacked(r, layer, 0), shadow.stacked(r, layer, 1)  # (S, H_kv, D)
                 n_tok = torch.tensor([ks.shape[0]], device=DEVICE)
                 ref, _ = reference.decode_reference(
@@ -261,6 +263,83 @@ def test_decode_matches_reference_through_ragged_release_and_reuse(kind, backend
     assert sorted(p[0] for p in pos.tolist()) == sorted([9, 17, 6])
     if cache.store.paged:
         cache.store.allocator.check()
+
+
+# ----------------------------------------------------------------------------------------- static decode
+
+
+def _snapshot(cache):
+    return [b.clone() for b in cache.store.buffers]
+
+
+@pytest.mark.parametrize("backend,dtype", list(_backends()))
+@pytest.mark.parametrize("kind", ["grouped", "paged", "mla", "paged_mla"])
+def test_static_view_decodes_live_rows_and_pads_into_free_storage(kind, backend, dtype):
+    """A static step over 4 rows of which 2 hold sequences (7 and 12 tokens): reserve(1) reads the write positions
+    from next_pos (the live rows' lengths, 0 for the padding rows), the live rows decode against the reference over
+    their tokens and the new one, and the padding rows write only to their own free rows (contiguous) or the scratch
+    page (paged), never into a page of a live row, and take no pages."""
+    config = MLA if kind.endswith("mla") else GQA
+    paged = dict(page_size=8, num_pages=5) if kind.startswith("paged") else {}
+    cache = make_cache(kind, config, 4, 24, device=DEVICE, dtype=dtype, backend=backend, static=True, **paged)
+    shadow = _Shadow(4, config.n_layer)
+
+    def check(got, ref, name):
+        assert_close(got, ref, dtype, f"{kind} {backend} {name}")
+
+    for r, n in ((0, 7), (1, 12)):
+        _step(cache, shadow, [r], n, dtype, check)
+    if cache.store.paged:
+        cache.ensure_capacity([0, 1], [8, 13])  # row 1 crosses into its second page: allocated now, not in the step
+        used = cache.store.allocator.num_used
+        owned = {p for r in (0, 1) for p in cache.store.pages[r]}
+    cache.next_pos[:2] = torch.tensor([7, 12], device=DEVICE)
+    before = _snapshot(cache)
+    positions = _step(cache, shadow, [0, 1, 2, 3], 1, dtype, check, view=cache.static_view(4), checked=[0, 1])
+    assert positions.tolist() == [[7], [12], [0], [0]]
+    for b0, b1 in zip(before, _snapshot(cache)):
+        changed = (b0 != b1).reshape(b0.shape[0], b0.shape[1], -1).any(-1)  # (rows or pages, positions or slots)
+        if cache.store.paged:  # (pages, page_size): only the live rows' new slots and the scratch page's slot 0
+            allowed = {(p, o) for p, o in ((cache.store.pages[0][0], 7), (cache.store.pages[1][1], 4))}
+            allowed.add((cache.store.scratch, 0))
+            assert {tuple(x) for x in changed.nonzero().tolist()} <= allowed
+            assert not {p for p, _ in changed.nonzero().tolist()} - owned - {cache.store.scratch}
+        else:  # (rows, positions): the live rows' new positions and position 0 of the padding rows
+            assert {tuple(x) for x in changed.nonzero().tolist()} <= {(0, 7), (1, 12), (2, 0), (3, 0)}
+    if cache.store.paged:
+        assert cache.store.allocator.num_used == used, "a padding row took a page"
+        cache.store.allocator.check()
+
+
+def test_move_rows_packs_sequences_and_keeps_their_tokens():
+    """move_rows carries a sequence to a free row: its tokens (a contiguous cache copies them), length, pages and
+    next_pos; the source row is free afterwards and a paged one points its first entry at the scratch page."""
+    for kind in ("grouped", "paged"):
+        paged = dict(page_size=8) if kind == "paged" else {}
+        cache = make_cache(kind, GQA, 3, 20, device=DEVICE, static=True, **paged)
+        data = torch.randn(1, 2, 11, 16, device=DEVICE)
+        view = cache.view([2])
+        view.reserve(11)
+        view.append(0, data, data)
+        cache.next_pos[2] = 11
+        cache.move_rows([(2, 0)])
+        assert cache.store.lens == [11, 0, 0] and cache.next_pos.tolist() == [11, 0, 0]
+        torch.testing.assert_close(_read(cache, 0)[0], data[0], rtol=0, atol=0)
+        if kind == "paged":
+            assert cache.store.pages[2] == [] and len(cache.store.pages[0]) == 2
+            assert int(cache.store.block_table[2, 0]) == cache.store.scratch
+        with pytest.raises(ValueError, match=r"dst: got row 0, which holds a sequence; valid: a free row"):
+            cache.move_rows([(1, 0)])
+
+
+def test_static_view_needs_a_static_cache():
+    with pytest.raises(ValueError, match=r"static_view: this paged cache has no scratch page; valid: .*static=True"):
+        make_cache("paged", GQA, 2, 16, device=DEVICE, page_size=8).static_view(2)
+    cache = make_cache("grouped", GQA, 2, 16, device=DEVICE, static=True)
+    with pytest.raises(ValueError, match=r"batch: got 3; valid: an int in \[1, 2\]"):
+        cache.static_view(3)
+    with pytest.raises(ValueError, match=r"T: got 2 for a static view; valid: 1"):
+        cache.static_view(2).reserve(2)
 
 
 # ------------------------------------------------------------------------------ factory, memory, bad input
