@@ -21,7 +21,7 @@ Levers (issue 7):
 - The split count comes from the SM count and the shapes (the cache's capacity, never the lengths' values), so
   the launch needs no device sync and can be captured in a CUDA graph: a wave cost model (`auto_num_splits`)
   fitted to an H200 sweep of every power-of-two split count, with paged launches modelled apart.
-- The combine runs inside the decode launch where it is small (`_combine_if_last`: a ticket counter per
+- The combine runs inside the decode launch where it is small (`combine_if_last`: a ticket counter per
   sequence and head tile, the last program merges; no second launch, 2-3 us on an H200, 0.92x -> 1.04x SDPA for
   MQA at B32 S1k). Large merges (many splits of a wide head tile) go to the combine kernel, which merges the
   splits of one (sequence, head) per column block, so even 128 splits of a 512-wide MLA latent stay in
@@ -53,18 +53,37 @@ from __future__ import annotations
 
 import functools
 import heapq
-import math
-import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_wait
 
-from attention_kernels import _checks
-from attention_kernels._host import LOG2E, cdiv, launcher, next_power_of_2, num_sms, pdl
+from attention_kernels import _checks, split_kv
+from attention_kernels._host import LOG2E, cdiv, launcher, num_sms, pdl
+from attention_kernels.split_kv import (
+    MAX_SPLITS,
+    SPLIT_CHOICES,
+    auto_num_splits,
+    combine_if_last,
+    combine_splits,
+    dot_precision,
+    fused_combine_chunk,
+    heads_per_program,
+    online_softmax_step,
+    pow2,
+    split_counters,
+    split_range,
+    store_split,
+    tile_count,
+    tile_rows,
+    tile_seconds,
+)
 
-MAX_SPLITS = 128
+try:  # Gluon (triton.experimental) is missing from some Triton builds; the Triton kernel then runs everywhere.
+    from attention_kernels import decode_sm90
+except ImportError:  # pragma: no cover
+    decode_sm90 = None
 
 
 @triton.jit
@@ -161,11 +180,11 @@ def _grouped_decode_kernel(
     else:
         q_rope = q  # unused
 
-    start, end = _split_range(SEQ_LENS, b, split, NUM_SPLITS, BLOCK_N)
+    start, end = split_range(SEQ_LENS, b, split, NUM_SPLITS, BLOCK_N)
     m_i = tl.full([BLOCK_H], -float("inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
-    for i in range(0, _tile_count(start, end, BLOCK_N, STATIC_ITERS)):
+    for i in range(0, tile_count(start, end, BLOCK_N, STATIC_ITERS)):
         m_i, l_i, acc = _attend_tile(
             K,
             V,
@@ -207,7 +226,7 @@ def _grouped_decode_kernel(
             DOT_PRECISION,
         )
 
-    _store_split(
+    store_split(
         OUT,
         LSE,
         acc,
@@ -229,7 +248,7 @@ def _grouped_decode_kernel(
         NUM_SPLITS,
     )
     if FUSE_CHUNK > 0:
-        _combine_if_last(
+        combine_if_last(
             COUNTERS,
             b * tl.num_programs(0) + tile,
             OUT,
@@ -301,7 +320,7 @@ def _attend_tile(
     DOT_PRECISION: tl.constexpr,
 ):
     """One online-softmax step over the BLOCK_N tokens from tile_start (those at or past `end` masked off)."""
-    offs_n, mask_n, page, slot = _tile_rows(
+    offs_n, mask_n, page, slot = tile_rows(
         BLOCK_TABLE, b, tile_start, end, stride_tb, stride_tp, BLOCK_N, PAGED, PAGE_SIZE
     )
     k = tl.load(
@@ -329,295 +348,10 @@ def _attend_tile(
             eviction_policy="evict_first",
         )
         s += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
-    return _online_softmax_step(s * scale_log2, mask_n, v, m_i, l_i, acc, DOT_PRECISION)
-
-
-@triton.jit
-def _split_range(SEQ_LENS, b, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The tokens [start, end) of sequence b that this split reduces: whole tiles, the sequence's own length cut
-    evenly into NUM_SPLITS (empty for a split past the end of a short sequence)."""
-    seq_len = tl.load(SEQ_LENS + b)
-    chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    return start, tl.minimum(start + chunk, seq_len)
-
-
-@triton.jit
-def _tile_count(start, end, BLOCK_N: tl.constexpr, STATIC_ITERS: tl.constexpr):
-    """Tiles a program runs from start to end: on the GPU this chunk's own (none for a split past the end of its
-    sequence); under the interpreter (STATIC_ITERS > 0) a compile-time count, the most any split can need, whose
-    tiles past `end` the masks switch off (see the module docstring). It is returned, never assigned: the
-    interpreter turns every assigned value into a tensor, which `range` does not take."""
-    if STATIC_ITERS > 0:
-        return STATIC_ITERS
-    return tl.cdiv(end - start, BLOCK_N)
-
-
-@triton.jit
-def _tile_rows(
-    BLOCK_TABLE,
-    b,
-    tile_start,
-    end,
-    stride_tb,
-    stride_tp,
-    BLOCK_N: tl.constexpr,
-    PAGED: tl.constexpr,
-    PAGE_SIZE: tl.constexpr,
-):
-    """Where the BLOCK_N tokens from tile_start live: (offs_n, mask_n, page, slot), the cache row of token n
-    being (page, slot) — (b, n) in a contiguous cache, (block_table[b, n // PAGE_SIZE], n % PAGE_SIZE) paged."""
-    offs_n = tile_start + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < end
-    if PAGED:
-        if PAGE_SIZE >= BLOCK_N:  # the tile lies inside one page: one table entry
-            page = tl.load(
-                BLOCK_TABLE + b * stride_tb + (tile_start // PAGE_SIZE) * stride_tp, mask=tile_start < end, other=0
-            ).to(tl.int64)
-        else:  # BLOCK_N // PAGE_SIZE pages, gathered per token (repeated addresses hit L1)
-            page = tl.load(BLOCK_TABLE + b * stride_tb + (offs_n // PAGE_SIZE) * stride_tp, mask=mask_n, other=0).to(
-                tl.int64
-            )[:, None]
-        slot = offs_n % PAGE_SIZE
-    else:
-        page = b.to(tl.int64)
-        slot = offs_n
-    return offs_n, mask_n, page, slot
-
-
-@triton.jit
-def _online_softmax_step(s, mask_n, v, m_i, l_i, acc, DOT_PRECISION: tl.constexpr):
-    """Fold one tile of scores s (BLOCK_H, BLOCK_N), already scaled by scale * log2(e) (exp2 then gives e^x), and
-    values v (BLOCK_N, D_v) into the running max m_i, normalizer l_i (both in the log2 domain) and unnormalized
-    output acc."""
-    s = tl.where(mask_n[None, :], s, -float("inf"))
-    m_new = tl.maximum(m_i, tl.max(s, axis=1))
-    m_use = tl.where(m_new == -float("inf"), 0.0, m_new)  # a fully masked tile: exp2(-inf) = 0, not NaN
-    alpha = tl.math.exp2(m_i - m_use)
-    p = tl.math.exp2(s - m_use[:, None])
-    l_i = l_i * alpha + tl.sum(p, axis=1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
-
-
-@triton.jit
-def _store_split(
-    OUT,
-    LSE,
-    acc,
-    m_i,
-    l_i,
-    b,
-    heads,
-    mask_h,
-    split,
-    offs_dv,
-    D_V: tl.constexpr,
-    stride_ob,
-    stride_oh,
-    stride_os,
-    stride_od,
-    stride_lb,
-    stride_lh,
-    stride_ls,
-    NUM_SPLITS: tl.constexpr,
-):
-    """One split's result: the final output (one split) or a partial output with its log2-sum-exp."""
-    has_tokens = l_i > 0.0  # a split past the end of its sequence saw no token
-    l_safe = tl.where(has_tokens, l_i, 1.0)
-    out = acc / l_safe[:, None]
-    lse2 = tl.where(has_tokens, m_i + tl.math.log2(l_safe), -float("inf"))
-    if NUM_SPLITS == 1:
-        lse2 = lse2 * 0.6931471805599453  # the final lse is natural-log
-    o_ptrs = OUT + b * stride_ob + heads[:, None] * stride_oh + split * stride_os + offs_dv[None, :] * stride_od
-    tl.store(o_ptrs, out.to(OUT.dtype.element_ty), mask=mask_h[:, None] & (offs_dv[None, :] < D_V))
-    tl.store(LSE + b * stride_lb + heads * stride_lh + split * stride_ls, lse2, mask=mask_h)
-
-
-@triton.jit
-def _combine_if_last(
-    COUNTERS,
-    counter,
-    PART_O,
-    PART_LSE,
-    OUT,
-    LSE,
-    b,
-    head0,
-    head_end,
-    offs_dv,
-    D_V: tl.constexpr,
-    stride_pb,
-    stride_ph,
-    stride_ps,
-    stride_pd,
-    stride_plb,
-    stride_plh,
-    stride_pls,
-    stride_ob,
-    stride_oh,
-    stride_od,
-    stride_lb,
-    stride_lh,
-    NUM_SPLITS: tl.constexpr,
-    MERGE_H: tl.constexpr,
-    CHUNK: tl.constexpr,
-):
-    """The split combine inside the decode launch: the last program of a (sequence, head tile) to finish merges
-    the NUM_SPLITS partials of its heads [head0, head_end), which saves the combine launch (`fused_combine_chunk`
-    says when that pays).
-
-    Every program counts itself in on COUNTERS[counter] after its partial is stored (all threads' stores, a
-    barrier, then one release-acquire atomic: the last program's loads see every other program's stores). The
-    program that takes the last ticket resets the counter to 0 for the next launch, reads the partials (L2 hits,
-    `.cg` past L1) of its real heads only (MERGE_H rows: a KV group of four is not padded to the MMA's 16),
-    CHUNK splits per load, and writes the final output and the natural-log lse."""
-    tl.debug_barrier()
-    ticket = tl.atomic_add(COUNTERS + counter, 1, sem="acq_rel", scope="gpu")
-    if ticket == NUM_SPLITS - 1:
-        tl.atomic_xchg(COUNTERS + counter, 0, sem="relaxed", scope="gpu")
-        heads = head0 + tl.arange(0, MERGE_H)
-        mask_h = heads < head_end
-        lse_row = PART_LSE + b * stride_plb + heads[:, None] * stride_plh
-        BLOCK_S: tl.constexpr = triton.next_power_of_2(NUM_SPLITS)
-        offs_s = tl.arange(0, BLOCK_S)
-        lse2 = tl.load(
-            lse_row + offs_s[None, :] * stride_pls,
-            mask=mask_h[:, None] & (offs_s[None, :] < NUM_SPLITS),
-            other=-float("inf"),
-            cache_modifier=".cg",
-        )  # (MERGE_H, BLOCK_S), log2 units
-        m = tl.max(lse2, axis=1)
-        m = tl.where(m == -float("inf"), 0.0, m)  # masked heads only: split 0 of a sequence holds a token
-        denom = tl.sum(tl.math.exp2(lse2 - m[:, None]), axis=1)
-        offs_c = tl.arange(0, CHUNK)
-        o_ptrs = PART_O + b * stride_pb + heads[:, None, None] * stride_ph + offs_dv[None, None, :] * stride_pd
-        acc = tl.zeros([MERGE_H, offs_dv.shape[0]], tl.float32)
-        for c in tl.static_range(0, NUM_SPLITS, CHUNK):  # unrolled: the chunks' loads are independent
-            mask_s = (c + offs_c) < NUM_SPLITS
-            lse_c = tl.load(
-                lse_row + (c + offs_c)[None, :] * stride_pls,
-                mask=mask_h[:, None] & mask_s[None, :],
-                other=-float("inf"),
-                cache_modifier=".cg",
-            )
-            w = tl.math.exp2(lse_c - m[:, None])  # (MERGE_H, CHUNK)
-            o = tl.load(
-                o_ptrs + (c + offs_c)[None, :, None] * stride_ps,
-                mask=mask_h[:, None, None] & mask_s[None, :, None] & (offs_dv[None, None, :] < D_V),
-                other=0.0,
-                cache_modifier=".cg",
-            )  # (MERGE_H, CHUNK, BLOCK_DV)
-            acc += tl.sum(o * w[:, :, None], axis=1)
-        has_tokens = denom > 0.0
-        out = acc / tl.where(has_tokens, denom, 1.0)[:, None]
-        tl.store(
-            OUT + b * stride_ob + heads[:, None] * stride_oh + offs_dv[None, :] * stride_od,
-            out.to(OUT.dtype.element_ty),
-            mask=mask_h[:, None] & (offs_dv[None, :] < D_V),
-        )
-        lse = tl.where(
-            has_tokens, (m + tl.math.log2(tl.where(has_tokens, denom, 1.0))) * 0.6931471805599453, -float("inf")
-        )
-        tl.store(LSE + b * stride_lb + heads * stride_lh, lse, mask=mask_h)
-
-
-@triton.jit
-def _combine_splits_kernel(
-    PARTIAL_O,
-    PARTIAL_LSE,
-    OUT,
-    LSE,
-    stride_pb,
-    stride_ph,
-    stride_ps,
-    stride_pd,
-    stride_plb,
-    stride_plh,
-    stride_pls,
-    stride_ob,
-    stride_oh,
-    stride_od,
-    stride_lb,
-    stride_lh,
-    NUM_SPLITS: tl.constexpr,
-    D_V: tl.constexpr,
-    BLOCK_S: tl.constexpr,
-    BLOCK_DV: tl.constexpr,
-    WAIT: tl.constexpr,
-):
-    """Merge the splits of one (sequence, head) over BLOCK_DV of its output columns: the partials in one 2-D load,
-    weights exp2(lse_s - max). Column blocks are separate programs, so a (splits, columns) tile stays in
-    registers even at 128 splits and 512 columns. WAIT: launched as a programmatic dependent of the decode
-    launch (`pdl`), so the programs may start before its partials are stored, and wait for them here."""
-    h = tl.program_id(0)
-    b = tl.program_id(1)
-    col_block = tl.program_id(2)
-    if WAIT:
-        gdc_wait()
-    offs_s = tl.arange(0, BLOCK_S)
-    offs_d = col_block * BLOCK_DV + tl.arange(0, BLOCK_DV)
-    mask_s = offs_s < NUM_SPLITS
-    lse2 = tl.load(
-        PARTIAL_LSE + b * stride_plb + h * stride_plh + offs_s * stride_pls, mask=mask_s, other=-float("inf")
-    )
-    m = tl.max(lse2, axis=0)  # finite: the first split of every sequence holds at least one token
-    w = tl.math.exp2(lse2 - m)
-    o = tl.load(
-        PARTIAL_O + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps + offs_d[None, :] * stride_pd,
-        mask=mask_s[:, None] & (offs_d[None, :] < D_V),
-        other=0.0,
-    )
-    denom = tl.sum(w, axis=0)
-    out = tl.sum(o * w[:, None], axis=0) / denom
-    tl.store(OUT + b * stride_ob + h * stride_oh + offs_d * stride_od, out.to(OUT.dtype.element_ty), mask=offs_d < D_V)
-    if col_block == 0:
-        tl.store(LSE + b * stride_lb + h * stride_lh, (m + tl.math.log2(denom)) * 0.6931471805599453)
+    return online_softmax_step(s * scale_log2, mask_n, v, m_i, l_i, acc, DOT_PRECISION)
 
 
 # ---- Launch heuristics ------------------------------------------------------------------------------------------
-
-
-SPLIT_CHOICES = (1, 2, 4, 8, 16, 32, 64, 128)  # powers of two: few compiled variants (NUM_SPLITS is constexpr)
-
-
-def auto_num_splits(
-    programs: int, n_tiles: int, tile_bytes: int, tile_time: float, partial_bytes: int, slots: int
-) -> int:
-    """Split count from a small cost model of one launch (FlashAttention-3's wave-efficiency rule, with costs).
-
-    programs: (sequence, head tile) pairs; n_tiles: KV tiles per pair at full capacity; tile_bytes: what one tile
-    reads; tile_time: seconds one program alone needs per tile (`tile_seconds`); partial_bytes: bytes one split
-    adds to the partial outputs (written, then read by the combine); slots: programs the GPU runs at once (SMs
-    times `programs_per_sm`). The programs run in waves of `slots`; in a wave of c programs each tile takes the
-    longer of its share of the bandwidth (tile_bytes * c / bandwidth) and tile_time. Splitting adds the combine:
-    a launch and the partials' traffic. Only shapes enter, never sequence lengths, so no device sync is needed
-    and the launch can be captured in a CUDA graph. The constants are fitted to an H200 sweep of every power-of-two
-    split count on the grid of benchmarks/bench_decode.py with `_tile_config`'s tiles (contiguous: the pick is
-    within 5% of the best split on 65 of 68 shapes and within 6% on all; paged: within 5% on all 16).
-    """
-    bandwidth, combine_latency = 4e12, 4e-6
-    best, best_time = 1, math.inf
-    for splits in SPLIT_CHOICES:
-        if splits > max(1, n_tiles):
-            break
-        waves, last = divmod(programs * splits, slots)
-        tiles = math.ceil(n_tiles / splits)
-        time = waves * tiles * max(tile_bytes * slots / bandwidth, tile_time)
-        if last:
-            time += tiles * max(tile_bytes * last / bandwidth, tile_time)
-        if splits > 1:
-            time += combine_latency + 2 * partial_bytes * splits / bandwidth
-        if time < best_time * 0.95:  # a split must win by 5% (more splits: more combine traffic and variance)
-            best, best_time = splits, time
-    return best
-
-
-def tile_seconds(tile_flops: int, paged: bool) -> float:
-    """What one program alone needs per KV tile: a latency floor of 1.5 us, or its MMA work at one SM's rate
-    (2 TFLOP/s, with FLOPs counted at the MMA's 64-row minimum); 3.5 times that when paged, where each tile's
-    rows wait on block-table loads (fitted to the same sweep)."""
-    return max(1.5e-6, tile_flops / 2e12) * (3.5 if paged else 1)
 
 
 SMEM_PER_SM = 228 * 1024  # Hopper: shared memory per SM (at most 227 KB of it for one program)
@@ -710,12 +444,7 @@ def programs_per_sm(d_qk: int, d_v: int, itemsize: int, paged: bool, load: float
 
 def _kv_row_bytes(d_qk: int, d_v: int, itemsize: int) -> int:
     """Shared memory one token of K and V takes in a tile (head dims padded to the block's power of two)."""
-    return (_pow2(d_qk) + _pow2(d_v)) * itemsize
-
-
-def _block_h(group: int) -> int:
-    """Query heads per program: the KV group packed into the MMA's M dimension (at least 16 rows)."""
-    return max(16, min(64, next_power_of_2(group)))
+    return (pow2(d_qk) + pow2(d_v)) * itemsize
 
 
 def grouped_num_splits(
@@ -733,15 +462,15 @@ def grouped_num_splits(
     """The split count grouped and paged decode use with num_splits=None (d_qk includes a RoPE part); sm90: a
     paged launch of the Hopper kernel (decode_sm90.py), which `ragged_num_splits` models."""
     group = h_q // h_kv
-    block_h = _block_h(group)
+    block_h = heads_per_program(group)
     programs = batch * h_kv * cdiv(group, block_h)
     load = _load(programs, paged, device)
-    block_n = _sm90().CONFIGS[d_qk][0] if sm90 else _tile_config(d_qk, d_v, itemsize, paged, load)[0]
+    block_n = decode_sm90.CONFIGS[d_qk][0] if sm90 else _tile_config(d_qk, d_v, itemsize, paged, load)[0]
     tile_bytes = block_n * (d_qk + d_v) * itemsize
     tile_flops = 2 * max(64, block_h) * block_n * (d_qk + d_v)
     partial_bytes = batch * h_q * (d_v + 1) * 4
     if sm90:  # per-tile floor 1 us (fitted with ragged_num_splits); the ring's shared memory sets programs per SM
-        slots = num_sms(device) * max(1, SMEM_PER_SM // _sm90().shared_bytes(d_qk, itemsize))
+        slots = num_sms(device) * max(1, SMEM_PER_SM // decode_sm90.shared_bytes(d_qk, itemsize))
         return ragged_num_splits(
             batch,
             h_kv * cdiv(group, block_h),
@@ -833,23 +562,8 @@ def _simulate(
     return now
 
 
-@functools.cache
-def _sm90():
-    """decode_sm90.py (the Hopper paged kernel), imported on first use: it imports flash_sm90, which
-    imports this module. None on a Triton build without Gluon (the Triton kernel then runs everywhere)."""
-    try:
-        from attention_kernels import decode_sm90
-    except ImportError:  # pragma: no cover
-        return None
-    return decode_sm90
-
-
 def _sm90_supports(q, k_pages, v_pages, q_rope) -> bool:
-    return _sm90() is not None and _sm90().supports(q, k_pages, v_pages, q_rope)
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    return "ieee" if dtype == torch.float32 else "tf32"  # fp32 inputs: exact fp32 dots, not tf32
+    return decode_sm90 is not None and decode_sm90.supports(q, k_pages, v_pages, q_rope)
 
 
 # ---- Launchers ------------------------------------------------------------------------------------------------
@@ -877,7 +591,7 @@ def _launch_decode(
     d_v = v.shape[-1]
     d_rope = q_rope.shape[-1] if q_rope is not None else 0
     seq_lens = seq_lens.contiguous()  # the kernel reads seq_lens[b] at SEQ_LENS + b (no stride)
-    block_h = _block_h(h_q // h_kv)
+    block_h = heads_per_program(h_q // h_kv)
     # Paged on Hopper, fp16/bf16, D 64 or 128 without RoPE: the TMA-fed Gluon kernel (decode_sm90.py). The
     # tuning sweeps pass their own config: {"sm90": (BLOCK_N, STAGES)} for it, else the Triton kernel's BLOCK_N,
     # num_warps and num_stages.
@@ -886,19 +600,19 @@ def _launch_decode(
         num_splits = grouped_num_splits(
             batch, h_q, h_kv, capacity, d_qk + d_rope, d_v, k.element_size(), q.device, paged, sm90
         )
-    out = new_empty((batch, h_q, d_v), q.device, q.dtype)
-    lse = new_empty((batch, h_q), q.device, torch.float32)
+    out = split_kv.new_empty((batch, h_q, d_v), q.device, q.dtype)
+    lse = split_kv.new_empty((batch, h_q), q.device, torch.float32)
     if num_splits == 1:
         part_o, part_lse = out[:, :, None], lse[:, :, None]
     else:
-        part_o = new_empty((batch, h_q, num_splits, d_v), q.device, torch.float32)
-        part_lse = new_empty((batch, h_q, num_splits), q.device, torch.float32)
+        part_o = split_kv.new_empty((batch, h_q, num_splits, d_v), q.device, torch.float32)
+        part_lse = split_kv.new_empty((batch, h_q, num_splits), q.device, torch.float32)
     programs = batch * h_kv * cdiv(h_q // h_kv, block_h)
     chunk = fused_combine_chunk(num_splits, min(h_q // h_kv, block_h), d_v, batch * h_q, q.device)
     counters = split_counters(q.device, programs) if chunk else None
     fused = counters is not None
     if sm90:
-        _sm90().launch(
+        decode_sm90.launch(
             q,
             k,
             v,
@@ -956,13 +670,13 @@ def _launch_triton(
     fused: tuple | None,
 ):
     """`_grouped_decode_kernel` into part_o / part_lse (the split outputs `_launch_decode` allocated); with
-    fused = (out, lse, counters, chunk) the launch also combines the splits into out / lse (`_combine_if_last`)."""
+    fused = (out, lse, counters, chunk) the launch also combines the splits into out / lse (`combine_if_last`)."""
     batch, h_q, d_qk = q.shape
     h_kv = k.shape[2] if paged else k.shape[1]
     d_v = v.shape[-1]
     d_rope = q_rope.shape[-1] if q_rope is not None else 0
     group = h_q // h_kv
-    block_h = _block_h(group)
+    block_h = heads_per_program(group)
     load = _load(batch * h_kv * cdiv(group, block_h), paged, q.device)
     block_n, warps, stages = _tile_config(d_qk + d_rope, d_v, k.element_size(), paged, load)
     if config is not None:
@@ -1014,111 +728,20 @@ def _launch_triton(
         D_V=d_v,
         BLOCK_H=block_h,
         BLOCK_N=block_n,
-        BLOCK_DQK=_pow2(d_qk),
-        BLOCK_DR=_pow2(d_rope),
-        BLOCK_DV=_pow2(d_v),
+        BLOCK_DQK=pow2(d_qk),
+        BLOCK_DR=pow2(d_rope),
+        BLOCK_DV=pow2(d_v),
         PAGED=paged,
         PAGE_SIZE=page_size,
         NUM_SPLITS=num_splits,
         STATIC_ITERS=static_iters,
-        DOT_PRECISION=_dot_precision(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype),
         FUSE_CHUNK=chunk,
         WAIT=wait,
         num_warps=warps,
         num_stages=stages,
         launch_pdl=wait,
     )
-
-
-FUSED_COMBINE_MAX_VALUES = 16384  # fp32 partials (64 KB) one program may merge at the end of the launch
-_FUSED_COMBINE_CHUNK = 8192  # fp32 partials per load of that merge: 64 registers per thread at four warps
-FUSED_COMBINE_MIN_ROWS = 1024  # (sequence, query head) rows below which a dependent-launch combine is faster
-
-
-def fused_combine_chunk(num_splits: int, heads: int, d_v: int, rows: int, device: torch.device) -> int:
-    """Splits per load when the launch combines its own splits (`_combine_if_last`), or 0 for the separate
-    combine kernel: with one split, with ZOO_FUSED_COMBINE=0, when a program's partials (num_splits x heads x D_v,
-    heads: the real ones of its tile, D_v padded to a power of two) exceed FUSED_COMBINE_MAX_VALUES, two loads,
-    or when the separate combine runs as a programmatic dependent (`pdl`) and has fewer than FUSED_COMBINE_MIN_ROWS
-    rows to merge (rows: batch x query heads). The last program merges alone after the others finish, so the
-    merge is the launch's tail, and its loads wait one after the other. On an H200 (bf16, H_q 32, graph-timed
-    beside the separate combine): MQA at four splits (32 heads x 128 x 4: 64 KB) gained 2.4-2.6 us (B32 S1k and
-    S8k, D 128), while eight (128 KB, four loads) lost 1.0-1.2 us and 16-32 splits of MQA (256 KB) 3-11 us; the
-    separate kernel spreads such merges over (sequence, head, column block) programs. Against the dependent
-    launch (session 24, rotated caches, us fused / separate): at 1024 rows (B32, MQA) the merge still gains on 5
-    of 7 (D=128 four splits S1k 11.96 / 13.47, S8k 40.02 / 41.89) and loses 0.4 us on 2; at 32 and 256 rows (B1,
-    B8) it loses on 13 of 15 (MQA D=64 B1 S1k eight splits 5.82 / 5.09, GQA B8 S1k D=64 16 splits 13.41 / 11.41)
-    and ties two (6.14 / 6.12, 71.57 / 71.58). Rows between 256 and 1024 were not measured."""
-    if num_splits == 1 or os.environ.get("ZOO_FUSED_COMBINE", "1") == "0":
-        return 0
-    if rows < FUSED_COMBINE_MIN_ROWS and pdl(device):
-        return 0
-    row = next_power_of_2(heads) * _pow2(d_v)
-    if num_splits * row > FUSED_COMBINE_MAX_VALUES:  # two splits or more: one split's row fits a chunk
-        return 0
-    return min(next_power_of_2(num_splits), _FUSED_COMBINE_CHUNK // row)
-
-
-_COUNTERS: dict[str, torch.Tensor] = {}
-_RETIRED: list[torch.Tensor] = []
-
-
-def split_counters(device: torch.device, n: int) -> torch.Tensor | None:
-    """At least n int32 zeros on `device`, kept between launches: the tickets of `_combine_if_last`, which
-    every fused launch leaves at zero again. None while a CUDA graph is being captured and no buffer is large
-    enough yet (a buffer allocated there would be zeroed only when the graph replays; the launch then uses the
-    separate combine). A buffer that grows keeps its old one alive: a captured graph may still point at it.
-    One buffer per device: fused launches on two streams of one GPU at the same time would share tickets, so
-    decode launches of one device must run on one stream (as everything in this repository does)."""
-    key = str(device)
-    counters = _COUNTERS.get(key)
-    if counters is None or counters.numel() < n:
-        if _capturing(device):
-            return None
-        if counters is not None:
-            _RETIRED.append(counters)
-        counters = torch.zeros(max(n, 4096), device=device, dtype=torch.int32)
-        _COUNTERS[key] = counters
-    return counters
-
-
-def _capturing(device: torch.device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
-def combine_splits(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor, lse: torch.Tensor):
-    """part_o (B, H, splits, D_v) fp32, part_lse (B, H, splits) log2 units -> out (B, H, D_v), lse (B, H). Launched
-    right after the decode launch that wrote the partials, as its programmatic dependent where `pdl` says so."""
-    batch, heads, splits, d_v = part_o.shape
-    block_dv = min(_pow2(d_v), max(16, 4096 // _pow2(splits, 2)))  # at most 4096 fp32 values per program
-    wait = pdl(part_o.device)
-    launcher(_combine_splits_kernel)[(heads, batch, cdiv(d_v, block_dv))](
-        part_o,
-        part_lse,
-        out,
-        lse,
-        *part_o.stride(),
-        *part_lse.stride(),
-        *out.stride(),
-        *lse.stride(),
-        NUM_SPLITS=splits,
-        D_V=d_v,
-        BLOCK_S=_pow2(splits, 2),
-        BLOCK_DV=block_dv,
-        WAIT=wait,
-        num_warps=4,
-        launch_pdl=wait,
-    )
-
-
-def new_empty(shape: tuple[int, ...], device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """Every output and partial buffer of the decode ops comes from here (the tests poison them with NaN to check
-    that every element is written)."""
-    return torch.empty(shape, device=device, dtype=dtype)
-
-
-def _pow2(n: int, minimum: int = 16) -> int:
-    return max(minimum, next_power_of_2(n)) if n > 0 else minimum
 
 
 # ---- Custom ops (torch.compile traces through them) --------------------------------------------------------------

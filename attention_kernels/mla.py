@@ -29,24 +29,23 @@ import torch
 import triton
 import triton.language as tl
 
-from attention_kernels import _checks
-from attention_kernels import decode as _decode
+from attention_kernels import _checks, split_kv
 from attention_kernels._host import LOG2E, cdiv, device_guard, launcher, num_sms
-from attention_kernels.decode import (
+from attention_kernels.split_kv import (
     MAX_SPLITS,
-    _block_h,
-    _combine_if_last,
-    _dot_precision,
-    _online_softmax_step,
-    _pow2,
-    _split_range,
-    _store_split,
-    _tile_count,
-    _tile_rows,
     auto_num_splits,
+    combine_if_last,
     combine_splits,
+    dot_precision,
     fused_combine_chunk,
+    heads_per_program,
+    online_softmax_step,
+    pow2,
     split_counters,
+    split_range,
+    store_split,
+    tile_count,
+    tile_rows,
     tile_seconds,
 )
 
@@ -107,7 +106,7 @@ def _mla_tile(
     DOT_PRECISION: tl.constexpr,
 ):
     """One online-softmax step over BLOCK_N latent rows: the c_kv tile serves as K and as V."""
-    offs_n, mask_n, page, slot = _tile_rows(
+    offs_n, mask_n, page, slot = tile_rows(
         BLOCK_TABLE, b, tile_start, end, stride_tb, stride_tp, BLOCK_N, PAGED, PAGE_SIZE
     )
     kv = tl.load(
@@ -129,7 +128,7 @@ def _mla_tile(
         + tl.dot(q_rope, tl.trans(kr), input_precision=DOT_PRECISION) * scale_log2
     )
     s = _cut_chain(s, tile_start < end)
-    return _online_softmax_step(s, mask_n, kv, m_i, l_i, acc, DOT_PRECISION)
+    return online_softmax_step(s, mask_n, kv, m_i, l_i, acc, DOT_PRECISION)
 
 
 @triton.jit
@@ -207,11 +206,11 @@ def _mla_decode_kernel(
         other=0.0,
     )  # (BLOCK_H, BLOCK_DR)
 
-    start, end = _split_range(SEQ_LENS, b, split, NUM_SPLITS, BLOCK_N)
+    start, end = split_range(SEQ_LENS, b, split, NUM_SPLITS, BLOCK_N)
     m_i = tl.full([BLOCK_H], -float("inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DC], tl.float32)
-    for i in range(0, _tile_count(start, end, BLOCK_N, STATIC_ITERS)):  # decode.py's trip count
+    for i in range(0, tile_count(start, end, BLOCK_N, STATIC_ITERS)):  # decode.py's trip count
         m_i, l_i, acc = _mla_tile(
             CKV,
             KR,
@@ -243,7 +242,7 @@ def _mla_decode_kernel(
             EVICT,
             DOT_PRECISION,
         )
-    _store_split(
+    store_split(
         OUT,
         LSE,
         acc,
@@ -265,7 +264,7 @@ def _mla_decode_kernel(
         NUM_SPLITS,
     )
     if FUSE_CHUNK > 0:  # the split combine in this launch (decode.py)
-        _combine_if_last(
+        combine_if_last(
             COUNTERS,
             b * tl.num_programs(0) + tile,
             OUT,
@@ -305,7 +304,7 @@ def _mla_config(h: int, d_c: int) -> dict:
     3.77 / 4.27, eight warps 2.8). 128 heads (compute-bound), swept again with _cut_chain (2026-11-30, B64
     N8192): 64 heads x 64 rows, eight warps, two stages 353 TFLOP/s; 64 x 32 rows, three stages 312; one stage
     270; 32 heads x 64 rows, four warps 248; 64 x 16 rows 142. Three stages of 64 rows do not fit."""
-    block_h = _block_h(h)
+    block_h = heads_per_program(h)
     if d_c > 256:
         if block_h == 16:
             return dict(BLOCK_H=16, BLOCK_N=64, num_warps=4, num_stages=3)
@@ -359,13 +358,13 @@ def _launch_mla(
         num_splits = auto_num_splits(
             batch * head_tiles, n_tiles, tile_bytes, tile_time, batch * h * (d_c + 1) * 4, slots
         )
-    out = _decode.new_empty((batch, h, d_c), q_absorbed.device, q_absorbed.dtype)
-    lse = _decode.new_empty((batch, h), q_absorbed.device, torch.float32)
+    out = split_kv.new_empty((batch, h, d_c), q_absorbed.device, q_absorbed.dtype)
+    lse = split_kv.new_empty((batch, h), q_absorbed.device, torch.float32)
     if num_splits == 1:
         part_o, part_lse = out[:, :, None], lse[:, :, None]
     else:
-        part_o = _decode.new_empty((batch, h, num_splits, d_c), out.device, torch.float32)
-        part_lse = _decode.new_empty((batch, h, num_splits), out.device, torch.float32)
+        part_o = split_kv.new_empty((batch, h, num_splits, d_c), out.device, torch.float32)
+        part_lse = split_kv.new_empty((batch, h, num_splits), out.device, torch.float32)
     fused = False
     if sm90:
         with device_guard(q_absorbed):
@@ -417,15 +416,15 @@ def _launch_mla(
             D_R=d_r,
             BLOCK_H=block_h,
             BLOCK_N=block_n,
-            BLOCK_DC=_pow2(d_c),
-            BLOCK_DR=_pow2(d_r),
+            BLOCK_DC=pow2(d_c),
+            BLOCK_DR=pow2(d_r),
             PAGED=paged,
             PAGE_SIZE=page_size,
             NUM_SPLITS=num_splits,
             STATIC_ITERS=static_iters,
             # One head tile: each latent tile is read once, so stream it past L2. Several: they share it through L2.
             EVICT="evict_first" if head_tiles == 1 else "",
-            DOT_PRECISION=_dot_precision(q_absorbed.dtype),
+            DOT_PRECISION=dot_precision(q_absorbed.dtype),
             FUSE_CHUNK=chunk if fused else 0,
             **cfg,
         )

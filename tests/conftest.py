@@ -59,12 +59,12 @@ def _seed():
 def poison_decode_outputs(monkeypatch):
     """Outputs and split partials of the decode kernels start as NaN: an element a kernel forgets to write fails
     the NaN check of assert_close."""
-    from attention_kernels import decode
+    from attention_kernels import split_kv
 
     def poisoned(shape, device, dtype):
         return torch.full(shape, float("nan"), device=device, dtype=dtype)
 
-    monkeypatch.setattr(decode, "new_empty", poisoned)
+    monkeypatch.setattr(split_kv, "new_empty", poisoned)
 
 
 def check_dependent_chain(step, x0: torch.Tensor, check, monkeypatch, links: int = 3):

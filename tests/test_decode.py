@@ -10,7 +10,7 @@ import torch
 import triton
 from conftest import DEVICE, KERNEL_DTYPES, assert_close, check_dependent_chain, ragged_lens
 
-from attention_kernels import decode, paged_grouped_decode
+from attention_kernels import decode, paged_grouped_decode, split_kv
 from attention_kernels.decode import auto_num_splits, grouped_decode
 from attention_kernels.reference import decode_reference, paged_decode_reference
 
@@ -330,7 +330,7 @@ def test_sm90_kernel_structure(d, page_size, splits, crowded):
         counters_ptr="*i32",
         scale_log2="fp32",
     )
-    chunk = decode.fused_combine_chunk(splits, 4, d, decode.FUSED_COMBINE_MIN_ROWS, torch.device("cpu"))
+    chunk = split_kv.fused_combine_chunk(splits, 4, d, split_kv.FUSED_COMBINE_MIN_ROWS, torch.device("cpu"))
     assert (chunk > 0) == (splits > 1)
     const = dict(
         BLOCK_N=block_n, D=d, STAGES=stages, PAGE_SIZE=page_size, PAGE_ROWS=rows, MERGE_H=4, CHUNK=chunk, WAIT=crowded
@@ -708,8 +708,8 @@ def test_fused_combine_matches_separate_combine(case, monkeypatch):
     tile padded past its group (8 of 16 rows), two head tiles of one group (80 heads), and empty splits. (Batches
     this small merge in the launch on the CPU; on the GPU only from FUSED_COMBINE_MIN_ROWS, lowered here.)"""
     b, hq, hkv, s, d, splits = case
-    monkeypatch.setattr(decode, "FUSED_COMBINE_MIN_ROWS", 0)
-    assert decode.fused_combine_chunk(splits, min(hq // hkv, 64), d, b * hq, torch.device(DEVICE)) > 0
+    monkeypatch.setattr(split_kv, "FUSED_COMBINE_MIN_ROWS", 0)
+    assert split_kv.fused_combine_chunk(splits, min(hq // hkv, 64), d, b * hq, torch.device(DEVICE)) > 0
     q = torch.randn(b, hq, d, device=DEVICE)
     k = torch.randn(b, hkv, s, d, device=DEVICE)
     v = torch.randn(b, hkv, s, d, device=DEVICE)
@@ -725,26 +725,26 @@ def test_fused_combine_matches_separate_combine(case, monkeypatch):
     out, lse = grouped_decode(q, k, v, seq_lens, scale=0.3, num_splits=splits)
     assert_close(out, sep_out, torch.float32, "fused combine out")
     assert_close(lse, sep_lse, torch.float32, "fused combine lse")
-    assert not decode.split_counters(q.device, 1).any(), "a ticket counter was left non-zero"
+    assert not split_kv.split_counters(q.device, 1).any(), "a ticket counter was left non-zero"
 
 
 def test_fused_combine_chunk_rule(monkeypatch):
     """Splits per load of the fused combine, or 0 (the separate kernel): one split, the switch, a merge of more
     than 16384 fp32 partials (MQA: 32 heads x 128 x 8 splits), chunks of at most 8192 values, and, where the
     separate combine is a dependent launch (`decode.pdl`: sm_90 GPUs), fewer than FUSED_COMBINE_MIN_ROWS rows."""
-    cpu, rows = torch.device("cpu"), decode.FUSED_COMBINE_MIN_ROWS
-    assert decode.fused_combine_chunk(1, 4, 128, rows, cpu) == 0
-    assert decode.fused_combine_chunk(4, 32, 128, rows, cpu) == 2  # 4096 values per split: two splits per load
-    assert decode.fused_combine_chunk(8, 32, 128, rows, cpu) == 0  # 32768 values: the separate kernel
-    assert decode.fused_combine_chunk(16, 4, 128, rows, cpu) == 16  # a group of 4: 512 values per split, one load
-    assert decode.fused_combine_chunk(3, 3, 80, rows, cpu) == 4  # powers of two: 4 heads x 128 columns, 4 per load
-    assert decode.fused_combine_chunk(2, 16, 512, rows, cpu) == 1  # MLA, 16 heads: one split per load
-    assert decode.fused_combine_chunk(4, 32, 128, 32, cpu) == 2  # no dependent launch on the CPU: any batch
-    monkeypatch.setattr(decode, "pdl", lambda device: True)
-    assert decode.fused_combine_chunk(4, 32, 128, rows - 1, cpu) == 0  # MQA B31: the dependent combine
-    assert decode.fused_combine_chunk(4, 32, 128, rows, cpu) == 2  # MQA B32: merged in the launch
+    cpu, rows = torch.device("cpu"), split_kv.FUSED_COMBINE_MIN_ROWS
+    assert split_kv.fused_combine_chunk(1, 4, 128, rows, cpu) == 0
+    assert split_kv.fused_combine_chunk(4, 32, 128, rows, cpu) == 2  # 4096 values per split: two splits per load
+    assert split_kv.fused_combine_chunk(8, 32, 128, rows, cpu) == 0  # 32768 values: the separate kernel
+    assert split_kv.fused_combine_chunk(16, 4, 128, rows, cpu) == 16  # a group of 4: 512 values per split, one load
+    assert split_kv.fused_combine_chunk(3, 3, 80, rows, cpu) == 4  # powers of two: 4 heads x 128 columns, 4 per load
+    assert split_kv.fused_combine_chunk(2, 16, 512, rows, cpu) == 1  # MLA, 16 heads: one split per load
+    assert split_kv.fused_combine_chunk(4, 32, 128, 32, cpu) == 2  # no dependent launch on the CPU: any batch
+    monkeypatch.setattr(split_kv, "pdl", lambda device: True)
+    assert split_kv.fused_combine_chunk(4, 32, 128, rows - 1, cpu) == 0  # MQA B31: the dependent combine
+    assert split_kv.fused_combine_chunk(4, 32, 128, rows, cpu) == 2  # MQA B32: merged in the launch
     monkeypatch.setenv("ZOO_FUSED_COMBINE", "0")
-    assert decode.fused_combine_chunk(4, 32, 128, rows, cpu) == 0
+    assert split_kv.fused_combine_chunk(4, 32, 128, rows, cpu) == 0
 
 
 def test_split_counters_under_graph_capture(monkeypatch):
@@ -752,24 +752,24 @@ def test_split_counters_under_graph_capture(monkeypatch):
     launch that needs more counters than exist gets None (and uses the separate combine) instead of memory that
     only a replay would zero; a grown buffer keeps the old one alive for graphs captured with it. On a GPU, a
     fused launch captured in a graph replays correctly between eager launches that use the same counters."""
-    monkeypatch.setattr(decode, "_COUNTERS", {})
-    monkeypatch.setattr(decode, "_RETIRED", [])
+    monkeypatch.setattr(split_kv, "_COUNTERS", {})
+    monkeypatch.setattr(split_kv, "_RETIRED", [])
     device = torch.device(DEVICE)
-    first = decode.split_counters(device, 10)
+    first = split_kv.split_counters(device, 10)
     assert first.numel() >= 10 and not first.any()
-    monkeypatch.setattr(decode, "_capturing", lambda device: True)
-    assert decode.split_counters(device, 10) is first
-    assert decode.split_counters(device, first.numel() + 1) is None
-    monkeypatch.setattr(decode, "_capturing", lambda device: False)
-    grown = decode.split_counters(device, first.numel() + 1)
-    assert grown.numel() > first.numel() and len(decode._RETIRED) == 1 and decode._RETIRED[0] is first
+    monkeypatch.setattr(split_kv, "_capturing", lambda device: True)
+    assert split_kv.split_counters(device, 10) is first
+    assert split_kv.split_counters(device, first.numel() + 1) is None
+    monkeypatch.setattr(split_kv, "_capturing", lambda device: False)
+    grown = split_kv.split_counters(device, first.numel() + 1)
+    assert grown.numel() > first.numel() and len(split_kv._RETIRED) == 1 and split_kv._RETIRED[0] is first
     if DEVICE == "cuda":  # a real capture: replays of a fused launch, between eager ones, on the same counters
         q = torch.randn(2, 8, 64, device=DEVICE, dtype=torch.bfloat16)
         k = torch.randn(2, 2, 300, 64, device=DEVICE, dtype=torch.bfloat16)
         v = torch.randn_like(k)
         seq_lens = torch.tensor([300, 77], device=DEVICE, dtype=torch.int32)
-        monkeypatch.setattr(decode, "FUSED_COMBINE_MIN_ROWS", 0)  # a batch this small merges in the launch
-        assert decode.fused_combine_chunk(4, 4, 64, 2 * 8, q.device) > 0
+        monkeypatch.setattr(split_kv, "FUSED_COMBINE_MIN_ROWS", 0)  # a batch this small merges in the launch
+        assert split_kv.fused_combine_chunk(4, 4, 64, 2 * 8, q.device) > 0
 
         def run():
             return grouped_decode(q, k, v, seq_lens, scale=0.125, num_splits=4, validate=False)
@@ -902,8 +902,9 @@ def test_triton_dependent_launch_compiles(kernel, wait):
     from conftest import compile_gluon_sm90
 
     types, const = _TRITON_DECODE_COMPILES[kernel]
+    module = "attention_kernels.split_kv" if kernel == "_combine_splits_kernel" else "attention_kernels.decode"
     ptx = compile_gluon_sm90(
-        "attention_kernels.decode",
+        module,
         kernel,
         types,
         dict(const, WAIT=wait),

@@ -240,3 +240,36 @@ def test_cached_launches_match_triton_launches(monkeypatch):
     assert not runs, "a repeated launch went through JITFunction.run"
     for name, g, w in zip(("out", "dq", "dk", "dv"), got, want):
         assert torch.equal(g, w), name
+
+
+def test_kernel_modules_import_as_a_dag():
+    """The package's modules import each other at their top only (an import inside a function would hide a loop)
+    and without a loop, so each one imports alone: a topological order of their imports exists."""
+    import ast
+    import graphlib
+    import pathlib
+
+    package = pathlib.Path(_host.__file__).parent
+    names = {p.stem for p in package.glob("*.py")}
+    graph = {}
+    for path in package.glob("*.py"):
+        tree = ast.parse(path.read_text())
+        top = {id(node) for node in tree.body}
+        top |= {id(node) for stmt in tree.body if isinstance(stmt, ast.Try) for node in stmt.body}
+        deps = set()
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)):
+                continue
+            if isinstance(node, ast.ImportFrom) and node.module == "attention_kernels":
+                found = {alias.name for alias in node.names} & names
+            elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("attention_kernels."):
+                found = {node.module.split(".")[1]}
+            elif isinstance(node, ast.Import):
+                found = {a.name.split(".")[1] for a in node.names if a.name.startswith("attention_kernels.")}
+            else:
+                continue
+            assert not found or id(node) in top, f"{path.name}:{node.lineno}: imports {sorted(found)} inside a block"
+            deps |= found
+        graph[path.stem] = deps - {path.stem}
+    order = list(graphlib.TopologicalSorter(graph).static_order())  # raises CycleError on a loop
+    assert set(order) >= names
