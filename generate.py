@@ -627,7 +627,7 @@ def _check_fits(model, kind: str, rows: int, max_len: int, page_size: int, num_p
         tokens = (num_pages or rows * -(-max_len // page_size)) * page_size
     else:
         tokens = rows * max_len
-    need, free = per_token * tokens, _available_bytes(device)
+    need, free = per_token * tokens, available_bytes(device)
     if free is not None and need > free:
         raise ValueError(
             f"cache: {need / 2**30:.1f} GiB ({rows} sequences of up to {max_len} tokens at "
@@ -636,7 +636,7 @@ def _check_fits(model, kind: str, rows: int, max_len: int, page_size: int, num_p
         )
 
 
-def _available_bytes(device: torch.device) -> int | None:
+def available_bytes(device: torch.device) -> int | None:
     """Free GPU memory, or the host's MemAvailable (Linux); None where it cannot be read."""
     if device.type == "cuda":
         return torch.cuda.mem_get_info(device)[0]

@@ -1,12 +1,19 @@
-"""Sample from a trained model (or GPT-2) through a KV cache: prefill with the flash kernel, then one token per step
-through the grouped, paged or MLA decode kernels.
+"""Sample from a trained model (or GPT-2): the command line over generate.py's engine. Prefill with the flash kernel,
+then one token per step through the grouped, paged or MLA decode kernels, replayed from CUDA graphs on a GPU.
 
+    python sample.py                                                     # the newest checkpoint here (named)
     python sample.py --out_dir=out-gqa                                   # the checkpoint's natural cache
+    python sample.py --cache paged --num_samples=4 --max_new_tokens=200  # `--key value` works as `--key=value`
     python sample.py --out_dir=out-gqa --cache=paged --num_samples=8 --max_new_tokens=500
     python sample.py --out_dir=out-mla --cache=none                      # the reference: recompute everything
+    python sample.py --out_dir=out-gqa/last.pt                           # a checkpoint file (best.pt is the default)
+    python sample.py --out_dir=out-gqa --cuda_graphs=False --compile=True   # the eager loop, compiled MLPs
     python sample.py --init_from=gpt2 --start="FILE:prompt.txt" --temperature=0 > out.txt
-    python sample.py --out_dir=out-tiny --device=cpu --max_new_tokens=50  # CPU: plain PyTorch attention
-    python sample.py --out_dir out-gqa --cache paged                     # `--key value` works as `--key=value`
+    python train.py --max_iters=50 --eval_interval=50 --out_dir=out-try  # a model to try, in a minute on a CPU
+    python sample.py --out_dir=out-try --device=cpu --max_new_tokens=50  # CPU: plain PyTorch attention
+
+Which checkpoint: --out_dir (or --init_from) takes a run directory (its best.pt, else last.pt) or a checkpoint
+file; without either, the run directory here with the most recently written checkpoint, named on stderr.
 
 --cache: auto (grouped for MHA/GQA/MQA, mla for MLA), grouped, paged, mla, none. On an MLA model "paged" means the
 paged latent cache (paged_mla, also accepted by name); grouped on an MLA model and mla on a GQA model are refused
@@ -19,13 +26,20 @@ every sample at full length fails at start, unless --wait_for_pages=True, which 
 up (each admitted sequence is guaranteed pages for its full length, so nothing is ever evicted). --num_pages and
 --wait_for_pages with a contiguous cache, and any option out of its range, fail at start with the valid values.
 
+Speed: on a GPU each decode step is replayed from a CUDA graph captured at the start for the batch sizes it may
+take (stderr says which and how long the capture took), with sampling on the GPU and the tokens read back every
+few steps; --cuda_graphs=False runs the eager loop instead (a forward and a read-back per step), and on a CPU the
+eager loop is the only one (--cuda_graphs=True there is an error). --compile=True compiles each block's MLP with
+torch.compile (either loop; the graphs then replay the compiled kernels).
+
 Standard output gets the samples alone (the first one streamed as it is generated, then the others, separated by
 a line of dashes), so `> out.txt` captures just the text; progress and statistics (prefill and decode tokens/s,
 cache memory) go to standard error, and to the checkpoint's wandb project with --wandb_log=True.
 
 Past block_size: a model with learned positions cannot go there, so prompt + max_new_tokens beyond block_size is
-an error at start. A RoPE model may go on when asked (--allow_past_block_size=True: positions beyond what it was
-trained on, whose quality is the user's risk); otherwise that is an error too. Nothing is ever cropped silently.
+an error at start. A RoPE model goes on, with a one-line warning on stderr (positions beyond what it was trained
+on, whose quality is the user's risk; --allow_past_block_size=False makes it an error). A prompt longer than
+block_size has a message of its own. Nothing is ever cropped silently.
 """
 
 from __future__ import annotations
@@ -36,22 +50,16 @@ import sys
 import torch
 
 from cache import CacheFullError, check_page_size
-from generate import (
-    _available_bytes,
-    check_length,
-    check_sampling,
-    generate,
-    pages_needed,
-    resolve_cache_kind,
-)
+from generate import available_bytes, check_length, check_sampling, generate, pages_needed, resolve_cache_kind
 
 DEFAULTS = dict(
-    init_from="resume",  # "resume" (the checkpoint in out_dir), a checkpoint directory, or gpt2 / gpt2-medium / ...
+    init_from="resume",  # "resume" (--out_dir), a run directory or checkpoint file, or gpt2 / gpt2-medium / ...
+    # --out_dir: a run directory (best.pt, else last.pt) or a checkpoint file; not given: the newest checkpoint here
     out_dir="out",
     cache="auto",  # auto | grouped | paged | mla | paged_mla | none
     start="\n",  # the prompt, or FILE:path to read it from a file
     num_samples=1,
-    max_new_tokens=100,  # prompt + max_new_tokens - 1 must fit in block_size (see --allow_past_block_size)
+    max_new_tokens=100,  # past block_size: see --allow_past_block_size
     temperature=0.8,  # 0 = greedy
     top_k=200,  # 0 = off
     top_p=1.0,  # 1.0 = off
@@ -59,9 +67,12 @@ DEFAULTS = dict(
     page_size=16,
     num_pages=0,  # 0 = enough for every sample at full length
     wait_for_pages=False,
-    allow_past_block_size=False,
+    allow_past_block_size=True,  # a RoPE model goes past block_size with a warning (False: an error)
     device="cuda" if torch.cuda.is_available() else "cpu",
     dtype="auto",  # auto (bfloat16 on a GPU that has it, else float32) | float32 | bfloat16 | float16
+    # speed ("Speed" above): decode steps replayed from CUDA graphs on a GPU (False: the eager loop; a CPU has none),
+    # and --compile=True for torch.compile of each block's MLP (with or without the graphs)
+    cuda_graphs=True,
     compile=False,
     wandb_log=False,
 )
@@ -81,7 +92,7 @@ def check_options(cfg: dict):
         if cfg[key] < 1:
             raise ValueError(f"--{key}: got {cfg[key]}; valid: an int >= 1")
     check_host_memory(cfg["num_samples"], cfg["max_new_tokens"])
-    check_sampling(cfg["temperature"], cfg["top_k"], cfg["top_p"])
+    check_sampling(cfg["temperature"], cfg["top_k"], cfg["top_p"], prefix="--")
     check_page_size(cfg["page_size"])
     if cfg["num_pages"] < 0:
         raise ValueError(f"--num_pages: got {cfg['num_pages']}; valid: 0 (enough for every sample) or an int >= 1")
@@ -96,7 +107,7 @@ def check_host_memory(num_samples: int, max_new_tokens: int):
     """Every sample's tokens stay on the host until the end (to print them): so many samples that those alone
     exceed the host's available memory (with any cache, --cache=none too) are refused at start, not killed by the
     OS partway."""
-    need, free = num_samples * max_new_tokens * HOST_BYTES_PER_TOKEN, _available_bytes(torch.device("cpu"))
+    need, free = num_samples * max_new_tokens * HOST_BYTES_PER_TOKEN, available_bytes(torch.device("cpu"))
     if free is not None and need > free:
         raise ValueError(
             f"--num_samples={num_samples} x --max_new_tokens={max_new_tokens}: the samples' tokens "
@@ -151,45 +162,92 @@ def check_pool(kind: str, prompt_len: int, cfg: dict):
 # ----------------------------------------------------------------------------------------------- the CLI
 
 
-def load_model(cfg: dict):
-    """(model, tokenizer meta, checkpoint config) from --init_from: resume (out_dir), a directory, or gpt2*."""
+CHECKPOINT_NAMES = ("best.pt", "last.pt")  # a run directory's checkpoints, in the order they are taken
+
+
+def load_model(cfg: dict, out_dir_given: bool = True):
+    """(model, tokenizer meta, checkpoint config, checkpoint path or None) from --init_from: resume (--out_dir, or
+    without it the newest checkpoint here), a run directory or checkpoint file, or gpt2*."""
     from model import GPT, GPT2_NAMES
 
     if cfg["init_from"] in GPT2_NAMES:
         from data import tiktoken_meta
 
-        return GPT.from_pretrained(cfg["init_from"]), tiktoken_meta("gpt2"), {}
-    from checkpoint import load_checkpoint, model_from_checkpoint
-
-    directory = cfg["out_dir"] if cfg["init_from"] == "resume" else cfg["init_from"]
-    if cfg["init_from"] != "resume" and not os.path.isdir(directory):
-        raise ValueError(
-            f"--init_from: got {cfg['init_from']!r}, which is not a directory; valid: 'resume' (the "
-            "checkpoint in --out_dir), a directory holding best.pt or last.pt, or "
-            f"{', '.join(GPT2_NAMES)}"
-        )
-    path = os.path.join(directory, "best.pt")
-    if not os.path.isfile(path):
-        path = os.path.join(directory, "last.pt")
-    if not os.path.isfile(path):
-        option = "--out_dir" if cfg["init_from"] == "resume" else "--init_from"
-        raise ValueError(
-            f"{option}: no checkpoint in {directory!r} (best.pt or last.pt; train.py writes them to its "
-            f"out_dir); valid: {_checkpoint_dirs()}"
-        )
-    ckpt = load_checkpoint(path, map_location="cpu", required_keys=("model", "model_args", "tokenizer"))
-    model = model_from_checkpoint(ckpt, path)
+        return GPT.from_pretrained(cfg["init_from"]), tiktoken_meta("gpt2"), {}, None
+    path = checkpoint_path(cfg, out_dir_given)
+    ckpt, model = _load(path, "--out_dir" if cfg["init_from"] == "resume" else "--init_from")
     print(f"loaded {path} (iter {ckpt.get('iter_num', '?')})", file=sys.stderr)
-    return model, ckpt["tokenizer"], ckpt.get("config", {})
+    return model, ckpt["tokenizer"], ckpt.get("config", {}), path
 
 
-def _checkpoint_dirs() -> str:
-    """The directories under the current one that hold a checkpoint, as --out_dir values, or what to do instead."""
-    found = sorted(
-        d
-        for d in os.listdir(".")
-        if os.path.isdir(d) and any(os.path.isfile(os.path.join(d, name)) for name in ("best.pt", "last.pt"))
+def checkpoint_path(cfg: dict, out_dir_given: bool) -> str:
+    """The checkpoint file that --init_from / --out_dir name (a directory: its best.pt, else last.pt); with neither
+    given, the run directory here whose checkpoint was written last, said on stderr."""
+    from model import GPT2_NAMES
+
+    if cfg["init_from"] == "resume" and not out_dir_given:
+        found = _checkpoint_dirs()
+        if not found:
+            raise ValueError(
+                "no checkpoint here (no directory under the current one holds best.pt or last.pt); train one "
+                "first: python train.py configs/gqa.py (it writes out-gqa/), or sample GPT-2 with --init_from=gpt2"
+            )
+        newest = max(found, key=lambda d: max(_mtimes(d)))
+        others = [d for d in found if d != newest]
+        also = f"; also here: {', '.join(others)}" if others else ""
+        print(f"no --out_dir given: sampling from {newest}, the newest checkpoint here{also}", file=sys.stderr)
+        return _in_directory(newest, "--out_dir")
+    option = "--out_dir" if cfg["init_from"] == "resume" else "--init_from"
+    target = cfg["out_dir"] if cfg["init_from"] == "resume" else cfg["init_from"]
+    if os.path.isfile(target):
+        return target
+    if os.path.isdir(target):
+        return _in_directory(target, option)
+    raise ValueError(
+        f"{option}: got {target!r}, which is not a directory or a checkpoint file; valid: a run directory holding "
+        f"best.pt or last.pt, a checkpoint file, "
+        + ("or no --out_dir (the newest checkpoint here)" if option == "--out_dir" else "")
+        + (f"'resume' (--out_dir), or {', '.join(GPT2_NAMES)}" if option == "--init_from" else "")
+        + f"; here: {_as_options(_checkpoint_dirs())}"
     )
+
+
+def _in_directory(directory: str, option: str) -> str:
+    for name in CHECKPOINT_NAMES:
+        if os.path.isfile(os.path.join(directory, name)):
+            return os.path.join(directory, name)
+    raise ValueError(
+        f"{option}: no checkpoint in {directory!r} (best.pt or last.pt; train.py writes them to its out_dir); "
+        f"valid: {_as_options(_checkpoint_dirs())}"
+    )
+
+
+def _load(path: str, option: str):
+    """(checkpoint, model) of a checkpoint file; a file that does not load names the other checkpoint beside it."""
+    from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
+
+    try:
+        ckpt = load_checkpoint(path, map_location="cpu", required_keys=("model", "model_args", "tokenizer"))
+        return ckpt, model_from_checkpoint(ckpt, path)
+    except CheckpointError as e:
+        directory, name = os.path.split(path)
+        others = [n for n in CHECKPOINT_NAMES if n != name and os.path.isfile(os.path.join(directory, n))]
+        if not others:
+            raise
+        other = os.path.join(directory, others[0])
+        raise CheckpointError(f"{e}; valid: the other checkpoint beside it, {option}={other}") from None
+
+
+def _mtimes(directory: str) -> list[float]:
+    return [os.path.getmtime(p) for n in CHECKPOINT_NAMES if os.path.isfile(p := os.path.join(directory, n))]
+
+
+def _checkpoint_dirs() -> list[str]:
+    """The directories under the current one that hold a checkpoint."""
+    return sorted(d for d in os.listdir(".") if os.path.isdir(d) and _mtimes(d))
+
+
+def _as_options(found: list[str]) -> str:
     if not found:
         return (
             "a directory train.py has written (e.g. python train.py configs/gqa.py, then --out_dir=out-gqa), or "
@@ -249,10 +307,12 @@ def main(argv: list[str]) -> dict:
     from data import get_tokenizer
 
     cfg = parse_config(DEFAULTS, argv)
+    given = parse_config({**DEFAULTS, "out_dir": None, "cuda_graphs": None}, argv)  # None: left at the default
     check_options(cfg)
+    engine = resolve_engine(cfg, explicit=given["cuda_graphs"] is not None)
     torch.manual_seed(cfg["seed"])
     dtype = resolve_dtype(cfg["dtype"], cfg["device"])
-    model, meta, train_cfg = load_model(cfg)
+    model, meta, train_cfg, path = load_model(cfg, out_dir_given=given["out_dir"] is not None)
     model.eval().to(cfg["device"], dtype)
     kind = resolve_cache_kind(model.config, cfg["cache"])  # fails at start with the valid choices
     if cfg["compile"]:
@@ -261,13 +321,16 @@ def main(argv: list[str]) -> dict:
     start_ids = tokenizer.encode(read_start(cfg["start"]))
     prompts = [start_ids] * cfg["num_samples"]
     check_length(model.config, [len(start_ids)], cfg["max_new_tokens"], cfg["allow_past_block_size"])
+    warn_past_block_size(model.config, len(start_ids), cfg["max_new_tokens"])
     check_pool(kind, len(start_ids), cfg)
     generator = torch.Generator(device=cfg["device"]).manual_seed(cfg["seed"])
     stream = _Streamer(tokenizer)
     sys.stdout.write(tokenizer.decode(start_ids))
+    engine = "eager" if kind == "none" else engine
     print(
         f"sampling {cfg['num_samples']} x {cfg['max_new_tokens']} tokens, cache={kind}, "
-        f"attention={model.config.attention}, backend={model.attn_backend_for(cfg['device'])}, dtype={dtype}",
+        f"attention={model.config.attention}, backend={model.attn_backend_for(cfg['device'])}, dtype={dtype}, "
+        f"decode={'CUDA graphs' if engine == 'graphs' else 'eager loop'}",
         file=sys.stderr,
     )
     outputs, stats = generate(
@@ -284,6 +347,8 @@ def main(argv: list[str]) -> dict:
         num_pages=cfg["num_pages"] or None,
         wait_for_pages=cfg["wait_for_pages"],
         allow_past_block_size=cfg["allow_past_block_size"],
+        dtype=dtype,
+        engine=engine,
         on_token=stream,
     )
     stream.flush()
@@ -291,11 +356,37 @@ def main(argv: list[str]) -> dict:
         sys.stdout.write("\n---------------\n" + tokenizer.decode(start_ids + out))
     sys.stdout.write("\n")
     sys.stdout.flush()
-    summary = {"cache": kind, "attention": model.config.attention, **stats.summary()}
+    dtype_name = str(dtype).removeprefix("torch.")
+    summary = {"cache": kind, "attention": model.config.attention, "dtype": dtype_name, **stats.summary()}
     report(summary)
     if cfg["wandb_log"]:
-        log_wandb(summary, train_cfg, cfg)
+        log_wandb(summary, train_cfg, cfg, path)
     return summary
+
+
+def resolve_engine(cfg: dict, explicit: bool) -> str:
+    """--cuda_graphs: on by default on a CUDA device; a CPU has none, so only an explicit True fails there."""
+    cuda = torch.device(cfg["device"]).type == "cuda"
+    if cfg["cuda_graphs"] and not cuda and explicit:
+        raise ValueError(
+            f"--cuda_graphs: got True with --device={cfg['device']}; valid: False on a CPU (CUDA graphs need a "
+            "CUDA device), or --device=cuda"
+        )
+    return "graphs" if cuda and cfg["cuda_graphs"] else "eager"
+
+
+def warn_past_block_size(config, prompt_len: int, max_new_tokens: int):
+    """One line on stderr where a RoPE model is asked for positions past its block_size (check_length has refused
+    what cannot run)."""
+    last, limit = prompt_len + max_new_tokens - 1, config.block_size
+    if last <= limit:
+        return
+    what = (
+        f"the prompt alone ({prompt_len} tokens) is longer than block_size={limit}"
+        if prompt_len > limit
+        else f"prompt {prompt_len} + max_new_tokens {max_new_tokens} - 1 = {last} tokens > block_size={limit}"
+    )
+    print(f"warning: {what}: this RoPE model goes past the positions it was trained on", file=sys.stderr)
 
 
 def _compiled(model):
@@ -318,12 +409,12 @@ def report(summary: dict):
         print(
             f"cache {summary['cache']}: {summary['cache_bytes_allocated'] / mib:.2f} MiB allocated, "
             f"peak {summary['cache_bytes_peak'] / mib:.2f} MiB in use, "
-            f"{summary['cache_bytes_per_token']} bytes/token",
+            f"{summary['cache_bytes_per_token']} bytes/token ({summary['dtype']})",
             file=sys.stderr,
         )
 
 
-def log_wandb(summary: dict, train_cfg: dict, cfg: dict):
+def log_wandb(summary: dict, train_cfg: dict, cfg: dict, path: str | None):
     """Log the decode statistics into the checkpoint's wandb project and group, so the variants compare on
     decoding too. Offline (never blocking) without credentials or network, as train.py does."""
     try:
@@ -336,14 +427,14 @@ def log_wandb(summary: dict, train_cfg: dict, cfg: dict):
     run_name = train_cfg.get("wandb_run_name") or summary["attention"]
     # The run's files go beside the checkpoint's training run (GPT-2 from the hub: here), so that
     # `wandb sync out-*/wandb/offline-run-*` uploads both.
-    checkpoint_dir = cfg["out_dir"] if cfg["init_from"] == "resume" else cfg["init_from"]
+    checkpoint_dir = os.path.dirname(path) if path else "."
     kwargs = dict(
         project=train_cfg.get("wandb_project") or "attention-zoo",
         group=train_cfg.get("wandb_group") or None,
         job_type="sample",
         name=f"{run_name}-sample-{summary['cache']}",
         config={**cfg, "train": train_cfg},
-        dir=os.environ.get("WANDB_DIR") or (checkpoint_dir if os.path.isdir(checkpoint_dir) else "."),
+        dir=os.environ.get("WANDB_DIR") or checkpoint_dir or ".",
     )
     run = open_wandb_run(wandb, kwargs, "the numbers above are not logged", log=lambda m: print(m, file=sys.stderr))
     if run is None:

@@ -318,7 +318,7 @@ def test_sample_py_end_to_end(tmp_path):
     )
     assert run.returncode == 0, run.stderr
     assert run.stdout == f"{expected_text}\n---------------\n{expected_text}\n"
-    assert "decode:" in run.stderr and "tokens/s" in run.stderr and "bytes/token" in run.stderr
+    assert "decode:" in run.stderr and "tokens/s" in run.stderr and "bytes/token (float32)" in run.stderr
 
 
 def test_sample_py_wandb_run_lands_beside_the_checkpoint(tmp_path):
@@ -404,16 +404,20 @@ BAD_OPTIONS = [
         "--num_samples=100000000000000 --cache=none",
         r"--num_samples=100000000000000 x --max_new_tokens=10: the samples' tokens need .* GiB of host memory",
     ),
-    ("--temperature=-1", r"temperature: got -1.0; valid"),
-    ("--top_k=-2", r"top_k: got -2; valid"),
-    ("--top_p=1.5", r"top_p: got 1.5; valid"),
+    ("--temperature=-1", r"^--temperature: got -1.0; valid: a number >= 0"),
+    ("--top_k=-2", r"^--top_k: got -2; valid: an int >= 0"),
+    ("--top_p=1.5", r"^--top_p: got 1.5; valid: a number in \(0, 1\]"),
+    ("--cuda_graphs=True", r"^--cuda_graphs: got True with --device=cpu; valid: False on a CPU"),
     ("--page_size=12", r"page_size: got 12; valid: a power of two"),
     ("--num_pages=-1", r"--num_pages: got -1; valid"),
     ("--device=tpu0", r"--device: got 'tpu0'; valid: cpu, cuda"),
     ("--device=meta", r"--device: got 'meta'; valid: cpu, cuda"),
     ("--dtype=float64", r"--dtype: got 'float64'; valid"),
     ("--start=FILE:missing.txt", r"--start: got 'FILE:missing.txt', which cannot be read"),
-    ("--max_new_tokens=70", r"block_size=64; this RoPE model may go past .* --allow_past_block_size=True"),
+    (
+        "--max_new_tokens=70 --allow_past_block_size=False",
+        r"block_size=64; this RoPE model may go past .* --allow_past_block_size=True",
+    ),
     ("--cache=mla --num_pages=4", r"--num_pages=4 / --wait_for_pages=False: given with --cache=mla.*--cache=paged"),
     ("--cache=mla --wait_for_pages=True", r"given with --cache=mla, which has no page pool"),
     (
@@ -442,7 +446,7 @@ def test_generate_refuses_sizes_that_cannot_work_at_start(monkeypatch):
     """A cache larger than the device's available memory (it would fail to allocate, or get the process killed),
     a boolean top_k and a max_batch below 1 are refused before anything runs."""
     model = tiny_model("mha", dtype=torch.float32).cpu()
-    monkeypatch.setattr(engine, "_available_bytes", lambda device: 1000)
+    monkeypatch.setattr(engine, "available_bytes", lambda device: 1000)
     with pytest.raises(
         ValueError,
         match=r"cache: .* GiB \(2 sequences of up to 12 tokens at \d+ bytes a token\), "
@@ -457,19 +461,18 @@ def test_generate_refuses_sizes_that_cannot_work_at_start(monkeypatch):
 
 
 def test_sample_py_bad_checkpoint_and_prompt_sources(tmp_path, monkeypatch):
-    """--init_from that is a file or an unknown name, a checkpoint whose model_args do not fit its weights, and a
-    --start file that is not UTF-8 each say what is wrong and what is valid."""
+    """--init_from that is neither a directory, a file nor a GPT-2 name, a checkpoint whose model_args do not fit its
+    weights, and a --start file that is not UTF-8 each say what is wrong and what is valid."""
     from checkpoint import CheckpointError, load_checkpoint, save_checkpoint
 
     _checkpoint(tmp_path)
     monkeypatch.chdir(tmp_path)
-    for bad in (str(tmp_path / "last.pt"), "gpt3"):
-        with pytest.raises(
-            ValueError,
-            match=r"--init_from: got .*, which is not a directory; valid: 'resume' .*, a "
-            r"directory holding best.pt or last.pt, or gpt2, ",
-        ):
-            sample.main([f"--init_from={bad}", "--device=cpu"])
+    with pytest.raises(
+        ValueError,
+        match=r"--init_from: got 'gpt3', which is not a directory or a checkpoint file; valid: a run directory "
+        r"holding best.pt or last.pt, a checkpoint file, 'resume' \(--out_dir\), or gpt2, ",
+    ):
+        sample.main(["--init_from=gpt3", "--device=cpu"])
     (tmp_path / "prompt.bin").write_bytes(b"\xff\xfe\x00binary")
     with pytest.raises(ValueError, match=r"--start: got 'FILE:prompt.bin', which cannot be read \(not UTF-8 text\)"):
         sample.main([f"--init_from={tmp_path}", "--device=cpu", "--start=FILE:prompt.bin"])
@@ -480,46 +483,86 @@ def test_sample_py_bad_checkpoint_and_prompt_sources(tmp_path, monkeypatch):
         sample.main([f"--init_from={tmp_path}", "--device=cpu"])
 
 
-def test_sample_py_names_the_checkpoints_it_can_find(tmp_path, monkeypatch):
-    """An --out_dir without best.pt or last.pt (train.py configs/gqa.py writes out-gqa, sample.py reads out by
-    default) names the directories here that hold one, or says how to make one."""
+SHORT = ["--device=cpu", "--start=HELLO, ", "--max_new_tokens=4", "--temperature=0"]
+
+
+def test_sample_py_takes_the_newest_checkpoint_here(tmp_path, monkeypatch, capsys):
+    """Without --out_dir: no checkpoint here says how to train one; with several run directories, the one whose
+    checkpoint was written last, named on stderr (`python train.py configs/gqa.py` then `python sample.py`)."""
     monkeypatch.chdir(tmp_path)
-    with pytest.raises(
-        ValueError,
-        match=r"--out_dir: no checkpoint in 'out' \(best.pt or last.pt; .*valid: a "
-        r"directory train.py has written .*--init_from=gpt2",
-    ):
+    with pytest.raises(ValueError, match=r"no checkpoint here .*train one first: python train.py configs/gqa.py"):
         sample.main(["--device=cpu"])
-    for name in ("out-gqa", "out-mla", "empty"):
+    for name, variant, age in (("out", "mha", 300), ("out-gqa", "gqa", 0), ("out-mla", "mla", 100)):
         (tmp_path / name).mkdir()
-    _checkpoint(tmp_path / "out-gqa", "gqa")
-    _checkpoint(tmp_path / "out-mla")
+        _checkpoint(tmp_path / name, variant)
+        stamp = (tmp_path / name / "last.pt").stat().st_mtime - age
+        os.utime(tmp_path / name / "last.pt", (stamp, stamp))
+    summary = sample.main(["--cache", "paged", "--page_size=8", *SHORT])
+    err = capsys.readouterr().err
+    assert "no --out_dir given: sampling from out-gqa, the newest checkpoint here; also here: out, out-mla" in err
+    assert "loaded out-gqa/last.pt" in err and summary["attention"] == "gqa"
+    assert sample.main(["--out_dir=out", *SHORT])["attention"] == "mha"  # given, even as the default's value
     with pytest.raises(
         ValueError,
-        match=r"--out_dir: no checkpoint in 'out' .*; valid: --out_dir=out-gqa, "
-        r"--out_dir=out-mla$",
+        match=r"--out_dir: got 'out-mqa', which is not a directory or a checkpoint file; valid: .*; here: "
+        r"--out_dir=out, --out_dir=out-gqa, --out_dir=out-mla$",
     ):
-        sample.main(["--device=cpu", "--cache", "paged"])
-    with pytest.raises(ValueError, match=r"--init_from: no checkpoint in '.*empty' .*; valid: --out_dir=out-gqa"):
-        sample.main([f"--init_from={tmp_path / 'empty'}", "--device=cpu"])
-    summary = sample.main(
-        [
-            "--out_dir",
-            "out-gqa",
-            "--cache",
-            "paged",
-            "--page_size",
-            "8",
-            "--device=cpu",
-            "--start",
-            "HELLO, ",
-            "--max_new_tokens",
-            "4",
-            "--num_samples",
-            "1",
-        ]
-    )
-    assert summary["prefill_tokens"] == 7 and summary["decode_tokens"] == 3
+        sample.main(["--out_dir=out-mqa", *SHORT])
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ValueError, match=r"--init_from: no checkpoint in 'empty' .*; valid: --out_dir=out, "):
+        sample.main(["--init_from=empty", *SHORT])
+
+
+def test_sample_py_takes_a_checkpoint_file_and_names_the_other_when_one_is_corrupt(tmp_path, monkeypatch, capsys):
+    """--out_dir=out-gqa/last.pt and --init_from=.../last.pt load that file; a corrupt best.pt (taken first from the
+    directory) fails with the message that names last.pt beside it, and the other way round."""
+    from checkpoint import CheckpointError
+
+    monkeypatch.chdir(tmp_path)
+    run = tmp_path / "out-gqa"
+    run.mkdir()
+    _checkpoint(run, "gqa")
+    assert sample.main(["--out_dir=out-gqa/last.pt", *SHORT])["attention"] == "gqa"
+    assert sample.main([f"--init_from={run / 'last.pt'}", *SHORT])["attention"] == "gqa"
+    good = (run / "last.pt").read_bytes()
+    data = bytearray(good)
+    data[len(data) // 2 : len(data) // 2 + 64] = bytes(64)  # inside the weights: the archive's CRC check fails
+    (run / "best.pt").write_bytes(bytes(data))
+    with pytest.raises(
+        CheckpointError,
+        match=r"best.pt.*is corrupt.*; valid: the other checkpoint beside it, --out_dir=out-gqa/last.pt$",
+    ):
+        sample.main(["--out_dir=out-gqa", *SHORT])
+    (run / "best.pt").write_bytes(good)
+    (run / "last.pt").write_bytes(bytes(data))
+    with pytest.raises(CheckpointError, match=r"valid: the other checkpoint beside it, --init_from=.*out-gqa/best.pt$"):
+        sample.main([f"--init_from={run / 'last.pt'}", *SHORT])
+    assert capsys.readouterr().out.count("HELLO, ") == 2  # the two runs that loaded, nothing from the failed ones
+
+
+def test_sample_py_past_block_size(tmp_path, monkeypatch, capsys):
+    """A RoPE model (block_size 64) generates past block_size with a one-line warning on stderr, the prompt too
+    long for it included; learned positions keep the error, and a prompt longer than block_size has its own."""
+    monkeypatch.chdir(tmp_path)
+    for name, variant in (("out-gqa", "gqa"), ("out-mha", "mha")):
+        (tmp_path / name).mkdir()
+        _checkpoint(tmp_path / name, variant)
+    rope = ["--out_dir=out-gqa", "--device=cpu", "--start=HELLO, ", "--temperature=0", "--page_size=8"]
+    summary = sample.main([*rope, "--cache=paged", "--num_samples=2", "--max_new_tokens=70"])
+    err = capsys.readouterr().err
+    warning = "warning: prompt 7 + max_new_tokens 70 - 1 = 76 tokens > block_size=64: this RoPE model goes past"
+    assert [line for line in err.splitlines() if line.startswith("warning")] == [
+        warning + " the positions it was trained on"
+    ]
+    assert summary["decode_tokens"] == 2 * 69
+    sample.main([*rope[:2], f"--start={'A' * 70}", "--max_new_tokens=2", "--temperature=0"])
+    assert "warning: the prompt alone (70 tokens) is longer than block_size=64" in capsys.readouterr().err
+    learned = ["--out_dir=out-mha", "--device=cpu", "--temperature=0"]
+    with pytest.raises(ValueError, match=r"= 76 tokens; valid: at most block_size=64 for learned position"):
+        sample.main([*learned, "--start=HELLO, ", "--max_new_tokens=70"])
+    with pytest.raises(ValueError, match=r"^prompt: got 70 tokens, longer than the model's block_size=64; valid: at"):
+        sample.main([*learned, f"--start={'A' * 70}", "--max_new_tokens=2"])
+    assert capsys.readouterr().out == ""
 
 
 def test_sample_py_error_is_a_message_not_a_traceback(tmp_path):
