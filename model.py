@@ -434,6 +434,12 @@ class GPT(nn.Module):
         backend = self.attn_backend_for(idx.device)
         for block in self.transformer.h:
             x = block(x, rope, cache, backend)
+        return self.logits_and_loss(x, targets)
+
+    def logits_and_loss(self, x, targets=None):
+        """The final norm and the output projection of x (B, T, n_embd), and with targets the mean cross-entropy:
+        (logits (B, T, vocab_size), loss or None). A method of its own so that torch.compile can take it as one
+        region (train_step.compile_model), where the softmax over the vocabulary fuses with the loss."""
         logits = self.lm_head(self.transformer.ln_f(x))
         loss = None
         if targets is not None:

@@ -43,7 +43,7 @@ import signal
 import sys
 import textwrap
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 
 import numpy as np
@@ -64,6 +64,7 @@ from checkpoint import (
 from configurator import ConfigError, help_text, parse_config, wants_help
 from data import DataError, ensure_dataset
 from model import GPT, GPT2_NAMES, GPTConfig
+from train_step import PTDTYPES, TrainStep, autocast_context, compile_model
 from wandb_run import open_wandb_run
 
 DEFAULTS = dict(
@@ -124,7 +125,6 @@ DEFAULTS = dict(
 )
 MODEL_KEYS = [f.name for f in fields(GPTConfig)]
 RUN_FILES = ("last.pt", "best.pt", "metrics.jsonl")  # what a run writes into out_dir
-PTDTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 EVAL_SEED = 1338  # the eval batches: the same in every run, whatever its seed, so every run is measured alike
 
 
@@ -432,63 +432,6 @@ class BatchSampler:
         self.generator.set_state(state["generator"])
 
 
-class GraphedMicroStep:
-    """One training micro-step captured in a CUDA graph (cuda_graphs=True): the forward, loss / local_accum and the
-    scaled backward, which adds into the parameters' .grad tensors, recorded once and replayed on the graph's own
-    input buffers. An eager micro-step of a GPT-2-small-sized model spends most of its time in the host's kernel
-    launches (benchmarks/RESULTS.md); a replay launches the whole step at once.
-
-    Invariants: every .grad tensor exists and keeps its address for the graph's lifetime (the loop zeroes the
-    gradients in place, never to None), so a replay accumulates into them as the eager backward does; each call
-    copies its batch into the graph's x and y; the loss a call returns is overwritten by the next replay. Built at
-    the first micro-step: three warm-up steps on a side stream (kernel compiles, the Triton kernels' config timing,
-    torch.compile), gradients zeroed, then the capture."""
-
-    def __init__(
-        self,
-        model: torch.nn.Module,
-        dtype: str,
-        scaler: torch.amp.GradScaler,
-        local_accum: int,
-        x: torch.Tensor,
-        y: torch.Tensor,
-    ):
-        self.model, self.scaler, self.local_accum = model, scaler, local_accum
-        self.x, self.y = x.clone(), y.clone()
-        ptdtype = PTDTYPES[dtype]
-        # autocast's cache of cast weights must not live across the capture (PyTorch's CUDA-graph notes)
-        self.ctx = (
-            nullcontext()
-            if ptdtype == torch.float32
-            else torch.autocast(device_type="cuda", dtype=ptdtype, cache_enabled=False)
-        )
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(3):
-                self._step()
-        torch.cuda.current_stream().wait_stream(side)
-        for p in model.parameters():
-            if p.grad is not None:
-                p.grad.zero_()
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.loss = self._step()
-
-    def _step(self) -> torch.Tensor:
-        with self.ctx:
-            _, loss = self.model(self.x, self.y)
-            loss = loss / self.local_accum
-        self.scaler.scale(loss).backward()
-        return loss.detach()
-
-    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        self.x.copy_(x)
-        self.y.copy_(y)
-        self.graph.replay()
-        return self.loss
-
-
 def get_batch(tokens: np.ndarray, offsets: torch.Tensor, block_size: int, device: str):
     """x, y (B, T) int64: the windows at `offsets` and the same windows shifted by one token."""
     x = torch.stack([torch.from_numpy(tokens[i : i + block_size].astype(np.int64)) for i in offsets.tolist()])
@@ -748,12 +691,13 @@ class Setup:
 
     data: object  # data.TokenData
     raw_model: GPT  # the plain module: checkpoints, MFU, KV bytes
-    model: torch.nn.Module  # raw_model, compiled if asked: eval runs through it
+    model: torch.nn.Module  # raw_model (compiled in place if asked): eval runs through it
     train_model: torch.nn.Module  # model, DDP-wrapped when distributed: training runs through it
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     sampler: BatchSampler
     ctx: object  # autocast context (or nullcontext for float32)
+    step: TrainStep  # one optimizer step over the global batch, through train_model
     iter_num: int
     best_val_loss: float
     resumed: bool
@@ -802,8 +746,7 @@ def setup(config: dict, d: Dist, device: str) -> Setup:
         raise ConfigError(f"cuda_graphs: got True on device {device!r}; valid: True on a CUDA device, else False")
     torch.manual_seed(config["seed"] + d.rank)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
-    ptdtype = PTDTYPES[config["dtype"]]
-    ctx = nullcontext() if ptdtype == torch.float32 else torch.autocast(device_type=device_type, dtype=ptdtype)
+    ctx = autocast_context(config["dtype"], device_type)
 
     data = ensure_dataset(config["dataset"], config["data_dir"])
     for split, tokens in (("train", data.train), ("val", data.val)):
@@ -848,9 +791,18 @@ def setup(config: dict, d: Dist, device: str) -> Setup:
                 f"resume: the checkpoint has RNG states of {len(ckpt['rng'])} processes, this run has "
                 f"{d.world_size}; RNGs stay seeded (only dropout is affected)"
             )
-    model = torch.compile(raw_model) if config["compile"] else raw_model
+    model = compile_model(raw_model) if config["compile"] else raw_model  # in place, region by region
     train_model = DDP(model, device_ids=[d.local_rank] if device_type == "cuda" else None) if d.ddp else model
     stop_group = dist.new_group(backend="gloo") if d.ddp and dist.get_backend() != "gloo" else None
+    step = TrainStep(
+        train_model,
+        optimizer,
+        scaler,
+        dtype=config["dtype"],
+        accum_steps=config["gradient_accumulation_steps"] // d.world_size,
+        grad_clip=config["grad_clip"],
+        cuda_graphs=config["cuda_graphs"],
+    )
     run = None
     if d.master:
         try:
@@ -876,6 +828,7 @@ def setup(config: dict, d: Dist, device: str) -> Setup:
         scaler,
         sampler,
         ctx,
+        step,
         iter_num,
         best_val_loss,
         ckpt is not None,
@@ -894,7 +847,6 @@ def train(config: dict, d: Dist, device: str, s: Setup, stop_requested: dict) ->
     facts = run_facts(config, raw_model)
     window_loss, window_iters = torch.zeros((), device=device), 0  # summed on the device: no sync until a log
     t_window, tok_s, mfu, losses = time.perf_counter(), None, None, {}
-    graphed = None  # the GraphedMicroStep, built at the first micro-step when cuda_graphs=True
     interrupted = None  # the signal that stopped the run early
     if s.resumed and iter_num >= config["max_iters"] and not config["eval_only"]:  # no eval line appended twice
         if d.master:
@@ -955,28 +907,10 @@ def train(config: dict, d: Dist, device: str, s: Setup, stop_requested: dict) ->
             interrupted = stop_requested.get("signal", signal.SIGINT)  # another rank's signal: as Ctrl-C
             break
 
-        # One optimizer step over the global batch: local_accum micro-steps on each rank; DDP all-reduces the
-        # gradients only on the last one.
-        loss_iter = torch.zeros((), device=device)
-        for micro_step, offsets in enumerate(sampler.next()):
-            x, y = get_batch(data.train, offsets, config["block_size"], device)
-            if config["cuda_graphs"]:  # the same micro-step, replayed from a CUDA graph (one process, no DDP)
-                graphed = graphed or GraphedMicroStep(s.train_model, config["dtype"], scaler, local_accum, x, y)
-                loss = graphed(x, y)
-            else:
-                sync = micro_step == local_accum - 1
-                with s.train_model.no_sync() if d.ddp and not sync else nullcontext():
-                    with s.ctx:
-                        _, loss = s.train_model(x, y)
-                        loss = loss / local_accum  # DDP averages over ranks: together the mean over the global batch
-                    scaler.scale(loss).backward()
-            loss_iter += loss.detach()
-        if config["grad_clip"] > 0:
-            scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(raw_model.parameters(), config["grad_clip"])
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=not config["cuda_graphs"])  # a captured backward keeps its .grad tensors
+        # One optimizer step over the global batch (train_step.TrainStep): local_accum micro-steps on each rank,
+        # DDP all-reducing the gradients on the last one, then the clip and AdamW.
+        batches = (get_batch(data.train, offsets, config["block_size"], device) for offsets in sampler.next())
+        loss_iter = s.step(batches)
         iter_num += 1
         window_loss += loss_iter
         window_iters += 1

@@ -488,3 +488,33 @@ def test_traces_as_one_graph(variant):
     loss.backward()
     assert_scaled_close(logits, ref_logits, 1e-6, "compiled logits")
     assert compiled._orig_mod.lm_head.weight.grad is not None
+
+
+def test_compile_model_traces_the_training_step_in_two_graphs():
+    """train_step.compile_model, as train.py's compile=True applies it: each block and the loss head compile with
+    fullgraph=True around our attention ops, forward and backward (the "aot_eager" backend traces the backward
+    through AOTAutograd as Inductor does, without Inductor's code generation, which the CPU would spend minutes on),
+    the alike blocks share one graph, and a TrainStep through it moves the weights as the eager model's does."""
+    from torch._dynamo.utils import counters
+
+    from train_step import TrainStep, compile_model
+
+    torch._dynamo.reset()
+    counters.clear()
+    eager = GPT(make_config("gqa-g2", "rope", attn_backend="triton")).to(DEVICE)
+    compiled = compile_model(copy.deepcopy(eager), backend="aot_eager")
+    assert set(compiled.state_dict()) == set(eager.state_dict()), "compiled in place: the same state_dict keys"
+    idx = torch.randint(0, TINY["vocab_size"], (2, 20), device=DEVICE)
+    batches = [(idx, idx.roll(1, dims=1))] * 2
+    losses = {}
+    for name, model in (("eager", eager), ("compiled", compiled)):
+        optimizer = model.configure_optimizers(0.1, 1e-2, (0.9, 0.95), DEVICE)
+        step = TrainStep(
+            model, optimizer, torch.amp.GradScaler(enabled=False), dtype="float32", accum_steps=2, grad_clip=1.0
+        )
+        losses[name] = step(batches).item()
+    assert counters["stats"]["unique_graphs"] == 2, dict(counters["stats"])  # one block graph, one head graph
+    assert not counters["graph_break"], dict(counters["graph_break"])
+    assert losses["compiled"] == pytest.approx(losses["eager"], rel=1e-5)
+    for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
+        assert_scaled_close(q, p, 1e-5, f"{name} after a step")
