@@ -433,12 +433,25 @@ class BatchSampler:
 
 
 def get_batch(tokens: np.ndarray, offsets: torch.Tensor, block_size: int, device: str):
-    """x, y (B, T) int64: the windows at `offsets` and the same windows shifted by one token."""
-    x = torch.stack([torch.from_numpy(tokens[i : i + block_size].astype(np.int64)) for i in offsets.tolist()])
-    y = torch.stack([torch.from_numpy(tokens[i + 1 : i + 1 + block_size].astype(np.int64)) for i in offsets.tolist()])
-    if device.startswith("cuda"):  # pinned host memory lets the copy overlap the previous micro-step
-        return x.pin_memory().to(device, non_blocking=True), y.pin_memory().to(device, non_blocking=True)
-    return x.to(device), y.to(device)
+    """x, y (B, T) int64: the windows at `offsets` and the same windows shifted by one token. The B windows of T + 1
+    tokens are gathered into one buffer, x and y are views of it: on CUDA a pinned host buffer and one non-blocking
+    copy, so the host goes on launching work while the copy runs (the pinned block is not reused before its copy
+    is done: PyTorch's pinned-memory cache waits for it)."""
+    windows = offsets.numpy()[:, None] + np.arange(block_size + 1)  # (B, T + 1) token positions
+    pinned = device.startswith("cuda")
+    batch = torch.empty(windows.shape, dtype=torch.int64, pin_memory=pinned)
+    batch.numpy()[...] = tokens[windows]
+    if pinned:
+        batch = batch.to(device, non_blocking=True)
+    return batch[:, :-1], batch[:, 1:]
+
+
+def micro_batches(tokens: np.ndarray, offsets: torch.Tensor, block_size: int, device: str):
+    """An iteration's (x, y) per micro-step, each drawn when the loop asks for it: after the previous micro-step's
+    work is queued on the device, so gathering the next batch and queueing its copy overlaps that work (the
+    prefetch of the next batch, without a thread: the host is ahead of the device unless launches bind it)."""
+    for row in offsets:
+        yield get_batch(tokens, row, block_size, device)
 
 
 @torch.no_grad()
@@ -909,8 +922,7 @@ def train(config: dict, d: Dist, device: str, s: Setup, stop_requested: dict) ->
 
         # One optimizer step over the global batch (train_step.TrainStep): local_accum micro-steps on each rank,
         # DDP all-reducing the gradients on the last one, then the clip and AdamW.
-        batches = (get_batch(data.train, offsets, config["block_size"], device) for offsets in sampler.next())
-        loss_iter = s.step(batches)
+        loss_iter = s.step(micro_batches(data.train, sampler.next(), config["block_size"], device))
         iter_num += 1
         window_loss += loss_iter
         window_iters += 1

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 
+import numpy as np
 import pytest
 import torch
 from conftest import DEVICE, read_wandb_records
@@ -261,6 +262,18 @@ def test_a_run_names_its_cache_dtype_and_says_where_it_went(data_dir, tmp_path, 
     assert "model: gqa, 1 layers, 8 heads / 2 KV heads, 64 wide, " in out
     assert "KV cache 128 bytes/token in float32" in out  # 2 (K, V) x 1 layer x 2 heads x 8 dims x 4 bytes
     assert "saved:" not in out, "nothing trained, nothing saved"
+
+
+def test_get_batch_gathers_windows_and_their_next_tokens(tmp_path):
+    """x is each window of block_size tokens, y the same window one token on; from a memory-mapped split too."""
+    path = tmp_path / "tokens.bin"
+    np.arange(100, dtype=np.uint16).tofile(path)
+    for tokens in (np.arange(100, dtype=np.uint16), np.memmap(path, dtype=np.uint16, mode="r")):
+        x, y = train.get_batch(tokens, torch.tensor([0, 7, 90]), 9, "cpu")
+        assert x.dtype == y.dtype == torch.int64 and x.shape == y.shape == (3, 9)
+        assert x[1].tolist() == list(range(7, 16)) and y[1].tolist() == list(range(8, 17)) and y[2, -1] == 99
+    micro = list(train.micro_batches(tokens, torch.tensor([[0, 1], [2, 3]]), 4, "cpu"))
+    assert [x[:, 0].tolist() for x, _ in micro] == [[0, 1], [2, 3]]
 
 
 def test_docstring_commands_have_no_runs_of_spaces():
