@@ -634,10 +634,12 @@ def render(rows: list[Row], cfg: dict, device: str) -> str:
     headers = [header for _, header in cols]
     left = {"label", "attention", "kv_formula"}
     notes = footer(rows, cfg, device)
-    if cfg["format"] == "markdown":
+    if cfg["format"] == "markdown":  # `*` is emphasis there, even inside a word: formulas as code, marks escaped
+        formula = [key for key, _ in cols].index("kv_formula")
+        cells = [[f"`{v}`" if i == formula else v.replace("*", "\\*") for i, v in enumerate(r)] for r in cells]
         align = ["---" if key in left else "---:" for key, _ in cols]
         lines = ["| " + " | ".join(r) + " |" for r in (headers, align, *cells)]
-        return "\n".join(lines + [""] + notes)
+        return "\n".join(lines + [""] + ["- " + n.replace("*", "\\*") for n in notes])
     widths = [max(len(r[i]) for r in (headers, *cells)) for i in range(len(cols))]
 
     def line(values):

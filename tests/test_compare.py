@@ -180,7 +180,8 @@ def test_markdown_csv_and_json(tmp_path):
     assert md[0].startswith("| run | n | attention |") and md[0].endswith("|")
     assert md[1].startswith("| --- | ---: | --- | ---: |")
     assert md[2].startswith("| out-mha | 1 | mha |") and md[3].startswith("| out-mla | 1 | mla-r16 |")
-    assert md[4] == "" and md[5].startswith("KV B/token")
+    assert "| `2*1*4*8*4` |" in md[2] and "| `1*(16+4)*4` |" in md[3]  # code: `*` would be emphasis
+    assert md[4] == "" and md[5].startswith("- KV B/token") and "2\\*n_layer\\*n_kv_head" in md[5]
     rows = list(csv.DictReader(io.StringIO(compare.main([*dirs, *NO_DECODE, "--format", "csv"])["text"])))
     assert [r["attention"] for r in rows] == ["mha", "mla-r16"]
     assert float(rows[1]["val_loss_best"]) == 2.5 and int(rows[1]["kv_bytes_per_token"]) == 80
@@ -207,6 +208,8 @@ def test_differing_datasets_sizes_and_budgets_are_flagged(tmp_path):
     assert [line.split()[0] for line in lines[2:7]] == ["a", "b", "c*", "d*", "e*"]
     assert "* c: dataset tinystories where most runs have pydoc" in lines
     assert "* d: size L2-E32-H4-T32 where most runs have L1-E32-H4-T32" in lines
+    md = compare.main([str(tmp_path / d) for d in "abcde"] + NO_DECODE + ["--format=markdown"])["text"]
+    assert "| c\\* | 1 | mqa |" in md and "- \\* c: dataset tinystories where most runs have pydoc" in md
 
 
 def test_runs_differing_only_in_seed_share_a_row(tmp_path):
@@ -341,7 +344,7 @@ def test_help_and_errors_on_the_command_line(tmp_path):
 
 
 def test_wandb_summary_run_offline(tmp_path, monkeypatch):
-    pytest.importorskip("wandb")
+    wandb = pytest.importorskip("wandb")
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")
@@ -350,6 +353,7 @@ def test_wandb_summary_run_offline(tmp_path, monkeypatch):
     compare.main(
         [str(tmp_path / "a"), str(tmp_path / "b"), "--decode=False", f"--plot={tmp_path / 'c.png'}", "--wandb_log"]
     )
+    wandb.teardown()  # the offline file is written by wandb's service after finish() returns; a script's exit waits
     (path,) = glob.glob(str(tmp_path / "wandb" / "offline-run-*" / "run-*.wandb"))
     records = read_wandb_records(path)
     run = next(r.run for r in records if r.WhichOneof("record_type") == "run")
