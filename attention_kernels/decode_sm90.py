@@ -51,7 +51,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from attention_kernels import _checks
 from attention_kernels._host import cdiv, launcher, next_power_of_2, num_sms, pdl
-from attention_kernels.flash_sm90 import descriptor, on_hopper, wgmma_layout
+from attention_kernels.sm90 import descriptor, on_hopper, wgmma_layout
 
 HEAD_DIMS = (64, 128)
 MMA_ROWS = 64  # the M of every wgmma: a program's query heads, padded

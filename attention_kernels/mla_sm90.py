@@ -64,7 +64,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from attention_kernels import _checks
 from attention_kernels._host import LOG2E, cdiv, launcher, pdl
 from attention_kernels.decode_sm90 import gdc_wait, split_range, tile_pages, zero_rows
-from attention_kernels.flash_sm90 import descriptor, on_hopper, wgmma_layout
+from attention_kernels.sm90 import descriptor, on_hopper, wgmma_layout
 
 HEADS_PER_PROGRAM = 64  # the M of every wgmma of the 64-head tile
 NARROW_HEADS = 16  # heads per program of the narrow kernel (twice that from 17 heads): the N of its wgmma

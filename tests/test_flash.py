@@ -502,7 +502,7 @@ def _compile_sm90(d, causal, which, d_v=None, group=4):
             counter_ptr="*i32",
             qk_scale="fp32",
         )
-        kernel = "_flash_fwd_sm90_kernel"
+        module, kernel = "flash_sm90_fwd", "_flash_fwd_sm90_kernel"
     elif which == "dq":
         rows, (block_n, stages, persistent) = flash_sm90.ROWS_PER_CONSUMER, flash_sm90.DQ_CONFIGS[(d, d_v)]
         # Unit last strides of out, dq, lse and dlse, which Triton's launcher specializes as constants, as it does
@@ -538,7 +538,7 @@ def _compile_sm90(d, causal, which, d_v=None, group=4):
             sm_scale="fp32",
             qk_scale="fp32",
         )
-        kernel = "_flash_bwd_dq_sm90_kernel"
+        module, kernel = "flash_sm90_bwd_dq", "_flash_bwd_dq_sm90_kernel"
     else:
         block_m, stages, persistent = flash_sm90.dkdv_config(d, d_v, causal, group)
         block_n = flash_sm90.PROGRAM_ROWS
@@ -579,7 +579,7 @@ def _compile_sm90(d, causal, which, d_v=None, group=4):
                 types.update(dkr_desc=desc(rows_c, d_rest))
             else:
                 const.update(dkr_desc=None)
-        kernel = "_flash_bwd_dkdv_sm90_kernel"
+        module, kernel = "flash_sm90_bwd_dkdv", "_flash_bwd_dkdv_sm90_kernel"
     if which == "fused":  # the one-launch backward (D = 64, 128): dK/dV's tiles, dQ by TMA reduce into fp32
         rows, keys = flash_sm90.ROWS_PER_CONSUMER, flash_sm90.PROGRAM_ROWS
         block_m = flash_sm90.FUSED_PAIRS[(d, d_v)]
@@ -598,10 +598,12 @@ def _compile_sm90(d, causal, which, d_v=None, group=4):
             sm_scale="fp32",
             qk_scale="fp32",
         )
-        return compile_gluon_sm90("attention_kernels.flash_sm90", "_flash_bwd_fused_sm90_kernel", types, const)
+        return compile_gluon_sm90(
+            "attention_kernels.flash_sm90_bwd_fused", "_flash_bwd_fused_sm90_kernel", types, const
+        )
     if not d_rest:
         const.update(qr_desc=None, kr_desc=None)
-    return compile_gluon_sm90("attention_kernels.flash_sm90", kernel, types, const)
+    return compile_gluon_sm90(f"attention_kernels.{module}", kernel, types, const)
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -676,8 +678,8 @@ def test_sm90_backward_kernel_structure(which, d, d_v, causal):
     registers are read before the wait that covers it: dK/dV must issue dP^T before dV so that waiting for all but
     the newest group covers dP^T). The causal dK/dV kernel at D=64, whose 128-query steps hold a 64 x 128 S^T and
     dP^T per warpgroup, spilled 196 bytes inside its step loop while its mask compared against column indices that
-    ptxas kept live across the loop; with the mask written against immediates (flash_sm90._bwd_tile) it keeps 16
-    bytes (4 for MHA) of tile setup in local memory, which the bound of 16 allows (session 34: 1.00-1.04x the
+    ptxas kept live across the loop; with the mask written against immediates (flash_sm90_bwd_dkdv._bwd_tile) it
+    keeps 16 bytes (4 for MHA) of tile setup in local memory, which the bound of 16 allows (session 34: 1.00-1.04x the
     spilling kernel). The persistent kernels (dQ and dK/dV at D=64 and MLA's 96/64) take their tiles with one atomic add
     each, by one thread. MLA's Q and K arrive as two TMA tiles each (96: 64 + 32 columns, 192: 128 + 64), so S
     (S^T) is two products and dQ (dK) two accumulators, the RoPE part's own.
@@ -720,8 +722,8 @@ def test_sm90_backward_kernel_structure(which, d, d_v, causal):
 @pytest.mark.parametrize("d,d_v", [(128, 128), (96, 64), (192, 128)], ids=["D128", "D96x64", "D192x128"])
 def test_sm90_mha_causal_dkdv_structure(d, d_v):
     """MHA's causal dK/dV (one query head per KV head) has a prologue of its own: its second consumer skips the
-    query blocks that end before its keys and only releases their ring slots (flash_sm90._dkdv_lead; the kernels
-    above compile a KV group of 4, which does not skip). Compiled for sm_90: the same products as with a group,
+    query blocks that end before its keys and only releases their ring slots (flash_sm90_bwd_dkdv._dkdv_lead; the
+    kernels above compile a KV group of 4, which does not skip). Compiled for sm_90: the same products as with a group,
     wgmma not serialized, and no spills but at D=128 ptxas's 12/16 bytes of three setup values, stored at the
     kernel's entry, before the step loop and after it, and loaded outside the loop (sessions 32 and 33's
     disassembly; session 32's skip measured 1.01-1.07x the whole MHA backward without it, session 33's TMA store of
@@ -741,18 +743,16 @@ def test_sm90_mha_causal_dkdv_structure(d, d_v):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [64, 128], ids=["D64", "D128"])
 def test_sm90_fused_backward_structure(d, causal, group):
-    """The one-launch backward (flash_sm90._flash_bwd_fused_sm90_kernel, D = 128 with 64-query steps, D = 64 with
-    128) compiled for sm_90 on any machine: two consumer warpgroups (setmaxnreg 240) beside the loader and the dQ
-    writer warps (24 each); per consumer the dK/dV products plus its 64 x 64 share of dQ = dS K over the tile's 128
-    keys (S^T before the loop and in it and dP^T over d columns, dV and dK over the step's queries, dQ over 128
-    keys: wgmma of k = 16); dQ added into fp32 by TMA reduce, four messages a step (two consumers, 32 columns each of
-    their 64), whose reads are waited for before a staging buffer is reused; dK and dV by TMA store; within the
-    227 KB of shared memory (225.5 KB at D = 128: Q, dO and their lse/delta in two stages, K, V, two dS^T buffers,
-    four dQ buffers; 226.6 KB at D = 64); wgmma not serialized. Spills: none at D = 128, and 24-72 bytes at D = 64,
-    outside the step loop (session 44's disassembly). Until session 44 the K and V tiles' wgmma descriptors were
-    loop invariants, live across the loop, and ptxas spilled other invariants (60-92 bytes at D = 128, 88-144 at
-    D = 64) and reloaded 5-11 values a step; `_fused_kv` now rebuilds them each step, and the backward measured
-    1.00-1.08x faster."""
+    """The one-launch backward (flash_sm90_bwd_fused._flash_bwd_fused_sm90_kernel: D = 128 with 64-query steps,
+    D = 64 with 128) compiled for sm_90 on any machine: two consumer warpgroups (setmaxnreg 240) beside the loader
+    and the dQ writer warps (24 each); per consumer the dK/dV products plus its 64 x 64 share of dQ = dS K over the
+    tile's 128 keys (S^T before the loop and in it and dP^T over d columns, dV and dK over the step's queries, dQ
+    over 128 keys: wgmma of k = 16); dQ added into fp32 by TMA reduce, four messages a step (two consumers, 32
+    columns each of their 64), whose reads are waited for before a staging buffer is reused; dK and dV by TMA store;
+    within the 227 KB of shared memory (225.5 KB at D = 128: Q, dO and their lse/delta in two stages, K, V, two
+    dS^T buffers, four dQ buffers; 226.6 KB at D = 64); wgmma not serialized. Spills: none at D = 128, and 24-72
+    bytes at D = 64, outside the step loop (`_fused_kv` rebuilds the K and V wgmma descriptors each step, so that
+    they are not loop invariants that crowd out the registers)."""
     from attention_kernels import flash_sm90
 
     block_m = flash_sm90.FUSED_PAIRS[(d, d)]
@@ -842,7 +842,7 @@ def test_sm90_backward_fused(case, monkeypatch):
         (1, 2, 2, 130, 330, 192, 128, False),
         # MHA, causal, S_q < S_kv off the blocks' grid (query row i at key 30 + i): the second
         # consumer of a dK/dV tile skips the query blocks that end before its keys, real keys
-        # (flash_sm90._dkdv_lead: one of 64 rows; one, then two of 32 at 192/128), and the first
+        # (flash_sm90_bwd_dkdv._dkdv_lead: one of 64 rows; one, then two of 32 at 192/128), and the first
         # consumer of a dQ tile (and of the forward's at 192/128) the key block of 64 past its rows
         # (_release_kv).
         (1, 2, 2, 200, 230, 128, 128, True),
@@ -1012,19 +1012,20 @@ def test_sm90_persistent_tiles(d, d_v, causal, monkeypatch):
     launches (one tile per program or fewer) never do (causal D = 64, below MIN_KEYS, runs the Triton forward and
     the persistent backward kernels). Forward and backward (ZOO_FLASH_SM90_BWD=force) into NaN-poisoned buffers
     against the reference. On other machines the Triton kernels run the same check."""
-    from attention_kernels import flash_sm90
+    from attention_kernels import flash_sm90_bwd_dkdv, flash_sm90_bwd_dq, flash_sm90_common, flash_sm90_fwd
 
-    monkeypatch.setattr(flash_sm90, "num_sms", lambda device: 2)
+    for module in (flash_sm90_fwd, flash_sm90_bwd_dq, flash_sm90_bwd_dkdv):
+        monkeypatch.setattr(module, "num_sms", lambda device: 2)
     monkeypatch.setenv("ZOO_FLASH_SM90_BWD", "force")
     # Tile counters from a ring of two, so it runs out and is zeroed again inside each call (three persistent
     # launches at D = 64, two at D = 128); a counter left unzeroed would skip tiles and leave NaN in the outputs.
-    monkeypatch.setattr(flash_sm90, "_RING_SIZE", 2)
-    monkeypatch.setattr(flash_sm90, "_RINGS", {})
+    monkeypatch.setattr(flash_sm90_common, "_RING_SIZE", 2)
+    monkeypatch.setattr(flash_sm90_common, "_RINGS", {})
     # 24 forward and dQ tiles of 128 queries, 12 dK/dV tiles of 128 keys; bf16 on the GPU, fp16 on the CPU (whose
     # interpreter computes bf16 wrong).
     shapes = [(2, 4, 2, 300, 300, d, d_v, causal)]
     if (d, causal) == (96, True):  # MHA: the second dK/dV consumer skips each tile's first query block
-        shapes.append((2, 4, 4, 300, 300, d, d_v, causal))  # (flash_sm90._dkdv_lead), tile after tile
+        shapes.append((2, 4, 4, 300, 300, d, d_v, causal))  # (flash_sm90_bwd_dkdv._dkdv_lead), tile after tile
     for shape in shapes:
         for _ in range(2):
             check_forward_backward(shape, KERNEL_DTYPES[-1])
@@ -1050,11 +1051,11 @@ def test_forward_into_strided_out(d, causal):
 
 
 def test_sm90_staged_grads():
-    """flash_sm90._staged, the host step of the kernels that write dK and dV by TMA (the one-tile dK/dV launch and
+    """flash_sm90.staged_grads, the host step of the kernels that write dK and dV by TMA (the one-tile dK/dV launch and
     the one-launch backward): a dk whose rows TMA cannot write (stride D + 1) goes through a contiguous buffer that
     is copied back, a dv of another dtype through one in the launch's dtype, a writable one is passed as it is; with
     both writable nothing is run."""
-    from attention_kernels.flash_sm90 import _staged
+    from attention_kernels.flash_sm90 import staged_grads
 
     dk = torch.zeros(1, 2, 8, 65)[..., :64]
     dv = torch.zeros(1, 2, 8, 64, dtype=torch.float16)
@@ -1065,14 +1066,14 @@ def test_sm90_staged_grads():
         dk_.fill_(1.0)
         dv_.fill_(2.0)
 
-    assert _staged(launch, torch.float16, dk, dv)
+    assert staged_grads(launch, torch.float16, dk, dv)
     ((dk_, dv_),) = seen
     assert dk_ is not dk and dk_.is_contiguous() and dk_.dtype == torch.float16 and dv_ is dv
     assert (dk == 1.0).all() and (dv == 2.0).all()
     dv32 = torch.zeros(1, 2, 8, 64)
-    assert _staged(launch, torch.float16, dv, dv32) and seen[-1][0] is dv and seen[-1][1].dtype == torch.float16
+    assert staged_grads(launch, torch.float16, dv, dv32) and seen[-1][0] is dv and seen[-1][1].dtype == torch.float16
     assert (dv32 == 2.0).all()
-    assert not _staged(launch, torch.float16, dv, dv.clone()) and len(seen) == 2
+    assert not staged_grads(launch, torch.float16, dv, dv.clone()) and len(seen) == 2
 
 
 @pytest.mark.parametrize("d,d_v", [(128, 128), (192, 128), (64, 64)], ids=["D128", "D192x128", "D64"])

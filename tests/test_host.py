@@ -24,16 +24,16 @@ def _descriptors():
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor as GluonDescriptor
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from attention_kernels import flash_sm90
+    from attention_kernels import sm90
 
     out = []
     for dtype in (torch.bfloat16, torch.float16, torch.float32):
         base = torch.empty(2, 3, 256, 128, dtype=dtype)
         for block in ([1, 1, 64, 128], [1, 1, 128, 128], [1, 1, 64, 64]):
-            out.append(flash_sm90.descriptor(base, block))
-            out.append(GluonDescriptor.from_tensor(base, block, flash_sm90._nvmma_layout(tuple(block), dtype)))
+            out.append(sm90.descriptor(base, block))
+            out.append(GluonDescriptor.from_tensor(base, block, sm90._nvmma_layout(tuple(block), dtype)))
             out.append(TensorDescriptor.from_tensor(base, block))
-        out.append(flash_sm90.descriptor(base[..., :64], [1, 1, 64, 64]))  # another tensor's strides: same kernel
+        out.append(sm90.descriptor(base[..., :64], [1, 1, 64, 64]))  # another tensor's strides: same kernel
     return out
 
 
