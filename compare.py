@@ -599,7 +599,8 @@ def footer(rows: list[Row], cfg: dict, device: str) -> list[str]:
     ]
     if cfg["decode"]:
         where = (
-            f"on {device} through our Triton kernels at each run's training dtype"
+            f"on {device} through our Triton kernels (generate's default engine: CUDA graphs) at each run's "
+            "training dtype"
             if device.startswith("cuda")
             else f"on {device} with the plain PyTorch attention (attn_backend=torch) in float32, not our GPU kernels"
         )
