@@ -601,12 +601,13 @@ def _generate_static(model, sched: _Scheduler, decoder: StaticDecoder, pick, on_
         stats.decode_steps += steps
         stats.extra["reads"] += 1
         stats.extra["steps_per_bucket"][bucket] = stats.extra["steps_per_bucket"].get(bucket, 0) + steps
+        logits = decoder.logits[: len(rows)].clone() if on_logits is not None else None  # the buffer is reused
         done = []
         for j, r in enumerate(rows):
             i = sched.active[r]
             for k in range(steps):
                 if on_logits is not None:
-                    on_logits(i, decoder.logits[j])
+                    on_logits(i, logits[j])
                 stats.decode_tokens += 1
                 if seqs.emit(i, history[k][j]):
                     done.append(r)

@@ -1,15 +1,29 @@
-"""Decode speed and cache memory of every attention variant and cache, on GPT-2-small-sized random models.
+"""Decode speed of GPT-2-small-sized models three ways in one process: our engine (generate.py, decode steps
+replayed from CUDA graphs), our eager loop, and a gpt-fast-style peer written here, on the same weights.
 
-    python3 benchmarks/bench_generate.py                       # the H200 table (under 3 minutes)
-    python3 benchmarks/bench_generate.py --device=cpu --tiny   # a smoke run of the same code on the CPU
+    python -m benchmarks.bench_generate                                  # the H200 table (about 6 minutes)
+    python -m benchmarks.bench_generate --quick                          # batches 1 and 8, 32 new tokens
+    python -m benchmarks.bench_generate --device=cpu --tiny              # a smoke run of the same code on the CPU
 
-For each variant (mha, gqa with 4 KV heads, mqa, mla) and each cache that fits it, a batch of random prompts of
---prompt_len tokens is prefilled and then --new_tokens tokens are decoded greedily through generate.generate, with the
-Triton kernels; decode tokens/s = batch * decode steps / decode seconds (device-synchronized). Baselines in the same
-run: the same caches on the plain PyTorch attention (backend "torch", attention_kernels/reference.py) and, at batch 1,
-no cache at all (the full forward every step). "cache GB/s" is the bytes of cache every decode step reads (the whole
-context of every sequence, all layers) over the step time, an end-to-end lower bound on the attention's
-bandwidth: the step also runs the projections, the MLP and Python, so it is not a kernel measurement.
+Models: GPT-2 small (12 layers, 12 heads of 64, 768 wide, learned positions) with GQA (4 KV heads) and with MLA
+(a 256-wide latent and a 32-dim RoPE key), random weights in bf16. Each batch (--batches) is that many prompts of
+--prompt_len tokens decoding --new_tokens greedily; "ragged" is --ragged_prompts prompts of prompt_len / 8 ..
+prompt_len tokens that each want new_tokens / 4 .. new_tokens tokens, through --ragged_rows rows (continuous
+batching: a finished sequence's row goes to the next prompt at once).
+
+- engine: generate(engine="graphs"), the natural cache of the model (grouped / mla; --caches adds paged);
+- eager: generate(engine="eager"), a forward and a read-back per step;
+- peer: gpt-fast's recipe over the same modules: a static KV cache tensor per layer (MLA: the latent and RoPE key),
+  F.scaled_dot_product_attention with a mask of each row's length, the decode step (with the argmax) compiled with
+  torch.compile(mode="reduce-overhead", fullgraph=True); prefill eager. On the ragged prompts it batches statically:
+  --ragged_rows prompts at a time, each batch decoding until its longest request is done.
+
+Decode tokens/s counts the tokens decoded (not the prefill's first) over the decode seconds (device-synchronized);
+ms/step is the decode seconds over the steps. The ragged rows count every new token over the whole run's wall time,
+prefill included (a server's throughput, as nano-vllm's bench reports it), capture and compile excluded. Before
+timing, each model is checked: the engine's and the peer's logits equal the eager loop's within the dtype's
+tolerance and their greedy tokens equal its tokens (up to a near-tie, where rounding may pick either token).
+On the CPU the engine runs its static step without capture and the peer's step is not compiled (no CUDA graphs).
 """
 
 from __future__ import annotations
@@ -19,19 +33,9 @@ import os
 import sys
 import time
 
-# --device=cpu (or --device cpu): the Triton kernels run on CPU tensors under the interpreter, set before import.
-_device = argparse.ArgumentParser(add_help=False)
-_device.add_argument("--device")
-if _device.parse_known_args()[0].device == "cpu":
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import torch  # noqa: E402
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from benchmarks.common import ceilings, header, print_table, require_cuda  # noqa: E402
-from model import GPT, GPTConfig  # noqa: E402
-from generate import generate  # noqa: E402
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
 
 GPT2_SMALL = dict(n_layer=12, n_head=12, n_embd=768, block_size=1024, vocab_size=50304, bias=True, dropout=0.0)
 TINY = dict(n_layer=2, n_head=4, n_embd=64, block_size=256, vocab_size=512, bias=True, dropout=0.0)
@@ -43,104 +47,321 @@ VARIANTS = {
     "mla": dict(attention="mla", kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=32, v_head_dim=64),
 }
 TINY_MLA = dict(attention="mla", kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16)
-CACHES = {"mla": ("mla", "paged_mla")}
+# Logits against the eager loop's: bf16 rounds every activation to 2^-8 through 12 layers (logits of a random
+# GPT-2-small are ~0.5 wide), fp32 differs only in summation order.
+TOLERANCE = {torch.bfloat16: 0.06, torch.float16: 0.02, torch.float32: 1e-3}
 
 
-def build(variant: str, backend: str, args) -> GPT:
+# ---------------------------------------------------------------------------------------------- the peer
+
+
+class StaticCachePeer(nn.Module):
+    """gpt-fast's decoder over the modules of one of our GPTs: a static cache per layer (registered buffers, so the
+    compiled step's graphs may write them in place), rows at their own positions (B,), attention through SDPA with
+    a mask of the positions each row has filled. GQA family: K and V (B, H_kv, S_max, D); MLA: the latent and the
+    RoPE key (B, S_max, D_c + D_r), attended in the absorbed form."""
+
+    def __init__(self, model, batch: int, max_len: int, compile: bool):
+        import model as gpt  # here, not at the top: --device=cpu chooses Triton's interpreter before it is imported
+
+        super().__init__()
+        self.model, cfg = model, model.config
+        self.rope_cos_sin, self.apply_rope = gpt.rope_cos_sin, gpt.apply_rope
+        p = next(model.parameters())
+        self.mla = cfg.attention == "mla"
+        for i in range(cfg.n_layer):
+            if self.mla:
+                shapes = {"c": (batch, max_len, cfg.kv_lora_rank + cfg.qk_rope_head_dim)}
+            else:
+                shape = (batch, cfg.n_kv_head, max_len, cfg.n_embd // cfg.n_head)
+                shapes = {"k": shape, "v": shape}
+            for name, shape in shapes.items():
+                self.register_buffer(f"{name}{i}", torch.zeros(shape, device=p.device, dtype=p.dtype))
+                if compile:
+                    torch._dynamo.mark_static_address(getattr(self, f"{name}{i}"))
+        self.register_buffer("key_pos", torch.arange(max_len, device=p.device))
+        self.step, self.rows, self.compiled = self.decode_step, batch, compile
+        if compile:
+            torch._dynamo.reset()  # a fresh compile per peer: the guards of earlier shapes never pile up to the limit
+            self.step = torch.compile(self.decode_step, mode="reduce-overhead", fullgraph=True)
+
+    def decode_step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        """tokens (B,), pos (B,) -> next greedy tokens (B,)."""
+        return self.forward(tokens[:, None], pos[:, None], slice(None))[:, -1].argmax(-1)
+
+    @torch.no_grad()
+    def prefill(self, prompts: list[list[int]], rows: list[int]) -> list[int]:
+        """Each prompt into its row, one row at a time (ragged lengths); returns the first greedy tokens."""
+        device = self.key_pos.device
+        first = []
+        for prompt, r in zip(prompts, rows):
+            idx = torch.tensor([prompt], device=device)
+            logits = self.forward(idx, torch.arange(len(prompt), device=device)[None], slice(r, r + 1))
+            first.append(int(logits[0, -1].argmax()))
+        return first
+
+    def forward(self, idx, pos, rows: slice, last_only: bool = True):
+        """idx (B, T) at positions pos (B, T) into cache rows `rows` -> logits (B, 1 or T, V)."""
+        m, cfg = self.model, self.model.config
+        x = m.transformer.wte(idx)
+        if cfg.pos_embedding == "learned":
+            x = x + m.transformer.wpe(pos)
+        rope = self.rope_cos_sin(pos, cfg.rope_dim, cfg.rope_theta) if cfg.rope_dim else None
+        mask = (self.key_pos <= pos[..., None])[:, None]  # (B, 1, T, S_max): keys this query may see
+        for i, block in enumerate(m.transformer.h):
+            attend = self._mla if self.mla else self._gqa
+            x = x + attend(block.attn, block.ln_1(x), pos, rope, mask, rows, i)
+            x = x + block.mlp(block.ln_2(x))
+        x = m.transformer.ln_f(x[:, -1:] if last_only else x)
+        return m.lm_head(x)
+
+    def _gqa(self, attn, x, pos, rope, mask, rows, i):
+        B, T, _ = x.shape
+        H, H_kv, D = attn.n_head, attn.n_kv_head, attn.head_dim
+        q, k, v = attn.c_attn(x).split([H * D, H_kv * D, H_kv * D], dim=2)
+        q, k, v = q.view(B, T, H, D), k.view(B, T, H_kv, D), v.view(B, T, H_kv, D)
+        if rope is not None:
+            q, k = self.apply_rope(q, *rope), self.apply_rope(k, *rope)
+        k_cache, v_cache = getattr(self, f"k{i}")[rows], getattr(self, f"v{i}")[rows]
+        b = torch.arange(B, device=x.device)[:, None]
+        k_cache[b, :, pos] = k  # (B, T, H_kv, D) into (B, H_kv, S, D) at each row's positions
+        v_cache[b, :, pos] = v
+        y = F.scaled_dot_product_attention(q.transpose(1, 2), k_cache, v_cache, attn_mask=mask, enable_gqa=True)
+        return attn.c_proj(y.transpose(1, 2).reshape(B, T, H * D))
+
+    def _mla(self, attn, x, pos, rope, mask, rows, i):
+        B, T, _ = x.shape
+        H = attn.n_head
+        q = attn.q_b_proj(attn.q_a_norm(attn.q_a_proj(x))) if hasattr(attn, "q_a_proj") else attn.q_proj(x)
+        q_nope, q_rope = q.view(B, T, H, attn.d_n + attn.d_r).split([attn.d_n, attn.d_r], dim=-1)
+        c_kv, k_rope = attn.kv_a_proj(x).split([attn.d_c, attn.d_r], dim=-1)
+        q_rope, k_rope = self.apply_rope(q_rope, *rope), self.apply_rope(k_rope, *rope)
+        cache = getattr(self, f"c{i}")[rows]  # (B, S, D_c + D_r)
+        cache[torch.arange(B, device=x.device)[:, None], pos] = torch.cat([attn.kv_a_norm(c_kv), k_rope], -1)
+        w_uk, w_uv = attn._up_weights()
+        q_absorbed = torch.einsum("bthn,hnc->bhtc", q_nope, w_uk)
+        q = torch.cat([q_absorbed, q_rope.transpose(1, 2)], -1)  # (B, H, T, D_c + D_r)
+        k, v = cache[:, None], cache[:, None, :, : attn.d_c]  # one latent "head" shared by every query head
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scale, enable_gqa=True)
+        y = torch.einsum("bhtc,hvc->bthv", o, w_uv).reshape(B, T, H * attn.d_v)
+        return attn.c_proj(y)
+
+
+@torch.no_grad()
+def peer_generate(peer: StaticCachePeer, prompts: list[list[int]], new_tokens: list[int], sync):
+    """Static batching: as many prompts as the peer has rows at a time, prefilled, then decoded until the batch's
+    longest request is done. Returns (tokens per prompt, decode seconds, decode steps, wall seconds)."""
+    rows, device = peer.rows, peer.key_pos.device
+    out, decode_s, steps = [], 0.0, 0
+    sync()
+    t_run = time.perf_counter()
+    for start in range(0, len(prompts), rows):
+        batch, want = prompts[start : start + rows], new_tokens[start : start + rows]
+        pad = [0] * (rows - len(batch))  # the last batch's empty rows decode at position 0, unread
+        tokens = torch.tensor(peer.prefill(batch, list(range(len(batch)))) + pad, device=device)
+        pos = torch.tensor([len(p) for p in batch] + pad, device=device)
+        history = torch.empty(max(want), rows, dtype=torch.int64, device=device)
+        history[0] = tokens
+        sync()
+        t0 = time.perf_counter()
+        for k in range(1, max(want)):
+            if peer.compiled:
+                torch.compiler.cudagraph_mark_step_begin()
+            tokens = peer.step(tokens, pos).clone()
+            history[k] = tokens
+            pos += 1
+        sync()
+        decode_s += time.perf_counter() - t0
+        steps += max(want) - 1
+        got = history.t().tolist()
+        out += [got[j][: want[j]] for j in range(len(batch))]
+    sync()
+    return out, decode_s, steps, time.perf_counter() - t_run
+
+
+# ------------------------------------------------------------------------------------------------ checks
+
+
+def check(model, prompt_len: int, engine: str, device, n: int = 4, new: int = 12) -> str:
+    """The engine's and the peer's logits against the eager loop's on n prompts x `new` tokens, and the engine's
+    greedy tokens against its tokens up to the first near-tie (a top-2 margin within twice the tolerance)."""
+    from generate import generate
+
+    g = torch.Generator().manual_seed(99)
+    prompts = torch.randint(0, model.config.vocab_size, (n, prompt_len), generator=g).tolist()
+    seen = {"eager": {}, "engine": {}}
+
+    def hook(name):
+        return lambda i, x: seen[name].setdefault(i, []).append(x.float().cpu())
+
+    ref, _ = generate(model, prompts, engine="eager", max_new_tokens=new, on_logits=hook("eager"))
+    out, _ = generate(model, prompts, engine=engine, max_new_tokens=new, on_logits=hook("engine"))
+    peer = StaticCachePeer(model, 1, prompt_len + new, compile=False)
+    seen["peer"] = {i: _teacher_forced(peer, p, ref[i], device) for i, p in enumerate(prompts)}
+    tol = TOLERANCE[model.lm_head.weight.dtype]
+    worst, ties = {}, 0
+    for name in ("engine", "peer"):
+        errors = []
+        for i in range(len(prompts)):
+            tokens = out[i] if name == "engine" else ref[i]
+            for k, (got, want) in enumerate(zip(seen[name][i], seen["eager"][i])):
+                errors.append((got - want).abs().max().item())
+                if errors[-1] > tol:
+                    raise SystemExit(f"check: {name} logits of prompt {i} step {k} differ by {errors[-1]:.3g} > {tol}")
+                if tokens[k] != ref[i][k]:
+                    margin = float(want.topk(2).values.diff().abs())
+                    if margin > 2 * tol:
+                        raise SystemExit(f"check: {name} token of prompt {i} step {k} differs (margin {margin:.3g})")
+                    ties += 1
+                    break  # past a near-tie the two sequences go on from different tokens
+        worst[name] = max(errors)
+    return f"max logit error vs eager: engine {worst['engine']:.2e}, peer {worst['peer']:.2e}; {ties} near-ties"
+
+
+@torch.no_grad()
+def _teacher_forced(peer, prompt: list[int], tokens: list[int], device) -> list[torch.Tensor]:
+    """The peer's logits (uncompiled) for the prompt and then each of `tokens` but the last fed in turn."""
+    row = slice(0, 1)
+    logits = [peer.forward(torch.tensor([prompt], device=device), torch.arange(len(prompt), device=device)[None], row)]
+    for k, t in enumerate(tokens[:-1]):
+        pos = torch.tensor([[len(prompt) + k]], device=device)
+        logits.append(peer.forward(torch.tensor([[t]], device=device), pos, row))
+    return [x[0, -1].float().cpu() for x in logits]
+
+
+# ---------------------------------------------------------------------------------------------- the runs
+
+
+def build(variant: str, args):
+    from model import GPT, GPTConfig
+
     torch.manual_seed(0)
     shape = TINY if args.tiny else GPT2_SMALL
     fields = TINY_MLA if args.tiny and variant == "mla" else VARIANTS[variant]
-    model = GPT(GPTConfig(**shape, **fields, attn_backend=backend))
+    model = GPT(GPTConfig(**shape, **fields, attn_backend="triton"))
     return model.to(args.device, getattr(torch, args.dtype)).eval()
 
 
-def run_one(model, cache: str, batch: int, args) -> dict:
+def workload(model, batch: int | str, args) -> tuple[list[list[int]], list[int], int]:
+    """(prompts, new tokens per prompt, rows decoded together) of a batch size or "ragged"."""
+    g = torch.Generator().manual_seed(0)
     vocab = model.config.vocab_size
-    g = torch.Generator().manual_seed(batch)
-    prompts = torch.randint(0, vocab, (batch, args.prompt_len), generator=g).tolist()
-    generate(model, prompts, cache, max_new_tokens=2, page_size=args.page_size)  # compile the kernels, warm up
-    t0 = time.perf_counter()
-    _, stats = generate(model, prompts, cache, max_new_tokens=args.new_tokens, page_size=args.page_size)
-    s = stats.summary()
-    steps = max(stats.decode_steps, 1)
-    mean_ctx = args.prompt_len + args.new_tokens / 2
-    bytes_per_step = stats.cache_bytes_per_token * batch * mean_ctx
-    return {
-        "decode tok/s": s["decode_tokens_per_s"],
-        "ms/step": 1e3 * stats.decode_s / steps,
-        "prefill tok/s": s["prefill_tokens_per_s"],
-        "cache GB/s": bytes_per_step / (stats.decode_s / steps) / 1e9 if cache != "none" else None,
-        "KiB/token": stats.cache_bytes_per_token / 1024 if cache != "none" else None,
-        "cache MiB": stats.cache_bytes_allocated / 2**20 if cache != "none" else None,
-        "wall s": time.perf_counter() - t0,
-    }
+    if batch != "ragged":
+        return torch.randint(0, vocab, (batch, args.prompt_len), generator=g).tolist(), [args.new_tokens] * batch, batch
+    lens = torch.randint(max(1, args.prompt_len // 8), args.prompt_len + 1, (args.ragged_prompts,), generator=g)
+    new = torch.randint(max(2, args.new_tokens // 4), args.new_tokens + 1, (args.ragged_prompts,), generator=g)
+    prompts = [torch.randint(0, vocab, (int(n),), generator=g).tolist() for n in lens]
+    return prompts, new.tolist(), args.ragged_rows
 
 
-def main():
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--batches", default=None, help="comma-separated (default 1,64; with --tiny 1,4)")
-    p.add_argument("--variants", default="mha,gqa,mqa,mla")
-    p.add_argument("--prompt_len", type=int, default=512)
-    p.add_argument("--new_tokens", type=int, default=64)
-    p.add_argument("--page_size", type=int, default=16)
-    p.add_argument("--tiny", action="store_true", help="a 2-layer model (CPU smoke run)")
-    p.add_argument("--no_baselines", action="store_true", help="skip the torch-backend and no-cache rows")
-    args = p.parse_args()
-    if args.tiny:
-        args.prompt_len, args.new_tokens = min(args.prompt_len, 32), min(args.new_tokens, 8)
-    args.batches = args.batches or ("1,4" if args.tiny else "1,64")
-    print(header())
+def run_ours(model, cache: str, batch, engine: str, args, sync) -> dict:
+    from generate import generate
+
+    prompts, new, rows = workload(model, batch, args)
+    common = dict(page_size=args.page_size, max_batch=rows, engine=engine)
     if args.device == "cuda":
-        require_cuda("bench_generate.py (without --device=cpu)")
-        print("ceilings: " + ", ".join(f"{k} {v:.1f}" for k, v in ceilings().items()))
+        generate(model, prompts[:rows], cache, max_new_tokens=2, **common)  # kernel compiles and tuning
+    sync()
+    t0 = time.perf_counter()
+    _, stats = generate(model, prompts, cache, max_new_tokens=new, **common)
+    wall = time.perf_counter() - t0 - stats.extra.get("capture_s", 0.0)
+    s = stats.summary()
+    if batch == "ragged":
+        return {"tok/s": sum(new) / wall, "ms/step": None}
+    return {"tok/s": s["decode_tokens_per_s"], "ms/step": 1e3 * stats.decode_s / max(stats.decode_steps, 1)}
+
+
+def run_peer(model, batch, args, sync) -> dict:
+    prompts, new, rows = workload(model, batch, args)
+    max_len = max(len(p) + n for p, n in zip(prompts, new))
+    peer = StaticCachePeer(model, min(rows, len(prompts)), max_len, compile=args.device == "cuda")
+    if peer.compiled:
+        peer_generate(peer, prompts[:rows], [3] * min(rows, len(prompts)), sync)  # the compile and its graph capture
+    out, decode_s, steps, wall = peer_generate(peer, prompts, new, sync)
+    if batch == "ragged":
+        return {"tok/s": sum(new) / wall, "ms/step": None}
+    return {"tok/s": sum(len(o) - 1 for o in out) / decode_s, "ms/step": 1e3 * decode_s / steps}
+
+
+def parse_args(argv):
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    p.add_argument("--dtype", default=None, help="bfloat16 (the default on a GPU) | float16 | float32 (CPU default)")
+    p.add_argument("--variants", default="gqa,mla", help=f"comma-separated, from {', '.join(VARIANTS)}")
+    p.add_argument("--caches", default="auto", help="comma-separated: auto (grouped / mla), paged")
+    p.add_argument("--batches", default=None, help="comma-separated sizes and/or 'ragged' (default 1,8,64,256,ragged)")
+    p.add_argument("--prompt_len", type=int, default=512)
+    p.add_argument("--new_tokens", type=int, default=128)
+    p.add_argument("--ragged_prompts", type=int, default=256)
+    p.add_argument("--ragged_rows", type=int, default=64, help="rows decoded together on the ragged prompts")
+    p.add_argument("--page_size", type=int, default=16)
+    p.add_argument("--quick", action="store_true", help="batches 1, 8 and 32 ragged prompts over 8 rows, 32 tokens")
+    p.add_argument("--tiny", action="store_true", help="2-layer models, 8-token prompts, 4 new tokens (CPU smoke run)")
+    args = p.parse_args(argv)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("no CUDA device here; --device=cpu --tiny is the CPU smoke run")
+    args.dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
+    if args.quick:
+        args.batches = args.batches or "1,8,ragged"
+        args.new_tokens, args.ragged_prompts, args.ragged_rows = min(args.new_tokens, 32), 32, 8
+    if args.tiny:
+        args.batches = args.batches or "2,ragged"
+        args.prompt_len, args.new_tokens, args.ragged_prompts, args.ragged_rows = 8, 4, 4, 2
+    args.batches = [b if b == "ragged" else int(b) for b in (args.batches or "1,8,64,256,ragged").split(",")]
+    args.variants, args.caches = args.variants.split(","), args.caches.split(",")
+    return args
+
+
+def main(argv: list[str] | None = None):
+    args = parse_args(sys.argv[1:] if argv is None else argv)
+    if args.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton: our kernels on CPU tensors
+        torch.set_num_threads(min(4, torch.get_num_threads()))
+    from benchmarks.common import ceilings, header, print_table
+
+    cuda = args.device == "cuda"
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    engine = "graphs" if cuda else "static"
+    print(header())
+    if cuda:
+        c = ceilings()
+        print(f"ceilings: copy {c['copy_TBps']:.2f} TB/s, bf16 matmul {c['matmul_bf16_TFLOPs']:.0f} TFLOP/s")
     print(
-        f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, dtype {args.dtype}, "
-        f"page {args.page_size}, {'tiny' if args.tiny else 'GPT-2 small'} models"
+        f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, {args.dtype}, ragged: "
+        f"{args.ragged_prompts} prompts through {args.ragged_rows} rows; engine = generate(engine={engine!r}), "
+        f"peer = static cache + SDPA{' + torch.compile(reduce-overhead)' if cuda else ' (eager on the CPU)'}",
+        flush=True,
     )
-    rows = []
-    for variant in args.variants.split(","):
-        backends = ["triton"] if args.no_baselines else ["triton", "torch"]
-        for backend in backends:
-            model = build(variant, backend, args)
-            for batch in (int(b) for b in args.batches.split(",")):
-                kinds = list(CACHES.get(variant, ("grouped", "paged")))
-                if backend == "torch" and batch == 1 and not args.no_baselines:
-                    kinds.append("none")
-                for cache in kinds:
-                    row = {
-                        "variant": variant,
-                        "cache": cache,
-                        "backend": backend,
-                        "batch": batch,
-                        **run_one(model, cache, batch, args),
-                    }
-                    rows.append(row)
-                    print(
-                        f"  {variant} {cache} {backend} B{batch}: {row['decode tok/s']:.1f} decode tok/s",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-            del model
-            if args.device == "cuda":
-                torch.cuda.empty_cache()
-    print_table(
-        rows,
-        [
-            "variant",
-            "cache",
-            "backend",
-            "batch",
-            "decode tok/s",
-            "ms/step",
-            "prefill tok/s",
-            "cache GB/s",
-            "KiB/token",
-            "cache MiB",
-            "wall s",
-        ],
-    )
+    t_start = time.perf_counter()
+    rows, step_ms = [], {}
+    for variant in args.variants:
+        model = build(variant, args)
+        size = dict(n=2, new=3) if args.tiny else {}
+        print(f"{variant} check: {check(model, args.prompt_len, engine, args.device, **size)}", flush=True)
+        for batch in args.batches:
+            peer = run_peer(model, batch, args, sync)
+            for cache in args.caches:
+                ours = {e: run_ours(model, cache, batch, e, args, sync) for e in (engine, "eager")}
+                row = {"model": variant, "cache": cache, "batch": batch}
+                for name, r in (("engine", ours[engine]), ("eager", ours["eager"]), ("peer", peer)):
+                    row[f"{name} tok/s"], row[f"{name} ms/step"] = r["tok/s"], r["ms/step"]
+                row["engine/peer"] = row["engine tok/s"] / row["peer tok/s"]
+                row["eager/peer"] = row["eager tok/s"] / row["peer tok/s"]
+                rows.append(row)
+                step_ms[variant, cache, batch] = row["engine ms/step"]
+                speeds = ", ".join(f"{name} {row[name + ' tok/s']:,.0f}" for name in ("engine", "eager", "peer"))
+                elapsed = time.perf_counter() - t_start
+                print(f"  {variant} {cache} B{batch}: {speeds} tok/s; {elapsed:.0f} s so far", flush=True)
+        del model
+        if cuda:
+            torch.cuda.empty_cache()
+    columns = ["model", "cache", "batch", "engine tok/s", "eager tok/s", "peer tok/s", "engine/peer", "eager/peer"]
+    print_table(rows, columns + ["engine ms/step", "eager ms/step", "peer ms/step"])
+    for cache in args.caches:
+        if ("gqa", cache, 1) in step_ms and ("mla", cache, 1) in step_ms:
+            ratio = step_ms["mla", cache, 1] / step_ms["gqa", cache, 1]
+            print(f"MLA/GQA engine step time at batch 1 ({cache} cache): {ratio:.2f}")
+    print(f"wall time {(time.perf_counter() - t_start) / 60:.1f} minutes")
 
 
 if __name__ == "__main__":

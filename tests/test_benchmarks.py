@@ -1,6 +1,6 @@
-"""The benchmarks' CPU paths: the documented smoke runs of bench_generate.py and bench_train.py (the same code as
-the H200 tables, on tiny models, the Triton kernels under the interpreter), and the GPU-only benchmarks' message
-where there is no GPU."""
+"""The benchmarks' CPU paths: the documented smoke runs of benchmarks.bench_generate and benchmarks.bench_train (the
+same code as the H200 tables, on tiny models, the Triton kernels under the interpreter), run as modules the way the
+README gives them, and the GPU-only benchmarks' message where there is no GPU."""
 
 import os
 import subprocess
@@ -12,10 +12,10 @@ import torch
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def run_script(*args: str) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the script sets it for --device cpu
+def run_module(module: str, *args: str) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}  # the benchmark sets it for --device cpu
     run = subprocess.run(
-        [sys.executable, os.path.join(REPO, "benchmarks", args[0]), *args[1:]],
+        [sys.executable, "-m", f"benchmarks.{module}", *args],
         capture_output=True,
         text=True,
         timeout=300,
@@ -26,51 +26,49 @@ def run_script(*args: str) -> str:
     return run.stdout
 
 
-def table_rows(stdout: str, first_column: str) -> list[list[str]]:
-    return [
-        [c.strip() for c in line.split("|")]
-        for line in stdout.splitlines()
-        if line.split("|")[0].strip() == first_column
-    ]
+def table(stdout: str, first_column: str) -> list[dict[str, str]]:
+    """The rows of the table whose header starts with `first_column`, as {column: cell}."""
+    lines = stdout.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.split("|")[0].strip() == first_column)
+    header = [c.strip() for c in lines[start].split("|")]
+    rows = []
+    for line in lines[start + 2 :]:
+        cells = [c.strip() for c in line.split("|")]
+        if len(cells) != len(header):
+            break
+        rows.append(dict(zip(header, cells)))
+    return rows
 
 
 def test_bench_generate_cpu_smoke_run():
-    """`--device cpu` (argparse's spelling, as well as --device=cpu) runs every cache of both variants through our
-    kernels under the interpreter, beside the torch backend and the no-cache reference."""
-    out = run_script(
-        "bench_generate.py",
-        "--device",
-        "cpu",
-        "--tiny",
-        "--batches",
-        "2",
-        "--variants",
-        "gqa,mla",
-        "--prompt_len",
-        "8",
-        "--new_tokens",
-        "4",
-    )
-    caches = {(r[0], r[1], r[2]) for r in table_rows(out, "gqa") + table_rows(out, "mla")}
-    for backend in ("triton", "torch"):
-        assert {
-            ("gqa", "grouped", backend),
-            ("gqa", "paged", backend),
-            ("mla", "mla", backend),
-            ("mla", "paged_mla", backend),
-        } <= caches, out
+    """`--device cpu` (argparse's spelling, as well as --device=cpu): both models pass the check against the eager
+    loop, then a batch and the ragged prompts run three ways (our static engine, our eager loop, the peer)."""
+    out = run_module("bench_generate", "--device", "cpu", "--tiny")
+    assert "gqa check: max logit error vs eager" in out and "mla check: max logit error vs eager" in out, out
+    rows = table(out, "model")
+    assert [(r["model"], r["batch"]) for r in rows] == [
+        ("gqa", "2"),
+        ("gqa", "ragged"),
+        ("mla", "2"),
+        ("mla", "ragged"),
+    ]
+    for r in rows:
+        assert all(float(r[f"{name} tok/s"]) > 0 for name in ("engine", "eager", "peer")), r
+        assert float(r["engine/peer"]) > 0
 
 
 def test_bench_train_cpu_smoke_run():
-    out = run_script("bench_train.py", "--device=cpu", "--tiny", "--modes", "eager", "--steps", "1", "--batch", "1")
-    rows = table_rows(out, "eager")
-    assert [r[1] for r in rows] == ["mha", "gqa", "mqa", "mla"], out
-    assert all(float(r[2]) > 0 and float(r[3]) > 0 for r in rows), out  # triton ms, torch ms
+    out = run_module("bench_train", "--device=cpu", "--tiny", "--modes", "eager", "--steps", "1", "--batch", "1")
+    rows = table(out, "mode")
+    assert [r["variant"] for r in rows] == ["mha", "gqa", "mqa", "mla"], out
+    assert all(
+        float(r["ours tok/s"].replace(",", "")) > 0 and float(r["SDPA tok/s"].replace(",", "")) > 0 for r in rows
+    )
 
 
 def test_gpu_benchmarks_say_they_need_a_gpu(monkeypatch):
-    """bench_flash.py and bench_decode.py time against SDPA and the ceilings on a GPU: without one, a message that
-    says what runs on the CPU instead, not torch's "not compiled with CUDA" traceback."""
+    """bench_flash and bench_decode time against SDPA and the ceilings on a GPU: without one, a message that says
+    what runs on the CPU instead, not torch's "not compiled with CUDA" traceback."""
     from benchmarks.common import require_cuda
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
