@@ -1,35 +1,41 @@
 """Another revision's Hopper flash kernels against the working tree's (or a variant's), in one process: the
-measure of a lever.
+measure of a kernel change.
 
-    git show HEAD:attention_kernels/flash_sm90.py > benchmarks/flash_sm90_old.py  # git ignores flash_sm90_*.py here
-    python3 benchmarks/ab_flash.py --old benchmarks/flash_sm90_old.py            # on the GPU machine
-    python3 benchmarks/ab_flash.py --old benchmarks/flash_sm90_old.py --shapes 4,32,32,4096,128,128,causal \
+    mkdir -p /tmp/zoo-old && git archive REV attention_kernels | tar -x -C /tmp/zoo-old  # any revision's package
+    python -m benchmarks.ab_flash --old /tmp/zoo-old/attention_kernels                  # on the GPU machine
+    python -m benchmarks.ab_flash --old /tmp/zoo-old/attention_kernels --shapes 4,32,32,4096,128,128,causal \
         16,12,12,1024,96,64,full --what backward
-    python3 benchmarks/ab_flash.py --old attention_kernels/flash_sm90.py --new benchmarks/flash_sm90_try.py  # a variant
+    cp -r attention_kernels /tmp/zoo-try                                                 # edit its flash_sm90*.py
+    python -m benchmarks.ab_flash --old attention_kernels --new /tmp/zoo-try             # the tree against a variant
+
+--old and --new take a copy of the attention_kernels/ directory: its Hopper flash modules (flash_sm90.py, the
+flash_sm90_*.py it imports and sm90.py) are loaded apart from the tree's, their kernels compiling and caching
+apart; every other module (the Triton kernels, _host, schedule) is the tree's. A single file is taken too: the
+flash_sm90.py of a revision that kept every Hopper flash kernel in that one file.
 
 Per shape (B, H_q, H_kv, S, D_qk, D_v, causal or full): the forward and the whole backward (`flash._forward` and
 `flash._backward`, every launch the autograd path makes) run through each version (`flash.flash_sm90` swapped for
-the old module), their outputs and gradients are compared (bitwise, else the relative L2 difference), and both are
-timed on the GPU alone (`common.bench_gpu_interleaved_ms`: call after call side by side) in rounds, after two
+the loaded module), their outputs and gradients are compared (bitwise, else the relative L2 difference), and both
+are timed on the GPU alone (`common.bench_gpu_interleaved_ms`: call after call side by side) in rounds, after two
 seconds of matmuls that bring the clocks up. Identical kernels on both sides read up to 2% apart on an H200 at 4096
-keys, their single samples up to 13% (benchmarks/RESULTS.md, session 32): quote the best and the median pair, beside
-a shape the change leaves alone.
+keys, and single samples up to 13% (benchmarks/RESULTS.md): quote the best and the median pair, beside a shape the
+change leaves alone.
 """
 
 import argparse
+import importlib
 import importlib.util
 import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import attention_kernels
+from attention_kernels import flash
+from benchmarks.bench_flash import flops
+from benchmarks.common import bench_gpu_interleaved_ms, header
 
-from attention_kernels import flash  # noqa: E402
-from benchmarks.bench_flash import flops  # noqa: E402
-from benchmarks.common import bench_gpu_interleaved_ms, header  # noqa: E402
-
-# Session 32's: causal D=128 GQA at three lengths, MHA, group 8, MLA's two training shapes, a full-attention control.
+# Causal D=128 GQA at three lengths, MHA, group 8, MLA's two training shapes, and a full-attention control.
 SHAPES = [
     (16, 32, 8, 1024, 128, 128, True),
     (4, 32, 8, 4096, 128, 128, True),
@@ -41,6 +47,16 @@ SHAPES = [
     (16, 12, 12, 1024, 96, 64, True),
     (4, 32, 8, 4096, 128, 128, False),
 ]
+# The modules of attention_kernels/ that make up the Hopper flash kernels: those a copy's version replaces.
+HOPPER_FLASH = (
+    "flash_sm90",
+    "sm90",
+    "flash_sm90_common",
+    "flash_sm90_fwd",
+    "flash_sm90_bwd_dq",
+    "flash_sm90_bwd_dkdv",
+    "flash_sm90_bwd_fused",
+)
 
 
 def parse_shape(text: str) -> tuple:
@@ -53,18 +69,46 @@ def parse_shape(text: str) -> tuple:
     return (*(int(p) for p in parts[:6]), parts[6] == "causal")
 
 
-def load_module(path: str, name: str):
-    """A copy of attention_kernels/flash_sm90.py loaded as its own module (its kernels compile and cache apart)."""
-    if not os.path.isfile(path):
+def load_version(path: str, name: str):
+    """The flash_sm90 module of a copy of attention_kernels/ (a directory) or a one-file flash_sm90.py."""
+    if os.path.isdir(path):
+        module = _load_package_copy(path, name)
+    elif os.path.isfile(path):
+        spec = importlib.util.spec_from_file_location(f"flash_sm90_{name}", path)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    else:
         raise SystemExit(
-            f"--{name} {path!r}: no such file (a copy of attention_kernels/flash_sm90.py, e.g. git show "
-            "REV:attention_kernels/flash_sm90.py > PATH)"
+            f"--{name} {path!r}: no such directory or file; valid: a copy of attention_kernels/ (git archive REV "
+            "attention_kernels | tar -x -C DIR, then DIR/attention_kernels) or a one-file flash_sm90.py"
         )
-    spec = importlib.util.spec_from_file_location(f"flash_sm90_{name}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not hasattr(module, "FUSED_PAIRS"):  # a revision before the one-launch backward (session 40): none
+    if not hasattr(module, "FUSED_PAIRS"):  # a revision without the one-launch backward
         module.FUSED_PAIRS = frozenset()
+    return module
+
+
+def _load_package_copy(path: str, name: str):
+    """Import `path`/flash_sm90.py as attention_kernels.flash_sm90 with the HOPPER_FLASH modules it imports taken
+    from `path` too, then put the tree's modules back: the copy's modules keep their own references to each other,
+    and every other module they import is the tree's (already imported, so the copy's are never read)."""
+    if not os.path.isfile(os.path.join(path, "flash_sm90.py")):
+        raise SystemExit(f"--{name} {path!r}: no flash_sm90.py there; valid: a copy of attention_kernels/")
+    copied = [m for m in HOPPER_FLASH if os.path.isfile(os.path.join(path, m + ".py"))]
+    saved = {m: sys.modules.pop(f"attention_kernels.{m}") for m in copied if f"attention_kernels.{m}" in sys.modules}
+    tree_path = list(attention_kernels.__path__)
+    attention_kernels.__path__[:] = [os.path.abspath(path)]
+    try:
+        module = importlib.import_module("attention_kernels.flash_sm90")
+    finally:
+        attention_kernels.__path__[:] = tree_path
+        for m in copied:
+            sys.modules.pop(f"attention_kernels.{m}", None)
+        sys.modules.update({f"attention_kernels.{m}": mod for m, mod in saved.items()})
+        for m in copied:
+            if m in saved:
+                setattr(attention_kernels, m, saved[m])
+            elif hasattr(attention_kernels, m):
+                delattr(attention_kernels, m)
     return module
 
 
@@ -135,16 +179,14 @@ def run_shape(shape, versions: dict, rounds: int, what: str) -> list[str]:
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--old", required=True, help="a copy of another revision's attention_kernels/flash_sm90.py")
-    parser.add_argument(
-        "--new", help="a copy to measure in place of the working tree's attention_kernels/flash_sm90.py"
-    )
+    parser.add_argument("--old", required=True, help="a copy of another revision's attention_kernels/ directory")
+    parser.add_argument("--new", help="a copy of attention_kernels/ to measure in place of the working tree's")
     parser.add_argument(
         "--shapes",
         nargs="+",
         type=parse_shape,
         default=SHAPES,
-        help="B,H_q,H_kv,S,D_qk,D_v,causal|full ... (default: session 32's nine)",
+        help="B,H_q,H_kv,S,D_qk,D_v,causal|full ... (default: the nine of SHAPES)",
     )
     parser.add_argument("--rounds", type=int, default=5, help="alternated rounds per shape (default 5)")
     parser.add_argument("--what", choices=["both", "forward", "backward"], default="both")
@@ -156,8 +198,8 @@ def main():
     ):
         raise SystemExit("needs an sm_90 GPU and Triton 3.6 (the Hopper kernels are what it compares)")
     versions = {
-        "old": load_module(args.old, "old"),
-        "new": load_module(args.new, "new") if args.new else flash.flash_sm90,
+        "old": load_version(args.old, "old"),
+        "new": load_version(args.new, "new") if args.new else flash.flash_sm90,
     }
     print(header())
     a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)

@@ -1,9 +1,9 @@
 """Decode kernels on the GPU: grouped, paged and MLA decode against PyTorch SDPA and the machine's ceilings.
 
-    python3 benchmarks/bench_decode.py            # the full grid (several minutes on one H200)
-    python3 benchmarks/bench_decode.py --sections grouped  # one table (grouped: 3 minutes with 3 rounds)
-    python3 benchmarks/bench_decode.py --quick    # a small grid (under 2 minutes)
-    python3 benchmarks/bench_decode.py --tune     # launch-config sweeps (block sizes, warps, stages, splits)
+    python -m benchmarks.bench_decode                     # the full grid (several minutes on one H200)
+    python -m benchmarks.bench_decode --sections grouped  # one table (grouped: 3 minutes with 3 rounds)
+    python -m benchmarks.bench_decode --quick             # a small grid (under 2 minutes)
+    python -m benchmarks.bench_decode --tune              # launch-config sweeps (block sizes, warps, stages, splits)
 
 Decode is memory-bound: the measure is bytes of cache read per second (each K/V byte counted once) against the
 device copy rate (read + write) measured in the same run. Each shape's cache is made in several copies, at least
@@ -20,22 +20,16 @@ from __future__ import annotations
 
 import argparse
 import math
-import os
 import statistics
-import sys
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from common import ceilings, env, header, print_table, require_cuda, rotated_ms, rotation  # noqa: E402
-
-from attention_kernels import decode as decode_mod  # noqa: E402
-from attention_kernels import mla as mla_mod  # noqa: E402
-from attention_kernels.decode import grouped_decode, paged_grouped_decode  # noqa: E402
-from attention_kernels.mla import mla_decode, paged_mla_decode  # noqa: E402
+from attention_kernels import decode as decode_mod
+from attention_kernels import mla as mla_mod
+from attention_kernels.decode import grouped_decode, paged_grouped_decode
+from attention_kernels.mla import mla_decode, paged_mla_decode
+from benchmarks.common import ceilings, env, header, print_table, require_cuda, rotated_ms, rotation
 
 DTYPE = torch.bfloat16
 MAX_CACHE_BYTES = 24 * 1024**3  # K + V of one shape; larger shapes of the grid are skipped

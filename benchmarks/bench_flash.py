@@ -1,8 +1,8 @@
 """Flash attention training kernels (attention_kernels/flash.py) against PyTorch SDPA and FlexAttention on one GPU.
 
-    python3 benchmarks/bench_flash.py            # the full grid (about nine minutes)
-    python3 benchmarks/bench_flash.py --quick    # four shapes (under two minutes)
-    python3 benchmarks/bench_flash.py --part 2/3 # the second third of the full grid (one device call each)
+    python -m benchmarks.bench_flash              # the full grid (about nine minutes)
+    python -m benchmarks.bench_flash --quick      # four shapes (under two minutes)
+    python -m benchmarks.bench_flash --part 2/3   # the second third of the full grid (one device call each)
 
 Per shape: our forward output and gradients are checked against SDPA (relative L2 error, bf16 budget) before
 anything is timed; then the forward and the backward alone (autograd.grad over a retained graph) are timed for ours,
@@ -21,17 +21,13 @@ bandwidth, bf16 matmul) come from the same run.
 """
 
 import argparse
-import os
 import statistics
-import sys
 
 import torch
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from attention_kernels import flash, flash_gqa_attention  # noqa: E402
-from benchmarks.common import (  # noqa: E402
+from attention_kernels import flash, flash_gqa_attention
+from benchmarks.common import (
     bench_gpu_interleaved_ms,
     bench_ms,
     ceilings,

@@ -28,9 +28,9 @@ def require_cuda(script: str):
     if not torch.cuda.is_available():
         raise SystemExit(
             f"{script} times the kernels on a CUDA GPU, and torch sees none here; on the CPU, "
-            "`pytest -n auto` runs the kernels under the Triton interpreter, and `benchmarks/"
-            "bench_generate.py --device=cpu --tiny` and `bench_train.py --device=cpu --tiny` are smoke "
-            "runs of the benchmark code"
+            "`pytest -n auto` runs the kernels under the Triton interpreter, and `python -m "
+            "benchmarks.bench_generate --device=cpu --tiny` and `python -m benchmarks.bench_train --device=cpu "
+            "--tiny` are smoke runs of the benchmark code"
         )
 
 
