@@ -2,12 +2,15 @@
 
 A tiny run on the CPU (embedded dataset, prepared on first use, no network; a couple of minutes):
     python train.py
-The four attention variants, same size and token budget, on one wandb chart (and in out-*/metrics.jsonl):
-    python train.py configs/mha.py --wandb_log=True      # likewise configs/gqa.py, configs/mqa.py, configs/mla.py
+The four attention variants, same size and token budget (out-mha .. out-mla; add --wandb_log=True for one wandb
+chart), then their table and plots (a variant already trained with the same config is kept, not trained again):
+    for v in mha gqa mqa mla; do python train.py configs/$v.py || break; done
+    python compare.py
 A GPT-2-small-sized GQA model on one GPU, with the Triton kernels and torch.compile:
     python train.py configs/gpt2_small_gqa.py
     python train.py configs/gpt2_small_gqa.py --cuda_graphs=True   # each micro-step replayed from a CUDA graph
-Stack a size file and a variant file to compare the KV cache at GPU scale (later files override earlier ones):
+Stack a size file and a variant file to compare the KV cache at GPU scale (the size file first: the variant file
+appends its name to the size file's out_dir, here out-kv-mla):
     python train.py configs/kv_h200.py configs/mla.py
 Override anything (`--key=value` or `--key value`; they apply left to right), resume exactly, or finetune GPT-2:
     python train.py configs/gqa.py --batch_size=32 --max_iters=200

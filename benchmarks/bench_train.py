@@ -145,10 +145,12 @@ def print_budget(args) -> None:
 
 
 def build(variant: str, backend: str, context: int, args) -> GPT:
-    """The model of a cell: the same weights for both backends (seeded), on the device."""
+    """The model of a cell: the same weights for both backends (seeded), initialized on the device (a GPT-2-small
+    initialized on the host takes seconds, times two models per cell)."""
     torch.manual_seed(0)
     config = GPTConfig(**{**args.shape, "block_size": context}, attention=variant, attn_backend=backend)
-    return GPT(config).to(args.device)
+    with torch.device(args.device):
+        return GPT(config)
 
 
 def measure(variant: str, context: int, mode: str, args) -> dict:
