@@ -548,7 +548,8 @@ class StaticDecoder:
         for b in reversed(self.buckets):
             stream.wait_stream(torch.cuda.current_stream())
             with torch.cuda.stream(stream):
-                self.run(b, 1)
+                self.step_index.zero_()
+                self.step(b)
             torch.cuda.current_stream().wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             if generator is not None and generator.device.type == "cuda":

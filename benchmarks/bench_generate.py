@@ -339,7 +339,11 @@ def main(argv: list[str] | None = None):
         size = dict(n=2, new=3) if args.tiny else {}
         print(f"{variant} check: {check(model, args.prompt_len, engine, args.device, **size)}", flush=True)
         for batch in args.batches:
-            peer = run_peer(model, batch, args, sync)
+            try:
+                peer = run_peer(model, batch, args, sync)
+            except Exception as e:  # a torch.compile that fails here must not hide our numbers: say so, go on
+                print(f"  peer failed on {variant} B{batch}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                peer = {"tok/s": float("nan"), "ms/step": None}
             for cache in args.caches:
                 ours = {e: run_ours(model, cache, batch, e, args, sync) for e in (engine, "eager")}
                 row = {"model": variant, "cache": cache, "batch": batch}

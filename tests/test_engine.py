@@ -8,8 +8,9 @@ tests marked gpu replay the same step from CUDA graphs (engine="graphs"), which 
 import pytest
 import torch
 from conftest import DEVICE, TOLERANCES
-from test_generation import CACHES, LOGIT_TOLERANCES, TRITON_DTYPE, prompts, tiny_model
+from test_generation import CACHES, LOGIT_TOLERANCES, TRITON_DTYPE, _checkpoint, prompts, tiny_model
 
+import sample
 from generate import batch_buckets, generate, sample_next
 
 PROMPT_LENS = (7, 3, 12, 5, 9, 1, 4)  # ragged, with a one-token prompt
@@ -279,3 +280,20 @@ def test_graphs_run_a_queue_longer_than_the_batch():
     out, stats = generate(net, ps, "paged", engine="graphs", **common)
     assert out == eager and [len(o) for o in out] == new
     assert stats.decode_tokens == sum(new) - len(new)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not GPU, reason=NEEDS_GRAPHS)
+def test_sample_py_graphs_and_compile_print_what_the_eager_loop_prints(tmp_path, capsys):
+    """sample.py on a GPU: the default (CUDA graphs), with --compile=True, and --cuda_graphs=False print the same
+    greedy samples; the capture is reported on stderr."""
+    _checkpoint(tmp_path, "gqa")
+    common = [f"--init_from={tmp_path}", "--device=cuda", "--dtype=float16", "--temperature=0", "--start=HELLO, "]
+    common += ["--max_new_tokens=20", "--num_samples=3"]
+    texts = []
+    for extra in ([], ["--compile=True"], ["--cuda_graphs=False"]):
+        sample.main([*common, *extra])
+        captured = capsys.readouterr()
+        texts.append(captured.out)
+        assert ("cuda graphs: captured" in captured.err) == (extra != ["--cuda_graphs=False"]), captured.err
+    assert texts[0] == texts[1] == texts[2] and texts[0].count("HELLO, ") == 3

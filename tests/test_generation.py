@@ -188,7 +188,8 @@ def test_paged_scheduler_waits_for_pages_or_raises():
         model, ps, "paged", max_new_tokens=6, page_size=8, num_pages=5, wait_for_pages=True, max_batch=3
     )
     assert out == ref
-    assert stats.cache_bytes_peak <= stats.cache_bytes_allocated == 5 * 8 * stats.cache_bytes_per_token
+    scratch = stats.extra["engine"] != "eager"  # the static engines' pool has one more page, where padding writes
+    assert stats.cache_bytes_peak <= stats.cache_bytes_allocated == (5 + scratch) * 8 * stats.cache_bytes_per_token
     with pytest.raises(
         ValueError,
         match=r"num_pages: got 5; the pool must hold 10 pages of 8 tokens for 5 "
