@@ -201,10 +201,10 @@ def test_launcher_falls_back_to_triton(stand_in, monkeypatch, case):
 
 def test_launcher_of_an_interpreted_kernel_is_triton_s_path():
     """Under the interpreter (the CPU suite) every launch is the kernel's own; `launcher` keeps one per kernel."""
-    from attention_kernels import flash
+    from attention_kernels.flash_triton import flash_fwd_kernel
 
-    launch = _host.launcher(flash._flash_fwd_kernel)
-    assert launch is _host.launcher(flash._flash_fwd_kernel)
+    launch = _host.launcher(flash_fwd_kernel)
+    assert launch is _host.launcher(flash_fwd_kernel)
     assert launch.compiled_path == (DEVICE == "cuda")
 
 
