@@ -618,9 +618,21 @@ class MLACache(_LatentCache):
 
 class PagedMLACache(_LatentCache):
     def __init__(
-        self, batch_size, max_len, n_layer, d_c, d_r, *, device, dtype, backend, page_size=16, num_pages=None, **kw
+        self,
+        batch_size,
+        max_len,
+        n_layer,
+        d_c,
+        d_r,
+        *,
+        device,
+        dtype,
+        backend,
+        page_size=16,
+        num_pages=None,
+        static=False,
     ):
-        store = PagedRows(batch_size, max_len, device, dtype, page_size, num_pages, scratch=kw.get("static", False))
+        store = PagedRows(batch_size, max_len, device, dtype, page_size, num_pages, scratch=static)
         super().__init__(store, n_layer, d_c, d_r, backend)
 
     def _decode(self, layer, q_abs, q_rope, scale):
