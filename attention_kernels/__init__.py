@@ -1,12 +1,23 @@
 """Triton attention kernels: differentiable flash attention for training, and grouped, paged and MLA decode.
 
-Every op is a `torch.library` custom op (traceable by torch.compile with fullgraph=True; eager flash calls use
-an equivalent autograd.Function, which costs less host time), validates its inputs
-before launching (ValueError naming the argument, what it got and what is valid), and has a plain PyTorch
-reference in `attention_kernels.reference`. On a machine without a GPU the same kernels run on CPU tensors under
-`TRITON_INTERPRET=1`. On Hopper (sm_90, Triton 3.6) the flash forward and backward, the 512 + 64 MLA decode
-(64-head tiles, contiguous or paged) and paged grouped decode run warp-specialized Gluon kernels instead
-(`attention_kernels.flash_sm90`, `attention_kernels.mla_sm90`, `attention_kernels.decode_sm90`), behind the same ops.
+Every op is a `torch.library` custom op (traceable by torch.compile with fullgraph=True; eager flash calls use an
+equivalent autograd.Function, which costs less host time), validates its inputs before launching (ValueError naming
+the argument, what it got and what is valid), and has a plain PyTorch reference in `attention_kernels.reference`.
+On a machine without a GPU the same kernels run on CPU tensors under `TRITON_INTERPRET=1`. On Hopper (sm_90,
+Triton 3.6) the flash forward and backward, the 512 + 64 MLA decode and paged grouped decode run warp-specialized
+Gluon kernels instead, behind the same ops.
+
+Modules (each imports only those above it):
+    _checks, _host, schedule   input validation; host helpers (device queries, launches); the launch order
+    reference                  the plain PyTorch math every test compares against
+    flash                      flash_gqa_attention / _forward / _backward: the op, its launchers and autograd
+    flash_triton               the portable Triton flash kernels (forward, dQ, dK/dV)
+    flash_sm90                 which inputs the Hopper flash kernels take, and their launchers:
+      flash_sm90_fwd, flash_sm90_bwd_dq, flash_sm90_bwd_dkdv, flash_sm90_bwd_fused, flash_sm90_common
+    sm90                       what every Hopper (Gluon) kernel shares: on_hopper, TMA descriptors, wgmma layout
+    split_kv                   split-KV decode (Flash-Decoding) pieces shared by decode and mla
+    decode, decode_sm90        grouped_decode / paged_grouped_decode; the Hopper paged kernel
+    mla, mla_sm90              mla_decode / paged_mla_decode; the Hopper MLA kernels
 """
 
 from attention_kernels import reference

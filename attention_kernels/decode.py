@@ -1,39 +1,29 @@
-"""Grouped decode: one query token per sequence against a KV cache, contiguous or paged, split-KV (flash-decoding).
+"""Grouped decode: one query token per sequence against a KV cache, contiguous or paged, split-KV (Flash-Decoding).
 
 Math, per sequence b and query head h (KV head g = h // group):
     s_n = scale * (q_h . k_{g,n} + q_rope_h . k_rope_{g,n})      for n < seq_lens[b]
     out_h = sum_n softmax(s)_n v_{g,n},   lse_h = log sum_n exp(s_n)
-The keys are cut into NUM_SPLITS contiguous chunks; each program reduces one chunk with the online softmax
-(FlashAttention, Dao et al. 2022) and writes a partial output and its log-sum-exp; the chunks are merged,
-weighting each by exp(lse_split - lse) (Flash-Decoding, Dao et al. 2023): by the last program of each sequence and
-head tile to finish, inside the same launch, when its heads' partials are small (`fused_combine_chunk`), else by
-a second kernel. With one split the first kernel writes the final output itself.
+The keys are cut into NUM_SPLITS contiguous chunks, each reduced by one program with the online softmax and merged
+by split_kv.py's combine (FlashAttention, Dao et al. 2022; Flash-Decoding, Dao et al. 2023). With one split the
+decode program writes the final output itself.
 
-Levers (issue 7):
-- The query heads of one KV group are packed into the M dimension of the MMA (BLOCK_H rows, at least 16), so each
-  K/V tile is read from memory once for the whole group.
-- Tiles sized for the memory stream (`_tile_config`): a contiguous cache streams 128 tokens of K and V per step
-  through three pipeline stages, sized by the launch's programs per SM too (two stages for heads of at most 64 at
-  three or more, 64-token tiles for wider heads at one to three, and through two stages at three to four, so the
-  launch fits one wave: more programs fit on an SM); a paged one 64 tokens through two.
-- Each sequence's own length is cut evenly into the splits, so a short sequence in a ragged batch spreads its few
-  tiles over all its programs instead of leaving them to the first one.
-- The split count comes from the SM count and the shapes (the cache's capacity, never the lengths' values), so
-  the launch needs no device sync and can be captured in a CUDA graph: a wave cost model (`auto_num_splits`)
-  fitted to an H200 sweep of every power-of-two split count, with paged launches modelled apart.
-- The combine runs inside the decode launch where it is small (`combine_if_last`: a ticket counter per
-  sequence and head tile, the last program merges; no second launch, 2-3 us on an H200, 0.92x -> 1.04x SDPA for
-  MQA at B32 S1k). Large merges (many splits of a wide head tile) go to the combine kernel, which merges the
-  splits of one (sequence, head) per column block, so even 128 splits of a 512-wide MLA latent stay in
-  registers. On sm_90 that kernel is a programmatic dependent launch (`pdl`: its programs start as the decode
-  programs exit and wait for their partials), and below FUSED_COMBINE_MIN_ROWS (sequence, head) rows it is then
-  faster than the merge inside the launch, which only larger batches keep. The decode launch itself is one too,
-  of whatever kernel runs before it: its start overlaps that kernel's end.
-- Paged caches: when a page holds at least one tile, the tile's page id is one scalar load; smaller pages are
+Structure:
+- the query heads of one KV group are packed into the M dimension of the MMA (BLOCK_H rows, at least 16), so each
+  K/V tile is read from memory once for the whole group;
+- tiles are sized for the memory stream (`_tile_config`): a contiguous cache streams 128 tokens of K and V per step
+  through three pipeline stages, fewer stages or tokens where the launch's programs per SM call for it, a paged one
+  64 tokens through two;
+- each sequence's own length is cut evenly into the splits, so a short sequence in a ragged batch spreads its few
+  tiles over all its programs instead of leaving them to the first one;
+- the split count comes from the SM count and the shapes (the cache's capacity, never the lengths' values), so the
+  launch needs no device sync and can be captured in a CUDA graph (`grouped_num_splits`: split_kv's wave cost model,
+  and for the Hopper paged kernel `ragged_num_splits`);
+- paged caches: when a page holds at least one tile, the tile's page id is one scalar load; smaller pages are
   gathered per token from the block-table row (a few distinct addresses, served by L1). On Hopper, paged caches in
-  fp16/bf16 with D 64 or 128 (no RoPE) run decode_sm90.py instead: a loader warp copies whole pages by TMA,
-  so no tile waits on a table load, and its split count (`ragged_num_splits`) serves full-length and ragged
-  batches alike.
+  fp16/bf16 with D 64 or 128 (no RoPE) run decode_sm90.py instead, whose loader warp copies whole pages by TMA so
+  that no tile waits on a table load;
+- on sm_90 the decode launch is a programmatic dependent of the kernel before it (`_host.pdl`): its start overlaps
+  that kernel's end.
 
 Layouts (as in reference.py):
     q (B, H_q, D)  k (B, H_kv, S_max, D)  v (B, H_kv, S_max, D_v)  seq_lens (B,) int32
@@ -41,12 +31,7 @@ Layouts (as in reference.py):
            block_table (B, max_pages) int32: token n of sequence b lives in page block_table[b, n // page_size],
            slot n % page_size.
 One kernel serves both: a token's address is page * stride_page + slot * stride_slot, where a contiguous cache
-has page = b and slot = n.
-
-The Triton 3.6 interpreter (numpy 2) cannot run a loop whose trip count is a tensor or a plain int argument, so
-there (STATIC_ITERS > 0) each program runs a compile-time number of tiles, the most any split can need, and the
-masks switch off the tiles past its chunk; on the GPU the trip count is the chunk's own tile count. The masks and
-the arithmetic are the same in both places.
+has page = b and slot = n. Head dims are tiled in power-of-two blocks of at least 16 columns, masked past D.
 """
 
 from __future__ import annotations
@@ -372,31 +357,14 @@ def _tile_config(d_qk: int, d_v: int, itemsize: int, paged: bool, load: float = 
     """(BLOCK_N, num_warps, num_stages) of a grouped-decode launch; `load`: programs (sequences x head tiles) per SM
     of a contiguous launch (`_load`).
 
-    H200 sweeps (bench_decode.py --tune and the split sweep behind auto_num_splits, bf16, H_q 32): contiguous
-    caches stream 128-token tiles through three stages with four warps (at D=128 Triton keeps two 64 KB K+V
-    buffers, 139 KB of shared memory per program: one program per SM). Against the earlier 64-token, four-stage
-    tiles, each at its best split: B128 S8k H_kv32 D64 1.008x SDPA vs 0.997x, B128 S8k H_kv1 D128 1.011x vs
-    0.940x, B128 S1k H_kv1 D64 1.008x vs 0.929x; over the 68-shape grid at the automatic split the median went
-    from 0.992x to 1.00x (benchmarks/RESULTS.md). Paged caches keep 64-token tiles with two stages: a tile of
-    small pages is gathered token by token, and 128-token tiles read 1-4% slower there (at each shape's best
-    split). Heads wider than 128 take 32-token tiles. Stages (then tokens) shrink until `stages` K/V tiles fit in
-    200 KB (fp32 caches; Triton allocates one buffer fewer, so this errs on the safe side).
-
-    The load moves two contiguous cases (H200, one split, beside SDPA in one run; 2026-11-30, benchmarks/RESULTS.md):
-    - heads of at most 64 with at least three programs per SM take two stages (one 32 KB K+V buffer: more
-      programs per SM): 512-4096 programs read 0.992-1.009x SDPA against 0.955-1.008x with three (B32 S64k H_kv32
-      0.955 -> 1.001, B128 S8k H_kv8 0.967 -> 1.001), while at 256 programs two stages lost 5-8% (B8 S64k H_kv32
-      0.985 -> 0.906);
-    - wider heads (D=128, where three stages of 128 tokens leave one program per SM) with one to three programs per
-      SM take 64-token tiles (two programs per SM: the launch runs in one wave instead of two): at 256 programs
-      and S1k-S2k 1.005-1.007x SDPA against 0.965-0.989x, at S8k-S64k level (0.994 / 0.987 against 0.991 /
-      0.986); at 1024-4096 programs 64-token tiles lost 1-9%;
-    - wider heads with three to four programs per SM take 64-token tiles through two stages (one 32 KB K+V buffer):
-      the launch then fits one wave, where three stages of 128 tokens (one program per SM) run it in four waves
-      and 64-token tiles through three stages (three per SM) in 1.3. Timed with rotated caches (no flush's write-backs,
-      session 23; H200, one split, beside SDPA): B64 H_kv8 S1k 1.020-1.025x SDPA against 0.952-0.961x, S2k 1.007
-      against 0.989, S4k-S8k level (0.999 / 1.008 against 0.997 / 1.011); the same tiles at B96 S2k (5.8 per SM,
-      one and a half waves) read 0.836, so the rule stops at four."""
+    Contiguous caches stream 128-token tiles through three stages with four warps; the launch's load moves that
+    where a smaller program lets more of them share an SM: heads of at most 64 at three or more programs per SM
+    take two stages, wider heads take 64-token tiles at one to three programs per SM and 64-token tiles through two
+    stages at three to four (the launch then fits one wave). Paged caches take 64-token tiles with two stages: a
+    tile of small pages is gathered token by token. Heads wider than 128 take 32-token tiles. Each of these was the
+    fastest beside SDPA in the H200 sweeps of benchmarks/bench_decode.py --tune (benchmarks/RESULTS.md). Stages
+    (then tokens) shrink until `stages` K/V tiles fit in 200 KB (fp32 caches; Triton allocates one buffer fewer, so
+    this errs on the safe side)."""
     d_max = max(d_qk, d_v)
     row_bytes = _kv_row_bytes(d_qk, d_v, itemsize)
     if d_max > 128:
@@ -502,15 +470,13 @@ def ragged_num_splits(
     batch and for a ragged one, is worst off against the best split of each by the least (minimax regret).
 
     A paged cache is what a server uses for ragged batches, and the lengths' values never enter (the launch can be
-    captured in a CUDA graph), so the split must serve both kinds: on the H200 a full-length batch of 64 x 8K
-    tokens (H_kv 8) runs fastest unsplit, the same batch with lengths spread over [S/8, S] with four splits, 8%
-    ahead of one. The simulation (`_simulate`) runs the launch's programs (heads per sequence x splits, in grid
-    order) on `slots` at once, sharing the bandwidth; the ragged batch spreads its lengths evenly over
-    [capacity/8, capacity] in a scrambled order. Each split adds the combine: a launch and the partials' traffic
-    (partial_bytes per split, written and read). Fitted to an H200 sweep of every power-of-two split on 20 paged
-    shapes (2026-11-30, benchmarks/RESULTS.md): within 4% of the best split on 18, and 5-6% on the other two (MQA
-    B64 S8K full-length, where two splits are best and the ragged batch needs four: one of the two loses 5-8%
-    whichever is picked)."""
+    captured in a CUDA graph), so the split must serve both kinds: a full-length batch of 64 x 8K tokens (H_kv 8)
+    runs fastest unsplit, the same batch with lengths spread over [S/8, S] with four splits. The simulation
+    (`_simulate`) runs the launch's programs (heads per sequence x splits, in grid order) on `slots` at once,
+    sharing the bandwidth; the ragged batch spreads its lengths evenly over [capacity/8, capacity] in a scrambled
+    order. Each split adds the combine: a launch and the partials' traffic
+    (partial_bytes per split, written and read). Fitted to an H200 sweep of every power-of-two split on the paged
+    shapes of benchmarks/bench_decode.py: within 4% of the best split on most (benchmarks/RESULTS.md)."""
     bandwidth, combine_latency = 4e12, 4e-6
     full = [capacity] * batch
     ragged = [int(capacity / 8 + capacity * 7 / 8 * ((i * 0.6180339887) % 1.0)) for i in range(batch)]

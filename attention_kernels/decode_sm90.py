@@ -3,7 +3,7 @@
 Same math, inputs and outputs as `decode._grouped_decode_kernel` over a paged cache (see decode.py, whose paged launcher
 runs this kernel instead on an sm_90 GPU for fp16/bf16, D_qk == D_v in {64, 128}, no RoPE term and pools whose heads sit
 side by side in each slot; everything else, and every contiguous cache, keeps the Triton kernel). Splits, their partial
-outputs and the combine are decode.py's.
+outputs and the combine are split_kv.py's.
 
 Why: in the Triton kernel each paged tile's K/V addresses come from a block-table load inside the loop, so the
 compiler's pipeline waits for every tile before it starts the next; a paged program alone runs several times
@@ -25,12 +25,12 @@ copy wholly past the end re-reads the last valid page (every tile moves the same
 count is fixed), and the last tile's rows past the end are masked in the scores and zeroed in the V buffer before
 P V (`zero_rows`).
 
-With splits, the launch merges them itself where decode.py's rule says it pays (`_combine_if_last`, as the Triton
-kernel's): the consumer warpgroup of the last split to finish reads the partials back.
+With splits, the launch merges them itself where split_kv.py's rule says it pays (`_combine_if_last`, as the
+Triton kernel's `split_kv.combine_if_last`): the consumer warpgroup of the last split to finish reads the partials
+back.
 
-Contiguous caches stay on the Triton kernel: this kernel with a contiguous loader (one TMA copy per tile) measured
-level with it there (H200, 2026-11-30, 68 shapes each at its best split: median 1.00x SDPA at D=128, 0.98x at D=64,
-against the Triton kernel's 1.00x), so a second contiguous path would add code without speed.
+Contiguous caches stay on the Triton kernel, which streams them as fast as a contiguous loader here would
+(benchmarks/RESULTS.md).
 
 Gluon has no CPU interpreter: the GPU test suite runs the eligible cases of tests/test_decode.py through this kernel;
 on the CPU, tests/test_decode.py compiles it for sm_90 and checks its structure.
@@ -62,28 +62,23 @@ LOADER_REGS = gl.constexpr(40)
 # the consumer (232 per thread in the sm_90 PTX).
 MAX_REGS = 128
 
-# Per head dim: (BLOCK_N, STAGES). H200 sweep (2026-11-30, bf16, 20 paged shapes at D=128, each config at its best
-# split): 64 tokens through three stages was fastest or within 1% everywhere; four stages (one program per SM)
-# lost up to 6%, two stages up to 2%. D=64 takes 128-token tiles (the same bytes per tile). Tiles as wide as the
-# head dim (BLOCK_N == D: 128 at D=128, 64 at D=64) returned wrong outputs on the H200 (errors 0.02-0.2 against
-# the reference), while every config with BLOCK_N != D matched it; the cause was not found, so launch() refuses
-# them.
+# Per head dim: (BLOCK_N, STAGES): 64 tokens through three stages at D=128, the fastest on the paged shapes of an
+# H200 sweep (benchmarks/RESULTS.md), and 128-token tiles at D=64 (the same bytes per tile). Tiles as wide as the
+# head dim (BLOCK_N == D) return wrong outputs on an H200 while every config with BLOCK_N != D matches the
+# reference; the cause is unknown, so launch() refuses them.
 CONFIGS = {
     64: (128, 3),
     128: (64, 3),
 }
-# Stages per head dim for a launch of more programs than the GPU has SMs, so that two share an SM (`launch_config`).
-# The sweep above timed each config at its own best split; timed at the automatic split instead (H200, 2026-12-01,
-# bf16, H_q 32, rotated caches, the 20 paged shapes of benchmarks/bench_decode.py, each beside our contiguous kernel
-# in one run; benchmarks/RESULTS.md, session 25), two stages read 0.995-1.026x the speed of three on the 16 shapes of
-# 256-1024 programs (MQA B64 S8k full length: 0.932 -> 0.956 of the contiguous kernel with 16-token pages, 0.948 ->
-# 0.966 with 64), and 0.958-0.993x on the four of 128 programs (B1 S64k, one per SM).
+# Stages per head dim for a launch of more programs than the GPU has SMs, so that two share an SM (`launch_config`):
+# there two stages measured up to 3% faster than three on an H200, and where the programs fit one per SM, slower
+# (benchmarks/RESULTS.md).
 CROWDED_STAGES = {128: 2}
 
 
 @gluon.jit
 def split_range(seq_lens_ptr, b, split, num_splits, BLOCK_N: gl.constexpr):
-    """(start, end, tiles) of sequence b's split: decode.py's split rule (chunks rounded up to whole tiles)."""
+    """(start, end, tiles) of sequence b's split: split_kv.split_range's rule (chunks rounded up to whole tiles)."""
     seq_len = gl.load(seq_lens_ptr + b)
     chunk = gl.cdiv(gl.cdiv(seq_len, num_splits), BLOCK_N) * BLOCK_N
     start = split * chunk
@@ -283,7 +278,7 @@ def _consumer(
         acc = warpgroup_mma_wait(num_outstanding=0, deps=[acc])
         mbarrier.arrive(kv_free.index(st), count=1)
 
-    # A split past its sequence's end saw no token (l = 0): zeros and lse -inf, as decode._store_split.
+    # A split past its sequence's end saw no token (l = 0): zeros and lse -inf, as split_kv.store_split.
     has_tokens = l_i > 0.0
     l_safe = gl.where(has_tokens, l_i, 1.0)
     lse = gl.where(has_tokens, m_i + gl.log2(l_safe), -float("inf"))
@@ -364,7 +359,7 @@ def _combine_if_last(
     MERGE_H: gl.constexpr,
     CHUNK: gl.constexpr,
 ):
-    """decode.py's `_combine_if_last` for this kernel's consumer warpgroup: a ticket per (sequence, head tile) after the
+    """`split_kv.combine_if_last` for this kernel's consumer warpgroup: a ticket per (sequence, head tile) after the
     partials are stored (a barrier of the warpgroup, then a release-acquire atomic); the last split resets it and merges
     the num_splits partials of its n_heads heads, CHUNK splits per load, online (the split count is a runtime argument
     here)."""

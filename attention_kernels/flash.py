@@ -155,9 +155,9 @@ def _pick_config(kind: str, q: torch.Tensor, d_qk: int, d_v: int, causal: bool, 
 def _gpu_ms(fn, n: int = 8) -> float:
     """Milliseconds per call of fn (compiled, run once already) on the GPU alone: n calls enqueued while the GPU
     sleeps, then run back to back between two events. At training sizes a launch's host time is about its kernel's
-    GPU time, so timing each call between its own events (do_bench) measures the host too: on an H200, GPT-2-small
-    MQA's dK/dV tuning picked four different configs in five tunings that way, the slowest 21% slower than the best
-    (benchmarks/RESULTS.md, session 22). The sleep is sized from one call; if the GPU wakes before the calls are
+    GPU time, so timing each call between its own events (do_bench) measures the host too, and such tunings of one
+    launch picked different configs from run to run, up to 21% apart (benchmarks/RESULTS.md). The sleep is sized
+    from one call; if the GPU wakes before the calls are
     enqueued, a longer one, and after the third such try the last timing is kept (host time in it or not: a pick
     then is no worse than do_bench's). `benchmarks/common.bench_gpu_ms` is the benchmarks' version of the same
     method, per call and from a cold L2."""
@@ -383,16 +383,9 @@ def _hopper_dkdv(programs: int, group: int, device: torch.device, s_kv: int) -> 
     """Does the Hopper dK/dV kernel (one program per 128 keys of a KV head, summing its whole group) take this
     launch, or the Triton kernel, which shares a group's heads among programs (`_head_splits`)? The Hopper one for
     MHA, wherever its programs fill one wave of the SMs, and from SMs - SMs / 16 programs (124 of 132: a wave with
-    a few SMs idle) for keys of at most 1024. Measured on an H200 (the whole backward on the GPU alone, bf16,
-    causal unless said; benchmarks/RESULTS.md):
-    - session 22, 110 shapes of 16-256 programs: at 256 programs it was 1.13-1.47x faster on all 25 (GPT-2-small
-      GQA, B8 H_q12 H_kv4 S1k D64, 1.34x); at 128, 0.77-1.77x, faster on 21 of 30; at 16-64, 0.23-1.21x, faster
-      on 7 of 55;
-    - session 24, 43 shapes of 96-224 programs: from 160 it was 1.07-1.65x faster on all 22; at 128 with keys of
-      1024, 1.00-1.36x on all 6 causal and 1.62x full (B4 H_q12 H_kv4 D64); at 128 with 4096 causal keys,
-      0.78-0.95x on all 8 (one program per SM cannot balance the diagonal, where the Triton kernel's three shares
-      make 384 programs); at 96, 0.72-1.23x (MQA B12 S1k D64 0.88). Full attention at 128 programs was measured
-      with 1024 keys only."""
+    a few SMs idle) for keys of at most 1024: where it measured faster on an H200, the whole backward on the GPU
+    alone (benchmarks/RESULTS.md). With fewer programs, or a long causal diagonal that one program per SM cannot
+    balance, the Triton kernel's head shares fill the GPU better."""
     sms = num_sms(device)
     if group == 1 or programs >= sms:
         return True
@@ -413,8 +406,8 @@ def _backward(
     head_splits=None,
     checked: bool = False,
 ):
-    """Launch dQ (which also writes delta), then dK/dV; or, on Hopper at D = 128 where it measured faster, the
-    one-launch backward (`flash_sm90.backward_fused`). `grads` = (dq, dk, dv) may be preallocated (any strides;
+    """Launch dQ (which also writes delta), then dK/dV; or, on Hopper at D = 128 and 64 where it measured faster,
+    the one-launch backward (`flash_sm90.backward_fused`). `grads` = (dq, dk, dv) may be preallocated (any strides;
     else each is laid out like its input, `_empty_in_order`);
     `head_splits` forces the dK/dV kernel's share count (tests), else `_head_splits` picks it. `checked`: the
     inputs are known valid (autograd: the forward checked q, k, v and made out and lse, and the engine gives do
@@ -656,10 +649,8 @@ _flash_fwd_op.register_autograd(_flash_fwd_backward, setup_context=_setup_contex
 
 class _FlashAttention(torch.autograd.Function):
     """The eager path: the same launchers and autograd as the custom ops, without the custom-op dispatch. A small
-    launch is bound by CPU time, not the GPU: on the H200 host (B1 H_q 32/8 S128 D128, one run) a forward call
-    took 117 us through the custom op and 85 us here, forward + backward 1152 and 936 us (SDPA: 22 and 217),
-    measured before session 20 cut the launchers' own host time (benchmarks/RESULTS.md).
-    torch.compile traces the custom ops instead."""
+    launch is bound by CPU time, not the GPU, and the custom op's dispatch measured about a quarter of a small
+    forward's host time on an H200 host (benchmarks/RESULTS.md). torch.compile traces the custom ops instead."""
 
     @staticmethod
     def forward(ctx, q, k, v, scale, causal):

@@ -72,13 +72,9 @@ __all__ = [
 ]
 
 
-# Fewest keys for which flash._forward prefers this kernel, per (head dim, causal); 0 where absent. At D=64 a short
-# causal tile has too few key blocks to hide its start and end. B16 H32/8 S1024 causal, TFLOP/s against the Triton
-# kernel: 293-300 vs 303-317 in three earlier runs; with the output's TMA store (session 19) 310 vs 303 in an
-# A/B run and 287 vs 306 in the grid's run. Full attention is ahead at every length, and from 2048 keys causal too
-# (B8 S2048 386 vs 357, B4 S4096 422 vs 389). Session 45, with Q released with a tile's last scores (GPU alone,
-# H32/8, three interleaved rounds): B16 S1024 322 vs 316 (pairs 1.020-1.022), B8 S2048 395 vs 386, B32 S512 227 vs
-# 232 (0.978-0.980), B64 S256 138 vs 128. So causal D=64 takes it from 1024 keys. benchmarks/RESULTS.md has the runs.
+# Fewest keys for which flash._forward prefers the Hopper forward, per (head dim, causal); 0 where absent. At D=64
+# a short causal tile has too few key blocks to hide its start and end: on an H200 the Hopper forward is ahead of
+# the Triton kernel from 1024 keys causal and at every length otherwise (benchmarks/RESULTS.md).
 MIN_KEYS = {
     (64, True): 1024,
 }
@@ -138,29 +134,11 @@ def fused_backward_wins(d: int, d_v: int, causal: bool, s_kv: int, group: int, p
     programs (128 keys of a KV head each) fill a wave of the SMs: full attention at every length; causal from 4096
     keys with at most 4 query heads per KV head at D = 128 and from 16384 keys with 5-8; at D = 64 from 8192 keys, or
     where the group's query heads times the keys reach 16384 (groups of 4 from 4096 keys, of 8 from 2048).
-    Measured on an H200 (benchmarks/RESULTS.md; the whole backward GPU alone, one launch over two, median of three
-    paired rounds):
-    - D = 128 (session 40): full attention 1.01-1.16x on all 7 shapes (B16 S1024 1.01, B8 S2048 1.03, 4096 keys
-      1.07-1.16, B1 S16384 1.08); causal at 4096-16384 keys 1.07-1.10x with groups of 4 (MHA 1.01-1.08); causal
-      with groups of 8 (H_kv 4 of 32) at 4096 keys 0.89-0.92x, and every causal shape at 1024-2048 keys 0.92-0.97x:
-      there the pre-pass and the final cast of dQ (0.24 ms per 2^19 query rows of 128 columns, in proportion to the
-      rows) weigh most against the causal half of the products. Session 43, causal with groups of 8: 0.96x at
-      4096 keys, 1.00-1.01x at 8192 (pairs 0.97-1.01), 1.06x at 16384 and 1.07x at 32768 (and with the two
-      launches' calls interleaved: 0.99x at 8192, 1.04x at 16384, 1.08x at 32768). A group of 8 fills a
-      program with 8 steps per query block, and its programs' reads and dQ adds leave L2 more (Nsight Compute at
-      B4 S4096: 6.2 GB of DRAM traffic against 5.2 with groups of 4, 2.86 ms against 2.45); from 16384 keys the
-      five products against the two launches' seven outweigh that. Full attention, timed both ways in session 43:
-      1.08-1.11x in events, but 0.98-0.99x with a KV group (MHA 1.03x) when the two launches' calls run between
-      the one launch's; kept on the one launch, the question open (benchmarks/RESULTS.md, session 43).
-    - D = 64 (session 42, 128-query steps): full attention 1.00-1.08x on all 5 shapes (B16 S1024 1.00, 4096 keys
-      1.00-1.03, B1 S16384 1.08); causal at 16384 keys 1.02-1.08x (groups of 1, 4, 8), at 8192 keys 0.99-1.05x
-      (groups of 8 0.987), at 4096 keys 0.95-0.98x and 0.91x at B16 S1024, where the two launches' persistent
-      programs with three ring stages for a KV group (session 38) keep ahead. Session 44, after `_fused_kv` made the
-      one launch 1.03-1.08x faster at D = 64, causal, interleaved / events: MHA 0.93 / 0.95 at 1024 keys, 0.97 / 1.02
-      at 2048, 1.00 / 1.07 at 4096, 1.01 / 1.11 at 8192; groups of 4 0.97 / 1.01, 0.99 / 1.04, 1.01 / 1.06, 1.01 /
-      1.06; groups of 8 0.99 / 1.00, 1.02 / 1.05, 1.05 / 1.09, 1.07 / 1.10. The rule takes the shapes where both
-      measures read above 1. At D = 128 causal (1024-8192 keys where the rule keeps the two launches) they part: the
-      one launch 0.91-1.00x interleaved and 0.95-1.06x in events, so the rule stays."""
+
+    These are the shapes where the one launch measured faster on an H200, the whole backward on the GPU alone
+    (benchmarks/RESULTS.md). Below them its fixed costs, a pre-pass and the final cast of dQ (about 0.24 ms per
+    2^19 query rows of 128 columns), weigh more than its five products per step save against the two launches'
+    seven; groups of 8 need longer sequences because their programs' reads and dQ adds spill out of L2."""
     if (d, d_v) not in FUSED_PAIRS or programs < sms:
         return False
     if not causal:

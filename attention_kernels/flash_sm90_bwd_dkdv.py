@@ -68,8 +68,7 @@ def _dkdv_lead(start_n, m_start, M, N, CAUSAL: gl.constexpr, BLOCK_M: gl.constex
     Only MHA skips them (GROUP_SIZE 1, where they are the tile's first steps): with a KV group they are each query
     head's first steps, and skipped slots between a warpgroup's own steps would stall it (each step issues the next
     step's S^T before it releases its own slot, so with two ring stages it would wait for a slot the loader can
-    only fill after that release). Bringing the group's skipped blocks first (query block by query block over the
-    heads) made the GQA backward 4-8% slower at 4096 keys (session 32, benchmarks/RESULTS.md)."""
+    only fill after that release)."""
     if CAUSAL and BLOCK_M <= ROWS:
         first = gl.maximum(start_n + ROWS - (N - M), 0) // BLOCK_M
         return gl.maximum(gl.minimum(first, gl.cdiv(M, BLOCK_M)) - m_start, 0)
@@ -120,10 +119,9 @@ def _bwd_load_tile(
     its rows' lse and delta (one barrier) and dO into the ring; step0 counts the program's steps over its earlier
     tiles. Returns the count after this tile. DR > 0: Q's and K's last DR columns (MLA's RoPE part) come as second
     copies on the same barriers, as in the forward's loader."""
-    # When not persistent, step0 is a constexpr 0 and this is, instruction for instruction, the one-tile loader it
-    # replaced. Small changes here (the step count made a tensor up front, the query-block count computed here)
-    # moved ptxas's register choices in a consumer warpgroup's loop and cost that kernel 3-7% at D=128
-    # (benchmarks/RESULTS.md, session 19).
+    # When not persistent, step0 is a constexpr 0. Small changes to this loader (the step count made a tensor up
+    # front, the query-block count computed here) move ptxas's register choices in a consumer warpgroup's loop and
+    # measured 3-7% slower at D=128 (benchmarks/RESULTS.md).
     it = step0
     kb = tc % 2
     if PERSISTENT:
@@ -410,7 +408,7 @@ def _bwd_tile(
             D,
             DR,
         )
-    else:  # (as before the skip, so that these kernels compile to the same code)
+    else:  # no skipped steps: a prologue without t0, so that no skip arithmetic enters these kernels' code
         t0 = 0
         mbarrier.wait(q_ready.index(it % STAGES), (it // STAGES) & 1)
         st = issue_scores_t(
@@ -443,9 +441,9 @@ def _bwd_tile(
         dpt = warpgroup_mma(v_wg, do_t.permute((1, 0)), st, use_acc=False, is_async=True)
         dv = warpgroup_mma(gl.convert_layout(pt.to(dtype), v_op_layout), do_t, dv, is_async=True)
         dpt = warpgroup_mma_wait(num_outstanding=1, deps=[dpt])
-        # dS^T from the fp32 P^T: its bf16 copy feeds dV only. Taking dS^T from that copy (round trip through
-        # bf16) made ptxas convert one score at a time and unpack again: 64 (full) to 110 (causal) more
-        # instructions per 64-query step, and a 4-9% slower backward (benchmarks/RESULTS.md, session 16).
+        # dS^T from the fp32 P^T: its bf16 copy feeds dV only. From that copy (a round trip through bf16) ptxas
+        # converts one score at a time and unpacks again, 64-110 more instructions per 64-query step, and the
+        # backward measured 4-9% slower (benchmarks/RESULTS.md).
         dst = (pt * (dpt - delta_smem.index(s).load(cols)[None, :])).to(dtype)
         dk = warpgroup_mma(gl.convert_layout(dst, op_layout), q_t, dk, is_async=True)
         if DR > 0:
@@ -486,9 +484,9 @@ def _bwd_tile(
     else:
         mbarrier.arrive(kv_free.index(kb), count=1)  # the loader may bring the tile after next's K and V here
 
-        # Persistent (D=64, 96/64): the stores from registers. dK's first D columns (and dV when DV == D) keep them
-        # as written before the RoPE part existed: through `store_rows` the D = 64 kernels' PTX came out in another
-        # order (session 29), and session 19 measured such reorderings at 3-7%.
+        # Persistent (D=64, 96/64): the stores from registers. dK's first D columns (and dV when DV == D) are stored
+        # here rather than through `store_rows`, which orders the D = 64 kernels' PTX differently; such
+        # reorderings measured 3-7% slower (benchmarks/RESULTS.md).
         offs_n = kv0 + gl.arange(0, ROWS, layout=gl.SliceLayout(1, acc_layout))
         offs_d = gl.arange(0, D, layout=gl.SliceLayout(0, acc_layout))
         rows_ok = (offs_n < N)[:, None]
@@ -952,20 +950,11 @@ def _flash_bwd_dkdv_sm90_kernel(
     )
 
 
-# dK/dV per (D_qk, D_v): (BLOCK_M, STAGES, PERSISTENT), query rows per streamed step, ring stages, and the schedule.
-# H200 (session 17, beside the Triton backward in one run): at D=64, 128-query steps read 1.02-1.10x the Triton
-# kernels on the grid's ten shapes and 64-query steps 0.99-1.07x; at D=128, 128-query steps would not fit the
-# registers (S^T, dP^T, dK and dV accumulators: 256 per thread). Persistent programs, against one program per
-# tile in the same run (session 19): at D=64 the kernel 1.00-1.07x as fast on the grid's ten shapes; at D=128, where
-# the tile loop's state made ptxas spill 72-160 bytes, 0.94-0.99x, and 0.95-0.99x with those spills at 4-12 bytes
-# for MHA (session 34), so D=128 keeps one program per tile. MLA's
-# 96/64 (session 29, the whole backward GPU alone beside the Triton kernels, B16 H16 S1024 causal / B4 H16 S4096
-# causal / full): (64, 2, True) 1.33 / 1.24 / 1.22x, (64, 3, True) 1.30 / 1.18 / 1.19x, (64, 2, False) 1.16 / 1.10 /
-# 1.15x, (128, 2, True), which spills 236-556 bytes, 1.17 / 1.14 / 1.16x. MLA's 192/128: 64-query steps hold 64 x 192
-# and 64 x 128 accumulators besides S^T and dP^T, and ptxas spills 108-604 bytes and serializes the wgmma; 32-query
-# steps do not spill (persistent, 20-184 bytes). The whole backward beside the Triton kernels (B16 H16 S1024 causal /
-# B4 H16 S4096 causal): (32, 4, False) 1.29 / 1.34x, (32, 2, False) 1.28 / 1.31x, (32, 3, False) 1.26 / 1.29x,
-# (32, 3, True) 1.32 / 1.30x, the Triton dK/dV kernel beside the Hopper dQ kernel 1.18 / 1.16x.
+# dK/dV per (D_qk, D_v): (BLOCK_M, STAGES, PERSISTENT): query rows per streamed step, ring stages, and the schedule,
+# the fastest of each pair's configs on an H200 (benchmarks/RESULTS.md). At D=128, 128-query steps do not fit the
+# registers (S^T, dP^T, dK and dV accumulators: 256 per thread), and a persistent program's tile loop makes ptxas
+# spill, so D=128 keeps one program per tile. MLA's 192/128 takes 32-query steps: with 64, its 64 x 192 and 64 x 128
+# accumulators beside S^T and dP^T spill 108-604 bytes and serialize the wgmma.
 BWD_CONFIGS = {
     (64, 64): (128, 2, True),
     (96, 64): (64, 2, True),
@@ -974,12 +963,9 @@ BWD_CONFIGS = {
 }
 
 
-# Ring stages of the causal dK/dV with a KV group, where they differ from BWD_CONFIGS'. At D=64 (session 38, the
-# whole backward GPU alone against two stages, the median of seven paired rounds, bitwise the same gradients), three
-# stages: H_q 32 over H_kv 8 1.025x at B16 S1024, 1.020x at B4 S4096, 1.023x at B1 S16384; over H_kv 4 1.003x. MHA
-# (B4 H32 S4096) read 0.988x, and full attention 0.98-1.00x in an earlier run, so those keep two. At D=128 (session
-# 42, three rounds), three stages spill 36 bytes in the step loop: 1.022x for H_kv 4 at B4 S4096, 0.97-0.99x at
-# 1024-16384 keys elsewhere, so D=128 keeps two.
+# Ring stages of the causal dK/dV with a KV group, where they differ from BWD_CONFIGS': three at D=64, which
+# measured about 2% faster than two on an H200 (benchmarks/RESULTS.md); MHA, full attention and D=128 (where a
+# third stage spills in the step loop) keep two.
 BWD_CAUSAL_GQA_STAGES = {
     (64, 64): 3,
 }

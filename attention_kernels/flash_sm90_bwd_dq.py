@@ -894,16 +894,10 @@ def _flash_bwd_dq_sm90_kernel(
     )
 
 
-# Per (D_qk, D_v): (BLOCK_N, STAGES, PERSISTENT) of the dQ kernel, keys per streamed block, ring stages and the
-# schedule. No register spills; 128-key blocks spill at D=128, and at D=64 they made the whole backward 1.02-1.04x
-# faster than 64-key blocks on the grid's ten D=64 shapes (H200, session 18, benchmarks/RESULTS.md). Persistent
-# programs, against one program per tile in the same run (session 19): at D=64 0.996-1.126x on the grid's ten
-# shapes (most where tiles are short: B16 S1024 1.13x causal, 1.06x full); at D=128, where the tile loop's state
-# makes ptxas spill, 0.997-1.020x, inside the run's noise (the one-tile kernel read 0.964-1.011x of its own
-# identical build), so D=128 keeps one program per tile. MLA (session 29, as BWD_CONFIGS): at 96/64, with
-# (64, 2, True) dK/dV, (128, 2, True) 1.33 / 1.24 / 1.22x the Triton kernels, (128, 3, True) 1.32 / 1.23 / 1.22x,
-# (64, 2, True) 1.27 / 1.19 / 1.18x; at 192/128, beside the Triton dK/dV kernel, (64, 2, False) 1.19 / 1.18 / 1.14x
-# (B16 H16 S1024 causal / B4 H16 S4096 causal / full), (64, 3, False) 1.18 / 1.18 / 1.11x.
+# Per (D_qk, D_v): (BLOCK_N, STAGES, PERSISTENT) of the dQ kernel: keys per streamed block, ring stages and the
+# schedule, the fastest of each pair's configs without register spills on an H200 (benchmarks/RESULTS.md).
+# 128-key blocks spill at D=128, and so does a persistent program's tile loop there, so D=128 keeps 64-key blocks
+# and one program per tile.
 DQ_CONFIGS = {
     (64, 64): (128, 2, True),
     (96, 64): (128, 2, True),

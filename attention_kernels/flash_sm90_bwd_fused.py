@@ -193,10 +193,9 @@ def _fused_kv(k_smem, v_smem, m, M, WG: gl.constexpr, BLOCK_M: gl.constexpr, D: 
     """The one-launch consumer's K tile (128 keys), and its warpgroup's 64 rows of K and V, as the step with query
     block m reads them. Their buffer index is always 0 (block m starts before row M), but the compiler cannot know
     it, so the wgmma descriptors are rebuilt each step from the buffer's address by a few integer instructions.
-    Built once before the loop, as loop invariants, they stayed live across it, and ptxas, short of registers,
-    spilled other loop invariants (60-92 bytes at D = 128) and reloaded 5-11 values a step; this way D = 128 spills
-    nothing and the backward measured 1.00-1.04x at D = 128 and 1.03-1.08x at D = 64 (session 44,
-    benchmarks/RESULTS.md)."""
+    Built once before the loop, as loop invariants, they would stay live across it, and ptxas, short of registers,
+    would spill other loop invariants (60-92 bytes at D = 128) and reload 5-11 values a step: rebuilt, they leave
+    D = 128 without spills and the backward faster (benchmarks/RESULTS.md)."""
     kv = (m * BLOCK_M >= M).to(gl.int32)
     k_tile = k_smem.index(kv).reshape([CONSUMERS * ROWS, D])
     v_tile = v_smem.index(kv).reshape([CONSUMERS * ROWS, D])
@@ -268,8 +267,8 @@ def _fused_consumer(
         q_t = q_smem.index(s).reshape([BLOCK_M, D])
         pt = gl.exp2(st * qk_scale - lse_smem.index(s).load(cols)[None, :])
         if CAUSAL:
-            # Against immediates at 64-query steps too: written plainly, the column indices stayed live across the
-            # loop and ptxas spilled 168 bytes (80 this way, and none since `_fused_kv`).
+            # Against immediates at 64-query steps too: written plainly, the column indices stay live across the
+            # loop and ptxas spills.
             pt = causal_mask_t(pt, m, kv_pos, q_shift, start_n, BLOCK_M, True, cols)
         mbarrier.wait(do_ready.index(s), (t // STAGES) & 1)
         do_t = do_smem.index(s).reshape([BLOCK_M, D])

@@ -245,9 +245,8 @@ def causal_mask_t(pt, m, kv_pos, q_shift, start_n, BLOCK_M: gl.constexpr, IMMEDI
     keys past each query zeroed, where the block crosses the causal diagonal of the program's keys from start_n.
     IMMEDIATES: qc >= first written as (qc & ~6) >= first - (qc & 6). A column's index is its thread's
     2 * (lane % 4) (bits 1-2) plus a constant, so each compare takes an immediate against the row's
-    first - 2 * (lane % 4). Written plainly, the 32 column indices of a thread's 128-query step were hoisted out of
-    the dK/dV loop, stayed live across it, and ptxas spilled 196 bytes inside the loop (D=64 causal; now 16, outside
-    it)."""
+    first - 2 * (lane % 4). Written plainly, the 32 column indices of a thread's 128-query step are hoisted out of
+    the dK/dV loop and stay live across it, and ptxas spills inside the loop (196 bytes at D=64 causal)."""
     if q_shift + m * BLOCK_M < start_n + CONSUMERS * ROWS - 1:  # the block crosses the diagonal
         first = kv_pos - q_shift - m * BLOCK_M
         qc = gl.arange(0, BLOCK_M, layout=cols)
@@ -337,15 +336,10 @@ def tile_counter(device: torch.device, persistent: bool) -> torch.Tensor:
     return ring[0][start : start + 1]
 
 
-_RING_SIZE = 1024
-
-
+_RING_SIZE = 1024  # counters per ring: one memset per 1024 persistent launches
 # int32s per counter: 16 bytes apart. Triton specializes a pointer on 16-byte alignment, so counters 4 bytes apart
-# compiled every persistent kernel twice, and the launch cache's key changed with a counter's place in the ring
-# (session 31).
+# would compile every persistent kernel twice, and the launch cache's key would change with a counter's place.
 _SLOT = 4
-
-
 _RINGS: dict[tuple[torch.device, int], list] = {}
 
 

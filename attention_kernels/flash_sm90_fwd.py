@@ -581,12 +581,9 @@ def _flash_fwd_sm90_kernel(
     )
 
 
-# Per (D_qk, D_v): (BLOCK_N, K stages, V stages), measured on an H200 (see benchmarks/RESULTS.md). Until session 45
-# K and V shared one ring, (BLOCK_N, STAGES) below. MLA's 192/128 (session 27, forward TFLOP/s GPU alone, B4 H16
-# S4096 causal / full): (64, 3) 576 / 637, (64, 4) 568 / 630, (128, 2) 521 / 597. MLA's 96/64 (the GPT-2-small MLA
-# of configs/mla.py and the benchmarks; session 28, same measure, B8 H12 S1024 causal / B4 H16 S4096 causal / full):
-# (128, 3) 282 / 480 / 537, (128, 2) 246 / 399 / 482, (64, 3) 257 / 406 / 452. D=128 (session 45): 2 K and 3 V
-# stages, which leave room for the output's own buffers (the module docstring).
+# Per (D_qk, D_v): (BLOCK_N, K stages, V stages), each the fastest that fits shared memory on an H200
+# (benchmarks/RESULTS.md). At D=128, 2 K and 3 V stages leave room for the output's own buffers; MLA's 192/128
+# takes 64-key blocks, with which three stages and the output buffers fit.
 CONFIGS = {
     (64, 64): (128, 3, 3),
     (96, 64): (128, 3, 3),

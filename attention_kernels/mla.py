@@ -7,7 +7,7 @@ and the value up-projection left to the caller (out = latent W_UV[h]^T, `attenti
 Every head reads the same cache row, so this is grouped decode with one KV head, all H query heads in its group,
 and V = K's latent part. The kernel reads each c_kv tile once and uses it twice: as K in the scores (the 512-wide
 latent and the 64-wide RoPE key as two dots) and as V in the output. Splits, their combine and the interpreter's
-compile-time trip count are those of `attention_kernels.decode`.
+compile-time trip count are split_kv.py's (Flash-Decoding, Dao et al. 2023; DeepSeek-V2, 2024).
 
 Layouts:
     contiguous  q_absorbed (B, H, D_c)  q_rope (B, H, D_r)  c_kv (B, S_max, D_c)  k_rope (B, S_max, D_r)
@@ -18,9 +18,8 @@ Layouts:
 Outputs: latent (B, H, D_c) in q_absorbed's dtype, lse (B, H) fp32, natural log.
 
 On Hopper, 512 + 64 in fp16/bf16 with up to 64 heads or heads in multiples of 64 run the warp-specialized Gluon
-kernels of mla_sm90.py instead (on an H200: 1.5x this kernel at 128 heads, 1.7-1.9x paged; at 16 heads
-1.0-1.15x contiguous and 1.2-1.31x with 16-token pages; at 32 heads 1.2-1.8x); everything else runs the Triton
-kernel below.
+kernels of mla_sm90.py instead, which measured 1.0-1.9x this kernel's speed on an H200 (benchmarks/RESULTS.md);
+everything else runs the Triton kernel below.
 """
 
 from __future__ import annotations
@@ -62,11 +61,8 @@ def _cut_chain(s, cond):
     tile has M = 64: with eight warps both warpgroups then computed the same 64 x 64 scores. The compiler's rule
     follows values, not branch results, so behind the branch the score dots get a 4 x 2 warp grid and each
     warpgroup computes half the columns once (half the score instructions: 36 m64n32k16 wgmma per tile instead
-    of 72 in the sm_90 PTX). `+ 0.0` keeps the branch from folding into a select. H200, 128 heads: 294 -> 353
-    TFLOP/s at B64 N8192, 301 -> 368 at N32768. The 16-head tile (four warps, one warpgroup) is within 1% at
-    its best split, but its compiled loop changed too, and its one-split launches are no longer slow: in one run
-    at B128 N4096 one split was 6% faster than the two-split floor the launcher used to apply (3.81 TB/s), so the
-    floor was retired."""
+    of 72 in the sm_90 PTX). `+ 0.0` keeps the branch from folding into a select. At 128 heads on an H200 the kernel
+    runs about 20% faster for it (benchmarks/RESULTS.md)."""
     out = s
     if cond:
         out = s + 0.0
@@ -210,7 +206,7 @@ def _mla_decode_kernel(
     m_i = tl.full([BLOCK_H], -float("inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DC], tl.float32)
-    for i in range(0, tile_count(start, end, BLOCK_N, STATIC_ITERS)):  # decode.py's trip count
+    for i in range(0, tile_count(start, end, BLOCK_N, STATIC_ITERS)):  # split_kv's trip count
         m_i, l_i, acc = _mla_tile(
             CKV,
             KR,
@@ -263,7 +259,7 @@ def _mla_decode_kernel(
         stride_ls,
         NUM_SPLITS,
     )
-    if FUSE_CHUNK > 0:  # the split combine in this launch (decode.py)
+    if FUSE_CHUNK > 0:  # the split combine in this launch (split_kv.combine_if_last)
         combine_if_last(
             COUNTERS,
             b * tl.num_programs(0) + tile,
@@ -298,12 +294,10 @@ def _mla_decode_kernel(
 
 
 def _mla_config(h: int, d_c: int) -> dict:
-    """Heads per program and tile sizes; the (BLOCK_H, D_c) fp32 accumulator lives in registers. H200 sweeps at
-    512 + 64 with the best split count each (B 1-128, N 4k-64k): 16 heads (memory-bound): 64-row tiles, four
-    warps, three stages read 3.90 TB/s at B64 N8192 and 4.34 at N32768 (32-row tiles 3.84 / 4.20, two stages
-    3.77 / 4.27, eight warps 2.8). 128 heads (compute-bound), swept again with _cut_chain (2026-11-30, B64
-    N8192): 64 heads x 64 rows, eight warps, two stages 353 TFLOP/s; 64 x 32 rows, three stages 312; one stage
-    270; 32 heads x 64 rows, four warps 248; 64 x 16 rows 142. Three stages of 64 rows do not fit."""
+    """Heads per program and tile sizes; the (BLOCK_H, D_c) fp32 accumulator lives in registers. At 512 + 64, the
+    fastest of an H200 sweep (benchmarks/RESULTS.md): 16 heads (memory-bound) take 64-row tiles, four warps and
+    three stages; 64 heads (compute-bound) 64-row tiles, eight warps and two stages (three stages of 64 rows do
+    not fit)."""
     block_h = heads_per_program(h)
     if d_c > 256:
         if block_h == 16:
@@ -349,9 +343,9 @@ def _launch_mla(
         tile_flops = 2 * rows * block_n * (d_c + d_r + d_c)
         # One program per SM: the 64-row head tile's accumulator fills the register file, and the 16-head tile's
         # three stages of 64 x 576 latent rows fill shared memory. Paged 16-head launches of the Triton kernel use
-        # grouped decode's paged rule (slower tiles, twice the programs), which matched their best measured splits.
+        # grouped decode's paged rule (slower tiles, twice the programs), which matches their best measured splits.
         # Paged launches of the narrow Hopper program (under 64 heads) count twice the programs too, though it runs
-        # one per SM: its picks were measured that way, and one per SM picks the same splits on the bench grid.
+        # one per SM: that matches its best measured splits, and one per SM picks the same splits on the bench grid.
         smem_bound_paged = paged and block_h < 64
         slots = num_sms(q_absorbed.device) * (2 if smem_bound_paged else 1)
         tile_time = mla_sm90.tile_seconds(tile_flops) if sm90 else tile_seconds(tile_flops, smem_bound_paged)

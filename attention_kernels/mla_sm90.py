@@ -34,13 +34,8 @@ No row past a sequence's end ever meets a zero probability (the tests' poisoned 
   The last block is not shifted (it could straddle pages): its rows past the end are masked in the scores and
   zeroed in the shared-memory latent tile before P C (`decode_sm90.zero_rows`).
 
-Measured on an H200 beside the Triton kernel in one run (bf16, 128 heads, TFLOP/s, each at its best of 1-8
-splits): B64 N8192 536 vs 353, B64 N32768 541 vs 365, B128 N4096 513 vs 348, B16 N8192 472 vs 302. Paged
-(2026-11-30, its best split beside the Triton paged kernel): 64-token pages 527-537 vs 303-319 at B64/B128,
-16-token pages 471-510 vs 265-277; B16 N8192 463 / 435 vs 265 / 236. At 16 heads (2026-11-30, TB/s, automatic
-split, one run): the narrow program reads 3.92-4.40 with 16-token pages at B32-B128 where the 64-head tile read
-3.79-4.15 and the Triton kernel 3.20-3.50, and 3.97-4.48 contiguous against the Triton kernel's 3.95-4.35
-(benchmarks/RESULTS.md).
+On an H200, at 128 heads it runs 470-540 TFLOP/s where the Triton kernel runs 300-365, and at 16 heads the narrow
+program reads 3.9-4.5 TB/s, level with or ahead of the Triton kernel (benchmarks/RESULTS.md).
 
 Gluon has no CPU interpreter: the GPU test suite runs every 512 + 64 case of tests/test_mla.py with fp16/bf16
 caches through these kernels, except those that turn them off (5-32 heads the narrow program, 40, 64 and 128
@@ -713,17 +708,15 @@ def enabled() -> bool:
 def supports(q_absorbed, q_rope, c_kv, k_rope, paged: bool = False) -> bool:
     """Do mla_decode (paged=False) and paged_mla_decode (paged=True; c_kv and k_rope are then the page pools)
     launch this kernel for these inputs? On an sm_90 GPU with the Triton release Gluon's kernels were verified
-    against (`flash_sm90.on_hopper`), when `eligible`."""
+    against (`sm90.on_hopper`), when `eligible`."""
     return enabled() and on_hopper(q_absorbed) and eligible(q_absorbed, q_rope, c_kv, k_rope, paged)
 
 
 def eligible(q_absorbed, q_rope, c_kv, k_rope, paged: bool = False) -> bool:
     """fp16/bf16, D_c = 512, D_r = 64, strides TMA can read, and a head count that is at most 64 or a multiple of
     64: up to 32 heads run the narrow program (a tile of 16 or 32 heads as the wgmma's N), 33-63 one 64-head tile
-    (missing heads: TMA fills their queries with zeros and the stores skip them). Measured on an H200 (2026-11-30,
-    bf16, TB/s, automatic splits): at 32 heads the narrow program and the 64-head tile read the same (3.64-3.77
-    at B64 N8k and B128 N4k, contiguous and paged), the Triton kernel 2.11-3.16 (3.26 contiguous at its best
-    split); at 16 heads see the module's docstring."""
+    (missing heads: TMA fills their queries with zeros and the stores skip them). At 32 heads both programs ran
+    ahead of the Triton kernel on an H200 (benchmarks/RESULTS.md)."""
     h = q_absorbed.shape[1]
     if q_absorbed.dtype not in (torch.float16, torch.bfloat16):
         return False
@@ -735,12 +728,9 @@ def eligible(q_absorbed, q_rope, c_kv, k_rope, paged: bool = False) -> bool:
 
 
 def tile_seconds(tile_flops: int) -> float:
-    """Per-tile time of one program alone for the split model (`decode.auto_num_splits`): the FLOPs at 4 TFLOP/s,
-    one SM's share of the 513-541 TFLOP/s measured at 128 heads. With it the model picks the measured best split
-    count on the four shapes of that run (one split at B64 N8k/N32k and B128 N4k, four at B16 N8k), and at 16
-    paged heads, where a program's tile is memory-bound, too (two at B64 N8k/N32k, one at B128 N4k, eight at B16
-    N8k). The narrow program's tiles (FLOPs of 16 heads) sit on the 1.5 us floor; its automatic split was the
-    best of 1-16 (or within 1%) on the 15 contiguous and paged 16-head shapes of its first H200 sweep."""
+    """Per-tile time of one program alone for the split model (`split_kv.auto_num_splits`): the FLOPs at 4 TFLOP/s,
+    one SM's share of the kernel's rate at 128 heads, with a 1.5 us floor (where the narrow program's tiles sit).
+    With it the model picks the measured best split on the H200 sweep's shapes (benchmarks/RESULTS.md)."""
     return max(1.5e-6, tile_flops / 4e12)
 
 
@@ -767,7 +757,7 @@ def launch(
 ):
     """On inputs `supports` accepted, seq_lens (B,) int32 contiguous: each split's output into part_o (B, H,
     splits, D_c) (the final output, in q's dtype, for one split; fp32 partials otherwise) and its lse into
-    part_lse (B, H, splits) (natural log for one split, log2 units for partials), as attention_kernels.decode's splits.
+    part_lse (B, H, splits) (natural log for one split, log2 units for partials), as split_kv's splits.
     With block_table (B, max_pages) int32, c_kv and k_rope are the page pools (num_pages, page_size, D), page_size
     a power of two from 8 to 256. `heads`: heads per program (default `tile_heads`)."""
     batch, h, _ = q_absorbed.shape
@@ -776,9 +766,8 @@ def launch(
     rows = min(page_size, BLOCK_N) if paged else BLOCK_N  # rows per TMA copy: one page (or block) at most
     table = block_table if paged else seq_lens  # unused when contiguous
     heads = heads or tile_heads(h)
-    # A programmatic dependent launch for the narrow program only: H200, 2026-12-01 (rotated caches, A/B in one run,
-    # benchmarks/RESULTS.md, session 25): 16 and 32 heads 0.28-0.43 us faster (B16 N8k 44.46 -> 44.18), the 64-head
-    # tile at 128 heads 3.2 us slower (B16 N8k 72.16 -> 75.31).
+    # A programmatic dependent launch for the narrow program only: it measured faster there on an H200, and slower
+    # for the 64-head tile (benchmarks/RESULTS.md).
     wait = heads < HEADS_PER_PROGRAM and pdl(q_absorbed.device)
     launcher(_mla_decode_sm90_kernel)[(cdiv(h, heads), num_splits, batch)](
         descriptor(q_absorbed, [1, heads, HALF_COLUMNS]),

@@ -295,8 +295,8 @@ def auto_num_splits(
     longer of its share of the bandwidth (tile_bytes * c / bandwidth) and tile_time. Splitting adds the combine:
     a launch and the partials' traffic. Only shapes enter, never sequence lengths, so no device sync is needed
     and the launch can be captured in a CUDA graph. The constants are fitted to an H200 sweep of every power-of-two
-    split count on the grid of benchmarks/bench_decode.py with `_tile_config`'s tiles (contiguous: the pick is
-    within 5% of the best split on 65 of 68 shapes and within 6% on all; paged: within 5% on all 16).
+    split count on the grid of benchmarks/bench_decode.py, where the pick lands within 6% of the best split on
+    every shape (benchmarks/RESULTS.md).
     """
     bandwidth, combine_latency = 4e12, 4e-6
     best, best_time = 1, math.inf
@@ -332,11 +332,7 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 FUSED_COMBINE_MAX_VALUES = 16384  # fp32 partials (64 KB) one program may merge at the end of the launch
-
-
 _FUSED_COMBINE_CHUNK = 8192  # fp32 partials per load of that merge: 64 registers per thread at four warps
-
-
 FUSED_COMBINE_MIN_ROWS = 1024  # (sequence, query head) rows below which a dependent-launch combine is faster
 
 
@@ -346,14 +342,10 @@ def fused_combine_chunk(num_splits: int, heads: int, d_v: int, rows: int, device
     heads: the real ones of its tile, D_v padded to a power of two) exceed FUSED_COMBINE_MAX_VALUES, two loads,
     or when the separate combine runs as a programmatic dependent (`pdl`) and has fewer than FUSED_COMBINE_MIN_ROWS
     rows to merge (rows: batch x query heads). The last program merges alone after the others finish, so the
-    merge is the launch's tail, and its loads wait one after the other. On an H200 (bf16, H_q 32, graph-timed
-    beside the separate combine): MQA at four splits (32 heads x 128 x 4: 64 KB) gained 2.4-2.6 us (B32 S1k and
-    S8k, D 128), while eight (128 KB, four loads) lost 1.0-1.2 us and 16-32 splits of MQA (256 KB) 3-11 us; the
-    separate kernel spreads such merges over (sequence, head, column block) programs. Against the dependent
-    launch (session 24, rotated caches, us fused / separate): at 1024 rows (B32, MQA) the merge still gains on 5
-    of 7 (D=128 four splits S1k 11.96 / 13.47, S8k 40.02 / 41.89) and loses 0.4 us on 2; at 32 and 256 rows (B1,
-    B8) it loses on 13 of 15 (MQA D=64 B1 S1k eight splits 5.82 / 5.09, GQA B8 S1k D=64 16 splits 13.41 / 11.41)
-    and ties two (6.14 / 6.12, 71.57 / 71.58). Rows between 256 and 1024 were not measured."""
+    merge is the launch's tail, and its loads wait one after the other: it saves the second launch where the
+    partials are small, and the separate kernel, which spreads a merge over (sequence, head, column block)
+    programs, wins on larger merges and, as a dependent launch, on small batches. Both limits are where the merge
+    in the launch measured faster on an H200 (benchmarks/RESULTS.md)."""
     if num_splits == 1 or os.environ.get("ZOO_FUSED_COMBINE", "1") == "0":
         return 0
     if rows < FUSED_COMBINE_MIN_ROWS and pdl(device):

@@ -106,7 +106,7 @@ def bench_grouped(shapes, fixed_splits: bool, copy_tbps: float, rounds: int = 3)
         sdpa = lambda: F.scaled_dot_product_attention(q[:, :, None], k, v, scale=scale, enable_gqa=True)  # noqa: E731
         check("sdpa", sdpa()[picks, :, 0], ref_decode_rows(q, k, v, lens, scale, picks))
         # Ours and SDPA alternate, so a drift of the machine between two timings falls on both; the pairs' range
-        # shows how firm each ratio is (benchmarks/RESULTS.md, session 36).
+        # shows how firm each ratio is.
         times = {"ours": [], "sdpa": []}
         for _ in range(rounds):
             times["ours"].append(

@@ -9,8 +9,8 @@ anything is timed; then the forward and the backward alone (autograd.grad over a
 SDPA (`enable_gqa=True`, is_causal; MLA's D_v is padded to D_qk for it) and FlexAttention (compiled, causal block
 mask). Ours and SDPA alternate for `--rounds` rounds (default 5), and each ratio to SDPA is the median of the rounds'
 paired ratios, with their range beside it: single samples of one kernel spread by up to 13% on the H200, so one
-sample of each could not tell 1.00x from 1.03x (benchmarks/RESULTS.md, sessions 32 and 36). Where the forward or the
-backward runs on the Hopper kernels (attention_kernels/flash_sm90.py), the portable Triton one is timed too
+sample of each cannot tell 1.00x from 1.03x (benchmarks/RESULTS.md). Where the forward or the
+backward runs on the Hopper kernels (attention_kernels/flash_sm90*.py), the portable Triton one is timed too
 (`fwd_triton` with ZOO_FLASH_SM90=0, `bwd_triton` with ZOO_FLASH_SM90_BWD=0), so the run shows that lever beside the
 peers. `fwd_gpu` / `bwd_gpu` and their ratios time ours and SDPA on the GPU alone too
 (common.bench_gpu_interleaved_ms: the calls enqueued while the GPU sleeps, ours and SDPA's side by side), so a shape
@@ -133,7 +133,7 @@ def paired(ref_fn, our_fn, rounds: int) -> dict:
     (bench_gpu_interleaved_ms: the two calls side by side, call after call), ours with ZOO_FLASH_TMA=auto
     (descriptors for the backward on Hopper). Per timing, the median ms of each over the rounds and the ref / ours
     ratio of every round's pair. Identical kernels read up to 2% apart at 4096 keys and single samples up to 13%
-    (benchmarks/RESULTS.md, session 32): a ratio from one sample of each cannot tell 1.00x from 1.03x; the median of
+    (benchmarks/RESULTS.md): a ratio from one sample of each cannot tell 1.00x from 1.03x; the median of
     paired rounds can, and the pairs' range shows how well."""
 
     def ours():

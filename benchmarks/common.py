@@ -63,14 +63,13 @@ def rotated_ms(call, copies: int, warmup_ms: float = 25.0, budget_ms: float = 10
     With copies whose bytes together are four times the L2 (`rotation`), every call finds the L2 holding the
     previous copies' lines, not its own, so it reads its inputs from memory. This is a cold L2 without a flush:
     do_bench zeroes a 256 MB buffer before every call, and the L2's dirty lines from that are written back while
-    the timed call reads, which cost decode calls 3-30% (benchmarks/RESULTS.md, session 23). The graph also
+    the timed call reads, which costs decode calls 3-30% (benchmarks/RESULTS.md). The graph also
     holds the calls back to back, as decode runs in a server, with no host in between.
 
     The graph holds the copies' calls in as many rounds as make MIN_CALLS_PER_REPLAY calls (rounds of 0, 1, ...,
     copies - 1; a copy's lines are still gone when its turn comes again), because each replay's own start is
-    charged to its calls: on an H200 a replay of one tiny kernel took 11.4 us, 0.9 us per call with 32 in the
-    graph, and with the two copies of a 151 MB cache, one round read each call 1.2-1.4 us slower than eight
-    (benchmarks/RESULTS.md, session 27; until then the graph held one round)."""
+    charged to its calls: on an H200 a replay of one tiny kernel takes 11.4 us, 0.9 us per call with 32 in the
+    graph (benchmarks/RESULTS.md)."""
     rounds = -(-MIN_CALLS_PER_REPLAY // copies)
     for i in range(copies):
         call(i)
@@ -80,8 +79,8 @@ def rotated_ms(call, copies: int, warmup_ms: float = 25.0, budget_ms: float = 10
         for _ in range(rounds):
             for i in range(copies):
                 call(i)
-    # Warm-up replays for at least warmup_ms, as do_bench's. With two warm-up replays and a sync after every timed
-    # one, session 23's first grid read some shapes up to 10% apart from a sweep of the same launches.
+    # Warm-up replays for at least warmup_ms, as do_bench's: with only two, some shapes read up to 10% apart from a
+    # sweep of the same launches.
     t0 = time.perf_counter()
     replays = 0
     while replays < 2 or time.perf_counter() - t0 < warmup_ms / 1e3:
@@ -118,11 +117,10 @@ def bench_gpu_interleaved_ms(fns: list, n: int = 30) -> list[float]:
     measured. Here every call, after an L2 flush and between its own events, is enqueued while the GPU sleeps, so
     they run back to back from a cold L2 with no wait for the host. The sleep is sized from one call of each and
     must outlast the enqueueing (`attention_kernels._host.behind_sleep` checks; else a longer one).
-    Why interleaved: the H200 lowers its clocks in bursts at its power cap (session 43: nvidia-smi sampled "SW
-    power cap" at 1515-1950 MHz under these benchmarks and their warm-up matmuls, 1980 MHz around them), so a
-    block of 30 calls of one kernel and then 30 of another can sit in different clock states: the same backward
-    (B4 H32/8 S4096 D128 causal, two launches) read 2.90, 2.99 and 2.73 ms in three blocks of 30 calls. Side by
-    side, call after call, the kernels share the same states."""
+    Why interleaved: the H200 lowers its clocks in bursts at its power cap (nvidia-smi samples "SW power cap" at
+    1515-1950 MHz under these benchmarks), so a block of 30 calls of one kernel and then 30 of another can sit in
+    different clock states, and the same backward read up to 9% apart in three such blocks. Side by side, call
+    after call, the kernels share the same states."""
     cache = torch.empty(int(256e6 // 4), dtype=torch.int, device="cuda")  # do_bench's flush
     for fn in fns:
         fn()

@@ -15,8 +15,8 @@ import pytest  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 
-# bf16 gives garbage under the triton 3.6 interpreter (see GPU.md), so the CPU tests fp32 and fp16 and the GPU
-# tests fp16 and bf16: every kernel test runs on both machines, each with the dtypes that machine computes right.
+# bf16 gives wrong results under the triton 3.6 interpreter, so the CPU tests fp32 and fp16 and the GPU tests fp16
+# and bf16: every kernel test runs on both machines, each with the dtypes that machine computes right.
 KERNEL_DTYPES = [torch.float16, torch.bfloat16] if DEVICE == "cuda" else [torch.float32, torch.float16]
 
 # Tolerances against the fp32 reference, per input dtype. The kernels round P (the softmax numerator) to the

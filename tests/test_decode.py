@@ -394,7 +394,7 @@ def test_paged_decode_crowded(case, monkeypatch):
 
 
 # (B, S, H_kv) -> the split count `ragged_num_splits` must pick for the Hopper paged kernel (D 128, H_q 32, 132
-# SMs): from an H200 sweep of every power-of-two split on full-length and ragged batches (2026-11-30), the pick that
+# SMs): from an H200 sweep of every power-of-two split on full-length and ragged batches, the pick that
 # is worst off against each batch's best split by the least (benchmarks/RESULTS.md).
 MEASURED_PAGED_SPLITS = {(1, 65536, 8): 16, (64, 8192, 8): 2, (8, 32768, 8): 16, (128, 4096, 8): 1, (64, 8192, 1): 4}
 

@@ -254,7 +254,7 @@ def test_hopper_dkdv_rule(monkeypatch):
     assert flash._hopper_dkdv(132, 8, cuda, 4096)
     assert not flash._hopper_dkdv(131, 8, cuda, 4096)
     assert not flash._hopper_dkdv(64, 12, cuda, 1024)  # GPT-2-small MQA: 64 programs, the Triton kernel in 4 shares
-    assert flash._hopper_dkdv(128, 3, cuda, 1024)  # B4 H_q12 H_kv4 S1k: 1.23-1.36x faster in session 24
+    assert flash._hopper_dkdv(128, 3, cuda, 1024)  # B4 H_q12 H_kv4 S1k
     assert flash._hopper_dkdv(124, 3, cuda, 1024)
     assert not flash._hopper_dkdv(123, 3, cuda, 1024)
     assert not flash._hopper_dkdv(128, 8, cuda, 4096)  # B1 H_q32 H_kv4 S4k causal: 0.79-0.88x
@@ -616,9 +616,9 @@ def test_sm90_kernel_structure(d, d_v, causal):
     warpgroups (setmaxnreg 24 / 240), TMA loads, asynchronous wgmma with the scores of the next key block in
     flight while P V runs (wait_group 1), one global atomic per tile for the persistent schedule, the output
     written by TMA from shared memory (one store per warpgroup and tile, whose reads are waited for before the
-    buffer is reused), within the 227 KB of shared memory, and no register spills. The persistent kernel keeps a
-    tile's state live across its key loop; while the output went out by per-thread stores from registers, ptxas
-    spilled 32 bytes at D=128 full and 316 causal (session 18, benchmarks/RESULTS.md). MLA's 192/128 reads Q and
+    buffer is reused), within the 227 KB of shared memory, and no register spills (the persistent kernel keeps a
+    tile's state live across its key loop, and per-thread output stores from registers would make ptxas spill
+    around them). MLA's 192/128 reads Q and
     K as two TMA tiles each (128 + 64 columns: a tile's width must be a power of two), so its scores are two
     products, m64nBLOCK_Nk16 over 128 and over 64 columns; the GPT-2-small MLA's 96/64 likewise over 64 and 32."""
     from attention_kernels import flash_sm90
@@ -677,17 +677,16 @@ def test_sm90_backward_kernel_structure(which, d, d_v, causal):
     few measured exceptions, and ptxas does not serialize their wgmma (it does, with a warning, when a product's
     registers are read before the wait that covers it: dK/dV must issue dP^T before dV so that waiting for all but
     the newest group covers dP^T). The causal dK/dV kernel at D=64, whose 128-query steps hold a 64 x 128 S^T and
-    dP^T per warpgroup, spilled 196 bytes inside its step loop while its mask compared against column indices that
-    ptxas kept live across the loop; with the mask written against immediates (flash_sm90_bwd_dkdv._bwd_tile) it
-    keeps 16 bytes (4 for MHA) of tile setup in local memory, which the bound of 16 allows (session 34: 1.00-1.04x the
-    spilling kernel). The persistent kernels (dQ and dK/dV at D=64 and MLA's 96/64) take their tiles with one atomic add
-    each, by one thread. MLA's Q and K arrive as two TMA tiles each (96: 64 + 32 columns, 192: 128 + 64), so S
-    (S^T) is two products and dQ (dK) two accumulators, the RoPE part's own.
+    dP^T per warpgroup, compares its mask against immediates (`causal_mask_t`), so that no column index stays live
+    across the step loop: it keeps 16 bytes (4 for MHA) of tile setup in local memory, outside the loop, which the
+    bound of 16 allows. The persistent kernels (dQ and dK/dV at D=64 and MLA's 96/64) take their tiles with one
+    atomic add each, by one thread. MLA's Q and K arrive as two TMA tiles each (96: 64 + 32 columns, 192: 128 +
+    64), so S (S^T) is two products and dQ (dK) two accumulators, the RoPE part's own.
     MLA's 192/128 dK/dV takes 32-query steps: with 64, its accumulators (64 x 192 and 64 x 128 per warpgroup) beside
     S^T and dP^T spill 108-604 bytes and serialize the wgmma. The one-program-per-tile dK/dV (D=128, 192/128)
     writes dK and dV through its K and V buffers by TMA, one store per tile of them and warpgroup; at D=128 causal
-    ptxas keeps one value (4 bytes) in local memory there, stored and loaded after the step loop (session 33's
-    disassembly), which the bound of 8 allows."""
+    ptxas keeps one value (4 bytes) in local memory there, stored and loaded after the step loop, which the bound
+    of 8 allows."""
     from attention_kernels import flash_sm90
 
     configs = flash_sm90.BWD_CONFIGS if which == "dkdv" else flash_sm90.DQ_CONFIGS
@@ -723,11 +722,9 @@ def test_sm90_backward_kernel_structure(which, d, d_v, causal):
 def test_sm90_mha_causal_dkdv_structure(d, d_v):
     """MHA's causal dK/dV (one query head per KV head) has a prologue of its own: its second consumer skips the
     query blocks that end before its keys and only releases their ring slots (flash_sm90_bwd_dkdv._dkdv_lead; the
-    kernels above compile a KV group of 4, which does not skip). Compiled for sm_90: the same products as with a group,
-    wgmma not serialized, and no spills but at D=128 ptxas's 12/16 bytes of three setup values, stored at the
-    kernel's entry, before the step loop and after it, and loaded outside the loop (sessions 32 and 33's
-    disassembly; session 32's skip measured 1.01-1.07x the whole MHA backward without it, session 33's TMA store of
-    dK and dV, which added 8 of those bytes, 1.03-1.08x)."""
+    kernels above compile a KV group of 4, which does not skip). Compiled for sm_90: the same products as with a
+    group, wgmma not serialized, and no spills but at D=128 ptxas's 12/16 bytes of three setup values, stored at the
+    kernel's entry, before the step loop and after it, and loaded outside the loop."""
     from attention_kernels import flash_sm90
 
     result = _compile_sm90(d, True, "dkdv", d_v, group=1)
@@ -763,8 +760,8 @@ def test_sm90_fused_backward_structure(d, causal, group):
     assert ptx.count("wgmma.mma_async") == 2 * products, "the products' wgmma count"
     assert ptx.count("cp.reduce.async.bulk.tensor.4d.global.shared::cta.add") == 4, "dQ's TMA reduce-adds"
     # Each reduce call is one bulk group (its two messages committed together): two groups a step, so the writer
-    # waits down to two pending (this step's) before it releases the previous step's buffers. Session 40's kernel
-    # waited down to four, which let a buffer go back to its consumer before its reduce had surely read it.
+    # waits down to two pending (this step's) before it releases the previous step's buffers: waiting down to four
+    # would let a buffer go back to its consumer before its reduce had surely read it.
     assert ptx.count("cp.async.bulk.commit_group") == 2 + 2 * 2, "one bulk group per reduce call (and dK, dV's)"
     waits = set(re.findall(r"cp\.async\.bulk\.wait_group\.read\s+(\d+);", ptx))
     assert waits == {"0", "2"}, f"bulk waits down to {sorted(waits)} pending: the reduces' reads need 2 (and 0)"
@@ -951,11 +948,10 @@ def test_sm90_backward_dispatch(monkeypatch):
 
 
 def test_sm90_fused_backward_rule():
-    """Where the one-launch backward takes over by default (flash_sm90.fused_backward_wins, sessions 40 and 42's
-    H200 measurements): D = 128 and 64 with at least a wave of programs (128 keys of a KV head each); full attention
-    at every length; causal from 4096 keys with groups of at most 4 query heads at D = 128 and from 16384 keys with
-    groups of 8 (session 43); at D = 64 from 8192 keys, or where group x keys is 16384 or more (session 44); never for
-    MLA's pairs."""
+    """Where the one-launch backward takes over by default (flash_sm90.fused_backward_wins, from H200
+    measurements): D = 128 and 64 with at least a wave of programs (128 keys of a KV head each); full attention at
+    every length; causal from 4096 keys with groups of at most 4 query heads at D = 128 and from 16384 keys with
+    groups of 8; at D = 64 from 8192 keys, or where group x keys is 16384 or more; never for MLA's pairs."""
     from attention_kernels.flash_sm90 import fused_backward_wins
 
     def wins(causal, s_kv, group, programs=512, d=128, d_v=128):
