@@ -18,6 +18,7 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # bf16 gives wrong results under the triton 3.6 interpreter, so the CPU tests fp32 and fp16 and the GPU tests fp16
 # and bf16: every kernel test runs on both machines, each with the dtypes that machine computes right.
 KERNEL_DTYPES = [torch.float16, torch.bfloat16] if DEVICE == "cuda" else [torch.float32, torch.float16]
+DTYPE_IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}  # test ids: ids=DTYPE_IDS.get
 
 # Tolerances against the fp32 reference, per input dtype. The kernels round P (the softmax numerator) to the
 # input dtype before the P@V product, as every flash kernel does, so the error is that of one rounding of P

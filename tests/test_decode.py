@@ -8,13 +8,11 @@ import math
 import pytest
 import torch
 import triton
-from conftest import DEVICE, KERNEL_DTYPES, assert_close, check_dependent_chain, ragged_lens
+from conftest import DEVICE, DTYPE_IDS, KERNEL_DTYPES, assert_close, check_dependent_chain, ragged_lens
 
 from attention_kernels import decode, paged_grouped_decode, split_kv
 from attention_kernels.decode import auto_num_splits, grouped_decode
 from attention_kernels.reference import decode_reference, paged_decode_reference
-
-DTYPE_IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 @pytest.fixture(autouse=True)
@@ -293,6 +291,7 @@ SM90_STRUCTURE = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "d,page_size,splits,crowded",
     SM90_STRUCTURE,
@@ -786,7 +785,7 @@ def test_split_counters_under_graph_capture(monkeypatch):
             _check(*run(), ref_out, ref_lse, torch.bfloat16, "eager launch between replays")
 
 
-@pytest.mark.parametrize("splits", [1, 4])
+@pytest.mark.parametrize("splits", [1, 4], ids=lambda n: f"splits{n}")
 def test_decode_as_dependent_launch(splits, monkeypatch):
     """The grouped decode launch is itself a programmatic dependent of the kernel before it where `decode.pdl`
     says so: its programs may start while that kernel runs, and wait (`gdc_wait`) before they read anything. A
@@ -890,6 +889,7 @@ _TRITON_DECODE_COMPILES = {
 }
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("wait", [False, True], ids=["plain", "dependent"])
 @pytest.mark.parametrize("kernel", list(_TRITON_DECODE_COMPILES))
 def test_triton_dependent_launch_compiles(kernel, wait):

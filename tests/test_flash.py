@@ -14,7 +14,15 @@ import pytest
 import torch
 import triton
 import triton.language as tl
-from conftest import DEVICE, KERNEL_DTYPES, assert_close, compile_gluon_sm90, setmaxnreg_counts, spill_bytes
+from conftest import (
+    DEVICE,
+    DTYPE_IDS,
+    KERNEL_DTYPES,
+    assert_close,
+    compile_gluon_sm90,
+    setmaxnreg_counts,
+    spill_bytes,
+)
 
 from attention_kernels import flash_gqa_attention, flash_gqa_backward, flash_gqa_forward
 from attention_kernels.flash import _backward, _forward
@@ -81,7 +89,7 @@ def poisoned(shape, dtype):
     return torch.full(shape, float("nan"), device=DEVICE, dtype=dtype)
 
 
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_forward_backward_matches_reference(case, dtype):
     """Launchers write into NaN-poisoned buffers: every element of out, lse, dq, dk, dv must be written."""
@@ -110,7 +118,12 @@ def _ranked_probe(out_ptr, n_r, n_pairs, bucket):
     tl.store(out_ptr + 2 * tl.program_id(0) + 1, pair)
 
 
-@pytest.mark.parametrize("n_r,n_pairs,bucket", [(8, 3, 8), (8, 3, 1), (7, 5, 2), (32, 4, 3), (5, 6, 8)])
+LAUNCH_ORDERS = [(8, 3, 8), (8, 3, 1), (7, 5, 2), (32, 4, 3), (5, 6, 8)]
+
+
+@pytest.mark.parametrize(
+    "n_r,n_pairs,bucket", LAUNCH_ORDERS, ids=["ranks{}-pairs{}-bucket{}".format(*c) for c in LAUNCH_ORDERS]
+)
 def test_launch_order(n_r, n_pairs, bucket):
     """schedule.ranked numbers every (rank, pair) once; buckets of ranks in increasing order, each pair's ranks of
     a bucket side by side; one bucket of n_r (or more) is the plain rank-fastest order."""
@@ -169,7 +182,7 @@ def test_pointer_and_descriptor_paths(case, tma, monkeypatch):
         assert_close(g, want, dtype, name, grad=name.startswith("d"))
 
 
-@pytest.mark.parametrize("head_splits", [2, 3])
+@pytest.mark.parametrize("head_splits", [2, 3], ids=lambda n: f"splits{n}")
 @pytest.mark.parametrize("case", [CASES[2], CASES[4], CASES[9]], ids=case_id)
 def test_dkdv_head_splits(case, head_splits):
     """The dK/dV kernel with a KV group's query heads shared out among programs (what a launch too small to fill
@@ -257,13 +270,13 @@ def test_hopper_dkdv_rule(monkeypatch):
     assert flash._hopper_dkdv(128, 3, cuda, 1024)  # B4 H_q12 H_kv4 S1k
     assert flash._hopper_dkdv(124, 3, cuda, 1024)
     assert not flash._hopper_dkdv(123, 3, cuda, 1024)
-    assert not flash._hopper_dkdv(128, 8, cuda, 4096)  # B1 H_q32 H_kv4 S4k causal: 0.79-0.88x
+    assert not flash._hopper_dkdv(128, 8, cuda, 4096)  # B1 H_q32 H_kv4 S4k causal: the Triton kernel's shares
 
 
 AUTOGRAD_CASES = [CASES[2], CASES[6], CASES[9]]
 
 
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
 @pytest.mark.parametrize("case", AUTOGRAD_CASES, ids=case_id)
 def test_autograd_with_lse_gradient(case, dtype):
     """The public differentiable path, with a loss on lse as well as out (lse's gradient folds into delta),
@@ -282,7 +295,7 @@ def test_autograd_with_lse_gradient(case, dtype):
         assert_close(leaf.grad, want, dtype, name, grad=True)
 
 
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
 def test_non_contiguous_inputs(dtype):
     """q from a (B, S, H, D) tensor, k sliced out of a wider last dim, v with a non-unit last-dim stride, do
     transposed: the kernels read all of them through their strides."""
@@ -309,7 +322,7 @@ def in_bshd_memory(t) -> bool:
     return t.transpose(1, 2).is_contiguous()
 
 
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
 def test_outputs_in_the_inputs_memory_order(dtype):
     """Inputs that are (B, S, H, D) memory seen as (B, H, S, D), as the model passes them: out and dq, dk, dv come
     back in the same memory order (as SDPA's do), so the model's reshape to (B, S, H * D) is a view and not a copy,
@@ -606,6 +619,7 @@ def _compile_sm90(d, causal, which, d_v=None, group=4):
     return compile_gluon_sm90(f"attention_kernels.{module}", kernel, types, const)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize(
     "d,d_v", [(64, 64), (128, 128), (192, 128), (96, 64)], ids=["D64", "D128", "D192x128", "D96x64"]
@@ -656,6 +670,7 @@ def test_sm90_forward_config_must_fit():
         flash_sm90.forward(q, k, v, out, lse, 1.0, False, config=(128, 3, 3))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize(
     "which,d,d_v",
@@ -718,6 +733,7 @@ def test_sm90_backward_kernel_structure(which, d, d_v, causal):
     assert spills and all(a <= bound and b <= bound for a, b in spills), result["ptxas"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("d,d_v", [(128, 128), (96, 64), (192, 128)], ids=["D128", "D96x64", "D192x128"])
 def test_sm90_mha_causal_dkdv_structure(d, d_v):
     """MHA's causal dK/dV (one query head per KV head) has a prologue of its own: its second consumer skips the
@@ -736,6 +752,7 @@ def test_sm90_mha_causal_dkdv_structure(d, d_v):
     assert spills and all(a <= 16 and b <= 16 for a, b in spills), result["ptxas"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("group", [1, 4, 8], ids=["MHA", "group4", "group8"])
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [64, 128], ids=["D64", "D128"])
@@ -1028,7 +1045,7 @@ def test_sm90_persistent_tiles(d, d_v, causal, monkeypatch):
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
-@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("d", [64, 128], ids=["D64", "D128"])
 def test_forward_into_strided_out(d, causal):
     """out and lse preallocated as views whose row strides TMA cannot write (D + 1 and S + 3 elements): the Hopper
     forward, which writes its output by TMA, fills them from a contiguous buffer; every element is written and
@@ -1110,7 +1127,7 @@ def test_backward_into_strided_grads(d, d_v, monkeypatch):
         assert launches == ([(True, True)] if persistent else [(True, True), (False, True)]), launches
 
 
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=DTYPE_IDS.get)
 def test_sm90_descriptor_matches_from_tensor(dtype):
     """flash_sm90.descriptor builds the TMA descriptor without TensorDescriptor's per-call checks (host time); it
     must be the object `TensorDescriptor.from_tensor` builds: same class, fields and layout, for a strided view."""

@@ -8,6 +8,7 @@ import pytest
 import torch
 from conftest import (
     DEVICE,
+    DTYPE_IDS,
     KERNEL_DTYPES,
     TOLERANCES,
     assert_close,
@@ -26,8 +27,6 @@ from attention_kernels.reference import (
     paged_mla_decode_reference,
     unabsorb_output,
 )
-
-DTYPE_IDS = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16"}
 
 
 @pytest.fixture(autouse=True)
@@ -340,6 +339,7 @@ def test_compile_fullgraph():
     assert_close(lse, 2 * ref_lse, dtype, "compiled lse")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("paged", [False, True], ids=["contiguous", "paged"])
 def test_128_head_tile_computes_each_score_once(paged):
     """The 64-head tile compiled for sm_90 (`conftest.compile_gluon_sm90`, no GPU needed): its eight warps must
@@ -434,6 +434,7 @@ def _compile_sm90(splits: int, page_size: int, heads: int) -> dict:
 SM90_STRUCTURE = [(1, 0), (4, 0), (1, 8), (4, 16), (1, 64), (4, 256)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "splits,page_size",
     SM90_STRUCTURE,
@@ -467,6 +468,7 @@ def test_sm90_kernel_structure(splits, page_size):
     assert "griddepcontrol.wait" not in ptx
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "splits,page_size,heads",
     [(1, 0, 16), (4, 16, 16), (2, 0, 32)],
