@@ -478,12 +478,12 @@ class _Cache:
     def memory(self) -> dict[str, int]:
         """bytes_allocated: every buffer; bytes_in_use: the tokens held (whole pages for a paged cache);
         bytes_per_token: one token of one sequence across all layers."""
-        per_token = sum(b[0, 0].numel() * b.element_size() for b in self.store.buffers)
-        return {
-            "bytes_allocated": sum(b.numel() * b.element_size() for b in self.store.buffers),
-            "bytes_in_use": self.store.tokens_held() * per_token,
-            "bytes_per_token": per_token,
-        }
+        if not hasattr(self, "_sizes"):  # the buffers never change: their sizes are counted once (a decode loop asks)
+            per_token = sum(b[0, 0].numel() * b.element_size() for b in self.store.buffers)
+            self._sizes = per_token, sum(b.numel() * b.element_size() for b in self.store.buffers)
+        per_token, allocated = self._sizes
+        in_use = self.store.tokens_held() * per_token
+        return {"bytes_allocated": allocated, "bytes_in_use": in_use, "bytes_per_token": per_token}
 
 
 class _KVCache(_Cache):

@@ -242,7 +242,7 @@ def generate(
     allow_past_block_size: bool = False,
     dtype: torch.dtype | None = None,
     engine: str = "auto",
-    sync_every: int = 8,
+    sync_every: int = 16,
     on_token=None,
     on_logits=None,
 ):

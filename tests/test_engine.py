@@ -137,7 +137,7 @@ def test_static_engine_reads_back_every_sync_every_steps():
     ps = prompts((5,))
     streamed = []
     on_token = lambda i, t: streamed.append(t)  # noqa: E731
-    out, stats = generate(net, ps, "grouped", engine="static", max_new_tokens=17, on_token=on_token)
+    out, stats = generate(net, ps, "grouped", engine="static", max_new_tokens=17, sync_every=8, on_token=on_token)
     ref, _ = generate(net, ps, "grouped", engine="eager", max_new_tokens=17)
     assert out == ref and streamed == ref[0]
     assert stats.decode_steps == 16 and stats.extra["reads"] == 2
