@@ -783,8 +783,8 @@ def _check_common(q, k, v, seq_lens, scale, num_splits, q_rope, k_rope, *, k_nam
             f"H_q = {h_q} query heads for H_kv = {h_kv} KV heads ({k_name} dim {head_axis})",
             "H_kv >= 1 and H_q a multiple of H_kv",
         )
-    _checks.check_head_dim("q", d_qk, 16, 256)
-    _checks.check_head_dim(v_name, v.shape[-1], 16, 256)
+    _checks.check_head_dim("q", d_qk, 1, 256)
+    _checks.check_head_dim(v_name, v.shape[-1], 1, 256)
     _checks.check_int32("seq_lens", seq_lens, (batch,), "(B,)")
     tensors = {"q": q, k_name: k, v_name: v, "seq_lens": seq_lens}
     if (q_rope is None) != (k_rope is None):
@@ -892,10 +892,10 @@ def grouped_decode(
     """Decode one query token per sequence over a contiguous cache (MHA, GQA or MQA).
 
     q (B, H_q, D), k (B, H_kv, S_max, D), v (B, H_kv, S_max, D_v), seq_lens (B,) int32: sequence b attends to
-    its first seq_lens[b] tokens. q_rope (B, H_q, D_r) and k_rope (B, H_kv, S_max, D_r) add a second score term.
-    Returns out (B, H_q, D_v) in q's dtype and lse (B, H_q) fp32 (natural log). num_splits=None picks the
-    split count from the device and the shapes. validate=False skips the checks that read seq_lens (a device
-    sync); they are skipped anyway under CUDA graph capture and torch.compile.
+    its first seq_lens[b] tokens; D and D_v from 1 to 256. q_rope (B, H_q, D_r) and k_rope (B, H_kv, S_max, D_r)
+    add a second score term. Returns out (B, H_q, D_v) in q's dtype and lse (B, H_q) fp32 (natural log).
+    num_splits=None picks the split count from the device and the shapes. validate=False skips the checks that
+    read seq_lens (a device sync); they are skipped anyway under CUDA graph capture and torch.compile.
     """
     _check_grouped(q, k, v, seq_lens, scale, num_splits, q_rope, k_rope)
     if validate and _checks.can_read_values(seq_lens):

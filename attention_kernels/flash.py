@@ -16,6 +16,12 @@ Where it runs:
 - everywhere else, the portable Triton kernels of flash_triton.py (FlashAttention-2, Dao 2023), on the CPU too
   under TRITON_INTERPRET=1.
 
+Head dims: D_qk and D_v each from 1 to 256 (MIN_HEAD_DIM, MAX_HEAD_DIM). The kernels take multiples of 16; any
+other head dim is zero-padded to the next one inside the op (`_forward_padded`, `_backward_padded`): zero columns
+of Q and K leave Q K^T unchanged, the softmax scale stays that of the true D_qk, and V's zero columns give output
+and gradient columns that are dropped. It costs a copy of each input and output per call, and keeps every kernel
+launch on head dims the GPU tests cover.
+
 Launch heuristics: block sizes, warps and pipeline stages come from a handful of configs per head dim (`_CONFIGS`),
 timed on the GPU alone (`_gpu_ms`) once per (kernel, head dims, causal, dtype, sequence-length bucket) and cached
 for the process. A dK/dV launch with fewer than two programs per SM shares each KV group's query heads among a few
@@ -54,7 +60,10 @@ try:
 except ImportError:  # a triton without Gluon's Hopper API: the Triton kernel runs on every GPU
     flash_sm90 = None
 
-MIN_HEAD_DIM, MAX_HEAD_DIM = 16, 256
+MIN_HEAD_DIM, MAX_HEAD_DIM = 1, 256  # the head dims the ops take (D_qk and D_v each)
+# The kernels take head dims in multiples of 16; the ops zero-pad any other head dim to the next one inside
+# (`_forward_padded`, `_backward_padded`), so that every kernel launch is of a shape the GPU tests cover.
+KERNEL_HEAD_DIM_MULTIPLE = 16
 
 
 # --------------------------------------------------------------------------------------------------------------
@@ -312,6 +321,8 @@ def _forward(q, k, v, scale: float | None, causal: bool, out=None, lse=None, che
     (`_empty_in_order`). `checked`: the caller has validated the inputs (`_check_qkv`)."""
     if not checked:
         _check_qkv(q, k, v, causal, scale)
+    if _needs_padding(q, v):
+        return _forward_padded(q, k, v, scale, causal, out, lse)
     b, h_q, s_q, d_qk = q.shape
     h_kv, s_kv, d_v = k.shape[1], k.shape[2], v.shape[3]
     sm_scale = _scale(scale, d_qk)
@@ -366,6 +377,71 @@ def _forward(q, k, v, scale: float | None, causal: bool, out=None, lse=None, che
     return out, lse
 
 
+def _kernel_head_dim(d: int) -> int:
+    """The head dim a kernel launch takes for a true head dim d: the next multiple of KERNEL_HEAD_DIM_MULTIPLE."""
+    return cdiv(d, KERNEL_HEAD_DIM_MULTIPLE) * KERNEL_HEAD_DIM_MULTIPLE
+
+
+def _needs_padding(q: torch.Tensor, v: torch.Tensor) -> bool:
+    return q.shape[3] % KERNEL_HEAD_DIM_MULTIPLE != 0 or v.shape[3] % KERNEL_HEAD_DIM_MULTIPLE != 0
+
+
+def _pad_head_dim(x: torch.Tensor, d: int) -> torch.Tensor:
+    """x (B, H, S, D) with zero columns appended to its head dim up to d, in x's memory order (`_empty_in_order`,
+    so the kernels see the strides they would see without padding)."""
+    if x.shape[3] == d:
+        return x
+    padded = _empty_in_order(x, (*x.shape[:3], d))
+    padded[..., x.shape[3] :].zero_()
+    padded[..., : x.shape[3]].copy_(x)
+    return padded
+
+
+def _forward_padded(q, k, v, scale: float | None, causal: bool, out=None, lse=None):
+    """The forward at head dims that are not multiples of KERNEL_HEAD_DIM_MULTIPLE: Q and K zero-padded to the next
+    one (zero columns add nothing to Q K^T, and the softmax scale stays that of the true D_qk), V too (P times V's
+    zero columns is zero), and the output's padding columns dropped. out and lse as `_forward`'s."""
+    d_qk, d_v = q.shape[3], v.shape[3]
+    d_qk_kernel, d_v_kernel = _kernel_head_dim(d_qk), _kernel_head_dim(d_v)
+    out_padded, lse = _forward(
+        _pad_head_dim(q, d_qk_kernel),
+        _pad_head_dim(k, d_qk_kernel),
+        _pad_head_dim(v, d_v_kernel),
+        _scale(scale, d_qk),
+        causal,
+        lse=lse,
+        checked=True,
+    )
+    out = _empty_in_order(q, (*q.shape[:3], d_v)) if out is None else out
+    out.copy_(out_padded[..., :d_v])
+    return out, lse
+
+
+def _backward_padded(q, k, v, out, lse, do, scale: float | None, causal: bool, dlse, grads, head_splits):
+    """The backward at head dims that are not multiples of KERNEL_HEAD_DIM_MULTIPLE, on inputs padded as
+    `_forward_padded` pads them (out and dO get zero columns as V's, which add nothing to delta = rowsum(dO * Out)).
+    The padding columns of dQ, dK and dV (zero) are dropped; grads as `_backward`'s."""
+    d_qk, d_v = q.shape[3], v.shape[3]
+    d_qk_kernel, d_v_kernel = _kernel_head_dim(d_qk), _kernel_head_dim(d_v)
+    padded = _backward(
+        _pad_head_dim(q, d_qk_kernel),
+        _pad_head_dim(k, d_qk_kernel),
+        _pad_head_dim(v, d_v_kernel),
+        _pad_head_dim(out, d_v_kernel),
+        lse,
+        _pad_head_dim(do, d_v_kernel),
+        _scale(scale, d_qk),
+        causal,
+        dlse=dlse,
+        head_splits=head_splits,
+        checked=True,
+    )
+    grads = _grad_buffers(q, k, v) if grads is None else grads
+    for grad, grad_padded in zip(grads, padded):
+        grad.copy_(grad_padded[..., : grad.shape[3]])
+    return grads
+
+
 def _head_splits(programs: int, group: int, device: torch.device) -> int:
     """Into how many shares the dK/dV kernel cuts a KV group's query heads. One (each program sums the whole group,
     no partial buffers) unless the launch has fewer than two programs per SM: then enough shares to reach that,
@@ -414,6 +490,8 @@ def _backward(
     out's shape, dtype and device)."""
     if not checked:
         _check_backward(q, k, v, out, lse, do, causal, scale)
+    if _needs_padding(q, v):
+        return _backward_padded(q, k, v, out, lse, do, scale, causal, dlse, grads, head_splits)
     b, h_q, s_q, d_qk = q.shape
     h_kv, s_kv = k.shape[1], k.shape[2]
     sm_scale = _scale(scale, d_qk)
@@ -672,8 +750,8 @@ def flash_gqa_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float | None = None, causal: bool = False
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Flash attention forward for MHA/GQA/MQA. q (B, H_q, S_q, D_qk), k (B, H_kv, S_kv, D_qk),
-    v (B, H_kv, S_kv, D_v), any strides. Returns out (B, H_q, S_q, D_v) in q's dtype and lse (B, H_q, S_q) fp32
-    (natural log). Differentiable in both outputs."""
+    v (B, H_kv, S_kv, D_v), any strides, head dims from 1 to 256. Returns out (B, H_q, S_q, D_v) in q's dtype and
+    lse (B, H_q, S_q) fp32 (natural log). Differentiable in both outputs."""
     _check_qkv(q, k, v, causal, scale)
     if torch.compiler.is_compiling():
         return _flash_fwd_op(q, k, v, _scale(scale, q.shape[-1]), causal)

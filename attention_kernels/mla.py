@@ -513,7 +513,7 @@ def _check_mla(q_absorbed, q_rope, ckv, kr, seq_lens, scale, num_splits, *, ckv_
         )
     if tuple(kr.shape) != (*ckv.shape[:2], d_r):
         _checks.fail(kr_name, f"shape {tuple(kr.shape)}", f"{(*ckv.shape[:2], d_r)}: {ckv_name}'s rows, D_r of q_rope")
-    _checks.check_head_dim("q_absorbed", d_c, 16, 512)
+    _checks.check_head_dim("q_absorbed", d_c, 1, 512)
     _checks.check_head_dim("q_rope", d_r, 1, 128)
     _checks.check_float("q_absorbed", q_absorbed)
     for name, x in (("q_rope", q_rope), (ckv_name, ckv), (kr_name, kr)):
@@ -541,7 +541,7 @@ def mla_decode(
     validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA decode over a contiguous latent cache. q_absorbed (B, H, D_c), q_rope (B, H, D_r),
-    c_kv (B, S_max, D_c), k_rope (B, S_max, D_r), seq_lens (B,) int32. D_c up to 512, D_r up to 128.
+    c_kv (B, S_max, D_c), k_rope (B, S_max, D_r), seq_lens (B,) int32. D_c from 1 to 512, D_r from 1 to 128.
     Returns latent out (B, H, D_c) in q_absorbed's dtype and lse (B, H) fp32. validate=False skips the
     seq_lens value check (a device sync)."""
     _check_mla(

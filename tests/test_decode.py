@@ -542,7 +542,7 @@ def _bad_inputs():
             grouped(seq_lens=torch.tensor([17, 1], dtype=torch.int32, device=DEVICE)),
             "seq_lens",
         ),
-        "headdim-too-small": (grouped(q=q[..., :8], k=k[..., :8], v=v[..., :8]), "q"),
+        "headdim-too-small": (grouped(q=q[..., :0], k=k[..., :0], v=v[..., :0]), "q"),
         "headdim-too-large": (
             grouped(
                 q=torch.randn(2, 4, 272, **f),
@@ -593,7 +593,7 @@ def _bad_inputs():
         "paged-k_pages-headdim": (paged(k_pages=pk[..., :16]), "k_pages"),
         "paged-Hq-not-multiple-of-Hkv": (paged(q=torch.randn(2, 3, 32, **f)), "q"),
         "paged-v-dtype-mismatch": (paged(v_pages=pv.to(other)), "v_pages"),
-        "paged-headdim-too-small": (paged(q=q[..., :8], k_pages=pk[..., :8], v_pages=pv[..., :8]), "q"),
+        "paged-headdim-too-small": (paged(q=q[..., :0], k_pages=pk[..., :0], v_pages=pv[..., :0]), "q"),
         "paged-table-batch": (paged(block_table=table[:1]), "block_table"),
         "paged-seq_lens-beyond-table": (paged(seq_lens=torch.tensor([17, 3], **i32)), "block_table"),
         "paged-rope-pool-shape": (

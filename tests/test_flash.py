@@ -427,7 +427,7 @@ BAD_FORWARD = {
     "int-dtype": (lambda: (torch.ones(Q, dtype=torch.int32, device=DEVICE), _t(*K), _t(*V)), {}, "q: got dtype"),
     "device-mismatch": (lambda: (_t(*Q), _t(*K), _t(*V, device="meta")), {}, "v: got device meta"),
     "causal-sq-gt-skv": (lambda: (_t(2, 4, 9, 32), _t(*K), _t(*V)), {"causal": True}, "causal: got True with S_q=9"),
-    "head-dim-too-small": (lambda: (_t(2, 4, 8, 8), _t(2, 2, 8, 8), _t(2, 2, 8, 8)), {}, "head dim 8"),
+    "head-dim-too-small": (lambda: (_t(2, 4, 8, 0), _t(2, 2, 8, 0), _t(2, 2, 8, 8)), {}, "q: got head dim 0"),
     "head-dim-too-large": (lambda: (_t(2, 4, 2, 512), _t(2, 2, 2, 512), _t(2, 2, 2, 32)), {}, "head dim 512"),
     "v-head-dim-too-large": (lambda: (_t(*Q), _t(*K), _t(2, 2, 8, 320)), {}, "v: got head dim 320"),
     "empty-keys": (lambda: (_t(*Q), _t(2, 2, 0, 32), _t(2, 2, 0, 32)), {}, "S_kv=0"),

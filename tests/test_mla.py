@@ -266,7 +266,7 @@ def _bad_inputs():
             "block_table",
         ),
         "paged-table-too-short": (paged(block_table=table[:, :1]), "block_table"),
-        "latent-dim-too-small": (dense(q_absorbed=qa[..., :8], c_kv=ckv[..., :8]), "q_absorbed"),
+        "latent-dim-too-small": (dense(q_absorbed=qa[..., :0], c_kv=ckv[..., :0]), "q_absorbed"),
         "q_rope-dtype": (dense(q_rope=qr.to(other)), "q_rope"),
         "k_rope-rank": (dense(k_rope=kr[0]), "k_rope"),
         "scale-nan": (dense(scale=float("nan")), "scale"),
