@@ -591,16 +591,16 @@ def test_resume_names_the_model_settings_it_does_not_take(data_dir, tmp_path, ca
             r"TRITON_INTERPRET=1",
         ),
         (
-            ["--attn_backend=triton", "--n_head=16"],
-            r"which take head dims from 16 to 256, and this model's query/key "
-            r"head dim is 4; valid: --attn_backend=torch",
+            ["--attn_backend=triton", "--n_embd=1040", "--n_head=4"],
+            r"which take head dims from 1 to 256, and this model's query/key "
+            r"head dim is 260; valid: --attn_backend=torch",
         ),
     ],
 )
 def test_triton_backend_limits_fail_before_training(data_dir, tmp_path, monkeypatch, argv, needle):
-    """The Triton kernels' limits (a GPU or the interpreter; head dims 16-256) are config errors before anything is
+    """The Triton kernels' limits (a GPU or the interpreter; head dims 1-256) are config errors before anything is
     written, not a kernel's ValueError at the first step."""
-    if "--n_head=16" not in argv:
+    if "--n_head=4" not in argv:
         monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     else:
         monkeypatch.setenv("TRITON_INTERPRET", "1")
