@@ -791,7 +791,7 @@ def main(argv: list[str]) -> dict:
 
 if __name__ == "__main__":
     if wants_help(sys.argv[1:], DEFAULTS):
-        print(help_text(__doc__, DEFAULTS, __file__))
+        print(help_text(__doc__, DEFAULTS, __file__, config_files=False))
         sys.exit(0)
     try:
         main(sys.argv[1:])

@@ -39,9 +39,10 @@ def wants_help(argv: list[str], defaults: dict) -> bool:
     return any(arg in ("-h", "--help") for arg in _joined(argv, defaults))
 
 
-def help_text(doc: str, defaults: dict, source: str) -> str:
+def help_text(doc: str, defaults: dict, source: str, config_files: bool = True) -> str:
     """A script's docstring, then every config key with its default as it would be written on the command line,
-    with the section headings and notes of the `DEFAULTS = dict(...)` block in `source` (the script's file)."""
+    with the section headings and notes of the `DEFAULTS = dict(...)` block in `source` (the script's file).
+    config_files=False for a script whose positional arguments are something else (compare.py's run directories)."""
 
     def shown(value):  # a string as typed on the command line, unless it is empty or holds spaces or a newline
         plain = isinstance(value, str) and value and value.isprintable() and " " not in value
@@ -59,10 +60,8 @@ def help_text(doc: str, defaults: dict, source: str) -> str:
         elif line.strip().startswith("#"):
             lines.append(line.strip())
     lines += [f"  --{key}={shown(value)}" for key, value in defaults.items() if key not in listed]
-    return (
-        f"{doc.strip()}\n\nConfig keys and their defaults (set with --key=value, --key value, a bool key alone "
-        "for True, or a config file):\n" + "\n".join(lines)
-    )
+    ways = "--key=value, --key value, a bool key alone for True" + (", or a config file" if config_files else "")
+    return f"{doc.strip()}\n\nConfig keys and their defaults (set with {ways}):\n" + "\n".join(lines)
 
 
 def parse_config(defaults: dict, argv: list[str]) -> dict:

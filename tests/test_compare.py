@@ -333,6 +333,7 @@ def test_help_and_errors_on_the_command_line(tmp_path):
     for line in ("  --format=table  # table (aligned plain text)", "  --decode_batch=16", "  --plot=compare.png"):
         assert line in proc.stdout, line
     assert "2 * n_layer * n_kv_head * head_dim * B" in proc.stdout and "--seed=$s --out_dir=out-$v-s$s" in proc.stdout
+    assert "or a config file" not in proc.stdout  # its positional arguments are run directories
     proc = subprocess.run(
         [sys.executable, os.path.join(ROOT, "compare.py"), "nowhere"],
         capture_output=True,
