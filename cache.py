@@ -33,6 +33,10 @@ next_pos = 0 and writes its token at position 0 of its own (finished or free) ro
 first table entry points at a scratch page that belongs to no sequence. The host catches up afterwards:
 `ensure_capacity` gives rows the pages of several steps ahead, `set_len` records what the steps wrote,
 `move_rows` packs the live sequences into rows 0 .. n-1 (so a smaller step covers them).
+
+Under torch.compile (generate.compile_model) the four methods the model calls run outside the compiled graphs
+(`torch.compiler.disable`): a compiled block breaks its graph at the cache call, so the host bookkeeping (rows,
+lengths, the static flag) never becomes guards that would recompile the blocks for every view and batch size.
 """
 
 from __future__ import annotations
@@ -495,6 +499,7 @@ class _KVCache(_Cache):
         self.k = [store.new_buffer((n_kv_head, d_qk)) for _ in range(n_layer)]  # token-major views / pools
         self.v = [store.new_buffer((n_kv_head, d_v)) for _ in range(n_layer)]
 
+    @torch.compiler.disable
     def append(self, layer: int, k: torch.Tensor, v: torch.Tensor):
         """Prefill: k (B, H_kv, T, D_qk), v (B, H_kv, T, D_v) -> every cached token (B, H_kv, S, D_*)."""
         self._write(layer, k, v)
@@ -510,6 +515,7 @@ class _KVCache(_Cache):
         self.store.write(self.k[layer], self._step, k_t.to(self.store.dtype))
         self.store.write(self.v[layer], self._step, v_t.to(self.store.dtype))
 
+    @torch.compiler.disable
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
         """Decode: q (B, H_q, 1, D_qk), k/v (B, H_kv, 1, D) -> y (B, H_q, 1, D_v) over every cached token."""
         if q.shape[2] != 1:
@@ -583,6 +589,7 @@ class _LatentCache(_Cache):
         self.store.write(self.c[layer], self._step, c_kv.to(self.store.dtype))
         self.store.write(self.r[layer], self._step, k_rope.to(self.store.dtype))
 
+    @torch.compiler.disable
     def append_latent(self, layer: int, c_kv: torch.Tensor, k_rope: torch.Tensor):
         """Prefill: c_kv (B, T, D_c), k_rope (B, T, D_r) -> (B, S, D_c), (B, S, D_r) every cached token."""
         self._write(layer, c_kv, k_rope)
@@ -592,6 +599,7 @@ class _LatentCache(_Cache):
             self.store.prefix(self.r[layer], self.rows, self._rows_t, S).to(k_rope.dtype),
         )
 
+    @torch.compiler.disable
     def attend_latent(self, layer, q_absorbed, q_rope, c_kv, k_rope, scale: float):
         """Decode: q_absorbed (B, H, 1, D_c), q_rope (B, H, 1, D_r), c_kv (B, 1, D_c), k_rope (B, 1, D_r)
         -> latent out (B, H, 1, D_c); the caller applies the value up-projection."""

@@ -66,6 +66,19 @@ def resolve_engine(engine: str, kind: str, device) -> str:
     return engine
 
 
+def compile_model(model):
+    """torch.compile every block of `model` in place, for generation: Inductor fuses the norms, projections, RoPE,
+    residual adds and MLP around each cache call, and the cache call itself runs as it is (cache.py keeps it out
+    of the graphs). One compile serves every layer, batch size and cache view; prefill and decode compile once
+    each (dynamic shapes), and the CUDA graphs of the graphs engine then replay the fused kernels."""
+    # layer_idx is an int attribute of each block that reaches the cache call: left specialized, every layer would
+    # compile a graph of its own and a 12-layer model would pass dynamo's recompile limit.
+    torch._dynamo.config.allow_unspec_int_on_nn_module = True
+    for block in model.transformer.h:
+        block.compile(dynamic=True)
+    return model
+
+
 def per_prompt(max_new_tokens, n: int) -> list[int]:
     """max_new_tokens as one int per prompt (an int applies to all)."""
     values = [max_new_tokens] * n if not isinstance(max_new_tokens, (list, tuple)) else list(max_new_tokens)

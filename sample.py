@@ -7,7 +7,7 @@ then one token per step through the grouped, paged or MLA decode kernels, replay
     python sample.py --out_dir=out-gqa --cache=paged --num_samples=8 --max_new_tokens=500
     python sample.py --out_dir=out-mla --cache=none                      # the reference: recompute everything
     python sample.py --out_dir=out-gqa/last.pt                           # a checkpoint file (best.pt is the default)
-    python sample.py --out_dir=out-gqa --cuda_graphs=False --compile=True   # the eager loop, compiled MLPs
+    python sample.py --out_dir=out-gqa --compile=True                    # the blocks compiled, then graphed
     python sample.py --init_from=gpt2 --start="FILE:prompt.txt" --temperature=0 > out.txt
     python train.py --max_iters=50 --eval_interval=50 --out_dir=out-try  # a model to try, in a minute on a CPU
     python sample.py --out_dir=out-try --device=cpu --max_new_tokens=50  # CPU: plain PyTorch attention
@@ -29,8 +29,9 @@ up (each admitted sequence is guaranteed pages for its full length, so nothing i
 Speed: on a GPU each decode step is replayed from a CUDA graph captured at the start for the batch sizes it may
 take (stderr says which and how long the capture took), with sampling on the GPU and the tokens read back every
 few steps; --cuda_graphs=False runs the eager loop instead (a forward and a read-back per step), and on a CPU the
-eager loop is the only one (--cuda_graphs=True there is an error). --compile=True compiles each block's MLP with
-torch.compile (either loop; the graphs then replay the compiled kernels).
+eager loop is the only one (--cuda_graphs=True there is an error). --compile=True compiles every block with
+torch.compile around its cache call (generate.compile_model: norms, projections, RoPE and MLP fused; either loop,
+the graphs then replay the fused kernels; the first prompt and the capture wait for the compile).
 
 Standard output gets the samples alone (the first one streamed as it is generated, then the others, separated by
 a line of dashes), so `> out.txt` captures just the text; progress and statistics (prefill and decode tokens/s,
@@ -50,7 +51,15 @@ import sys
 import torch
 
 from cache import CacheFullError, check_page_size
-from generate import available_bytes, check_length, check_sampling, generate, pages_needed, resolve_cache_kind
+from generate import (
+    available_bytes,
+    check_length,
+    check_sampling,
+    compile_model,
+    generate,
+    pages_needed,
+    resolve_cache_kind,
+)
 
 DEFAULTS = dict(
     init_from="resume",  # "resume" (--out_dir), a run directory or checkpoint file, or gpt2 / gpt2-medium / ...
@@ -71,7 +80,7 @@ DEFAULTS = dict(
     device="cuda" if torch.cuda.is_available() else "cpu",
     dtype="auto",  # auto (bfloat16 on a GPU that has it, else float32) | float32 | bfloat16 | float16
     # speed ("Speed" above): decode steps replayed from CUDA graphs on a GPU (False: the eager loop; a CPU has none),
-    # and --compile=True for torch.compile of each block's MLP (with or without the graphs)
+    # and --compile=True for torch.compile of every block around its cache call (with or without the graphs)
     cuda_graphs=True,
     compile=False,
     wandb_log=False,
@@ -316,7 +325,7 @@ def main(argv: list[str]) -> dict:
     model.eval().to(cfg["device"], dtype)
     kind = resolve_cache_kind(model.config, cfg["cache"])  # fails at start with the valid choices
     if cfg["compile"]:
-        model = _compiled(model)
+        compile_model(model)
     tokenizer = get_tokenizer(meta)
     start_ids = tokenizer.encode(read_start(cfg["start"]))
     prompts = [start_ids] * cfg["num_samples"]
@@ -387,14 +396,6 @@ def warn_past_block_size(config, prompt_len: int, max_new_tokens: int):
         else f"prompt {prompt_len} + max_new_tokens {max_new_tokens} - 1 = {last} tokens > block_size={limit}"
     )
     print(f"warning: {what}: this RoPE model goes past the positions it was trained on", file=sys.stderr)
-
-
-def _compiled(model):
-    """torch.compile the per-layer blocks: the cache calls inside attention run eagerly (graph breaks), the
-    projections, norms and MLP between them are compiled."""
-    for block in model.transformer.h:
-        block.mlp = torch.compile(block.mlp, dynamic=True)
-    return model
 
 
 def report(summary: dict):

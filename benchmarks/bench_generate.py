@@ -1,5 +1,6 @@
-"""Decode speed of GPT-2-small-sized models three ways in one process: our engine (generate.py, decode steps
-replayed from CUDA graphs), our eager loop, and a gpt-fast-style peer written here, on the same weights.
+"""Decode speed of GPT-2-small-sized models four ways in one process: our engine (generate.py, decode steps
+replayed from CUDA graphs), the same with the blocks compiled, our eager loop, and a gpt-fast-style peer written
+here, on the same weights.
 
     python -m benchmarks.bench_generate                                  # the H200 table (about 7 minutes)
     python -m benchmarks.bench_generate --quick                          # batches 1, 8, ragged; 32 new tokens
@@ -12,6 +13,8 @@ prompt_len tokens that each want new_tokens / 4 .. new_tokens tokens, through --
 batching: a finished sequence's row goes to the next prompt at once).
 
 - engine: generate(engine="graphs"), the natural cache of the model (grouped / mla; --caches adds paged);
+- compiled: the same engine over a copy of the model whose blocks generate.compile_model compiled (sample.py
+  --compile=True): Inductor's fused norms, projections and MLP between our cache kernels, replayed in the graphs;
 - eager: generate(engine="eager"), a forward and a read-back per step;
 - peer: gpt-fast's recipe over the same modules: a static KV cache tensor per layer (MLA: the latent and RoPE key),
   F.scaled_dot_product_attention with a mask of each row's length, the decode step (with the argmax) compiled with
@@ -21,14 +24,16 @@ batching: a finished sequence's row goes to the next prompt at once).
 Decode tokens/s counts the tokens decoded (not the prefill's first) over the decode seconds (device-synchronized);
 ms/step is the decode seconds over the steps. The ragged rows count every new token over the whole run's wall time,
 prefill included (a server's throughput, as nano-vllm's bench reports it), capture and compile excluded. Before
-timing, each model is checked: the engine's and the peer's logits equal the eager loop's within the dtype's
-tolerance and their greedy tokens equal its tokens (up to a near-tie, where rounding may pick either token).
-On the CPU the engine runs its static step without capture and the peer's step is not compiled (no CUDA graphs).
+timing, each model is checked: the engine's (plain and compiled) and the peer's logits equal the eager loop's within
+the dtype's tolerance and their greedy tokens equal its tokens (up to a near-tie, where rounding may pick either
+token). On the CPU the engines run their static step without capture and the peer's step is not compiled (no CUDA
+graphs); the compiled way is Inductor's CPU code there.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import sys
 import time
@@ -182,28 +187,32 @@ def peer_generate(peer: StaticCachePeer, prompts: list[list[int]], new_tokens: l
 # ------------------------------------------------------------------------------------------------ checks
 
 
-def check(model, prompt_len: int, engine: str, device, n: int = 4, new: int = 12) -> str:
-    """The engine's and the peer's logits against the eager loop's on n prompts x `new` tokens, and the engine's
-    greedy tokens against its tokens up to the first near-tie (a top-2 margin within twice the tolerance)."""
+def check(model, compiled, prompt_len: int, engine: str, device, n: int = 4, new: int = 12) -> str:
+    """The engine's (on `model` and on its `compiled` copy) and the peer's logits against the eager loop's on
+    n prompts x `new` tokens, and the engines' greedy tokens against its tokens up to the first near-tie (a top-2
+    margin within twice the tolerance)."""
     from generate import generate
 
     g = torch.Generator().manual_seed(99)
     prompts = torch.randint(0, model.config.vocab_size, (n, prompt_len), generator=g).tolist()
-    seen = {"eager": {}, "engine": {}}
+    seen = {"eager": {}, "engine": {}, "compiled": {}}
 
     def hook(name):
         return lambda i, x: seen[name].setdefault(i, []).append(x.float().cpu())
 
     ref, _ = generate(model, prompts, engine="eager", max_new_tokens=new, on_logits=hook("eager"))
-    out, _ = generate(model, prompts, engine=engine, max_new_tokens=new, on_logits=hook("engine"))
+    outs = {
+        name: generate(m, prompts, engine=engine, max_new_tokens=new, on_logits=hook(name))[0]
+        for name, m in (("engine", model), ("compiled", compiled))
+    }
     peer = StaticCachePeer(model, 1, prompt_len + new, compile=False)
     seen["peer"] = {i: _teacher_forced(peer, p, ref[i], device) for i, p in enumerate(prompts)}
     tol = TOLERANCE[model.lm_head.weight.dtype]
     worst, ties = {}, 0
-    for name in ("engine", "peer"):
+    for name in ("engine", "compiled", "peer"):
         errors = []
         for i in range(len(prompts)):
-            tokens = out[i] if name == "engine" else ref[i]
+            tokens = ref[i] if name == "peer" else outs[name][i]
             for k, (got, want) in enumerate(zip(seen[name][i], seen["eager"][i])):
                 errors.append((got - want).abs().max().item())
                 if errors[-1] > tol:
@@ -215,7 +224,8 @@ def check(model, prompt_len: int, engine: str, device, n: int = 4, new: int = 12
                     ties += 1
                     break  # past a near-tie the two sequences go on from different tokens
         worst[name] = max(errors)
-    return f"max logit error vs eager: engine {worst['engine']:.2e}, peer {worst['peer']:.2e}; {ties} near-ties"
+    errors = ", ".join(f"{name} {worst[name]:.2e}" for name in worst)
+    return f"max logit error vs eager: {errors}; {ties} near-ties"
 
 
 @torch.no_grad()
@@ -254,12 +264,12 @@ def workload(model, batch: int | str, args) -> tuple[list[list[int]], list[int],
     return prompts, new.tolist(), args.ragged_rows
 
 
-def run_ours(model, cache: str, batch, engine: str, args, sync) -> dict:
+def run_ours(model, cache: str, batch, engine: str, args, sync, warm: bool = False) -> dict:
     from generate import generate
 
     prompts, new, rows = workload(model, batch, args)
     common = dict(page_size=args.page_size, max_batch=rows, engine=engine)
-    if args.device == "cuda":  # every prompt length once: the kernels' compiles and tuning happen here, untimed
+    if warm or args.device == "cuda":  # every prompt length once: compiles and tuning happen here, untimed
         generate(model, prompts, cache, max_new_tokens=2, **common)
     sync()
     t0 = time.perf_counter()
@@ -318,6 +328,7 @@ def main(argv: list[str] | None = None):
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton: our kernels on CPU tensors
         torch.set_num_threads(min(4, torch.get_num_threads()))
     from benchmarks.common import ceilings, header, print_table
+    from generate import compile_model
 
     cuda = args.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -329,15 +340,18 @@ def main(argv: list[str] | None = None):
     print(
         f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, {args.dtype}, ragged: "
         f"{args.ragged_prompts} prompts through {args.ragged_rows} rows; engine = generate(engine={engine!r}), "
+        "compiled = the same over generate.compile_model(model), "
         f"peer = static cache + SDPA{' + torch.compile(reduce-overhead)' if cuda else ' (eager on the CPU)'}",
         flush=True,
     )
     t_start = time.perf_counter()
     rows, step_ms = [], {}
+    ways = ("engine", "compiled", "eager", "peer")
     for variant in args.variants:
         model = build(variant, args)
+        compiled = compile_model(copy.deepcopy(model))
         size = dict(n=2, new=3) if args.tiny else {}
-        print(f"{variant} check: {check(model, args.prompt_len, engine, args.device, **size)}", flush=True)
+        print(f"{variant} check: {check(model, compiled, args.prompt_len, engine, args.device, **size)}", flush=True)
         for batch in args.batches:
             try:
                 peer = run_peer(model, batch, args, sync)
@@ -345,26 +359,33 @@ def main(argv: list[str] | None = None):
                 print(f"  peer failed on {variant} B{batch}: {type(e).__name__}: {str(e)[:300]}", flush=True)
                 peer = {"tok/s": float("nan"), "ms/step": None}
             for cache in args.caches:
-                ours = {e: run_ours(model, cache, batch, e, args, sync) for e in (engine, "eager")}
+                results = dict(
+                    engine=run_ours(model, cache, batch, engine, args, sync),
+                    compiled=run_ours(compiled, cache, batch, engine, args, sync, warm=True),
+                    eager=run_ours(model, cache, batch, "eager", args, sync),
+                    peer=peer,
+                )
                 row = {"model": variant, "cache": cache, "batch": batch}
-                for name, r in (("engine", ours[engine]), ("eager", ours["eager"]), ("peer", peer)):
+                for name, r in results.items():
                     row[f"{name} tok/s"], row[f"{name} ms/step"] = r["tok/s"], r["ms/step"]
-                row["engine/peer"] = row["engine tok/s"] / row["peer tok/s"]
-                row["eager/peer"] = row["eager tok/s"] / row["peer tok/s"]
+                for name in ways[:-1]:
+                    row[f"{name}/peer"] = row[f"{name} tok/s"] / row["peer tok/s"]
                 rows.append(row)
-                step_ms[variant, cache, batch] = row["engine ms/step"]
-                speeds = ", ".join(f"{name} {row[name + ' tok/s']:,.0f}" for name in ("engine", "eager", "peer"))
+                for name in ways[:2]:
+                    step_ms[name, variant, cache, batch] = row[f"{name} ms/step"]
+                speeds = ", ".join(f"{name} {row[name + ' tok/s']:,.0f}" for name in ways)
                 elapsed = time.perf_counter() - t_start
                 print(f"  {variant} {cache} B{batch}: {speeds} tok/s; {elapsed:.0f} s so far", flush=True)
-        del model
+        del model, compiled
         if cuda:
             torch.cuda.empty_cache()
-    columns = ["model", "cache", "batch", "engine tok/s", "eager tok/s", "peer tok/s", "engine/peer", "eager/peer"]
-    print_table(rows, columns + ["engine ms/step", "eager ms/step", "peer ms/step"])
-    for cache in args.caches:
-        if ("gqa", cache, 1) in step_ms and ("mla", cache, 1) in step_ms:
-            ratio = step_ms["mla", cache, 1] / step_ms["gqa", cache, 1]
-            print(f"MLA/GQA engine step time at batch 1 ({cache} cache): {ratio:.2f}")
+    columns = ["model", "cache", "batch"] + [f"{w} tok/s" for w in ways] + [f"{w}/peer" for w in ways[:-1]]
+    print_table(rows, columns + [f"{w} ms/step" for w in ways])
+    for name in ways[:2]:
+        for cache in args.caches:
+            if (name, "gqa", cache, 1) in step_ms and (name, "mla", cache, 1) in step_ms:
+                ratio = step_ms[name, "mla", cache, 1] / step_ms[name, "gqa", cache, 1]
+                print(f"MLA/GQA {name} step time at batch 1 ({cache} cache): {ratio:.2f}")
     print(f"wall time {(time.perf_counter() - t_start) / 60:.1f} minutes")
 
 

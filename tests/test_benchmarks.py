@@ -42,7 +42,8 @@ def table(stdout: str, first_column: str) -> list[dict[str, str]]:
 
 def test_bench_generate_cpu_smoke_run():
     """`--device cpu` (argparse's spelling, as well as --device=cpu): both models pass the check against the eager
-    loop, then a batch and the ragged prompts run three ways (our static engine, our eager loop, the peer)."""
+    loop, then a batch and the ragged prompts run four ways (our static engine, the same over compiled blocks, our
+    eager loop, the peer)."""
     out = run_module("bench_generate", "--device", "cpu", "--tiny")
     assert "gqa check: max logit error vs eager" in out and "mla check: max logit error vs eager" in out, out
     rows = table(out, "model")
@@ -53,8 +54,8 @@ def test_bench_generate_cpu_smoke_run():
         ("mla", "ragged"),
     ]
     for r in rows:
-        assert all(float(r[f"{name} tok/s"]) > 0 for name in ("engine", "eager", "peer")), r
-        assert float(r["engine/peer"]) > 0
+        assert all(float(r[f"{name} tok/s"]) > 0 for name in ("engine", "compiled", "eager", "peer")), r
+        assert float(r["engine/peer"]) > 0 and float(r["compiled/peer"]) > 0
 
 
 def test_bench_train_cpu_smoke_run():

@@ -11,7 +11,7 @@ from conftest import DEVICE, TOLERANCES
 from test_generation import CACHES, LOGIT_TOLERANCES, TRITON_DTYPE, _checkpoint, prompts, tiny_model
 
 import sample
-from generate import batch_buckets, generate, sample_next
+from generate import batch_buckets, compile_model, generate, sample_next
 
 PROMPT_LENS = (7, 3, 12, 5, 9, 1, 4)  # ragged, with a one-token prompt
 MAX_NEW = [8, 5, 8, 3, 8, 6, 2]  # one per prompt: rows end at different steps
@@ -19,12 +19,12 @@ GPU = DEVICE == "cuda"
 NEEDS_GRAPHS = "CUDA graphs need a CUDA device; the static-engine tests run the same step on the CPU"
 
 
-def model(variant: str, backend: str = "torch", dtype=torch.float32, head: str = "random"):
+def model(variant: str, backend: str = "torch", dtype=torch.float32, head: str = "random", n_layer: int = 2):
     """test_generation's tiny model with an output head of its own (untied), so that greedy tokens depend on the
     context. "random" for fp32 runs (the smallest top-2 logit margin in the runs below is ~3e-3, far above fp32
     rounding); "permuted", wte's rows in another order, for fp16 runs: the next token is then a fixed function of
     the last one with margins of several units, which rounding never decides (the logit tests check the cache)."""
-    net = tiny_model(variant, backend, dtype)
+    net = tiny_model(variant, backend, dtype, n_layer=n_layer)
     g = torch.Generator().manual_seed(1)
     shape = net.lm_head.weight.shape
     if head == "random":
@@ -84,6 +84,35 @@ def test_static_engine_on_the_triton_kernels(variant, kind):
     net = model(variant, "triton", TRITON_DTYPE, head)
     out, _ = generate(net, ps, kind, engine="static", max_new_tokens=MAX_NEW, eot_token=eot, page_size=8, max_batch=3)
     assert out == ref
+
+
+@pytest.mark.parametrize("variant,kind", [("gqa", "paged"), ("mla", "mla")])
+def test_compiled_blocks_equal_the_uncompiled_engine(variant, kind):
+    """generate.compile_model (sample.py --compile=True): every block compiled around its cache call. Its tokens
+    and logits equal the uncompiled engine's on ragged prompts with waiting prompts and padded buckets (the graphs
+    on a GPU, the static step on the CPU), and one compile serves every layer: ten blocks stay within dynamo's
+    recompile limit of 8, which a compile specialized per layer would pass (and fail here)."""
+    engine = "graphs" if GPU else "static"
+    net = model(variant, "triton" if GPU else "torch", n_layer=10)
+    ps = prompts(PROMPT_LENS, seed=2)
+    common = dict(max_new_tokens=MAX_NEW, page_size=8, max_batch=4, engine=engine)
+    seen, record = _record()
+    ref, _ = generate(net, ps, kind, on_logits=record, **common)
+    compiled_seen, compiled_record = _record()
+    torch._dynamo.reset()
+    # the flag compile_model sets goes back to its value afterwards, for the other tests of this process
+    with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=False, fail_on_recompile_limit_hit=True):
+        try:
+            compile_model(net)
+            out, _ = generate(net, ps, kind, on_logits=compiled_record, **common)
+            again, _ = generate(net, ps[:3], kind, **{**common, "max_new_tokens": MAX_NEW[:3]})  # no logits read
+        finally:
+            torch._dynamo.reset()
+    assert out == ref and again == ref[:3]
+    tol = TOLERANCES[torch.float32]  # the same fp32 math, fused by Inductor: only the order of the sums differs
+    for i in seen:
+        for want, got in zip(seen[i], compiled_seen[i]):
+            torch.testing.assert_close(got, want, **tol)
 
 
 def _record():

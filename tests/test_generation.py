@@ -50,13 +50,13 @@ LOGIT_TOLERANCES = {torch.float32: TOLERANCES[torch.float32], torch.float16: dic
 
 
 def tiny_model(
-    variant: str, backend: str = "torch", dtype=torch.float32, block_size: int = 64, n_embd: int = 64
+    variant: str, backend: str = "torch", dtype=torch.float32, block_size: int = 64, n_embd: int = 64, n_layer: int = 2
 ) -> GPT:
     torch.manual_seed(0)
     config = GPTConfig(
         vocab_size=65,
         block_size=block_size,
-        n_layer=2,
+        n_layer=n_layer,
         n_head=4,
         n_embd=n_embd,
         dropout=0.0,
