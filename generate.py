@@ -67,16 +67,27 @@ def resolve_engine(engine: str, kind: str, device) -> str:
 
 
 def compile_model(model):
-    """torch.compile every block of `model` in place, for generation: Inductor fuses the norms, projections, RoPE,
+    """torch.compile every block of `model` for decode steps, in place: Inductor fuses the norms, projections, RoPE,
     residual adds and MLP around each cache call, and the cache call itself runs as it is (cache.py keeps it out
-    of the graphs). One compile serves every layer, batch size and cache view; prefill and decode compile once
-    each (dynamic shapes), and the CUDA graphs of the graphs engine then replay the fused kernels."""
+    of the graphs). One compile serves every layer, batch size and cache view, and the CUDA graphs of the graphs
+    engine replay the fused kernels. Prefill stays eager (see _DecodeCompiled)."""
     # layer_idx is an int attribute of each block that reaches the cache call: left specialized, every layer would
     # compile a graph of its own and a 12-layer model would pass dynamo's recompile limit.
     torch._dynamo.config.allow_unspec_int_on_nn_module = True
     for block in model.transformer.h:
-        block.compile(dynamic=True)
+        block.forward = _DecodeCompiled(block.forward)
     return model
+
+
+class _DecodeCompiled:
+    """A block's forward, compiled for one new token per sequence and eager for prefill, whose shapes change with
+    every prompt length (a compile each) and whose time goes to the flash kernel and large GEMMs, not launches."""
+
+    def __init__(self, forward):
+        self.eager, self.compiled = forward, torch.compile(forward, dynamic=True)
+
+    def __call__(self, x, rope, cache, backend):
+        return (self.compiled if x.shape[1] == 1 else self.eager)(x, rope, cache, backend)
 
 
 def per_prompt(max_new_tokens, n: int) -> list[int]:

@@ -56,6 +56,15 @@ def _seed():
 # ---------------------------------------------------------------------------------------- decode-kernel tests
 
 
+@pytest.fixture(autouse=True)
+def _fp32_matmuls():
+    """train.main turns on TF32 matmuls for its process, as nanoGPT does; a test after it in the same worker
+    compares fp32 paths at fp32 tolerances, which TF32's 10-bit mantissa (5e-4 relative) would not meet."""
+    saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
+    yield
+    torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
 @pytest.fixture
 def poison_decode_outputs(monkeypatch):
     """Outputs and split partials of the decode kernels start as NaN: an element a kernel forgets to write fails

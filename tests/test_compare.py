@@ -15,7 +15,7 @@ from dataclasses import asdict
 
 import pytest
 import torch
-from conftest import read_wandb_records
+from conftest import DEVICE, read_wandb_records
 
 import compare
 import train
@@ -230,15 +230,20 @@ def test_runs_differing_only_in_seed_share_a_row(tmp_path):
     assert "n > 1: runs that differ only in seed; mean ± sample standard deviation over them" in result["text"]
 
 
-def test_decode_speed_on_the_cpu(tmp_path):
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if DEVICE == "cuda" else []))
+def test_decode_speed_on_the_cpu_and_the_gpu(tmp_path, device):
+    """The decode columns, measured where --device says, and the table's note of how they were measured."""
     make_run(tmp_path / "mha", "mha")
     make_run(tmp_path / "mla", "mla")
     args = [str(tmp_path / "mha"), str(tmp_path / "mla"), "--decode_batch=3", "--decode_tokens=4", "--plot="]
-    result = compare.main(args)
+    result = compare.main([*args, f"--device={device}"])
     for row in result["rows"]:
         assert row["decode_tokens_per_s_b1"] > 0 and row["decode_tokens_per_s_b3"] > 0, row
     assert "decode tok/s b3" in result["text"].splitlines()[0]
-    assert "on cpu with the plain PyTorch attention (attn_backend=torch) in float32" in result["text"]
+    if device == "cpu":
+        assert "on cpu with the plain PyTorch attention (attn_backend=torch) in float32" in result["text"]
+    else:
+        assert "on cuda through our Triton kernels (generate's default engine: CUDA graphs)" in result["text"]
     with pytest.raises(ConfigError, match=r"--decode_tokens: got 40; mha has block_size 32, .* valid: 2 \.\. 17"):
         compare.main([*args, "--decode_tokens=40"])
     with pytest.raises(ConfigError, match="--decode_batch: got 1; valid: an int >= 2"):
