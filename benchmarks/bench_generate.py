@@ -2,8 +2,9 @@
 replayed from CUDA graphs), the same with the blocks compiled, our eager loop, and a gpt-fast-style peer written
 here, on the same weights.
 
-    python -m benchmarks.bench_generate                                  # the H200 table (about 7 minutes)
+    python -m benchmarks.bench_generate                                  # the full grid (over 10 minutes on an H200)
     python -m benchmarks.bench_generate --quick                          # batches 1, 8, ragged; 32 new tokens
+    python -m benchmarks.bench_generate --batches 1,8,64,ragged --ragged_prompts 64 --ragged_rows 16   # ~7 min
     python -m benchmarks.bench_generate --device=cpu --tiny              # a smoke run of the same code on the CPU
 
 Models: GPT-2 small (12 layers, 12 heads of 64, 768 wide, learned positions) with GQA (4 KV heads) and with MLA
