@@ -53,9 +53,6 @@ def _seed():
     torch.manual_seed(0)
 
 
-# ---------------------------------------------------------------------------------------- decode-kernel tests
-
-
 @pytest.fixture(autouse=True)
 def _fp32_matmuls():
     """train.main turns on TF32 matmuls for its process, as nanoGPT does; a test after it in the same worker
@@ -63,6 +60,9 @@ def _fp32_matmuls():
     saved = torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32
     yield
     torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+# ---------------------------------------------------------------------------------------- decode-kernel tests
 
 
 @pytest.fixture
