@@ -23,6 +23,7 @@ then every active sequence decodes one token per step, in one of three engines:
 
 from __future__ import annotations
 
+import functools
 import sys
 import time
 from collections import deque
@@ -67,27 +68,33 @@ def resolve_engine(engine: str, kind: str, device) -> str:
 
 
 def compile_model(model):
-    """torch.compile every block of `model` for decode steps, in place: Inductor fuses the norms, projections, RoPE,
-    residual adds and MLP around each cache call, and the cache call itself runs as it is (cache.py keeps it out
-    of the graphs). One compile serves every layer, batch size and cache view, and the CUDA graphs of the graphs
-    engine replay the fused kernels. Prefill stays eager (see _DecodeCompiled)."""
+    """torch.compile the decode step of `model`, in place, region by region: the embedding (`GPT.embed`), every
+    block around its cache call, and the final norm with the output projection (`GPT.logits_and_loss`). Inductor
+    fuses the norms, projections, RoPE, residual adds and MLP around each cache call, and the cache call itself runs
+    as it is (cache.py keeps it out of the graphs). One compile serves every layer, batch size and cache view, and
+    the CUDA graphs of the graphs engine replay the fused kernels. The model is marked `decode_compiled`, which
+    compiles the static step's bookkeeping too (`StaticDecoder`). Prefill stays eager (see _DecodeCompiled)."""
     # layer_idx is an int attribute of each block that reaches the cache call: left specialized, every layer would
     # compile a graph of its own and a 12-layer model would pass dynamo's recompile limit.
     torch._dynamo.config.allow_unspec_int_on_nn_module = True
     for block in model.transformer.h:
         block.forward = _DecodeCompiled(block.forward)
+    model.embed = _DecodeCompiled(model.embed)
+    model.logits_and_loss = _DecodeCompiled(model.logits_and_loss)
+    model.decode_compiled = True
     return model
 
 
 class _DecodeCompiled:
-    """A block's forward, compiled for one new token per sequence and eager for prefill, whose shapes change with
-    every prompt length (a compile each) and whose time goes to the flash kernel and large GEMMs, not launches."""
+    """A region of the forward, compiled for one new token per sequence and eager for prefill, whose shapes change
+    with every prompt length (a compile each) and whose time goes to the flash kernel and large GEMMs, not launches.
+    The region's first argument is (B, T, ...)."""
 
     def __init__(self, forward):
         self.eager, self.compiled = forward, torch.compile(forward, dynamic=True)
 
-    def __call__(self, x, rope, cache, backend):
-        return (self.compiled if x.shape[1] == 1 else self.eager)(x, rope, cache, backend)
+    def __call__(self, x, *args):
+        return (self.compiled if x.shape[1] == 1 else self.eager)(x, *args)
 
 
 def per_prompt(max_new_tokens, n: int) -> list[int]:
@@ -511,27 +518,20 @@ class StaticDecoder:
         self.logits = torch.zeros(rows, vocab, dtype=torch.float32, device=device) if keep_logits else None
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.capture_s = 0.0
+        # A dozen small ops a step, one or two kernels once compiled (with the model: generate.compile_model).
+        self.advance = _compiled_advance() if getattr(model, "decode_compiled", False) else advance_rows
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.buckets if b >= n)
 
     def step(self, b: int):
         """One decode step of rows 0 .. b-1 (device work only: this is what a graph captures)."""
-        view, next_pos = self.views[b], self.cache.next_pos[:b]
-        logits = self.model(self.tokens[:b, None], cache=view)[0][:, -1].float()  # (b, V)
+        logits = self.model(self.tokens[:b, None], cache=self.views[b])[0][:, -1]  # (b, V)
         if self.logits is not None:
             self.logits[:b].copy_(logits)
-        new = self.pick(logits)  # (b,)
-        live = self.live[:b]
-        self.remaining[:b] -= live.long()
-        still = live & (self.remaining[:b] > 0)
-        if self.eot is not None:
-            still &= new != self.eot
-        next_pos.copy_((next_pos + 1) * still)  # a row that stops writes at 0 from now on (see the class docstring)
-        live.copy_(still)
-        self.tokens[:b].copy_(new)
-        self.history[:, :b].index_copy_(0, self.step_index, new[None])
-        self.step_index += 1
+        new = self.pick(logits)  # (b,); greedy takes the argmax of the model's dtype, the same as of its float
+        rows = (self.tokens[:b], self.remaining[:b], self.live[:b], self.cache.next_pos[:b], self.history[:, :b])
+        self.advance(new, *rows, self.step_index, self.eot)
 
     def run(self, b: int, steps: int):
         """`steps` decode steps of bucket b, queued without a host sync."""
@@ -589,6 +589,27 @@ class StaticDecoder:
             f"({', '.join(map(str, self.buckets))}) over the {kind} in {self.capture_s:.2f} s",
             file=sys.stderr,
         )
+
+
+def advance_rows(new, tokens, remaining, live, next_pos, history, step_index, eot: int | None):
+    """The bookkeeping of a static decode step over its rows, in place (StaticDecoder's docstring): a live row
+    spends one token of `remaining` and stops at zero or at end-of-text; a row that stops writes at position 0 from
+    now on; the sampled tokens `new` become the next inputs and go into `history` at `step_index`."""
+    remaining -= live.long()
+    still = live & (remaining > 0)
+    if eot is not None:
+        still &= new != eot
+    next_pos.copy_((next_pos + 1) * still)
+    live.copy_(still)
+    tokens.copy_(new)
+    history.index_copy_(0, step_index, new[None])
+    step_index += 1
+
+
+@functools.cache
+def _compiled_advance():
+    """advance_rows compiled once per process: every decoder and batch size shares its graph."""
+    return torch.compile(advance_rows, dynamic=True)
 
 
 def _generate_static(model, sched: _Scheduler, decoder: StaticDecoder, pick, on_logits, stats: GenerationStats):

@@ -426,15 +426,22 @@ class GPT(nn.Module):
         else:
             positions = torch.arange(T, device=idx.device)[None]  # (1, T)
         self._check_positions(positions, T, cache)
+        x, rope = self.embed(idx, positions)
+        backend = self.attn_backend_for(idx.device)
+        for block in self.transformer.h:
+            x = block(x, rope, cache, backend)
+        return self.logits_and_loss(x, targets)
+
+    def embed(self, idx, positions):
+        """The token (and learned position) embeddings of idx (B, T) at positions (B or 1, T), and RoPE's
+        (cos, sin) there (None without RoPE). A method of its own so that torch.compile can take it as one region
+        (generate.compile_model)."""
         x = self.transformer.wte(idx)
         if self.config.pos_embedding == "learned":
             x = x + self.transformer.wpe(positions)
         x = self.transformer.drop(x)
         rope = rope_cos_sin(positions, self.config.rope_dim, self.config.rope_theta) if self.config.rope_dim else None
-        backend = self.attn_backend_for(idx.device)
-        for block in self.transformer.h:
-            x = block(x, rope, cache, backend)
-        return self.logits_and_loss(x, targets)
+        return x, rope
 
     def logits_and_loss(self, x, targets=None):
         """The final norm and the output projection of x (B, T, n_embd), and with targets the mean cross-entropy:
