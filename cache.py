@@ -184,6 +184,10 @@ class ContiguousRows:
         # buf (B, S_max, *feat), x (n, T, *feat): one scatter covers prefill (same start) and ragged decode
         buf[step.rows_t[:, None], step.positions] = x
 
+    def where(self, step: _Step) -> tuple[torch.Tensor, torch.Tensor]:
+        """(row, position) of every new token, (n, T) each, as attention_kernels.write_tokens takes them."""
+        return step.rows_t[:, None].expand_as(step.positions), step.positions
+
     def prefix(self, buf, rows: list[int], rows_t, length: int):
         """(n, length, *feat): the first `length` tokens of these rows (a view when the rows are a range)."""
         r0 = rows[0]
@@ -305,6 +309,10 @@ class PagedRows:
 
     def write(self, pool, step: _Step, x):
         pool[step.pages, step.offsets] = x  # pool (num_pages, page_size, *feat), x (n, T, *feat)
+
+    def where(self, step: _Step) -> tuple[torch.Tensor, torch.Tensor]:
+        """(page, slot) of every new token, (n, T) each, as attention_kernels.write_tokens takes them."""
+        return step.pages, step.offsets
 
     def table(self, rows: list[int], rows_t) -> torch.Tensor:
         r0 = rows[0]
@@ -470,6 +478,15 @@ class _Cache:
                 f"T={self._step.positions.shape[1]}, ...) matching the last reserve"
             )
 
+    def _store_pair(self, a_buf, b_buf, a, b):
+        """The new tokens' two halves (n, T, H, D_*) into their buffers at the last reserve's places: one kernel
+        launch with the Triton backend (a decode step's launches are its time), two index_puts with torch."""
+        if self.backend == "triton":
+            attention_kernels.write_tokens(a_buf, b_buf, a, b, *self.store.where(self._step), validate=False)
+        else:
+            self.store.write(a_buf, self._step, a.to(self.store.dtype))
+            self.store.write(b_buf, self._step, b.to(self.store.dtype))
+
     def _prefill_length(self) -> int:
         lens = self.lens
         if len(set(lens)) != 1:
@@ -512,8 +529,7 @@ class _KVCache(_Cache):
         k_t, v_t = k.transpose(1, 2), v.transpose(1, 2)  # (B, T, H_kv, D)
         self._new_tokens(k_t, layer, "k")
         self._new_tokens(v_t, layer, "v")
-        self.store.write(self.k[layer], self._step, k_t.to(self.store.dtype))
-        self.store.write(self.v[layer], self._step, v_t.to(self.store.dtype))
+        self._store_pair(self.k[layer], self.v[layer], k_t, v_t)
 
     @torch.compiler.disable
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
@@ -586,8 +602,8 @@ class _LatentCache(_Cache):
     def _write(self, layer, c_kv, k_rope):
         self._new_tokens(c_kv, layer, "c_kv")
         self._new_tokens(k_rope, layer, "k_rope")
-        self.store.write(self.c[layer], self._step, c_kv.to(self.store.dtype))
-        self.store.write(self.r[layer], self._step, k_rope.to(self.store.dtype))
+        # a latent token has no head axis: the write kernel takes it as one head
+        self._store_pair(self.c[layer][:, :, None], self.r[layer][:, :, None], c_kv[:, :, None], k_rope[:, :, None])
 
     @torch.compiler.disable
     def append_latent(self, layer: int, c_kv: torch.Tensor, k_rope: torch.Tensor):

@@ -18,9 +18,11 @@ Modules (each imports only those above it):
     split_kv                   split-KV decode (Flash-Decoding) pieces shared by decode and mla
     decode, decode_sm90        grouped_decode / paged_grouped_decode; the Hopper paged kernel
     mla, mla_sm90              mla_decode / paged_mla_decode; the Hopper MLA kernels
+    cache_write                write_tokens: a new token's two halves into a KV cache, one launch
 """
 
 from attention_kernels import reference
+from attention_kernels.cache_write import write_tokens
 from attention_kernels.decode import grouped_decode, paged_grouped_decode
 from attention_kernels.flash import flash_gqa_attention, flash_gqa_backward, flash_gqa_forward
 from attention_kernels.mla import mla_decode, paged_mla_decode
@@ -33,5 +35,6 @@ __all__ = [
     "paged_grouped_decode",
     "mla_decode",
     "paged_mla_decode",
+    "write_tokens",
     "reference",
 ]

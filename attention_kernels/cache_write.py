@@ -1,0 +1,160 @@
+"""Writing new tokens into a KV cache: both halves of each token (K and V, or MLA's latent and RoPE key) stored at
+its (row or page, slot) in one launch, where two index_puts take two (vLLM's reshape_and_cache does the same job).
+A decode step at small batch is bound by its launches, one of these per layer (docs/kernel-notes.md).
+
+Layouts, with the letters of reference.py:
+    a (n, T, H, D_a), b (n, T, H, D_b)                 the new tokens of n sequences, T each (any strides)
+    a_dst (P, S, H, D_a), b_dst (P, S, H, D_b)         token-major views of the cache: P rows of S positions
+                                                       (contiguous), or P pages of S slots (paged)
+    pages (n, T), slots (n, T) int32/int64             token t of sequence i goes to [pages[i, t], slots[i, t]]
+                                                       (a contiguous cache passes each sequence's row as its
+                                                       page, broadcast over T, and the positions as slots)
+A latent cache has no head axis: its tensors pass with H = 1 (`unsqueeze(2)`). The kernel stores in the cache's
+dtype, converting as a copy would.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from attention_kernels import _checks
+from attention_kernels._host import device_guard, launcher, next_power_of_2
+
+
+@triton.jit
+def _write_kernel(
+    A,
+    B,
+    A_DST,
+    B_DST,
+    PAGES,
+    SLOTS,
+    T,
+    stride_an,
+    stride_at,
+    stride_ah,
+    stride_ad,
+    stride_bn,
+    stride_bt,
+    stride_bh,
+    stride_bd,
+    stride_dap,
+    stride_das,
+    stride_dah,
+    stride_dad,
+    stride_dbp,
+    stride_dbs,
+    stride_dbh,
+    stride_dbd,
+    stride_pn,
+    stride_pt,
+    stride_sn,
+    stride_st,
+    D_A: tl.constexpr,
+    D_B: tl.constexpr,
+    BLOCK_A: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+):
+    # grid (n * T, H): one program per token and head
+    token = tl.program_id(0)
+    head = tl.program_id(1)
+    i = token // T
+    t = token % T
+    page = tl.load(PAGES + i * stride_pn + t * stride_pt).to(tl.int64)
+    slot = tl.load(SLOTS + i * stride_sn + t * stride_st).to(tl.int64)
+    offs_a = tl.arange(0, BLOCK_A)
+    a = tl.load(A + i * stride_an + t * stride_at + head * stride_ah + offs_a * stride_ad, mask=offs_a < D_A)
+    dst_a = A_DST + page * stride_dap + slot * stride_das + head * stride_dah
+    tl.store(dst_a + offs_a * stride_dad, a.to(A_DST.dtype.element_ty), mask=offs_a < D_A)
+    offs_b = tl.arange(0, BLOCK_B)
+    b = tl.load(B + i * stride_bn + t * stride_bt + head * stride_bh + offs_b * stride_bd, mask=offs_b < D_B)
+    dst_b = B_DST + page * stride_dbp + slot * stride_dbs + head * stride_dbh
+    tl.store(dst_b + offs_b * stride_dbd, b.to(B_DST.dtype.element_ty), mask=offs_b < D_B)
+
+
+@torch.library.custom_op("zoo::write_tokens", mutates_args=("a_dst", "b_dst"))
+def _write_tokens_op(
+    a_dst: torch.Tensor,
+    b_dst: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    pages: torch.Tensor,
+    slots: torch.Tensor,
+) -> None:
+    n, T, H, d_a = a.shape
+    if n * T == 0:
+        return
+    d_b = b.shape[-1]
+    with device_guard(a):
+        launcher(_write_kernel)[(n * T, H)](
+            a,
+            b,
+            a_dst,
+            b_dst,
+            pages,
+            slots,
+            T,
+            *a.stride(),
+            *b.stride(),
+            *a_dst.stride(),
+            *b_dst.stride(),
+            *pages.stride(),
+            *slots.stride(),
+            D_A=d_a,
+            D_B=d_b,
+            BLOCK_A=next_power_of_2(d_a),
+            BLOCK_B=next_power_of_2(d_b),
+            num_warps=1,
+        )
+
+
+def _check(a_dst, b_dst, a, b, pages, slots):
+    for name, x, layout in (
+        ("a_dst", a_dst, "(P, S, H, D_a)"),
+        ("b_dst", b_dst, "(P, S, H, D_b)"),
+        ("a", a, "(n, T, H, D_a)"),
+        ("b", b, "(n, T, H, D_b)"),
+    ):
+        _checks.check_rank(name, x, 4, layout)
+        _checks.check_float(name, x)
+    n, T, H, _ = a.shape
+    if tuple(b.shape[:3]) != (n, T, H):
+        _checks.fail("b", f"shape {tuple(b.shape)}", f"(n={n}, T={T}, H={H}, D_b) as a's first three")
+    for name, dst, src in (("a_dst", a_dst, a), ("b_dst", b_dst, b)):
+        if dst.shape[2:] != src.shape[2:]:
+            _checks.fail(name, f"shape {tuple(dst.shape)}", f"(P, S, H={H}, D={src.shape[3]}) as its new tokens'")
+    if a_dst.shape[:2] != b_dst.shape[:2]:
+        _checks.fail("b_dst", f"shape {tuple(b_dst.shape)}", f"(P={a_dst.shape[0]}, S={a_dst.shape[1]}, ...) as a_dst")
+    for name, idx in (("pages", pages), ("slots", slots)):
+        if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int32, torch.int64) or idx.shape != (n, T):
+            got = f"{idx.dtype} shape {tuple(idx.shape)}" if isinstance(idx, torch.Tensor) else type(idx).__name__
+            _checks.fail(name, got, f"an int32 or int64 tensor of shape (n={n}, T={T})")
+    _checks.check_same_device(dict(a_dst=a_dst, b_dst=b_dst, a=a, b=b, pages=pages, slots=slots))
+
+
+def _check_values(a_dst, pages, slots):
+    for name, idx, bound in (("pages", pages, a_dst.shape[0]), ("slots", slots, a_dst.shape[1])):
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= bound):
+            _checks.fail(name, f"values in [{int(idx.min())}, {int(idx.max())}]", f"values in [0, {bound})")
+
+
+def write_tokens(
+    a_dst: torch.Tensor,
+    b_dst: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    pages: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    validate: bool = True,
+) -> None:
+    """In place: a_dst[pages[i, t], slots[i, t]] = a[i, t] and b_dst[...] = b[i, t] for every new token, in one
+    launch (the module docstring gives the layouts). pages and slots may be broadcast views (stride 0).
+    validate=False skips the checks that read pages and slots (a device sync); they are skipped anyway under CUDA
+    graph capture and torch.compile."""
+    _check(a_dst, b_dst, a, b, pages, slots)
+    if validate and _checks.can_read_values(pages):
+        _check_values(a_dst, pages, slots)
+    torch.ops.zoo.write_tokens(a_dst, b_dst, a, b, pages, slots)
