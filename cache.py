@@ -180,12 +180,9 @@ class ContiguousRows:
             buf[dst, : self.lens[src]] = buf[src, : self.lens[src]]
         self.lens[dst], self.lens[src] = self.lens[src], 0
 
-    def write(self, buf, step: _Step, x):
-        # buf (B, S_max, *feat), x (n, T, *feat): one scatter covers prefill (same start) and ragged decode
-        buf[step.rows_t[:, None], step.positions] = x
-
     def where(self, step: _Step) -> tuple[torch.Tensor, torch.Tensor]:
-        """(row, position) of every new token, (n, T) each, as attention_kernels.write_tokens takes them."""
+        """(row, position) of every new token, (n, T) each: buf[where] = x scatters x (n, T, *feat) into the
+        token-major buf (B, S_max, *feat), prefill (same start) and ragged decode alike."""
         return step.rows_t[:, None].expand_as(step.positions), step.positions
 
     def prefix(self, buf, rows: list[int], rows_t, length: int):
@@ -307,11 +304,9 @@ class PagedRows:
         if self.scratch is not None:
             self.block_table[src, 0] = self.scratch
 
-    def write(self, pool, step: _Step, x):
-        pool[step.pages, step.offsets] = x  # pool (num_pages, page_size, *feat), x (n, T, *feat)
-
     def where(self, step: _Step) -> tuple[torch.Tensor, torch.Tensor]:
-        """(page, slot) of every new token, (n, T) each, as attention_kernels.write_tokens takes them."""
+        """(page, slot) of every new token, (n, T) each: pool[where] = x scatters x (n, T, *feat) into the pool
+        (num_pages, page_size, *feat)."""
         return step.pages, step.offsets
 
     def table(self, rows: list[int], rows_t) -> torch.Tensor:
@@ -481,11 +476,12 @@ class _Cache:
     def _store_pair(self, a_buf, b_buf, a, b):
         """The new tokens' two halves (n, T, H, D_*) into their buffers at the last reserve's places: one kernel
         launch with the Triton backend (a decode step's launches are its time), two index_puts with torch."""
+        where = self.store.where(self._step)
         if self.backend == "triton":
-            attention_kernels.write_tokens(a_buf, b_buf, a, b, *self.store.where(self._step), validate=False)
+            attention_kernels.write_tokens(a_buf, b_buf, a, b, *where, validate=False)
         else:
-            self.store.write(a_buf, self._step, a.to(self.store.dtype))
-            self.store.write(b_buf, self._step, b.to(self.store.dtype))
+            a_buf[where] = a.to(self.store.dtype)
+            b_buf[where] = b.to(self.store.dtype)
 
     def _prefill_length(self) -> int:
         lens = self.lens

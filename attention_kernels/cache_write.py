@@ -64,14 +64,20 @@ def _write_kernel(
     t = token % T
     page = tl.load(PAGES + i * stride_pn + t * stride_pt).to(tl.int64)
     slot = tl.load(SLOTS + i * stride_sn + t * stride_st).to(tl.int64)
-    offs_a = tl.arange(0, BLOCK_A)
-    a = tl.load(A + i * stride_an + t * stride_at + head * stride_ah + offs_a * stride_ad, mask=offs_a < D_A)
-    dst_a = A_DST + page * stride_dap + slot * stride_das + head * stride_dah
-    tl.store(dst_a + offs_a * stride_dad, a.to(A_DST.dtype.element_ty), mask=offs_a < D_A)
-    offs_b = tl.arange(0, BLOCK_B)
-    b = tl.load(B + i * stride_bn + t * stride_bt + head * stride_bh + offs_b * stride_bd, mask=offs_b < D_B)
-    dst_b = B_DST + page * stride_dbp + slot * stride_dbs + head * stride_dbh
-    tl.store(dst_b + offs_b * stride_dbd, b.to(B_DST.dtype.element_ty), mask=offs_b < D_B)
+    src = i * stride_an + t * stride_at + head * stride_ah
+    dst = page * stride_dap + slot * stride_das + head * stride_dah
+    _copy_row(A + src, A_DST + dst, stride_ad, stride_dad, D_A, BLOCK_A)
+    src = i * stride_bn + t * stride_bt + head * stride_bh
+    dst = page * stride_dbp + slot * stride_dbs + head * stride_dbh
+    _copy_row(B + src, B_DST + dst, stride_bd, stride_dbd, D_B, BLOCK_B)
+
+
+@triton.jit
+def _copy_row(src, dst, stride_src, stride_dst, D: tl.constexpr, BLOCK: tl.constexpr):
+    """D elements from src to dst, in dst's dtype."""
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(src + offs * stride_src, mask=offs < D)
+    tl.store(dst + offs * stride_dst, x.to(dst.dtype.element_ty), mask=offs < D)
 
 
 @torch.library.custom_op("zoo::write_tokens", mutates_args=("a_dst", "b_dst"))
