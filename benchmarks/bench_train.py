@@ -25,7 +25,10 @@ MFU = tokens/s x model.flops_per_token(context) / the GPU's dense bf16 peak (mod
 (the matmuls' forward and backward, and attention's scores and P V for a causal token that sees T/2 keys on average,
 forward and backward). Peak memory is torch.cuda.max_memory_allocated over a model's timed rounds, less the other
 model's weights and optimizer state, which stay resident beside it. "first iter s" is the first iteration's seconds:
-with compile on, mostly the compile.
+with compile on, mostly the compile. "host ms" and "GPU ms" split one more iteration of each model (on a GPU): the
+seconds the host takes to enqueue it and the seconds its kernels take run back to back, from enqueueing it while
+the GPU sleeps (`common.host_and_gpu_ms`). Where host ms is above GPU ms the iteration is bound by the host (the
+launches and Python around them), and a wall-time ratio then says little about the kernels; the GPU ms ratio does.
 
 --modes picks how the model runs, each for both backends:
 - compile: train_step.compile_model (each block and the loss head compiled, as train.py with compile=True);
@@ -45,7 +48,7 @@ import time
 import torch
 
 from benchmarks.bench_generate import GPT2_SMALL, TINY, VARIANTS
-from benchmarks.common import ceilings, header, print_table
+from benchmarks.common import ceilings, header, host_and_gpu_ms, print_table
 from model import GPT, GPTConfig, peak_bf16_flops
 from train_step import TrainStep, compile_model
 
@@ -180,7 +183,10 @@ def measure(variant: str, context: int, mode: str, args) -> dict:
         row[f"{name} MFU"] = f"{100 * tok_s * model.flops_per_token(context) / peak:.1f}%" if peak else None
         row[f"{name} peak GiB"] = run.peak_bytes / 2**30 if run.peak_bytes is not None else None
         row[f"{name} first iter s"] = run.first_s
+        row[f"{name} host ms"], row[f"{name} GPU ms"] = run.host_and_gpu_ms(batches)
     row["ours/SDPA"] = row["ours tok/s"] / row["SDPA tok/s"]
+    gpu = row["ours GPU ms"], row["SDPA GPU ms"]
+    row["GPU ours/SDPA"] = gpu[1] / gpu[0] if None not in gpu else None
     row["KV B/token (bf16)"] = model.kv_cache_bytes_per_token(torch.bfloat16)
     del runs
     torch._dynamo.reset()  # the next cell's models compile afresh; the compiled graphs of this one are freed
@@ -231,6 +237,12 @@ class Run:
             self.peak_bytes = max(peak, self.peak_bytes or 0)
         return seconds
 
+    def host_and_gpu_ms(self, batches) -> tuple[float | None, float | None]:
+        """One iteration's host ms and GPU ms (`common.host_and_gpu_ms`); (None, None) on the CPU."""
+        if self.device != "cuda":
+            return None, None
+        return host_and_gpu_ms(lambda: self.step(batches))
+
     def _own_bytes(self) -> int:
         """Bytes of this model's weights, gradients and optimizer state, resident between iterations."""
         tensors = [*self.model.parameters(), *(p.grad for p in self.model.parameters() if p.grad is not None)]
@@ -253,9 +265,15 @@ def check_same_loss(first: dict, variant: str, context: int) -> None:
 def print_progress(row: dict, elapsed: float) -> None:
     print(
         f"{row['mode']} {row['variant']} T={row['context']}: ours {row['ours tok/s']:,.0f} tok/s, SDPA "
-        f"{row['SDPA tok/s']:,.0f} tok/s ({row['ours/SDPA']:.2f}x); {elapsed:.0f} s so far",
+        f"{row['SDPA tok/s']:,.0f} tok/s ({row['ours/SDPA']:.2f}x); host / GPU ms: ours "
+        f"{_ms(row['ours host ms'])} / {_ms(row['ours GPU ms'])}, SDPA {_ms(row['SDPA host ms'])} / "
+        f"{_ms(row['SDPA GPU ms'])}; {elapsed:.0f} s so far",
         flush=True,
     )
+
+
+def _ms(x) -> str:
+    return "-" if x is None else f"{x:.1f}"
 
 
 def print_results(rows: list[dict], args, elapsed: float) -> None:
@@ -265,6 +283,7 @@ def print_results(rows: list[dict], args, elapsed: float) -> None:
         "6 x Linear weights + 3 x n_layer x n_head x (D_qk + D_v) x T"
     )
     columns = ["mode", "variant", "context", "batch", "ours tok/s", "SDPA tok/s", "ours/SDPA", "ours MFU", "SDPA MFU"]
+    columns += ["ours host ms", "ours GPU ms", "SDPA host ms", "SDPA GPU ms", "GPU ours/SDPA"]
     columns += ["ours peak GiB", "SDPA peak GiB", "ours first iter s", "SDPA first iter s", "KV B/token (bf16)"]
     print_table(rows, columns)
     print(f"\nwall time {elapsed / 60:.1f} minutes")
