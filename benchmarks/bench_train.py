@@ -30,6 +30,9 @@ seconds the host takes to enqueue it and the seconds its kernels take run back t
 the GPU sleeps (`common.host_and_gpu_ms`). Where host ms is above GPU ms the iteration is bound by the host (the
 launches and Python around them), and a wall-time ratio then says little about the kernels; the GPU ms ratio does.
 
+--profile adds, per cell and model, one iteration under torch.profiler: the ops with the most host time and the
+kernels with the most GPU time.
+
 --modes picks how the model runs, each for both backends:
 - compile: train_step.compile_model (each block and the loss head compiled, as train.py with compile=True);
 - eager: the model as train.py runs it with compile=False;
@@ -99,6 +102,9 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=0, help="alternating timed rounds per backend (default 3; tiny 1)")
     p.add_argument("--iters", "--steps", type=int, default=0, help="iterations per round (default 3; tiny 1)")
     p.add_argument("--warmup", type=int, default=0, help="untimed iterations first (default 2; tiny 1)")
+    p.add_argument(
+        "--profile", action="store_true", help="per cell and model, the ops with the most host time an iteration"
+    )
     args = p.parse_args(argv)
     args.argv = argv
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -184,6 +190,8 @@ def measure(variant: str, context: int, mode: str, args) -> dict:
         row[f"{name} peak GiB"] = run.peak_bytes / 2**30 if run.peak_bytes is not None else None
         row[f"{name} first iter s"] = run.first_s
         row[f"{name} host ms"], row[f"{name} GPU ms"] = run.host_and_gpu_ms(batches)
+        if args.profile:
+            print_profile(f"{mode} {variant} T={context} {name}", run, batches)
     row["ours/SDPA"] = row["ours tok/s"] / row["SDPA tok/s"]
     gpu = row["ours GPU ms"], row["SDPA GPU ms"]
     row["GPU ours/SDPA"] = gpu[1] / gpu[0] if None not in gpu else None
@@ -252,6 +260,29 @@ class Run:
     def _sync(self):
         if self.device == "cuda":
             torch.cuda.synchronize()
+
+
+def print_profile(title: str, run: Run, batches, top: int = 12) -> None:
+    """One iteration under torch.profiler: the ops that take the most host time (self CPU time: the Python and
+    dispatch around each launch) and, on a GPU, the kernels that take the most GPU time, per iteration."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cuda = run.device == "cuda"
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    run.step(batches)  # out of the profile: the profiler's own first-use costs
+    run._sync()
+    with profile(activities=activities) as prof:
+        run.step(batches)
+        run._sync()
+    events = prof.key_averages()
+    print(f"\nprofile {title}: host ms (self CPU) of the top {top} ops, one iteration")
+    for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]:
+        print(f"  {e.self_cpu_time_total / 1e3:8.2f} ms {e.count:6d} calls  {e.key[:100]}")
+    if cuda:
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]  # not the ops launching them
+        print(f"profile {title}: GPU ms of the top {top} kernels, one iteration")
+        for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]:
+            print(f"  {e.self_device_time_total / 1e3:8.2f} ms {e.count:6d} calls  {e.key[:100]}")
 
 
 def check_same_loss(first: dict, variant: str, context: int) -> None:
