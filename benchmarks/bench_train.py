@@ -1,8 +1,9 @@
 """The training iteration as train.py runs it, for every attention variant at GPT-2-small width, on our Triton kernels
-and on the same model with PyTorch SDPA, in one run: tokens/s, MFU, peak memory and the ratio ours/SDPA.
+and on the same model with PyTorch SDPA, in one run: tokens/s, MFU, peak memory, host and GPU time, ours/SDPA.
 
     python -m benchmarks.bench_train                                  # the H200 table (about 5 minutes)
     python -m benchmarks.bench_train --variants=gqa --contexts=1024 --modes=compile,compile+graph
+    python -m benchmarks.bench_train --contexts=1024 --variants=mha --profile    # where the host's time goes
     python -m benchmarks.bench_train --device=cpu --tiny              # a smoke run of the same code on the CPU
 
 What is timed is train_step.TrainStep, the iteration train.py runs: --accum micro-steps of forward, loss and backward
