@@ -104,7 +104,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--iters", "--steps", type=int, default=0, help="iterations per round (default 3; tiny 1)")
     p.add_argument("--warmup", type=int, default=0, help="untimed iterations first (default 2; tiny 1)")
     p.add_argument(
-        "--profile", action="store_true", help="per cell and model, the ops with the most host time an iteration"
+        "--profile", action="store_true", help="per cell and model: the top host ops and GPU kernels of an iteration"
     )
     args = p.parse_args(argv)
     args.argv = argv
