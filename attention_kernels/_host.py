@@ -10,6 +10,7 @@ config tuner and the benchmarks (benchmarks/common.bench_gpu_ms) share.
 import contextlib
 import functools
 import os
+import time
 
 import torch
 from triton import knobs
@@ -65,6 +66,16 @@ def pdl(device: torch.device) -> bool:
     if torch.version.hip is not None:  # ROCm reports its own capabilities (MI300: 9.4) and has no such launch
         return False
     return capability(device.index if device.index is not None else torch.cuda.current_device())[0] >= 9
+
+
+def synced_seconds(fn) -> float:
+    """Seconds of one fn() from an idle GPU until its work is done: host and GPU together, more than enqueueing
+    alone takes, so a sleep of a few times this outlasts the enqueueing (`behind_sleep`)."""
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return time.perf_counter() - t0
 
 
 def behind_sleep(enqueue, seconds: float) -> bool:

@@ -36,7 +36,6 @@ equivalent autograd.Function (`_FlashAttention`), which costs less host time per
 import functools
 import math
 import os
-import time
 
 import torch
 import triton
@@ -51,6 +50,7 @@ from attention_kernels._host import (
     launcher,
     next_power_of_2,
     num_sms,
+    synced_seconds,
 )
 from attention_kernels.flash_triton import flash_bwd_dkdv_kernel, flash_bwd_dq_kernel, flash_fwd_kernel
 from attention_kernels.schedule import bucket_size
@@ -170,11 +170,7 @@ def _gpu_ms(fn, n: int = 8) -> float:
     enqueued, a longer one, and after the third such try the last timing is kept (host time in it or not: a pick
     then is no worse than do_bench's). `benchmarks/common.bench_gpu_ms` is the benchmarks' version of the same
     method, per call and from a cold L2."""
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    per_call = time.perf_counter() - t0  # host and GPU together: more than enqueueing alone takes
+    per_call = synced_seconds(fn)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
 
     def enqueue():

@@ -11,7 +11,7 @@ import time
 import torch
 import triton
 
-from attention_kernels._host import behind_sleep
+from attention_kernels._host import behind_sleep, synced_seconds
 
 
 def header() -> str:
@@ -124,12 +124,7 @@ def bench_gpu_interleaved_ms(fns: list, n: int = 30) -> list[float]:
     cache = torch.empty(int(256e6 // 4), dtype=torch.int, device="cuda")  # do_bench's flush
     for fn in fns:
         fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for fn in fns:
-        fn()
-    torch.cuda.synchronize()
-    per_round = time.perf_counter() - t0  # host and GPU together: more than enqueueing alone takes
+    per_round = synced_seconds(lambda: [fn() for fn in fns])
     events = [
         [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in fns] for _ in range(n)
     ]
@@ -158,11 +153,7 @@ def host_and_gpu_ms(fn, tries: int = 3) -> tuple[float, float] | tuple[None, Non
     host. Host ms above GPU ms means fn is bound by the host. Where the host waits on the GPU anyway (a sync, or
     more work queued than CUDA's launch queue holds) the GPU wakes before the call returns and a longer sleep is
     tried; after `tries`, (None, None)."""
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    fn()
-    torch.cuda.synchronize()
-    per_call = time.perf_counter() - t0  # host and GPU together: more than enqueueing alone takes
+    per_call = synced_seconds(fn)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     host_s = []
 
