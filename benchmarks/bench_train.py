@@ -1,5 +1,5 @@
 """The training iteration as train.py runs it, for every attention variant at GPT-2-small width, on our Triton kernels
-and on the same model with PyTorch SDPA, in one run: tokens/s, MFU, peak memory, host and GPU time, ours/SDPA.
+and on the same model with PyTorch SDPA, in one run: tokens/s, MFU, peak memory, GPU time and busy share, ours/SDPA.
 
     python -m benchmarks.bench_train                                  # the H200 table (about 5 minutes)
     python -m benchmarks.bench_train --variants=gqa --contexts=1024 --modes=compile,compile+graph
@@ -26,12 +26,13 @@ MFU = tokens/s x model.flops_per_token(context) / the GPU's dense bf16 peak (mod
 (the matmuls' forward and backward, and attention's scores and P V for a causal token that sees T/2 keys on average,
 forward and backward). Peak memory is torch.cuda.max_memory_allocated over a model's timed rounds, less the other
 model's weights and optimizer state, which stay resident beside it. "first iter s" is the first iteration's seconds:
-with compile on, mostly the compile. "host ms" and "GPU ms" split one more iteration of each model (on a GPU): the
-seconds the host takes to enqueue it and the seconds its kernels take run back to back, from enqueueing it while
-the GPU sleeps (`common.host_and_gpu_ms`). Where host ms is above GPU ms the iteration is bound by the host (the
-launches and Python around them), and a wall-time ratio then says little about the kernels; the GPU ms ratio does.
+with compile on, mostly the compile. "GPU ms" is the time the GPU spends running one iteration's kernels and
+copies, summed from a torch.profiler trace of one more iteration (on a GPU), and "GPU busy" is that time over the
+iteration's wall time from the timed rounds. Near 100% the GPU bounds the iteration; well below it the GPU waits on
+the host (the launches and the Python around them), and the wall-time ratio then says less about the kernels than
+"GPU ours/SDPA", the ratio of the two models' GPU ms (> 1: ours takes less GPU time).
 
---profile adds, per cell and model, one iteration under torch.profiler: the ops with the most host time and the
+--profile prints, per cell and model, what that traced iteration spent: the ops with the most host time and the
 kernels with the most GPU time.
 
 --modes picks how the model runs, each for both backends:
@@ -52,7 +53,7 @@ import time
 import torch
 
 from benchmarks.bench_generate import GPT2_SMALL, TINY, VARIANTS
-from benchmarks.common import ceilings, header, host_and_gpu_ms, print_table
+from benchmarks.common import ceilings, header, print_table
 from model import GPT, GPTConfig, peak_bf16_flops
 from train_step import TrainStep, compile_model
 
@@ -190,9 +191,13 @@ def measure(variant: str, context: int, mode: str, args) -> dict:
         row[f"{name} MFU"] = f"{100 * tok_s * model.flops_per_token(context) / peak:.1f}%" if peak else None
         row[f"{name} peak GiB"] = run.peak_bytes / 2**30 if run.peak_bytes is not None else None
         row[f"{name} first iter s"] = run.first_s
-        row[f"{name} host ms"], row[f"{name} GPU ms"] = run.host_and_gpu_ms(batches)
+        events = run.traced_iteration(batches) if args.device == "cuda" or args.profile else None
+        gpu_ms = kernel_ms(events)
+        wall_ms = 1e3 * statistics.median(seconds[name]) / args.iters
+        row[f"{name} GPU ms"] = gpu_ms
+        row[f"{name} GPU busy"] = f"{100 * gpu_ms / wall_ms:.0f}%" if gpu_ms is not None else None
         if args.profile:
-            print_profile(f"{mode} {variant} T={context} {name}", run, batches)
+            print_profile(f"{mode} {variant} T={context} {name}", events)
     row["ours/SDPA"] = row["ours tok/s"] / row["SDPA tok/s"]
     gpu = row["ours GPU ms"], row["SDPA GPU ms"]
     row["GPU ours/SDPA"] = gpu[1] / gpu[0] if None not in gpu else None
@@ -246,11 +251,17 @@ class Run:
             self.peak_bytes = max(peak, self.peak_bytes or 0)
         return seconds
 
-    def host_and_gpu_ms(self, batches) -> tuple[float | None, float | None]:
-        """One iteration's host ms and GPU ms (`common.host_and_gpu_ms`); (None, None) on the CPU."""
-        if self.device != "cuda":
-            return None, None
-        return host_and_gpu_ms(lambda: self.step(batches))
+    def traced_iteration(self, batches):
+        """One iteration under torch.profiler (CPU ops, and on a GPU its kernels): the trace's key_averages()."""
+        from torch.profiler import ProfilerActivity, profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if self.device == "cuda" else [])
+        self.step(batches)  # out of the trace: the profiler's own first-use costs
+        self._sync()
+        with profile(activities=activities) as prof:
+            self.step(batches)
+            self._sync()
+        return prof.key_averages()
 
     def _own_bytes(self) -> int:
         """Bytes of this model's weights, gradients and optimizer state, resident between iterations."""
@@ -263,24 +274,21 @@ class Run:
             torch.cuda.synchronize()
 
 
-def print_profile(title: str, run: Run, batches, top: int = 12) -> None:
-    """One iteration under torch.profiler: the ops that take the most host time (self CPU time: the Python and
-    dispatch around each launch) and, on a GPU, the kernels that take the most GPU time, per iteration."""
-    from torch.profiler import ProfilerActivity, profile
+def kernel_ms(events) -> float | None:
+    """Milliseconds of GPU work in a trace: its kernels, copies and fills summed (one stream: they never overlap).
+    None for a trace without GPU activity (the CPU)."""
+    gpu = [e for e in events or () if e.device_type == torch.autograd.DeviceType.CUDA]
+    return sum(e.self_device_time_total for e in gpu) / 1e3 if gpu else None
 
-    cuda = run.device == "cuda"
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
-    run.step(batches)  # out of the profile: the profiler's own first-use costs
-    run._sync()
-    with profile(activities=activities) as prof:
-        run.step(batches)
-        run._sync()
-    events = prof.key_averages()
+
+def print_profile(title: str, events, top: int = 12) -> None:
+    """What one traced iteration spent: the ops that take the most host time (self CPU time: the Python and
+    dispatch around each launch) and, on a GPU, the kernels that take the most GPU time."""
     print(f"\nprofile {title}: host ms (self CPU) of the top {top} ops, one iteration")
     for e in sorted(events, key=lambda e: -e.self_cpu_time_total)[:top]:
         print(f"  {e.self_cpu_time_total / 1e3:8.2f} ms {e.count:6d} calls  {e.key[:100]}")
-    if cuda:
-        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]  # not the ops launching them
+    kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]  # not the ops launching them
+    if kernels:
         print(f"profile {title}: GPU ms of the top {top} kernels, one iteration")
         for e in sorted(kernels, key=lambda e: -e.self_device_time_total)[:top]:
             print(f"  {e.self_device_time_total / 1e3:8.2f} ms {e.count:6d} calls  {e.key[:100]}")
@@ -297,9 +305,9 @@ def check_same_loss(first: dict, variant: str, context: int) -> None:
 def print_progress(row: dict, elapsed: float) -> None:
     print(
         f"{row['mode']} {row['variant']} T={row['context']}: ours {row['ours tok/s']:,.0f} tok/s, SDPA "
-        f"{row['SDPA tok/s']:,.0f} tok/s ({row['ours/SDPA']:.2f}x); host / GPU ms: ours "
-        f"{_ms(row['ours host ms'])} / {_ms(row['ours GPU ms'])}, SDPA {_ms(row['SDPA host ms'])} / "
-        f"{_ms(row['SDPA GPU ms'])}; {elapsed:.0f} s so far",
+        f"{row['SDPA tok/s']:,.0f} tok/s ({row['ours/SDPA']:.2f}x); GPU ms (busy): ours "
+        f"{_ms(row['ours GPU ms'])} ({row['ours GPU busy'] or '-'}), SDPA {_ms(row['SDPA GPU ms'])} "
+        f"({row['SDPA GPU busy'] or '-'}); {elapsed:.0f} s so far",
         flush=True,
     )
 
@@ -315,7 +323,7 @@ def print_results(rows: list[dict], args, elapsed: float) -> None:
         "6 x Linear weights + 3 x n_layer x n_head x (D_qk + D_v) x T"
     )
     columns = ["mode", "variant", "context", "batch", "ours tok/s", "SDPA tok/s", "ours/SDPA", "ours MFU", "SDPA MFU"]
-    columns += ["ours host ms", "ours GPU ms", "SDPA host ms", "SDPA GPU ms", "GPU ours/SDPA"]
+    columns += ["ours GPU ms", "ours GPU busy", "SDPA GPU ms", "SDPA GPU busy", "GPU ours/SDPA"]
     columns += ["ours peak GiB", "SDPA peak GiB", "ours first iter s", "SDPA first iter s", "KV B/token (bf16)"]
     print_table(rows, columns)
     print(f"\nwall time {elapsed / 60:.1f} minutes")

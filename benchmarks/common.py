@@ -146,30 +146,6 @@ def bench_gpu_interleaved_ms(fns: list, n: int = 30) -> list[float]:
     raise RuntimeError("bench_gpu_interleaved_ms: the GPU woke before the calls were enqueued, four times")
 
 
-def host_and_gpu_ms(fn, tries: int = 3) -> tuple[float, float] | tuple[None, None]:
-    """One call of fn split into its host milliseconds (the time to enqueue its work) and its GPU milliseconds
-    (the time that work takes run back to back). The call is enqueued while the GPU sleeps: the host's time is then
-    its own (the GPU never holds it back), and events around the call time the GPU alone, with no wait for the
-    host. Host ms above GPU ms means fn is bound by the host. Where the host waits on the GPU anyway (a sync, or
-    more work queued than CUDA's launch queue holds) the GPU wakes before the call returns and a longer sleep is
-    tried; after `tries`, (None, None)."""
-    per_call = synced_seconds(fn)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    host_s = []
-
-    def enqueue():
-        t = time.perf_counter()
-        start.record()
-        fn()
-        end.record()
-        host_s.append(time.perf_counter() - t)
-
-    for attempt in range(tries):
-        if behind_sleep(enqueue, (2 * per_call + 0.005) * 4**attempt):
-            return 1e3 * host_s[-1], start.elapsed_time(end)
-    return None, None
-
-
 def ceilings() -> dict[str, float]:
     """Device-to-device copy bandwidth (bytes read + written per second) and the bf16 matmul rate."""
     return {"copy_TBps": _copy_tbps(), "matmul_bf16_TFLOPs": _matmul_tflops()}
