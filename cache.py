@@ -195,6 +195,9 @@ class ContiguousRows:
     def release(self, row: int):
         self.lens[row] = 0
 
+    def trim(self, row: int, length: int):
+        self.lens[row] = length
+
     def compact(self, rows: list[int]) -> list[int]:
         """Move the sequences of `rows` (ascending) to rows 0 .. n-1, so that a decode view is a narrow slice.
         Copies only the rows that move; rows not listed are released. Returns the new row of each."""
@@ -329,6 +332,15 @@ class PagedRows:
         if self.scratch is not None:  # a padding row of a static step writes here, not into a reused page
             self.block_table[row, 0] = self.scratch
 
+    def trim(self, row: int, length: int):
+        """Keep the first `length` tokens of row and give back the pages past them."""
+        keep = _cdiv(length, self.page_size)
+        self.allocator.free(self.pages[row][keep:])
+        del self.pages[row][keep:]
+        self.lens[row] = length
+        if keep == 0 and self.scratch is not None:
+            self.block_table[row, 0] = self.scratch
+
     def compact(self, rows: list[int]) -> list[int]:
         """Release every row not listed; the kept ones stay where they are (a paged view of any rows is cheap)."""
         for r in range(self.batch_size):
@@ -414,6 +426,14 @@ class _Cache:
         self.store.release(row)
         self.store.next_pos[row] = 0
 
+    def trim(self, row: int, length: int):
+        """Shorten row's sequence to its first `length` tokens: the padding of a right-padded prefill goes (a paged
+        cache gives back the pages past them) and the next token is written at `length`."""
+        self._check_row(row, "row")
+        if not isinstance(length, int) or isinstance(length, bool) or not 0 <= length <= self.store.lens[row]:
+            raise ValueError(f"length: got {length!r} for row {row}; valid: 0 .. {self.store.lens[row]} (its tokens)")
+        self.store.trim(row, length)
+
     def move_rows(self, moves: list[tuple[int, int]]):
         """Move the sequence of row src into the free row dst, for each (src, dst): its tokens (a contiguous cache
         copies them; a paged one moves its table row), length and next_pos. src is free afterwards."""
@@ -488,7 +508,7 @@ class _Cache:
         if len(set(lens)) != 1:
             raise ValueError(
                 f"prefill: sequence lengths {lens} differ; valid: prefill ragged prompts one at a time "
-                f"through view([row])"
+                f"through view([row]), or right-padded to one length and then trim(row, length)"
             )
         return lens[0]
 

@@ -5,8 +5,9 @@
     stats.summary()["decode_tokens_per_s"]
 
 A scheduler admits waiting prompts into free cache rows (and pages) as soon as they free up: more prompts than
-`max_batch` run through a queue (continuous batching). An admitted prompt is prefilled eagerly (the flash kernel);
-then every active sequence decodes one token per step, in one of three engines:
+`max_batch` run through a queue (continuous batching). Admitted prompts are prefilled eagerly (the flash kernel),
+prompts of different lengths together in one forward, right-padded to the longest (`_prefill_groups`); then every
+active sequence decodes one token per step, in one of three engines:
 
 - eager: the model's forward through a cache view of the active rows, the next tokens read back every step.
 - static: one decode step over static device buffers: each row's input token, write position (the cache's
@@ -423,19 +424,26 @@ class _Scheduler:
 
 
 def _prefill(model, sched: _Scheduler, admitted, pick, on_logits, stats, device) -> list[tuple[int, int]]:
-    """Prefill admitted prompts (eager, through the flash kernel); prompts of one length go together through one
-    view, others one at a time. Returns the (row, sequence) pairs still running after their first token."""
+    """Prefill admitted prompts (eager, through the flash kernel) in as few forwards as `_prefill_groups` allows:
+    a group's shorter prompts are padded on the right to its longest. Causal attention keeps the padding out of
+    every real token's output, each prompt's next token comes from its own last position, and `trim` then drops the
+    padding from the cache. Returns the (row, sequence) pairs still running after their first token."""
     seqs, cache = sched.seqs, sched.cache
-    by_len: dict[int, list[tuple[int, int]]] = {}
-    for r, i in admitted:
-        by_len.setdefault(len(seqs.prompts[i]), []).append((r, i))
     done, running = [], []
-    for group in by_len.values():
+    for group in _prefill_groups(cache, seqs.prompts, admitted):
+        rows = [r for r, _ in group]
+        lens = [len(seqs.prompts[i]) for _, i in group]
+        longest = lens[0]
         with _Timer(device) as t:
-            idx = torch.tensor([seqs.prompts[i] for _, i in group], device=device)
-            logits = model(idx, cache=cache.view([r for r, _ in group]))[0][:, -1].float()
+            # token 0 pads: any id will do, nothing real attends to it
+            idx = torch.tensor([seqs.prompts[i] + [0] * (longest - n) for (_, i), n in zip(group, lens)], device=device)
+            last = torch.tensor(lens, device=device) - 1
+            logits = model(idx, cache=cache.view(rows), last=last)[0][:, 0].float()
             tokens = pick(logits).tolist()
-        stats.prefill_tokens += idx.numel()
+        for r, n in zip(rows, lens):
+            if n < longest:
+                cache.trim(r, n)
+        stats.prefill_tokens += sum(lens)
         stats.prefill_s += t.seconds
         for j, (r, i) in enumerate(group):
             if on_logits is not None:
@@ -443,6 +451,33 @@ def _prefill(model, sched: _Scheduler, admitted, pick, on_logits, stats, device)
             (done if seqs.emit(i, tokens[j]) else running).append((r, i))
     sched.finish([r for r, _ in done])
     return running
+
+
+def _prefill_groups(cache, prompts, admitted) -> list[list[tuple[int, int]]]:
+    """The admitted (row, sequence) pairs in prefill forwards, longest prompt first in each. A prompt joins the
+    current forward while the padding stays at most the real tokens (a forward is at most half padding: an eager
+    prefill of a few prompts is bound by its launches, not by the padded work) and, in a paged cache, while the
+    free pages cover every row of the forward at its longest length (they come back at `trim`)."""
+    paged = cache.store.paged
+    free = cache.store.allocator.num_free if paged else 0
+    pages = (lambda n: -(-n // cache.store.page_size)) if paged else None
+    groups: list[list[tuple[int, int]]] = []
+    tokens = 0
+    for r, i in sorted(admitted, key=lambda pair: -len(prompts[pair[1]])):
+        n = len(prompts[i])
+        if groups:
+            group = groups[-1]
+            longest = len(prompts[group[0][1]])
+            rows = len(group) + 1
+            if rows * longest <= 2 * (tokens + n) and (not paged or rows * pages(longest) <= free):
+                group.append((r, i))
+                tokens += n
+                continue
+            if paged:  # what the finished forward keeps after its trim
+                free -= sum(pages(len(prompts[j])) for _, j in group)
+        groups.append([(r, i)])
+        tokens = n
+    return groups
 
 
 def _admit(model, sched: _Scheduler, pick, on_logits, stats, device) -> list[tuple[int, int]]:

@@ -416,9 +416,11 @@ class GPT(nn.Module):
             return self.config.attn_backend
         return "triton" if torch.device(device).type == "cuda" else "torch"
 
-    def forward(self, idx, targets=None, cache=None):
+    def forward(self, idx, targets=None, cache=None, last=None):
         """idx (B, T) token ids -> (logits (B, T, vocab_size), loss or None). With a cache, idx are new tokens
-        appended to every cached sequence (positions from cache.reserve); without one, idx is the whole sequence."""
+        appended to every cached sequence (positions from cache.reserve); without one, idx is the whole sequence.
+        last (B,) int64 on idx's device: only the logits at those positions of each row, (B, 1, vocab_size), as a
+        prefill needs them (the full logits of a long prompt batch take gigabytes)."""
         B, T = idx.shape
         if cache is not None:
             self._check_cache(cache, B, T)  # before reserve, which changes the cache
@@ -430,6 +432,10 @@ class GPT(nn.Module):
         backend = self.attn_backend_for(idx.device)
         for block in self.transformer.h:
             x = block(x, rope, cache, backend)
+        if last is not None:
+            if targets is not None or last.shape != (B,):
+                raise ValueError(f"last: got shape {tuple(last.shape)}; valid: (B={B},) positions, without targets")
+            x = x[torch.arange(B, device=x.device), last][:, None]
         return self.logits_and_loss(x, targets)
 
     def embed(self, idx, positions):

@@ -121,6 +121,32 @@ def test_paged_random_grow_release_matches_shadow():
     assert full > 0, "the test never exhausted the pool"
 
 
+@pytest.mark.parametrize("kind", ["grouped", "paged"])
+def test_trim_drops_the_padding_of_a_prefill_and_gives_its_pages_back(kind):
+    """A right-padded prefill writes 20 tokens where the prompt has 9: trim keeps the 9 (a paged cache frees the
+    pages past them), and the next tokens land right after them. A length past the row's tokens is refused."""
+    cache = make_cache(kind, GQA, 2, 40, device=DEVICE, **({"page_size": 8} if kind == "paged" else {}))
+    k = torch.randn(1, 2, 20, 16, device=DEVICE)
+    view = cache.view([1])
+    view.reserve(20)
+    view.append(0, k, k)
+    cache.trim(1, 9)
+    assert cache.store.lens == [0, 9]
+    if kind == "paged":
+        assert len(cache.store.pages[1]) == 2 and cache.store.allocator.num_used == 2
+        cache.store.allocator.check()
+    more = torch.randn(1, 2, 3, 16, device=DEVICE)
+    view = cache.view([1])
+    view.reserve(3)
+    view.append(0, more, more)
+    k_all, _ = _read(cache, 1)
+    torch.testing.assert_close(k_all, torch.cat([k[0, :, :9], more[0]], 1), rtol=0, atol=0)
+    with pytest.raises(ValueError, match=r"length: got 13 for row 1; valid: 0 .. 12"):
+        cache.trim(1, 13)
+    with pytest.raises(ValueError, match=r"row: got 2"):
+        cache.trim(2, 0)
+
+
 def test_paged_exhaustion_raises_and_leaves_others_intact():
     cache = make_cache("paged", GQA, 3, 64, device=DEVICE, page_size=8, num_pages=6)
     data = {}

@@ -6,6 +6,7 @@ and sample.py runs end to end on a tiny checkpoint."""
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -175,6 +176,40 @@ def test_ragged_batch_equals_each_sequence_alone(variant, kind):
         assert out_alone[0] == out_batch[i]
         for step, (a, b) in enumerate(zip(seen_alone[0], seen_batch[i])):
             _close(b, a, torch.float32, f"sequence {i} step {step}")
+
+
+def test_ragged_prompts_prefill_together_right_padded(monkeypatch):
+    """Admitted prompts of different lengths share a prefill forward, padded on the right to the longest, while
+    the padding is at most half of it; the tokens and every step's logits are those of each prompt run alone
+    (test_ragged_batch_equals_each_sequence_alone), and only the real tokens count as prefill."""
+    model = tiny_model("gqa")
+    ps = prompts((12, 2, 9, 2, 2))
+    forwards = []
+    forward = model.forward
+    monkeypatch.setattr(model, "forward", lambda idx, **kw: forwards.append(tuple(idx.shape)) or forward(idx, **kw))
+    out, stats = generate(model, ps, "grouped", max_new_tokens=MAX_NEW)
+    prefills = [shape for shape in forwards if shape[1] > 1]
+    assert prefills == [(4, 12), (1, 2)], prefills  # 12, 9, 2, 2: 25 tokens in 48; a third 2 would make 27 in 60
+    assert stats.prefill_tokens == sum(len(p) for p in ps)
+    for i, p in enumerate(ps):
+        assert out[i] == generate(model, [p], "grouped", max_new_tokens=MAX_NEW)[0][0]
+
+
+def test_prefill_groups_pad_only_into_free_pages():
+    """In a paged cache a padded prefill takes pages for every row at the longest length until trim gives the
+    padding's back: prompts join a forward only while the free pages cover that, else they go in one of their own."""
+    lens = {0: 30, 1: 20, 2: 17}  # sequence -> prompt length; pages of 8: 4, 3 and 3 unpadded
+    prompt_of = [[0] * lens[i] for i in range(3)]
+    admitted = [(0, 0), (1, 1), (2, 2)]
+
+    def groups(num_free, paged=True):
+        store = SimpleNamespace(paged=paged, page_size=8, allocator=SimpleNamespace(num_free=num_free))
+        return engine._prefill_groups(SimpleNamespace(store=store), prompt_of, admitted)
+
+    assert groups(12) == [[(0, 0), (1, 1), (2, 2)]]  # 3 rows x 4 pages
+    assert groups(11) == [[(0, 0), (1, 1)], [(2, 2)]]  # 2 x 4 fit; then 3 pages of 11 - 4 - 3 left
+    assert groups(7) == [[(0, 0)], [(1, 1)], [(2, 2)]]  # not 2 x 4; then not 2 x 3 of the 7 - 4 left
+    assert groups(0, paged=False) == [[(0, 0), (1, 1), (2, 2)]]
 
 
 def test_paged_scheduler_waits_for_pages_or_raises():

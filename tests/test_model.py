@@ -213,6 +213,21 @@ def test_cached_forward_matches_full_forward(variant, pos, backend):
             assert cache.calls == [("reserve", T)] + per_layer
 
 
+def test_last_positions_give_those_logits_only():
+    """forward(last=...) returns each row's logits at its own position, as a right-padded prefill reads them: the
+    same numbers as the full logits there. A shape other than (B,) is refused."""
+    model = GPT(make_config("gqa-g2", "rope")).to(DEVICE).eval()
+    idx = torch.randint(0, model.config.vocab_size, (3, 10), device=DEVICE)
+    last = torch.tensor([9, 0, 4], device=DEVICE)
+    with torch.no_grad():
+        full, _ = model(idx)
+        picked, _ = model(idx, last=last)
+    assert picked.shape == (3, 1, model.config.vocab_size)
+    torch.testing.assert_close(picked[:, 0], full[torch.arange(3), last], rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match=r"last: got shape \(2,\); valid: \(B=3,\)"):
+        model(idx, last=last[:2])
+
+
 def test_learned_positions_stop_at_block_size():
     """Without a cache always; with one on the CPU only (reading GPU positions would sync every decode step)."""
     model = GPT(make_config("mha", attn_backend="torch"))
