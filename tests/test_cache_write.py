@@ -72,3 +72,16 @@ def test_bad_inputs_fail_clearly_and_write_nothing():
             write_tokens(args["dst_a"], args["dst_b"], args["a"], args["b"], args["pages"], args["slots"])
         assert message in str(err.value), (change, str(err.value))
         assert not dst_a.any() and not dst_b.any()
+
+
+def test_compiled_write_goes_through_the_custom_op():
+    """Under torch.compile(fullgraph=True) write_tokens traces as the zoo::write_tokens op (eagerly it launches
+    directly): the compiled write stores what the eager one does."""
+    dst = [torch.zeros(2, 8, 2, 16, device=DEVICE) for _ in range(4)]
+    a, b = torch.randn(2, 3, 2, 16, device=DEVICE), torch.randn(2, 3, 2, 16, device=DEVICE)
+    pages = torch.tensor([[1], [0]], device=DEVICE).expand(2, 3)
+    slots = torch.tensor([[0, 1, 2], [5, 6, 7]], device=DEVICE)
+    write_tokens(dst[0], dst[1], a, b, pages, slots)
+    compiled = torch.compile(lambda *args: write_tokens(*args, validate=False), fullgraph=True, backend="aot_eager")
+    compiled(dst[2], dst[3], a, b, pages, slots)
+    assert torch.equal(dst[2], dst[0]) and torch.equal(dst[3], dst[1]) and dst[0].abs().sum() > 0
