@@ -458,9 +458,12 @@ def _prefill_groups(cache, prompts, admitted) -> list[list[tuple[int, int]]]:
     current forward while the padding stays at most the real tokens (a forward is at most half padding: an eager
     prefill of a few prompts is bound by its launches, not by the padded work) and, in a paged cache, while the
     free pages cover every row of the forward at its longest length (they come back at `trim`)."""
-    paged = cache.store.paged
-    free = cache.store.allocator.num_free if paged else 0
-    pages = (lambda n: -(-n // cache.store.page_size)) if paged else None
+    store = cache.store
+    free = store.allocator.num_free if store.paged else None  # None: no pages to count
+
+    def pages(n: int) -> int:
+        return -(-n // store.page_size)
+
     groups: list[list[tuple[int, int]]] = []
     tokens = 0
     for r, i in sorted(admitted, key=lambda pair: -len(prompts[pair[1]])):
@@ -469,11 +472,11 @@ def _prefill_groups(cache, prompts, admitted) -> list[list[tuple[int, int]]]:
             group = groups[-1]
             longest = len(prompts[group[0][1]])
             rows = len(group) + 1
-            if rows * longest <= 2 * (tokens + n) and (not paged or rows * pages(longest) <= free):
+            if rows * longest <= 2 * (tokens + n) and (free is None or rows * pages(longest) <= free):
                 group.append((r, i))
                 tokens += n
                 continue
-            if paged:  # what the finished forward keeps after its trim
+            if free is not None:  # what the finished forward keeps after its trim
                 free -= sum(pages(len(prompts[j])) for _, j in group)
         groups.append([(r, i)])
         tokens = n

@@ -422,6 +422,8 @@ class GPT(nn.Module):
         last (B,) int64 on idx's device: only the logits at those positions of each row, (B, 1, vocab_size), as a
         prefill needs them (the full logits of a long prompt batch take gigabytes)."""
         B, T = idx.shape
+        if last is not None and (targets is not None or last.shape != (B,)):  # before reserve changes the cache
+            raise ValueError(f"last: got shape {tuple(last.shape)}; valid: (B={B},) positions, without targets")
         if cache is not None:
             self._check_cache(cache, B, T)  # before reserve, which changes the cache
             positions = cache.reserve(T)  # (B, T)
@@ -433,8 +435,6 @@ class GPT(nn.Module):
         for block in self.transformer.h:
             x = block(x, rope, cache, backend)
         if last is not None:
-            if targets is not None or last.shape != (B,):
-                raise ValueError(f"last: got shape {tuple(last.shape)}; valid: (B={B},) positions, without targets")
             x = x[torch.arange(B, device=x.device), last][:, None]
         return self.logits_and_loss(x, targets)
 
