@@ -105,11 +105,18 @@ class Launcher:
     and 16-byte alignment; a TMA descriptor's dtype, block and layout). Later launches with the same key call the
     compiled kernel's launcher with the arguments in parameter order, which is what `JITFunction.run` ends with.
     Everything else takes Triton's own path: the interpreter, launch hooks (profilers), callable grids, arguments
-    of other types, parameters left to their defaults. ZOO_LAUNCH_CACHE=0 turns the cache off."""
+    of other types, parameters left to their defaults. ZOO_LAUNCH_CACHE=0 turns the cache off.
+
+    `Launcher(kernel).keyed(key, grid)(*args, **kwargs)` takes the caller's `key` in place of the positional
+    arguments' `_spec`s: building those (one call per argument, forty for a flash backward launch) was a third of
+    the attention ops' own host time. The caller's key must tell apart every pair of argument lists whose `_spec`s
+    differ (a plan's shapes, strides, dtypes and alignments; see flash.py); with ZOO_LAUNCH_CHECK=1 (the tests) each
+    keyed launch also builds the `_spec`s and raises if one key ever stood for two of them."""
 
     def __init__(self, kernel):
         self.kernel = kernel
         self.cache: dict = {}
+        self.checked: dict = {}  # keyed launches under ZOO_LAUNCH_CHECK=1: key -> the `_spec`s it stood for
         params = getattr(kernel, "params", None)
         self.names = [p.name for p in params] if params is not None else None
         self.constexpr_at = frozenset(p.num for p in params if p.is_constexpr) if params is not None else frozenset()
@@ -119,7 +126,10 @@ class Launcher:
     def __getitem__(self, grid):
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
-    def launch(self, grid, args, kwargs):
+    def keyed(self, key, grid):
+        return lambda *args, **kwargs: self.launch(grid, args, kwargs, key)
+
+    def launch(self, grid, args, kwargs, given=None):
         if not (self.compiled_path and _launch_cache_on() and type(grid) is tuple and 1 <= len(grid) <= 3):
             return self.kernel[grid](*args, **kwargs)
         if (
@@ -134,9 +144,11 @@ class Launcher:
                 knobs.runtime.debug,
                 knobs.compilation.instrumentation_mode,
                 tuple(kwargs.items()),
-                tuple(a if i in self.constexpr_at else _spec(a) for i, a in enumerate(args)),
+                self._specs(args) if given is None else ("keyed", given),
             )
             entry = self.cache.get(key)
+            if given is not None and _launch_check_on():
+                self._check_key(key, self._specs(args))
         except (TypeError, _Unkeyed):  # an unhashable constexpr, an argument `_spec` does not know
             return self.kernel[grid](*args, **kwargs)
         if entry is None:
@@ -161,6 +173,17 @@ class Launcher:
             *values,
         )
         return entry
+
+    def _specs(self, args) -> tuple:
+        return tuple(a if i in self.constexpr_at else _spec(a) for i, a in enumerate(args))
+
+    def _check_key(self, key, specs):
+        seen = self.checked.setdefault(key, specs)
+        if seen != specs:
+            raise AssertionError(
+                f"launch key {key[-1]!r} of {getattr(self.kernel, '__name__', self.kernel)} stood for two "
+                f"specializations:\n{seen}\n{specs}"
+            )
 
 
 class _Unkeyed(Exception):
@@ -191,6 +214,10 @@ def _hooked(hook) -> bool:
 
 def _launch_cache_on() -> bool:
     return os.environ.get("ZOO_LAUNCH_CACHE", "1") != "0"
+
+
+def _launch_check_on() -> bool:
+    return os.environ.get("ZOO_LAUNCH_CHECK", "0") == "1"
 
 
 _LAUNCHERS: dict = {}

@@ -232,6 +232,42 @@ def _qk_blocks(d_qk: int) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------------------
+# Routes: a call's checks and kernel choices, made once per signature
+# --------------------------------------------------------------------------------------------------------------
+
+# A training step calls the same few signatures every iteration, and in a compiled step each call's host time is
+# what the GPU waits for: the checks, the kernel choice and the launch keys of a signature are made once and kept.
+_ROUTES: dict = {}
+_MAX_ROUTES = 4096  # a prefill per prompt length adds a signature each: a long-running process starts over at this
+
+
+def _signature(op: str, scale, causal: bool, *tensors) -> tuple:
+    """What an op's checks and kernel choices depend on: per tensor (or None) its shape, strides, dtype, device
+    and 16-byte alignment (which TMA and Triton's specialization look at), the scale, causal, and the switches read
+    from the environment. It also keys the op's launches (`Launcher.keyed`): their arguments are these tensors,
+    buffers the op allocates from these shapes, and integers computed from them."""
+    env = os.environ
+    switches = (
+        env.get("ZOO_FLASH_SM90"),
+        env.get("ZOO_FLASH_SM90_BWD"),
+        env.get("ZOO_FLASH_TMA"),
+        torch.are_deterministic_algorithms_enabled(),
+    )
+    described = tuple(
+        None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0) for t in tensors
+    )
+    return op, scale, causal, switches, described
+
+
+def _remember(key, route: str):
+    if key is None:
+        return
+    if len(_ROUTES) >= _MAX_ROUTES:
+        _ROUTES.clear()
+    _ROUTES[key] = route
+
+
+# --------------------------------------------------------------------------------------------------------------
 # Launchers: validate, allocate, pass strides
 # --------------------------------------------------------------------------------------------------------------
 
@@ -315,9 +351,14 @@ def _forward(q, k, v, scale: float | None, causal: bool, out=None, lse=None, che
     """Launch the forward; `out` (B, H_q, S_q, D_v) and `lse` (B, H_q, S_q) fp32 may be passed preallocated
     (any strides), which the tests use to check that every element is written; else out is laid out like q
     (`_empty_in_order`). `checked`: the caller has validated the inputs (`_check_qkv`)."""
-    if not checked:
-        _check_qkv(q, k, v, causal, scale)
-    if _needs_padding(q, v):
+    key = _signature("fwd", scale, causal, q, k, v) if out is None and lse is None else None
+    route = _ROUTES.get(key) if key is not None else None
+    if route is None:
+        if not checked:
+            _check_qkv(q, k, v, causal, scale)
+        route = _forward_route(q, k, v, causal)
+        _remember(key, route)
+    if route == "padded":
         return _forward_padded(q, k, v, scale, causal, out, lse)
     b, h_q, s_q, d_qk = q.shape
     h_kv, s_kv, d_v = k.shape[1], k.shape[2], v.shape[3]
@@ -326,17 +367,16 @@ def _forward(q, k, v, scale: float | None, causal: bool, out=None, lse=None, che
     lse = torch.empty((b, h_q, s_q), device=q.device, dtype=torch.float32) if lse is None else lse
     if out.numel() == 0:
         return out, lse
-    # Hopper, fp16/bf16, D = 64 or 128 or MLA's 192/128 and 96/64: the warp-specialized Gluon kernel (flash_sm90.py).
-    if flash_sm90 is not None and flash_sm90.supports(q, k, v, causal):
+    if route == "sm90":
         with device_guard(q):
-            flash_sm90.forward(q, k, v, out, lse, sm_scale * LOG2E, causal)
+            flash_sm90.forward(q, k, v, out, lse, sm_scale * LOG2E, causal, key=key)
         return out, lse
     use_tma = _use_tma(False, k, v)
 
     def launch(cfg):
         block_m, block_n, warps, stages = cfg
         n_m = cdiv(s_q, block_m)
-        launcher(flash_fwd_kernel)[(n_m * h_q * b,)](
+        launcher(flash_fwd_kernel).keyed(key, (n_m * h_q * b,))(
             q,
             k,
             v,
@@ -371,6 +411,15 @@ def _forward(q, k, v, scale: float | None, causal: bool, out=None, lse=None, che
         cfg = _pick_config("fwd", q, d_qk, d_v, causal, s_q, s_kv, use_tma, launch)
         launch(cfg)
     return out, lse
+
+
+def _forward_route(q, k, v, causal: bool) -> str:
+    """Which kernel a forward of valid inputs takes: "padded" (a head dim off the kernels' multiple), "sm90" (on
+    Hopper, fp16/bf16, D = 64 or 128 or MLA's 192/128 and 96/64: the warp-specialized Gluon kernel, flash_sm90.py)
+    or "triton"."""
+    if _needs_padding(q, v):
+        return "padded"
+    return "sm90" if flash_sm90 is not None and flash_sm90.supports(q, k, v, causal) else "triton"
 
 
 def _kernel_head_dim(d: int) -> int:
@@ -484,59 +533,77 @@ def _backward(
     `head_splits` forces the dK/dV kernel's share count (tests), else `_head_splits` picks it. `checked`: the
     inputs are known valid (autograd: the forward checked q, k, v and made out and lse, and the engine gives do
     out's shape, dtype and device)."""
-    if not checked:
-        _check_backward(q, k, v, out, lse, do, causal, scale)
-    if _needs_padding(q, v):
+    key = (
+        _signature("bwd", scale, causal, q, k, v, out, lse, do, dlse) if grads is None and head_splits is None else None
+    )
+    route = _ROUTES.get(key) if key is not None else None
+    if route is None:
+        if not checked:
+            _check_backward(q, k, v, out, lse, do, causal, scale)
+        route = _backward_route(q, k, v, do, causal, head_splits)
+        _remember(key, route)
+    if route == "padded":
         return _backward_padded(q, k, v, out, lse, do, scale, causal, dlse, grads, head_splits)
     b, h_q, s_q, d_qk = q.shape
-    h_kv, s_kv = k.shape[1], k.shape[2]
     sm_scale = _scale(scale, d_qk)
     dq, dk, dv = _grad_buffers(q, k, v) if grads is None else grads
     if s_q == 0 or b == 0 or h_q == 0:
         return dq, dk.zero_(), dv.zero_()
-    # Hopper, fp16/bf16, D = 64 or 128 or MLA's 96/64 and 192/128 (ZOO_FLASH_SM90_BWD, see flash_sm90.backward_mode):
-    # at D = 128 and 64 the whole backward in one launch where flash_sm90.fused_backward_wins ("fused": wherever it can;
-    # not under torch.use_deterministic_algorithms, since its dQ sums the key blocks in the order they finish);
-    # else dQ and delta in the Gluon kernel, and dK/dV too (for the pairs of flash_sm90.BWD_CONFIGS) when its
-    # programs (128 keys each) fill about a wave of the SMs (`_hopper_dkdv`), else the Triton kernel, which can split
-    # a KV group's heads over programs ("force": the Gluon kernel regardless).
-    mode = flash_sm90.backward_mode() if flash_sm90 is not None and head_splits is None else "0"
-    sm90 = mode != "0" and flash_sm90.supports_backward(q, k, v, do)
-    pair = (d_qk, v.shape[3])
-    programs = cdiv(s_kv, flash_sm90.PROGRAM_ROWS) * h_kv * b if sm90 else 0
-    if (
-        sm90
-        and pair in flash_sm90.FUSED_PAIRS
-        and (
-            mode == "fused"
-            or mode == "1"
-            and flash_sm90.fused_backward_wins(*pair, causal, s_kv, h_q // h_kv, programs, num_sms(q.device))
-            and not torch.are_deterministic_algorithms_enabled()
-        )
-    ):
+    if route == "fused":
         with device_guard(q):
-            flash_sm90.backward_fused(q, k, v, out, lse, do, dlse, dq, dk, dv, sm_scale, causal)
+            flash_sm90.backward_fused(q, k, v, out, lse, do, dlse, dq, dk, dv, sm_scale, causal, key=key)
         return dq, dk, dv
-    sm90_dkdv = (
-        sm90
-        and pair in flash_sm90.BWD_CONFIGS
-        and (mode in ("force", "fused") or _hopper_dkdv(programs, h_q // h_kv, q.device, s_kv))
-    )
     # The Hopper dK/dV kernel reads delta and the lse (in log2 units, written by the dQ kernel) as whole padded
     # blocks of rows (flash_sm90.padded_rows); the Triton one reads delta (B, H_q, S_q).
+    sm90_dkdv = route == "sm90"
     rows = flash_sm90.padded_rows(s_q) if sm90_dkdv else s_q
     delta = torch.empty((b, h_q, rows), device=q.device, dtype=torch.float32)
     lse2 = torch.empty_like(delta) if sm90_dkdv else None
     with device_guard(q):
-        if sm90:
-            flash_sm90.backward_dq(q, k, v, out, do, lse, dlse, delta, dq, sm_scale, causal, lse2=lse2)
+        if route in ("sm90", "sm90_dq"):
+            flash_sm90.backward_dq(q, k, v, out, do, lse, dlse, delta, dq, sm_scale, causal, lse2=lse2, key=key)
         else:
-            _triton_dq(q, k, v, out, lse, do, dlse, delta, dq, sm_scale, causal)
+            _triton_dq(q, k, v, out, lse, do, dlse, delta, dq, sm_scale, causal, key)
         if sm90_dkdv:
-            flash_sm90.backward_dkdv(q, k, v, do, lse2, delta, dk, dv, sm_scale, causal)
+            flash_sm90.backward_dkdv(q, k, v, do, lse2, delta, dk, dv, sm_scale, causal, key=key)
         else:
-            _triton_dkdv(q, k, v, lse, do, delta, dk, dv, sm_scale, causal, head_splits)
+            _triton_dkdv(q, k, v, lse, do, delta, dk, dv, sm_scale, causal, head_splits, key)
     return dq, dk, dv
+
+
+def _backward_route(q, k, v, do, causal: bool, head_splits) -> str:
+    """Which kernels a backward of valid inputs takes: "padded" (a head dim off the kernels' multiple), "fused"
+    (`flash_sm90.backward_fused`), "sm90" (dQ and dK/dV in the Gluon kernels), "sm90_dq" (dQ in the Gluon kernel,
+    dK/dV in the Triton one) or "triton".
+
+    On Hopper, fp16/bf16, D = 64 or 128 or MLA's 96/64 and 192/128 (ZOO_FLASH_SM90_BWD, see
+    flash_sm90.backward_mode): at D = 128 and 64 the whole backward in one launch where
+    flash_sm90.fused_backward_wins ("fused": wherever it can; not under torch.use_deterministic_algorithms, since
+    its dQ sums the key blocks in the order they finish); else dQ and delta in the Gluon kernel, and dK/dV too (for
+    the pairs of flash_sm90.BWD_CONFIGS) when its programs (128 keys each) fill about a wave of the SMs
+    (`_hopper_dkdv`), else the Triton kernel, which can split a KV group's heads over programs ("force": the Gluon
+    kernel regardless). A forced `head_splits` (tests) keeps the whole backward on the Triton kernels."""
+    if _needs_padding(q, v):
+        return "padded"
+    b, h_q, _, d_qk = q.shape
+    h_kv, s_kv = k.shape[1], k.shape[2]
+    mode = flash_sm90.backward_mode() if flash_sm90 is not None and head_splits is None else "0"
+    if mode == "0" or not flash_sm90.supports_backward(q, k, v, do):
+        return "triton"
+    pair = (d_qk, v.shape[3])
+    programs = cdiv(s_kv, flash_sm90.PROGRAM_ROWS) * h_kv * b
+    if pair in flash_sm90.FUSED_PAIRS and (
+        mode == "fused"
+        or mode == "1"
+        and flash_sm90.fused_backward_wins(*pair, causal, s_kv, h_q // h_kv, programs, num_sms(q.device))
+        and not torch.are_deterministic_algorithms_enabled()
+    ):
+        return "fused"
+    if pair in flash_sm90.BWD_CONFIGS and (
+        mode in ("force", "fused") or _hopper_dkdv(programs, h_q // h_kv, q.device, s_kv)
+    ):
+        return "sm90"
+    return "sm90_dq"
 
 
 def _backward_constants(q, k, v, causal: bool) -> dict:
@@ -553,7 +620,7 @@ def _backward_constants(q, k, v, causal: bool) -> dict:
     )
 
 
-def _triton_dq(q, k, v, out, lse, do, dlse, delta, dq, sm_scale: float, causal: bool):
+def _triton_dq(q, k, v, out, lse, do, dlse, delta, dq, sm_scale: float, causal: bool, key=None):
     """dQ and delta (B, H_q, S_q) in the Triton kernel, its config picked (and on the GPU timed) once per bucket."""
     b, h_q, s_q, d_qk = q.shape
     h_kv, s_kv, d_v = k.shape[1], k.shape[2], v.shape[3]
@@ -563,7 +630,7 @@ def _triton_dq(q, k, v, out, lse, do, dlse, delta, dq, sm_scale: float, causal: 
     def launch(cfg):
         block_m, block_n, warps, stages = cfg
         n_m = cdiv(s_q, block_m)
-        launcher(flash_bwd_dq_kernel)[(n_m * h_q * b,)](
+        launcher(flash_bwd_dq_kernel).keyed(key, (n_m * h_q * b,))(
             q,
             k,
             v,
@@ -599,7 +666,7 @@ def _triton_dq(q, k, v, out, lse, do, dlse, delta, dq, sm_scale: float, causal: 
     launch(_pick_config("dq", q, d_qk, d_v, causal, s_q, s_kv, use_tma, launch))
 
 
-def _triton_dkdv(q, k, v, lse, do, delta, dk, dv, sm_scale: float, causal: bool, head_splits=None):
+def _triton_dkdv(q, k, v, lse, do, delta, dk, dv, sm_scale: float, causal: bool, head_splits=None, key=None):
     """dK and dV in the Triton kernel, a KV group's query heads split over `head_splits` (else `_head_splits`)
     programs that sum into fp32 partials when the launch alone would not fill the GPU."""
     b, h_q, s_q, d_qk = q.shape
@@ -614,7 +681,7 @@ def _triton_dkdv(q, k, v, lse, do, delta, dk, dv, sm_scale: float, causal: bool,
             dk_out = torch.empty((b, h_kv * splits, s_kv, d_qk), device=q.device, dtype=torch.float32)
             dv_out = torch.empty((b, h_kv * splits, s_kv, d_v), device=q.device, dtype=torch.float32)
         n_kb = cdiv(s_kv, block_n)
-        launcher(flash_bwd_dkdv_kernel)[(n_kb * h_kv * splits * b,)](
+        launcher(flash_bwd_dkdv_kernel).keyed(key, (n_kb * h_kv * splits * b,))(
             q,
             k,
             v,

@@ -979,17 +979,21 @@ def dkdv_config(d: int, d_v: int, causal: bool, group: int) -> tuple[int, int, b
     return block_m, stages, persistent
 
 
-def backward_dkdv(q, k, v, do, lse2, delta, dk, dv, sm_scale: float, causal: bool, config=None):
+def backward_dkdv(q, k, v, do, lse2, delta, dk, dv, sm_scale: float, causal: bool, config=None, key=None):
     """dK and dV into dk (B, H_kv, S_kv, D) and dv; q, k, v, do as `supports` accepted them (and do too); lse2 (lse
     in log2 units) and delta = rowsum(dO * Out) - dlse as `backward_dq` wrote them, contiguous (B, H_q,
     padded_rows(S_q)) fp32. The one-tile kernels (not `persistent`) write dK and dV by TMA in q's dtype: a dk or dv
-    that TMA cannot write (its strides) or of another dtype is filled from a contiguous buffer in q's dtype."""
+    that TMA cannot write (its strides) or of another dtype is filled from a contiguous buffer in q's dtype.
+    `key`: the caller's for the launch (`Launcher.keyed`)."""
     b, h_q, s_q, d = q.shape
     h_kv, s_kv, d_v = k.shape[1], k.shape[2], v.shape[3]
     block_m, stages, persistent = config or dkdv_config(d, d_v, causal, h_q // h_kv)
     # dK and dV by TMA, in q's dtype: each through a contiguous buffer where it cannot go so.
     if not persistent and staged_grads(
-        lambda dk_, dv_: backward_dkdv(q, k, v, do, lse2, delta, dk_, dv_, sm_scale, causal, config), q.dtype, dk, dv
+        lambda dk_, dv_: backward_dkdv(q, k, v, do, lse2, delta, dk_, dv_, sm_scale, causal, config, key),
+        q.dtype,
+        dk,
+        dv,
     ):
         return
     rows = padded_rows(s_q)
@@ -1003,7 +1007,7 @@ def backward_dkdv(q, k, v, do, lse2, delta, dk, dv, sm_scale: float, causal: boo
     # The persistent kernels store dK and dV from registers (their K/V buffers take the next tiles).
     dk_desc, dkr_desc = (None, None) if persistent else qk_descriptors(dk, ROWS_PER_CONSUMER)
     dv_desc = None if persistent else tile_descriptor(dv, ROWS_PER_CONSUMER)
-    launcher(_flash_bwd_dkdv_sm90_kernel)[(min(n_tiles, num_sms(q.device)) if persistent else n_tiles,)](
+    launcher(_flash_bwd_dkdv_sm90_kernel).keyed(key, (min(n_tiles, num_sms(q.device)) if persistent else n_tiles,))(
         q_desc,
         qr_desc,
         tile_descriptor(do, block_m),

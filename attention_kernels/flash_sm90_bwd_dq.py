@@ -906,11 +906,13 @@ DQ_CONFIGS = {
 }
 
 
-def backward_dq(q, k, v, out, do, lse, dlse, delta, dq, sm_scale: float, causal: bool, lse2=None, config=None):
+def backward_dq(
+    q, k, v, out, do, lse, dlse, delta, dq, sm_scale: float, causal: bool, lse2=None, config=None, key=None
+):
     """dQ into dq (B, H_q, S_q, D, any strides) and delta = rowsum(dO * Out) - dlse into delta, a contiguous fp32
     (B, H_q, R) with R = S_q, or R = padded_rows(S_q) for `backward_dkdv`, which also takes lse2 (the lse in log2
     units, written here, same shape). q, k, v, do as `supports_backward` accepted them, dlse None or
-    (B, H_q, S_q) fp32."""
+    (B, H_q, S_q) fp32. `key`: the caller's for the launch (`Launcher.keyed`)."""
     b, h_q, s_q, d = q.shape
     h_kv, s_kv, d_v = k.shape[1], k.shape[2], v.shape[3]
     rows = delta.shape[-1]
@@ -924,7 +926,7 @@ def backward_dq(q, k, v, out, do, lse, dlse, delta, dq, sm_scale: float, causal:
     q_desc, qr_desc = qk_descriptors(q, ROWS_PER_CONSUMER)
     k_desc, kr_desc = qk_descriptors(k, block_n)
     d_main, d_rope = qk_tiles(d)
-    launcher(_flash_bwd_dq_sm90_kernel)[(min(n_tiles, num_sms(q.device)) if persistent else n_tiles,)](
+    launcher(_flash_bwd_dq_sm90_kernel).keyed(key, (min(n_tiles, num_sms(q.device)) if persistent else n_tiles,))(
         q_desc,
         qr_desc,
         tile_descriptor(do, ROWS_PER_CONSUMER),

@@ -592,15 +592,19 @@ def fused_dq_block(d: int, block_m: int) -> list[int]:
     return [1, 1, block_m // 2, d] if block_m > ROWS_PER_CONSUMER else [1, 1, block_m, d // 2]
 
 
-def backward_fused(q, k, v, out, lse, do, dlse, dq, dk, dv, sm_scale: float, causal: bool):
+def backward_fused(q, k, v, out, lse, do, dlse, dq, dk, dv, sm_scale: float, causal: bool, key=None):
     """The whole backward in one Gluon launch (plus a Triton pre-pass and dQ's cast): dq, dk, dv any strides and
     dtypes (dK and dV go through contiguous buffers in q's dtype where TMA cannot write them). q, k, v, do as
     `supports_backward` accepted them with (D_qk, D_v) in FUSED_PAIRS (its query rows per step); lse and dlse (or
     None) (B, H_q, S_q) fp32.
     dQ's fp32 sum over the key blocks is taken in the order their programs finish, so its last bits may differ
-    from call to call (dK and dV do not); it takes an fp32 buffer of dQ's shape for the call."""
+    from call to call (dK and dV do not); it takes an fp32 buffer of dQ's shape for the call. `key`: the caller's
+    for the launches (`Launcher.keyed`)."""
     if staged_grads(
-        lambda dk_, dv_: backward_fused(q, k, v, out, lse, do, dlse, dq, dk_, dv_, sm_scale, causal), q.dtype, dk, dv
+        lambda dk_, dv_: backward_fused(q, k, v, out, lse, do, dlse, dq, dk_, dv_, sm_scale, causal, key),
+        q.dtype,
+        dk,
+        dv,
     ):
         return
     b, h_q, s_q, d = q.shape
@@ -611,7 +615,7 @@ def backward_fused(q, k, v, out, lse, do, dlse, dq, dk, dv, sm_scale: float, cau
     lse2 = torch.empty_like(delta)
     dq_acc = torch.empty((b, h_q, s_q, d), device=q.device, dtype=torch.float32)
     dlse_arg = dlse if dlse is not None else lse
-    launcher(_fused_prep_kernel)[(cdiv(rows, block_m), b * h_q)](
+    launcher(_fused_prep_kernel).keyed(key, (cdiv(rows, block_m), b * h_q))(
         out,
         do,
         lse,
@@ -632,7 +636,7 @@ def backward_fused(q, k, v, out, lse, do, dlse, dq, dk, dv, sm_scale: float, cau
         num_warps=4,
     )
     n_kb = cdiv(s_kv, PROGRAM_ROWS)
-    launcher(_flash_bwd_fused_sm90_kernel)[(n_kb * h_kv * b,)](
+    launcher(_flash_bwd_fused_sm90_kernel).keyed(key, (n_kb * h_kv * b,))(
         tile_descriptor(q, block_m),
         tile_descriptor(do, block_m),
         tile_descriptor(k, PROGRAM_ROWS),

@@ -598,13 +598,14 @@ def forward_smem(d: int, d_v: int, block_n: int, k_stages: int, v_stages: int, i
     return (PROGRAM_ROWS * (d + d_v) + block_n * (k_stages * d + v_stages * d_v)) * itemsize
 
 
-def forward(q, k, v, out, lse, qk_scale: float, causal: bool, config=None):
+def forward(q, k, v, out, lse, qk_scale: float, causal: bool, config=None, key=None):
     """Launch on inputs `supports` accepted; out (B, H_q, S_q, D) and lse (B, H_q, S_q) fp32 any strides (an out
     TMA cannot write is filled from a contiguous one). qk_scale is the softmax scale times log2(e). `config`
-    (BLOCK_N, K stages, V stages) overrides CONFIGS (benchmarks)."""
+    (BLOCK_N, K stages, V stages) overrides CONFIGS (benchmarks). `key`: the caller's for the launch
+    (`Launcher.keyed`: flash._signature of these inputs)."""
     if not _checks.tma_readable(out):
         staged = torch.empty(out.shape, device=out.device, dtype=out.dtype)
-        forward(q, k, v, staged, lse, qk_scale, causal, config)
+        forward(q, k, v, staged, lse, qk_scale, causal, config, key)
         out.copy_(staged)
         return
     b, h_q, s_q, d = q.shape
@@ -622,7 +623,7 @@ def forward(q, k, v, out, lse, qk_scale: float, causal: bool, config=None):
     n_tiles = n_m * h_q * b
     counter = tile_counter(q.device, True)
     grid = (min(n_tiles, num_sms(q.device)),)
-    launcher(_flash_fwd_sm90_kernel)[grid](
+    launcher(_flash_fwd_sm90_kernel).keyed(key, grid)(
         *qk_descriptors(q, ROWS_PER_CONSUMER),
         *qk_descriptors(k, block_n),
         tile_descriptor(v, block_n),

@@ -11,6 +11,10 @@ if not torch.cuda.is_available():
     # synchronization, and on a busy 2-core machine spinning OpenMP workers made a tiny generate() ~50x slower.
     torch.set_num_threads(1)
 
+# Every launch whose caller keys it (`Launcher.keyed`) also checks that its key never stands for two of Triton's
+# specializations: the GPU suite runs each keyed launch path of the package under this check.
+os.environ["ZOO_LAUNCH_CHECK"] = "1"
+
 import pytest  # noqa: E402
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

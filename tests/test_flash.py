@@ -916,6 +916,7 @@ def test_sm90_backward_dispatch(monkeypatch):
     from attention_kernels import flash, flash_sm90
 
     monkeypatch.setattr(flash_sm90, "on_hopper", lambda t: True)
+    monkeypatch.setattr(flash, "_ROUTES", {})
     monkeypatch.setenv("ZOO_FLASH_SM90", "1")
     calls = []
     for module, name in (
@@ -934,6 +935,7 @@ def test_sm90_backward_dispatch(monkeypatch):
         v = torch.zeros(1, 4, 256, d_v, dtype=torch.bfloat16)
         out, do = torch.zeros(1, 4, 256, d_v, dtype=torch.bfloat16), torch.zeros(1, 4, 256, d_v, dtype=torch.bfloat16)
         calls.clear()
+        flash._ROUTES.clear()  # the routes kept per signature: this test changes what decides them between calls
         # checked=True: the input checks would refuse CPU tensors on a GPU machine (no interpreter there).
         flash._backward(q, k, v, out, torch.zeros(1, 4, 256), do, None, True, checked=True)
         return calls[:]
@@ -1194,3 +1196,35 @@ def test_sm90_eligibility():
     assert eligible(big[..., :128], k, v)
     odd = torch.zeros(1, 4, 64, 129, dtype=torch.bfloat16)
     assert not eligible(odd[..., :128], k, v), "row stride of 258 bytes is not 16-byte aligned"
+
+
+def test_routes_are_kept_per_signature(monkeypatch):
+    """A forward's and a backward's checks and kernel choice are made once per signature (shapes, strides, dtypes,
+    devices, alignment, scale, causal and the ZOO_FLASH_* switches) and kept: a repeated call makes none, and a change
+    of any of those makes them anew. Bad input is still refused: it never makes a route."""
+    from attention_kernels import flash
+
+    monkeypatch.setattr(flash, "_ROUTES", {})
+    made = []
+    for name in ("_forward_route", "_backward_route"):
+        original = getattr(flash, name)
+        monkeypatch.setattr(flash, name, lambda *a, _f=original, _n=name, **kw: made.append(_n) or _f(*a, **kw))
+    dtype = KERNEL_DTYPES[0]
+    q, k, v, do = make_inputs((1, 4, 2, 40, 40, 32, 32, True), dtype)
+
+    def step(q, k, v):
+        leaves = [x.clone().requires_grad_() for x in (q, k, v)]
+        out = flash_gqa_attention(*leaves, causal=True)
+        out.backward(do)
+
+    step(q, k, v)
+    step(q, k, v)
+    assert made == ["_forward_route", "_backward_route"]
+    monkeypatch.setenv("ZOO_FLASH_TMA", "0")
+    step(q, k, v)
+    assert len(made) == 4
+    step(q.transpose(1, 2).contiguous().transpose(1, 2), k, v)  # the same values in (B, S, H, D) memory
+    assert len(made) == 6
+    with pytest.raises(ValueError, match="H_kv >= 1 dividing H_q"):
+        flash_gqa_attention(q, k[:, :1].expand(-1, 3, -1, -1), v[:, :1].expand(-1, 3, -1, -1), causal=True)
+    assert len(made) == 6 and len(flash._ROUTES) == 6

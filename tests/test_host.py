@@ -273,3 +273,29 @@ def test_kernel_modules_import_as_a_dag():
         graph[path.stem] = deps - {path.stem}
     order = list(graphlib.TopologicalSorter(graph).static_order())  # raises CycleError on a loop
     assert set(order) >= names
+
+
+def test_keyed_launch_reuses_the_kernel_of_its_key(stand_in):
+    """A keyed launch looks up the caller's key instead of the arguments' `_spec`s: a second launch of the key takes
+    the compiled kernel, and another key compiles (or finds) its own."""
+    kernel, launch = stand_in
+    x = torch.empty(64, dtype=torch.float32)
+    launch.keyed("a", (1,))(x, 32, BLOCK=64, FLAG=True)
+    launch.keyed("a", (2,))(x, 48, BLOCK=64, FLAG=True)
+    launch.keyed("b", (1,))(x, 32, BLOCK=64, FLAG=True)
+    assert _paths(kernel) == ["triton", "cached", "triton"]
+    launch.keyed(None, (1,))(x, 32, BLOCK=64, FLAG=True)  # no key: the `_spec`s, as launch[grid]
+    launch[(1,)](x, 32, BLOCK=64, FLAG=True)
+    assert _paths(kernel)[3:] == ["triton", "cached"]
+
+
+def test_keyed_launch_check_catches_a_key_that_stands_for_two_specializations(stand_in, monkeypatch):
+    """With ZOO_LAUNCH_CHECK=1 (conftest sets it for the suite), one key given to arguments that Triton specializes
+    differently (32 divisible by 16, 33 not) is an error, not a kernel compiled for the wrong arguments."""
+    kernel, launch = stand_in
+    monkeypatch.setenv("ZOO_LAUNCH_CHECK", "1")
+    x = torch.empty(64, dtype=torch.float32)
+    launch.keyed("a", (1,))(x, 32, BLOCK=64, FLAG=True)
+    launch.keyed("a", (1,))(x, 48, BLOCK=64, FLAG=True)  # the same specialization: fine
+    with pytest.raises(AssertionError, match="stood for two specializations"):
+        launch.keyed("a", (1,))(x, 33, BLOCK=64, FLAG=True)
