@@ -24,7 +24,8 @@ batching: a finished sequence's row goes to the next prompt at once).
 
 Decode tokens/s counts the tokens decoded (not the prefill's first) over the decode seconds (device-synchronized);
 ms/step is the decode seconds over the steps. The ragged rows count every new token over the whole run's wall time,
-prefill included (a server's throughput, as nano-vllm's bench reports it), capture and compile excluded. Before
+prefill included (a server's throughput, as nano-vllm's bench reports it), capture and compile excluded, and give
+each way's seconds of prefill (the peer's: its run outside the decode loops). Before
 timing, each model is checked: the engine's (plain and compiled) and the peer's logits equal the eager loop's within
 the dtype's tolerance and their greedy tokens equal its tokens (up to a near-tie, where rounding may pick either
 token). On the CPU the engines run their static step without capture and the peer's step is not compiled (no CUDA
@@ -56,6 +57,8 @@ TINY_MLA = dict(attention="mla", kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_h
 # Logits against the eager loop's: bf16 rounds every activation to 2^-8 through 12 layers (logits of a random
 # GPT-2-small are ~0.5 wide), fp32 differs only in summation order.
 TOLERANCE = {torch.bfloat16: 0.06, torch.float16: 0.02, torch.float32: 1e-3}
+# The ragged rows' seconds of prefill per way; the rest of each run is its decode steps.
+PREFILL = "prefill s (engine, compiled, eager, peer)"
 
 
 # ---------------------------------------------------------------------------------------------- the peer
@@ -280,7 +283,7 @@ def run_ours(model, cache: str, batch, engine: str, args, sync, warm: bool = Fal
     wall = time.perf_counter() - t0 - stats.extra.get("capture_s", 0.0)
     s = stats.summary()
     if batch == "ragged":
-        return {"tok/s": sum(new) / wall, "ms/step": None}
+        return {"tok/s": sum(new) / wall, "ms/step": None, "prefill s": stats.prefill_s}
     return {"tok/s": s["decode_tokens_per_s"], "ms/step": 1e3 * stats.decode_s / max(stats.decode_steps, 1)}
 
 
@@ -291,8 +294,8 @@ def run_peer(model, batch, args, sync) -> dict:
     if peer.compiled:  # the compile, its graph capture and every prompt length's prefill, untimed
         peer_generate(peer, prompts, [3] * len(prompts), sync)
     out, decode_s, steps, wall = peer_generate(peer, prompts, new, sync)
-    if batch == "ragged":
-        return {"tok/s": sum(new) / wall, "ms/step": None}
+    if batch == "ragged":  # its prefill: the run's time outside the decode loops
+        return {"tok/s": sum(new) / wall, "ms/step": None, "prefill s": wall - decode_s}
     return {"tok/s": sum(len(o) - 1 for o in out) / decode_s, "ms/step": 1e3 * decode_s / steps}
 
 
@@ -371,6 +374,8 @@ def main(argv: list[str] | None = None):
                 row = {"model": variant, "cache": cache, "batch": batch}
                 for name, r in results.items():
                     row[f"{name} tok/s"], row[f"{name} ms/step"] = r["tok/s"], r["ms/step"]
+                if batch == "ragged":  # where a continuous-batching run's time goes: prefill, one prompt at a time
+                    row[PREFILL] = ", ".join(f"{results[name]['prefill s']:.3f}" for name in ways)
                 for name in ways[:-1]:
                     row[f"{name}/peer"] = row[f"{name} tok/s"] / row["peer tok/s"]
                 rows.append(row)
@@ -378,12 +383,13 @@ def main(argv: list[str] | None = None):
                     step_ms[name, variant, cache, batch] = row[f"{name} ms/step"]
                 speeds = ", ".join(f"{name} {row[name + ' tok/s']:,.0f}" for name in ways)
                 elapsed = time.perf_counter() - t_start
-                print(f"  {variant} {cache} B{batch}: {speeds} tok/s; {elapsed:.0f} s so far", flush=True)
+                split = f"; prefill s {row[PREFILL]}" if PREFILL in row else ""
+                print(f"  {variant} {cache} B{batch}: {speeds} tok/s{split}; {elapsed:.0f} s so far", flush=True)
         del model, compiled
         if cuda:
             torch.cuda.empty_cache()
     columns = ["model", "cache", "batch"] + [f"{w} tok/s" for w in ways] + [f"{w}/peer" for w in ways[:-1]]
-    print_table(rows, columns + [f"{w} ms/step" for w in ways])
+    print_table(rows, columns + [f"{w} ms/step" for w in ways] + [PREFILL])
     for name in ways[:2]:
         for cache in args.caches:
             if (name, "gqa", cache, 1) in step_ms and (name, "mla", cache, 1) in step_ms:

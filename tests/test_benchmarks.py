@@ -56,6 +56,11 @@ def test_bench_generate_cpu_smoke_run():
     for r in rows:
         assert all(float(r[f"{name} tok/s"]) > 0 for name in ("engine", "compiled", "eager", "peer")), r
         assert float(r["engine/peer"]) > 0 and float(r["compiled/peer"]) > 0
+        prefill = r["prefill s (engine, compiled, eager, peer)"]
+        if r["batch"] == "ragged":  # each way's prefill seconds, as measured
+            assert len(prefill.split(", ")) == 4 and all(float(x) > 0 for x in prefill.split(", ")), r
+        else:
+            assert prefill == "-", r
 
 
 def test_bench_train_cpu_smoke_run():
