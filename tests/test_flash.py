@@ -1228,3 +1228,27 @@ def test_routes_are_kept_per_signature(monkeypatch):
     with pytest.raises(ValueError, match="H_kv >= 1 dividing H_q"):
         flash_gqa_attention(q, k[:, :1].expand(-1, 3, -1, -1), v[:, :1].expand(-1, 3, -1, -1), causal=True)
     assert len(made) == 6 and len(flash._ROUTES) == 6
+
+
+def test_inference_calls_skip_autograd_and_still_check(monkeypatch):
+    """With nothing to differentiate (no_grad, or inputs that do not require grad) the forward runs the launcher
+    without the autograd Function, with the same result; a bad input is refused as clearly as on the autograd path."""
+    from attention_kernels import flash
+
+    dtype = KERNEL_DTYPES[0]
+    q, k, v, _ = make_inputs((1, 4, 2, 24, 24, 32, 32, True), dtype)
+    want = flash_gqa_attention(q.clone().requires_grad_(), k, v, causal=True).detach()
+
+    def refuse(*args):
+        raise AssertionError("the autograd Function ran for a call with nothing to differentiate")
+
+    monkeypatch.setattr(flash._FlashAttention, "apply", refuse)
+    monkeypatch.setattr(flash, "_ROUTES", {})
+    with torch.no_grad():
+        got = flash_gqa_attention(q.clone().requires_grad_(), k, v, causal=True)
+    assert torch.equal(got, want)
+    assert torch.equal(flash_gqa_attention(q, k, v, causal=True), want)  # grad mode on, nothing requires grad
+    with torch.no_grad(), pytest.raises(ValueError, match="H_kv >= 1 dividing H_q"):
+        flash_gqa_attention(q, k[:, :1].expand(-1, 3, -1, -1), v[:, :1].expand(-1, 3, -1, -1), causal=True)
+    with torch.no_grad(), pytest.raises(ValueError, match="scale"):
+        flash_gqa_attention(q, k, v, scale=-1.0, causal=True)
