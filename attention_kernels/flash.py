@@ -30,7 +30,9 @@ Hopper and through pointers in the forward, the faster choice of each on an H200
 ZOO_FLASH_TMA=0/1 forces one path everywhere (1 also under the interpreter, where the tests use it).
 
 Every op is a `torch.library` custom op, traceable by torch.compile with fullgraph=True; eager calls go through an
-equivalent autograd.Function (`_FlashAttention`), which costs less host time per call.
+equivalent autograd.Function (`_FlashAttention`), which costs less host time per call, and eager calls with nothing
+to differentiate (inference) through the launcher alone. A call's checks and kernel choice are made once per input
+signature and kept (`_signature`, `_ROUTES`).
 """
 
 import functools
