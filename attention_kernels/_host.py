@@ -92,6 +92,9 @@ def behind_sleep(enqueue, seconds: float) -> bool:
     return asleep
 
 
+MAX_LAUNCH_KEYS = 4096  # per kernel; a prefill of every prompt length is a signature each (flash._signature)
+
+
 class Launcher:
     """`Launcher(kernel)[grid](*args, **kwargs)` launches like `kernel[grid](*args, **kwargs)`, and repeated launches
     skip Triton's `JITFunction.run`. That run binds and specializes every argument in Python and looks up the
@@ -156,6 +159,8 @@ class Launcher:
             if hasattr(compiled, "result"):  # an asynchronous compile's future
                 compiled = compiled.result()
             if all(name in kwargs for name in self.names[len(args) :]):  # else a default: left to Triton's path
+                if len(self.cache) >= MAX_LAUNCH_KEYS:  # keyed launches add a key per op signature: start over
+                    self.cache.clear()
                 self.cache[key] = compiled
             return compiled
         values = list(args) + [kwargs[name] for name in self.names[len(args) :]]  # every parameter, in order

@@ -299,3 +299,15 @@ def test_keyed_launch_check_catches_a_key_that_stands_for_two_specializations(st
     launch.keyed("a", (1,))(x, 48, BLOCK=64, FLAG=True)  # the same specialization: fine
     with pytest.raises(AssertionError, match="stood for two specializations"):
         launch.keyed("a", (1,))(x, 33, BLOCK=64, FLAG=True)
+
+
+def test_launch_cache_starts_over_at_its_bound(stand_in, monkeypatch):
+    """Keyed launches add a key per op signature (a long generation run meets every prompt length), so a kernel's
+    cache is bounded: at MAX_LAUNCH_KEYS it starts over, and a key it dropped compiles (or finds) its kernel again."""
+    kernel, launch = stand_in
+    monkeypatch.setattr(_host, "MAX_LAUNCH_KEYS", 2)
+    x = torch.empty(64, dtype=torch.float32)
+    for key in ("a", "b", "a", "c", "a"):
+        launch.keyed(key, (1,))(x, 32, BLOCK=64, FLAG=True)
+    assert _paths(kernel) == ["triton", "triton", "cached", "triton", "triton"]
+    assert len(launch.cache) == 2
