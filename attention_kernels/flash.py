@@ -817,15 +817,14 @@ def flash_gqa_forward(
     """Flash attention forward for MHA/GQA/MQA. q (B, H_q, S_q, D_qk), k (B, H_kv, S_kv, D_qk),
     v (B, H_kv, S_kv, D_v), any strides, head dims from 1 to 256. Returns out (B, H_q, S_q, D_v) in q's dtype and
     lse (B, H_q, S_q) fp32 (natural log). Differentiable in both outputs."""
-    if not torch.compiler.is_compiling() and not (
-        torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-    ):
+    if torch.compiler.is_compiling():
+        _check_qkv(q, k, v, causal, scale)
+        return _flash_fwd_op(q, k, v, _scale(scale, q.shape[-1]), causal)
+    if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         # Nothing to differentiate (inference, a generation's prefill): the launcher alone, without the autograd
         # Function around it, which doubled a small call's host time. It checks a signature's first call (its route).
         return _forward(q, k, v, scale, causal)
     _check_qkv(q, k, v, causal, scale)
-    if torch.compiler.is_compiling():
-        return _flash_fwd_op(q, k, v, _scale(scale, q.shape[-1]), causal)
     return _FlashAttention.apply(q, k, v, _scale(scale, q.shape[-1]), causal)
 
 
