@@ -4,10 +4,11 @@
     out, stats = generate(model, prompts, "paged", max_new_tokens=100, temperature=0.8, top_k=200)
     stats.summary()["decode_tokens_per_s"]
 
-A scheduler admits waiting prompts into free cache rows (and pages) as soon as they free up: more prompts than
-`max_batch` run through a queue (continuous batching). Admitted prompts are prefilled eagerly (the flash kernel),
-prompts of different lengths together in one forward, right-padded to the longest (`_prefill_groups`); then every
-active sequence decodes one token per step, in one of three engines:
+A scheduler admits waiting prompts into cache rows (and pages) as they free up, a batch of them at a time
+(`admit_batch`): more prompts than `max_batch` run through a queue (continuous batching). Admitted prompts are
+prefilled through the flash kernel (eagerly, or compiled with the model: `compile_model`), prompts of different
+lengths together in one forward, right-padded to the longest (`_prefill_groups`); then every active sequence
+decodes one token per step, in one of three engines:
 
 - eager: the model's forward through a cache view of the active rows, the next tokens read back every step.
 - static: one decode step over static device buffers: each row's input token, write position (the cache's
@@ -68,34 +69,35 @@ def resolve_engine(engine: str, kind: str, device) -> str:
     return engine
 
 
-def compile_model(model):
-    """torch.compile the decode step of `model`, in place, region by region: the embedding (`GPT.embed`), every
-    block around its cache call, and the final norm with the output projection (`GPT.logits_and_loss`). Inductor
-    fuses the norms, projections, RoPE, residual adds and MLP around each cache call, and the cache call itself runs
-    as it is (cache.py keeps it out of the graphs). One compile serves every layer, batch size and cache view, and
-    the CUDA graphs of the graphs engine replay the fused kernels. The model is marked `decode_compiled`, which
-    compiles the static step's bookkeeping too (`StaticDecoder`). Prefill stays eager (see _DecodeCompiled)."""
+def compile_model(model, prefill: bool = True):
+    """torch.compile the forward of `model` for generation, in place, region by region: the embedding
+    (`GPT.embed`), every block around its cache call, and the final norm with the output projection
+    (`GPT.logits_and_loss`). Inductor fuses the norms, projections, RoPE, residual adds and MLP around each cache
+    call, and the cache call itself runs as it is (cache.py keeps it out of the graphs). The shapes are dynamic, so
+    one compile serves every layer, batch size and cache view of the decode steps (the CUDA graphs of the graphs
+    engine replay its kernels) and, with `prefill`, one more serves every prompt length of the prefills. The model
+    is marked `decode_compiled`, which compiles the static step's bookkeeping too (`StaticDecoder`)."""
     # layer_idx is an int attribute of each block that reaches the cache call: left specialized, every layer would
     # compile a graph of its own and a 12-layer model would pass dynamo's recompile limit.
     torch._dynamo.config.allow_unspec_int_on_nn_module = True
     for block in model.transformer.h:
-        block.forward = _DecodeCompiled(block.forward)
-    model.embed = _DecodeCompiled(model.embed)
-    model.logits_and_loss = _DecodeCompiled(model.logits_and_loss)
+        block.forward = _Compiled(block.forward, prefill)
+    model.embed = _Compiled(model.embed, prefill)
+    model.logits_and_loss = _Compiled(model.logits_and_loss, prefill)
     model.decode_compiled = True
     return model
 
 
-class _DecodeCompiled:
-    """A region of the forward, compiled for one new token per sequence and eager for prefill, whose shapes change
-    with every prompt length (a compile each) and whose time goes to the flash kernel and large GEMMs, not launches.
-    The region's first argument is (B, T, ...)."""
+class _Compiled:
+    """A region of the forward, compiled for decode steps (one new token per sequence) and, with `prefill`, for
+    prefills too; else those run eagerly. The region's first argument is (B, T, ...)."""
 
-    def __init__(self, forward):
-        self.eager, self.compiled = forward, torch.compile(forward, dynamic=True)
+    def __init__(self, forward, prefill: bool):
+        self.compiled = torch.compile(forward, dynamic=True)
+        self.prefill = self.compiled if prefill else forward
 
     def __call__(self, x, *args):
-        return (self.compiled if x.shape[1] == 1 else self.eager)(x, *args)
+        return (self.compiled if x.shape[1] == 1 else self.prefill)(x, *args)
 
 
 def per_prompt(max_new_tokens, n: int) -> list[int]:
@@ -190,6 +192,7 @@ def sample_next(
 class GenerationStats:
     prefill_tokens: int = 0
     prefill_s: float = 0.0
+    prefill_forwards: int = 0  # prefill forwards (each of one or more prompts: `_prefill_groups`)
     decode_tokens: int = 0
     decode_s: float = 0.0
     decode_steps: int = 0
@@ -203,6 +206,7 @@ class GenerationStats:
             "prefill_tokens_per_s": self.prefill_tokens / max(self.prefill_s, 1e-9),
             "decode_tokens_per_s": self.decode_tokens / max(self.decode_s, 1e-9),
             "prefill_tokens": self.prefill_tokens,
+            "prefill_forwards": self.prefill_forwards,
             "decode_tokens": self.decode_tokens,
             "decode_steps": self.decode_steps,
             "cache_bytes_allocated": self.cache_bytes_allocated,
@@ -271,6 +275,7 @@ def generate(
     num_pages: int | None = None,
     wait_for_pages: bool = False,
     max_batch: int | None = None,
+    admit_batch: int | None = None,
     allow_past_block_size: bool = False,
     dtype: torch.dtype | None = None,
     engine: str = "auto",
@@ -283,7 +288,9 @@ def generate(
 
     cache_kind: as resolve_cache_kind takes it ("none" recomputes the full context every step). engine: one of
     ENGINES (the module docstring). max_batch caps the rows decoded together (default: all prompts; the others wait
-    in a queue); with wait_for_pages a paged cache admits prompts only as pages free up. sync_every: decode steps
+    in a queue); with wait_for_pages a paged cache admits prompts only as pages free up. admit_batch: with prompts
+    waiting, how many rows must free before they are admitted, so that they prefill together rather than one per
+    freed row (default a quarter of the rows, at least 1; 1 admits at once; see _Scheduler). sync_every: decode steps
     between reads of the sampled tokens in the static and graphs engines (a finished row is noticed, and a waiting
     prompt admitted, at the next read). on_token(i, tok) sees every emitted token, in order per sequence
     (streaming; the static engines deliver them at each read); on_logits(i, logits (V,)) sees the logits each new
@@ -295,6 +302,10 @@ def generate(
     check_sampling(temperature, top_k, top_p)
     if max_batch is not None and (not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1):
         raise ValueError(f"max_batch: got {max_batch!r}; valid: None (all prompts together) or an int >= 1")
+    if admit_batch is not None and (
+        not isinstance(admit_batch, int) or isinstance(admit_batch, bool) or admit_batch < 1
+    ):
+        raise ValueError(f"admit_batch: got {admit_batch!r}; valid: None (a quarter of the rows) or an int >= 1")
     if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
         raise ValueError(f"sync_every: got {sync_every!r}; valid: an int >= 1")
     check_length(config, [len(p) for p in prompts], max_new_tokens, allow_past_block_size)
@@ -325,7 +336,7 @@ def generate(
         num_pages=num_pages or None,
         static=engine != "eager",
     )
-    sched = _Scheduler(cache, seqs, wait_for_pages)
+    sched = _Scheduler(cache, seqs, wait_for_pages, admit_batch or max(1, rows // 4))
     if engine == "eager":
         _generate_eager(model, sched, pick, on_logits, stats)
     else:
@@ -367,14 +378,17 @@ def _generate_uncached(model, seqs: _Sequences, pick, on_logits, stats: Generati
 
 
 class _Scheduler:
-    """Which prompt goes into which cache row, and when. Without waiting every prompt is admitted as soon as a row
-    is free (a pool too small raises CacheFullError). With waiting (paged caches) a prompt is admitted only when
-    the free pages cover its whole life (prompt + max_new_tokens - 1 tokens) on top of what the running sequences
-    may still claim, so a running sequence never meets an empty pool. `pack` keeps the running sequences in rows
-    0 .. n-1, so that a decode step over the first rows covers them."""
+    """Which prompt goes into which cache row, and when. Waiting prompts are admitted once `batch` rows are free
+    (or as many as prompts wait, or when nothing runs): a prefill is bound by its launches, whatever its prompts,
+    and so is a decode step, whatever its rows, so admitting prompts in batches prefills them together at the cost
+    of a few rows idle for a few steps. Without waiting for pages a row is all a prompt needs (a pool too small
+    raises CacheFullError). With waiting (paged caches) a prompt is admitted only when the free pages cover its
+    whole life (prompt + max_new_tokens - 1 tokens) on top of what the running sequences may still claim, so a
+    running sequence never meets an empty pool. `pack` keeps the running sequences in rows 0 .. n-1, so that a
+    decode step over the first rows covers them."""
 
-    def __init__(self, cache, seqs: _Sequences, wait: bool):
-        self.cache, self.seqs = cache, seqs
+    def __init__(self, cache, seqs: _Sequences, wait: bool, batch: int = 1):
+        self.cache, self.seqs, self.batch = cache, seqs, batch
         self.wait = wait and cache.store.paged
         self.waiting = deque(range(len(seqs.prompts)))
         self.active: dict[int, int] = {}  # cache row -> sequence id
@@ -383,9 +397,19 @@ class _Scheduler:
         ps = self.cache.store.page_size
         return -(-(len(self.seqs.prompts[i]) + self.seqs.max_new[i] - 1) // ps)
 
+    def free_rows(self) -> list[int]:
+        return [r for r in range(self.cache.store.batch_size) if r not in self.active]
+
+    def rows_to_free(self) -> int:
+        """How many more rows must free before waiting prompts are admitted (at least 1: the next to finish may
+        free the pages a prompt waits for)."""
+        return max(1, min(self.batch, len(self.waiting)) - len(self.free_rows()))
+
     def admit(self) -> list[tuple[int, int]]:
         """(row, sequence) pairs admitted now, lowest free rows first."""
-        free_rows = [r for r in range(self.cache.store.batch_size) if r not in self.active]
+        free_rows = self.free_rows()
+        if self.active and len(free_rows) < min(self.batch, len(self.waiting)):
+            return []
         admitted = []
         while self.waiting and free_rows:
             i = self.waiting[0]
@@ -445,6 +469,7 @@ def _prefill(model, sched: _Scheduler, admitted, pick, on_logits, stats, device)
                 cache.trim(r, n)
         stats.prefill_tokens += sum(lens)
         stats.prefill_s += t.seconds
+        stats.prefill_forwards += 1
         for j, (r, i) in enumerate(group):
             if on_logits is not None:
                 on_logits(i, logits[j])
@@ -673,8 +698,8 @@ def _generate_static(model, sched: _Scheduler, decoder: StaticDecoder, pick, on_
         rows = sorted(sched.active)  # 0 .. n-1
         left = [seqs.remaining(sched.active[r]) for r in rows]
         steps = min(most, max(left))
-        if sched.waiting:  # a row that reaches its length frees its place for a waiting prompt at once
-            steps = min(steps, min(left))
+        if sched.waiting:  # the run ends when enough rows reach their length for the waiting prompts' admission
+            steps = min(steps, sorted(left)[min(sched.rows_to_free(), len(left)) - 1])
         cache.ensure_capacity(rows, [seqs.cached(sched.active[r]) + min(steps, m) for r, m in zip(rows, left)])
         stats.cache_bytes_peak = max(stats.cache_bytes_peak, cache.memory()["bytes_in_use"])
         bucket = decoder.bucket(len(rows))

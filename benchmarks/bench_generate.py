@@ -272,7 +272,7 @@ def run_ours(model, cache: str, batch, engine: str, args, sync, warm: bool = Fal
     from generate import generate
 
     prompts, new, rows = workload(model, batch, args)
-    common = dict(page_size=args.page_size, max_batch=rows, engine=engine)
+    common = dict(page_size=args.page_size, max_batch=rows, admit_batch=args.admit_batch, engine=engine)
     if warm or args.device == "cuda":
         # Compiles and tuning happen here, untimed. A fixed batch meets every shape it will in two tokens; the ragged
         # run admits and prefills its prompts in groups that depend on when rows finish, so it warms up on itself.
@@ -310,6 +310,12 @@ def parse_args(argv):
     p.add_argument("--new_tokens", type=int, default=128)
     p.add_argument("--ragged_prompts", type=int, default=256)
     p.add_argument("--ragged_rows", type=int, default=64, help="rows decoded together on the ragged prompts")
+    p.add_argument(
+        "--admit_batch",
+        type=int,
+        default=None,
+        help="rows freed before waiting prompts are admitted (generate's admit_batch; default a quarter of the rows)",
+    )
     p.add_argument("--page_size", type=int, default=16)
     p.add_argument("--quick", action="store_true", help="batches 1, 8 and 32 ragged prompts over 8 rows, 32 tokens")
     p.add_argument("--tiny", action="store_true", help="2-layer models, 8-token prompts, 4 new tokens (CPU smoke run)")
@@ -343,9 +349,11 @@ def main(argv: list[str] | None = None):
     if cuda:
         c = ceilings()
         print(f"ceilings: copy {c['copy_TBps']:.2f} TB/s, bf16 matmul {c['matmul_bf16_TFLOPs']:.0f} TFLOP/s")
+    admit = args.admit_batch or max(1, args.ragged_rows // 4)  # generate's default
     print(
         f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, {args.dtype}, ragged: "
-        f"{args.ragged_prompts} prompts through {args.ragged_rows} rows; engine = generate(engine={engine!r}), "
+        f"{args.ragged_prompts} prompts through {args.ragged_rows} rows, admitted {admit} at a time; "
+        f"engine = generate(engine={engine!r}), "
         "compiled = the same over generate.compile_model(model), "
         f"peer = static cache + SDPA{' + torch.compile(reduce-overhead)' if cuda else ' (eager on the CPU)'}",
         flush=True,

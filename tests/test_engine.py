@@ -198,6 +198,46 @@ def test_a_waiting_prompt_takes_the_first_free_row(engine):
     assert stats.cache_bytes_allocated == (2 * 2 + scratch) * 8 * stats.cache_bytes_per_token
 
 
+@pytest.mark.parametrize("engine", ["eager", "static"])
+def test_waiting_prompts_are_admitted_in_batches(engine):
+    """Four rows, ten prompts ending at different steps: with admit_batch=3 waiting prompts go in only once three
+    rows are free (or as many as still wait), where admit_batch=1 admits each freed row's prompt alone; fewer
+    prefill forwards, and the tokens are the reference's either way."""
+    net = model("gqa")
+    ps = prompts((4, 6, 3, 5, 2, 7, 4, 3, 6, 5), seed=3)
+    new = [2, 9, 4, 6, 3, 5, 8, 2, 4, 6]
+    ref, _ = generate(net, ps, "none", max_new_tokens=new)
+    admissions, forwards = {}, {}
+    for admit_batch in (1, 3):
+        events = []  # (sequence, is its first token): a run of first tokens is one admission's prompts
+        out, stats = generate(
+            net,
+            ps,
+            "grouped",
+            engine=engine,
+            max_new_tokens=new,
+            max_batch=4,
+            admit_batch=admit_batch,
+            on_token=lambda i, t: events.append((i, all(j != i for j, _ in events))),
+        )
+        assert out == ref, f"admit_batch={admit_batch}"
+        runs, before = [], False
+        for _, first in events:
+            if first and before:
+                runs[-1] += 1
+            elif first:
+                runs.append(1)
+            before = first
+        admissions[admit_batch], forwards[admit_batch] = runs, stats.prefill_forwards
+    assert sum(admissions[3]) == len(ps) and admissions[3][0] == 4, admissions
+    waiting = len(ps) - 4
+    for size in admissions[3][1:]:
+        assert size >= min(3, waiting), f"an admission of {size} with {waiting} waiting: {admissions}"
+        waiting -= size
+    assert 1 in admissions[1][1:-1], f"admit_batch=1 should admit a prompt alone: {admissions}"
+    assert forwards[3] < forwards[1], forwards
+
+
 def test_batch_buckets():
     assert batch_buckets(1) == [1]
     assert batch_buckets(3) == [1, 2, 3]
@@ -230,6 +270,8 @@ def test_engine_choices_fail_at_start():
     if not GPU:
         with pytest.raises(ValueError, match=r"engine: got 'graphs' on cpu; valid: eager or static"):
             generate(net, [[1, 2]], "grouped", max_new_tokens=2, engine="graphs")
+    with pytest.raises(ValueError, match=r"admit_batch: got 0; valid: None \(a quarter of the rows\) or an int >= 1"):
+        generate(net, [[1, 2]], "grouped", max_new_tokens=2, admit_batch=0)
     with pytest.raises(ValueError, match=r"sync_every: got 0; valid: an int >= 1"):
         generate(net, [[1, 2]], "grouped", max_new_tokens=2, sync_every=0)
     with pytest.raises(ValueError, match=r"max_new_tokens: got \[2\]; valid: an int >= 1, or one per prompt \(2\)"):
