@@ -89,16 +89,31 @@ def _write_tokens_op(
     pages: torch.Tensor,
     slots: torch.Tensor,
 ) -> None:
-    _launch(a_dst, b_dst, a, b, pages, slots)
+    _launch(a_dst, b_dst, a, b, pages, slots, _signature(a_dst, b_dst, a, b, pages, slots))
 
 
-def _launch(a_dst, b_dst, a, b, pages, slots):
+# The signatures whose tensors passed `_check`: a cache writes every layer with the same shapes, strides and dtypes,
+# so the checks run once per signature, and the signature keys the launch (`Launcher.keyed`).
+_CHECKED: set = set()
+_MAX_CHECKED = 4096  # a prefill per prompt length adds a signature each
+
+
+def _signature(*tensors) -> tuple | None:
+    """Per tensor its shape, strides, dtype, device and 16-byte alignment: what the checks and Triton's
+    specialization of the launch depend on (the launch's integers are its shapes and strides). None if an argument
+    is not a tensor (the checks then say so)."""
+    if not all(isinstance(t, torch.Tensor) for t in tensors):
+        return None
+    return tuple((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0) for t in tensors)
+
+
+def _launch(a_dst, b_dst, a, b, pages, slots, key):
     n, T, H, d_a = a.shape
     if n * T == 0:
         return
     d_b = b.shape[-1]
     with device_guard(a):
-        launcher(_write_kernel)[(n * T, H)](
+        launcher(_write_kernel).keyed(key, (n * T, H))(
             a,
             b,
             a_dst,
@@ -164,12 +179,19 @@ def write_tokens(
     launch (the module docstring gives the layouts). pages and slots may be broadcast views (stride 0).
     validate=False skips the checks that read pages and slots (a device sync); they are skipped anyway under CUDA
     graph capture and torch.compile."""
-    _check(a_dst, b_dst, a, b, pages, slots)
+    compiling = torch.compiler.is_compiling()
+    key = None if compiling else _signature(a_dst, b_dst, a, b, pages, slots)  # traced tensors have no address
+    if key is None or key not in _CHECKED:
+        _check(a_dst, b_dst, a, b, pages, slots)
+        if key is not None:
+            if len(_CHECKED) >= _MAX_CHECKED:
+                _CHECKED.clear()
+            _CHECKED.add(key)
     if validate and _checks.can_read_values(pages):
         _check_values(a_dst, pages, slots)
-    if torch.compiler.is_compiling():
+    if compiling:
         torch.ops.zoo.write_tokens(a_dst, b_dst, a, b, pages, slots)
     else:
         # Eagerly (the caches call this outside any compiled region, once a layer) the launch goes without the
         # custom op's dispatch, which for a mutating op adds about as much host time as the launch takes.
-        _launch(a_dst, b_dst, a, b, pages, slots)
+        _launch(a_dst, b_dst, a, b, pages, slots, key)

@@ -66,12 +66,35 @@ def test_bad_inputs_fail_clearly_and_write_nothing():
         (dict(pages=-pages), "pages: got values in [-1, 0]; valid: values in [0, 2)"),
         (dict(a=a.int()), "a: got dtype torch.int32; valid: torch.float16, torch.bfloat16 or torch.float32"),
     ]
+    write_tokens(torch.zeros_like(dst_a), torch.zeros_like(dst_b), a, b, pages, slots)  # checks kept: still refused
     for change, message in cases:
         args = {**dict(dst_a=dst_a, dst_b=dst_b, a=a, b=b, pages=pages, slots=slots), **change}
         with pytest.raises(ValueError) as err:
             write_tokens(args["dst_a"], args["dst_b"], args["a"], args["b"], args["pages"], args["slots"])
         assert message in str(err.value), (change, str(err.value))
         assert not dst_a.any() and not dst_b.any()
+
+
+def test_checks_run_once_per_signature(monkeypatch):
+    """The shape checks run on a signature's first write (shapes, strides, dtypes, devices, alignment) and are kept:
+    a cache's every layer writes with one signature; another T or a transposed view is checked anew."""
+    from attention_kernels import cache_write
+
+    monkeypatch.setattr(cache_write, "_CHECKED", set())
+    calls = []
+    check = cache_write._check
+    monkeypatch.setattr(cache_write, "_check", lambda *args: calls.append(1) or check(*args))
+    dst_a, dst_b = torch.zeros(2, 8, 2, 16, device=DEVICE), torch.zeros(2, 8, 2, 16, device=DEVICE)
+    for T in (1, 1, 3, 3, 1):
+        a, b = torch.randn(2, T, 2, 16, device=DEVICE), torch.randn(2, T, 2, 16, device=DEVICE)
+        slots = torch.arange(T, device=DEVICE)[None].expand(2, T)
+        pages = torch.tensor([[0], [1]], device=DEVICE).expand(2, T)
+        write_tokens(dst_a, dst_b, a, b, pages, slots)
+        assert torch.equal(dst_a, _reference(dst_a, a, pages, slots))
+    assert len(calls) == 2
+    a_t = torch.randn(2, 2, 1, 16, device=DEVICE).transpose(1, 2)  # (2, 1, 2, 16) with other strides
+    write_tokens(dst_a, dst_b, a_t, a_t, pages[:, :1], slots[:, :1])
+    assert len(calls) == 3
 
 
 def test_compiled_write_goes_through_the_custom_op():
