@@ -6,9 +6,9 @@
 
 A scheduler admits waiting prompts into cache rows (and pages) as they free up, a batch of them at a time
 (`admit_batch`): more prompts than `max_batch` run through a queue (continuous batching). Admitted prompts are
-prefilled through the flash kernel (eagerly, or compiled with the model: `compile_model`), prompts of different
-lengths together in one forward, right-padded to the longest (`_prefill_groups`); then every active sequence
-decodes one token per step, in one of three engines:
+prefilled eagerly through the flash kernel, prompts of different lengths together in one forward, right-padded
+to the longest (`_prefill_groups`); then every active sequence decodes one token per step, in one of three
+engines:
 
 - eager: the model's forward through a cache view of the active rows, the next tokens read back every step.
 - static: one decode step over static device buffers: each row's input token, write position (the cache's
@@ -69,35 +69,35 @@ def resolve_engine(engine: str, kind: str, device) -> str:
     return engine
 
 
-def compile_model(model, prefill: bool = True):
-    """torch.compile the forward of `model` for generation, in place, region by region: the embedding
-    (`GPT.embed`), every block around its cache call, and the final norm with the output projection
-    (`GPT.logits_and_loss`). Inductor fuses the norms, projections, RoPE, residual adds and MLP around each cache
-    call, and the cache call itself runs as it is (cache.py keeps it out of the graphs). The shapes are dynamic, so
-    one compile serves every layer, batch size and cache view of the decode steps (the CUDA graphs of the graphs
-    engine replay its kernels) and, with `prefill`, one more serves every prompt length of the prefills. The model
-    is marked `decode_compiled`, which compiles the static step's bookkeeping too (`StaticDecoder`)."""
+def compile_model(model):
+    """torch.compile the decode step of `model`, in place, region by region: the embedding (`GPT.embed`), every
+    block around its cache call, and the final norm with the output projection (`GPT.logits_and_loss`). Inductor
+    fuses the norms, projections, RoPE, residual adds and MLP around each cache call, and the cache call itself runs
+    as it is (cache.py keeps it out of the graphs). One compile serves every layer, batch size and cache view, and
+    the CUDA graphs of the graphs engine replay the fused kernels. The model is marked `decode_compiled`, which
+    compiles the static step's bookkeeping too (`StaticDecoder`). Prefill stays eager (see _DecodeCompiled)."""
     # layer_idx is an int attribute of each block that reaches the cache call: left specialized, every layer would
     # compile a graph of its own and a 12-layer model would pass dynamo's recompile limit.
     torch._dynamo.config.allow_unspec_int_on_nn_module = True
     for block in model.transformer.h:
-        block.forward = _Compiled(block.forward, prefill)
-    model.embed = _Compiled(model.embed, prefill)
-    model.logits_and_loss = _Compiled(model.logits_and_loss, prefill)
+        block.forward = _DecodeCompiled(block.forward)
+    model.embed = _DecodeCompiled(model.embed)
+    model.logits_and_loss = _DecodeCompiled(model.logits_and_loss)
     model.decode_compiled = True
     return model
 
 
-class _Compiled:
-    """A region of the forward, compiled for decode steps (one new token per sequence) and, with `prefill`, for
-    prefills too; else those run eagerly. The region's first argument is (B, T, ...)."""
+class _DecodeCompiled:
+    """A region of the forward, compiled for one new token per sequence and eager for prefill. A prefill compiled
+    for symbolic lengths took twice the eager one's host time (docs/kernel-notes.md, "The decode step end to
+    end"): its time goes to launches either way, and the compiled regions add guards and a cache lookup each. The
+    region's first argument is (B, T, ...)."""
 
-    def __init__(self, forward, prefill: bool):
-        self.compiled = torch.compile(forward, dynamic=True)
-        self.prefill = self.compiled if prefill else forward
+    def __init__(self, forward):
+        self.eager, self.compiled = forward, torch.compile(forward, dynamic=True)
 
     def __call__(self, x, *args):
-        return (self.compiled if x.shape[1] == 1 else self.prefill)(x, *args)
+        return (self.compiled if x.shape[1] == 1 else self.eager)(x, *args)
 
 
 def per_prompt(max_new_tokens, n: int) -> list[int]:
