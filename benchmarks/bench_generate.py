@@ -11,7 +11,7 @@ Models: GPT-2 small (12 layers, 12 heads of 64, 768 wide, learned positions) wit
 (a 256-wide latent and a 32-dim RoPE key), random weights in bf16. Each batch (--batches) is that many prompts of
 --prompt_len tokens decoding --new_tokens greedily; "ragged" is --ragged_prompts prompts of prompt_len / 8 ..
 prompt_len tokens that each want new_tokens / 4 .. new_tokens tokens, through --ragged_rows rows (continuous
-batching: a finished sequence's row goes to the next prompt at once).
+batching: finished sequences' rows go to the next prompts, --admit_batch of them at a time).
 
 - engine: generate(engine="graphs"), the natural cache of the model (grouped / mla; --caches adds paged);
 - compiled: the same engine over a copy of the model whose blocks generate.compile_model compiled (sample.py
