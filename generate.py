@@ -379,13 +379,13 @@ def _generate_uncached(model, seqs: _Sequences, pick, on_logits, stats: Generati
 
 class _Scheduler:
     """Which prompt goes into which cache row, and when. Waiting prompts are admitted once `batch` rows are free
-    (or as many as prompts wait, or when nothing runs): a prefill is bound by its launches, whatever its prompts,
-    and so is a decode step, whatever its rows, so admitting prompts in batches prefills them together at the cost
-    of a few rows idle for a few steps. Without waiting for pages a row is all a prompt needs (a pool too small
-    raises CacheFullError). With waiting (paged caches) a prompt is admitted only when the free pages cover its
-    whole life (prompt + max_new_tokens - 1 tokens) on top of what the running sequences may still claim, so a
-    running sequence never meets an empty pool. `pack` keeps the running sequences in rows 0 .. n-1, so that a
-    decode step over the first rows covers them."""
+    (or as many as prompts wait, or when nothing runs): at this repository's model sizes a prefill of a few prompts
+    is bound by its launches, and so is a decode step of a few rows more or less, so admitting prompts in batches
+    prefills them together at the cost of a few rows idle for a few steps (docs/kernel-notes.md). Without waiting
+    for pages a row is all a prompt needs (a pool too small raises CacheFullError). With waiting (paged caches) a
+    prompt is admitted only when the free pages cover its whole life (prompt + max_new_tokens - 1 tokens) on top of
+    what the running sequences may still claim, so a running sequence never meets an empty pool. `pack` keeps the
+    running sequences in rows 0 .. n-1, so that a decode step over the first rows covers them."""
 
     def __init__(self, cache, seqs: _Sequences, wait: bool, batch: int = 1):
         self.cache, self.seqs, self.batch = cache, seqs, batch
