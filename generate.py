@@ -336,7 +336,7 @@ def generate(
         num_pages=num_pages or None,
         static=engine != "eager",
     )
-    sched = _Scheduler(cache, seqs, wait_for_pages, admit_batch or max(1, rows // 4))
+    sched = _Scheduler(cache, seqs, wait_for_pages, admit_batch or default_admit_batch(rows))
     if engine == "eager":
         _generate_eager(model, sched, pick, on_logits, stats)
     else:
@@ -347,6 +347,11 @@ def generate(
         stats.extra["buckets"] = decoder.buckets
         _generate_static(model, sched, decoder, pick, on_logits, stats)
     return seqs.out, stats
+
+
+def default_admit_batch(rows: int) -> int:
+    """Rows freed before waiting prompts are admitted, by default: a quarter of the rows, at least 1."""
+    return max(1, rows // 4)
 
 
 def _generate_uncached(model, seqs: _Sequences, pick, on_logits, stats: GenerationStats):
@@ -400,15 +405,19 @@ class _Scheduler:
     def free_rows(self) -> list[int]:
         return [r for r in range(self.cache.store.batch_size) if r not in self.active]
 
+    def rows_wanted(self) -> int:
+        """Free rows that admit the waiting prompts while others run: `batch`, or as many as prompts wait."""
+        return min(self.batch, len(self.waiting))
+
     def rows_to_free(self) -> int:
         """How many more rows must free before waiting prompts are admitted (at least 1: the next to finish may
         free the pages a prompt waits for)."""
-        return max(1, min(self.batch, len(self.waiting)) - len(self.free_rows()))
+        return max(1, self.rows_wanted() - len(self.free_rows()))
 
     def admit(self) -> list[tuple[int, int]]:
         """(row, sequence) pairs admitted now, lowest free rows first."""
         free_rows = self.free_rows()
-        if self.active and len(free_rows) < min(self.batch, len(self.waiting)):
+        if self.active and len(free_rows) < self.rows_wanted():
             return []
         admitted = []
         while self.waiting and free_rows:

@@ -92,7 +92,16 @@ def behind_sleep(enqueue, seconds: float) -> bool:
     return asleep
 
 
-MAX_LAUNCH_KEYS = 4096  # per kernel; a prefill of every prompt length is a signature each (flash._signature)
+MAX_LAUNCH_KEYS = 4096  # per kernel (and per op's kept checks); a prefill of every prompt length is a signature each
+
+
+def tensor_signature(tensors) -> tuple:
+    """Per tensor (or None) its shape, strides, dtype, device and 16-byte alignment: what an op's shape checks read
+    and what Triton specializes a launch on, so that an op may check a signature once and key its launches by it
+    (`Launcher.keyed`)."""
+    return tuple(
+        None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0) for t in tensors
+    )
 
 
 class Launcher:

@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from attention_kernels import _checks
-from attention_kernels._host import device_guard, launcher, next_power_of_2
+from attention_kernels._host import MAX_LAUNCH_KEYS, device_guard, launcher, next_power_of_2, tensor_signature
 
 
 @triton.jit
@@ -95,16 +95,14 @@ def _write_tokens_op(
 # The signatures whose tensors passed `_check`: a cache writes every layer with the same shapes, strides and dtypes,
 # so the checks run once per signature, and the signature keys the launch (`Launcher.keyed`).
 _CHECKED: set = set()
-_MAX_CHECKED = 4096  # a prefill per prompt length adds a signature each
 
 
 def _signature(*tensors) -> tuple | None:
-    """Per tensor its shape, strides, dtype, device and 16-byte alignment: what the checks and Triton's
-    specialization of the launch depend on (the launch's integers are its shapes and strides). None if an argument
-    is not a tensor (the checks then say so)."""
+    """`tensor_signature`, which also fixes the launch's integers (its shapes and strides); None if an argument is
+    not a tensor (the checks then say so)."""
     if not all(isinstance(t, torch.Tensor) for t in tensors):
         return None
-    return tuple((t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0) for t in tensors)
+    return tensor_signature(tensors)
 
 
 def _launch(a_dst, b_dst, a, b, pages, slots, key):
@@ -184,7 +182,7 @@ def write_tokens(
     if key is None or key not in _CHECKED:
         _check(a_dst, b_dst, a, b, pages, slots)
         if key is not None:
-            if len(_CHECKED) >= _MAX_CHECKED:
+            if len(_CHECKED) >= MAX_LAUNCH_KEYS:  # a prefill per prompt length adds a signature each
                 _CHECKED.clear()
             _CHECKED.add(key)
     if validate and _checks.can_read_values(pages):

@@ -45,6 +45,7 @@ import triton
 from attention_kernels import _checks
 from attention_kernels._host import (
     LOG2E,
+    MAX_LAUNCH_KEYS,
     behind_sleep,
     capability,
     cdiv,
@@ -53,6 +54,7 @@ from attention_kernels._host import (
     next_power_of_2,
     num_sms,
     synced_seconds,
+    tensor_signature,
 )
 from attention_kernels.flash_triton import flash_bwd_dkdv_kernel, flash_bwd_dq_kernel, flash_fwd_kernel
 from attention_kernels.schedule import bucket_size
@@ -240,7 +242,6 @@ def _qk_blocks(d_qk: int) -> dict:
 # A training step calls the same few signatures every iteration, and in a compiled step each call's host time is
 # what the GPU waits for: the checks, the kernel choice and the launch keys of a signature are made once and kept.
 _ROUTES: dict = {}
-_MAX_ROUTES = 4096  # a prefill per prompt length adds a signature each: a long-running process starts over at this
 
 
 def _signature(op: str, scale, causal: bool, *tensors) -> tuple:
@@ -255,16 +256,13 @@ def _signature(op: str, scale, causal: bool, *tensors) -> tuple:
         env.get("ZOO_FLASH_TMA"),
         torch.are_deterministic_algorithms_enabled(),
     )
-    described = tuple(
-        None if t is None else (t.shape, t.stride(), t.dtype, t.device, t.data_ptr() % 16 == 0) for t in tensors
-    )
-    return op, scale, causal, switches, described
+    return op, scale, causal, switches, tensor_signature(tensors)
 
 
 def _remember(key, route: str):
     if key is None:
         return
-    if len(_ROUTES) >= _MAX_ROUTES:
+    if len(_ROUTES) >= MAX_LAUNCH_KEYS:  # a prefill per prompt length adds a signature each: start over
         _ROUTES.clear()
     _ROUTES[key] = route
 

@@ -340,7 +340,7 @@ def main(argv: list[str] | None = None):
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton: our kernels on CPU tensors
         torch.set_num_threads(min(4, torch.get_num_threads()))
     from benchmarks.common import ceilings, header, print_table
-    from generate import compile_model
+    from generate import compile_model, default_admit_batch
 
     cuda = args.device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None):
     if cuda:
         c = ceilings()
         print(f"ceilings: copy {c['copy_TBps']:.2f} TB/s, bf16 matmul {c['matmul_bf16_TFLOPs']:.0f} TFLOP/s")
-    admit = args.admit_batch or max(1, args.ragged_rows // 4)  # generate's default
+    admit = args.admit_batch or default_admit_batch(args.ragged_rows)
     print(
         f"prompt {args.prompt_len} tokens, {args.new_tokens} new tokens, {args.dtype}, ragged: "
         f"{args.ragged_prompts} prompts through {args.ragged_rows} rows, admitted {admit} at a time; "
