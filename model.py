@@ -35,8 +35,9 @@ Before anything changes it checks the cache's `batch_size` (and, where the cache
 (T > 1) runs the flash kernel over the cached prefix (bottom-right causal), decode (T == 1) lets the cache run its
 decode kernel.
 MLA decodes in the absorbed form: q_absorbed = q_nope W_UK[h] attends to the latent cache, and the value
-up-projection W_UV[h] is applied to the latent output afterwards, so the cache holds only
-kv_lora_rank + qk_rope_head_dim numbers per token per layer.
+up-projection W_UV[h] maps the latent output afterwards, so the cache holds only kv_lora_rank + qk_rope_head_dim
+numbers per token per layer. Both up-projections are folded into the projections around them for decode
+(`MultiHeadLatentAttention.absorbed_weights`).
 
 Dropout: applied to the embeddings and to each residual branch; there is no dropout on the attention
 probabilities (the flash kernel has none, and both paths must compute the same function).
@@ -312,18 +313,17 @@ class MultiHeadLatentAttention(nn.Module):
     def forward(self, x, rope, cache, backend: str):
         B, T, _ = x.shape
         H = self.n_head
+        if cache is not None and T == 1:
+            return self._decode_absorbed(x, rope, cache)
         q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x))) if hasattr(self, "q_a_proj") else self.q_proj(x)
         q_nope, q_rope = q.view(B, T, H, self.d_n + self.d_r).split([self.d_n, self.d_r], dim=-1)
         c_kv, k_rope = self.kv_a_proj(x).split([self.d_c, self.d_r], dim=-1)
         c_kv = self.kv_a_norm(c_kv)  # (B, T, D_c)
         q_rope, k_rope = apply_rope(q_rope, *rope), apply_rope(k_rope, *rope)  # k_rope (B, T, D_r), no head axis
-        if cache is not None and T == 1:
-            y = self._decode_absorbed(q_nope.transpose(1, 2), q_rope.transpose(1, 2), c_kv, k_rope, cache)
-        else:
-            if cache is not None:
-                c_kv, k_rope = cache.append_latent(self.layer_idx, c_kv, k_rope)  # (B, S, D_c), (B, S, D_r)
-                c_kv, k_rope = c_kv.to(q_nope.dtype), k_rope.to(q_rope.dtype)
-            y = self._attend_unabsorbed(q_nope, q_rope, c_kv, k_rope, backend)
+        if cache is not None:
+            c_kv, k_rope = cache.append_latent(self.layer_idx, c_kv, k_rope)  # (B, S, D_c), (B, S, D_r)
+            c_kv, k_rope = c_kv.to(q_nope.dtype), k_rope.to(q_rope.dtype)
+        y = self._attend_unabsorbed(q_nope, q_rope, c_kv, k_rope, backend)
         y = y.transpose(1, 2).reshape(B, T, H * self.d_v)  # y (B, H, T, D_v)
         return self.resid_dropout(self.c_proj(y))
 
@@ -345,13 +345,78 @@ class MultiHeadLatentAttention(nn.Module):
         q = torch.cat([q_nope, q_rope], dim=-1)
         return causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), backend)
 
-    def _decode_absorbed(self, q_nope, q_rope, c_kv, k_rope, cache):
-        """Decode: q_nope . k_nope = (q_nope W_UK[h]) . c_kv, so the query moves into the latent space and every
-        head attends to the one shared latent cache; W_UV[h] is applied to the latent output afterwards."""
-        w_uk, w_uv = self._up_weights()
-        q_absorbed = torch.einsum("bhtn,hnc->bhtc", q_nope, w_uk)  # (B, H, 1, D_c)
-        latent = cache.attend_latent(self.layer_idx, q_absorbed, q_rope, c_kv, k_rope, self.scale)
-        return torch.einsum("bhtc,hvc->bhtv", latent, w_uv)  # (B, H, 1, D_v)
+    def _decode_absorbed(self, x, rope, cache):
+        """Decode, x (B, 1, C): q_nope . k_nope = (q_nope W_UK[h]) . c_kv, so the query moves into the latent space
+        and every head attends to the one shared latent cache, whose output W_UV[h] then maps to the head's values.
+        Both up-projections are folded into the weights around them (`absorbed_weights`): one projection gives the
+        absorbed query, its RoPE part and the new token's latent and RoPE key, and one maps the heads' latent
+        outputs to the residual stream."""
+        B, H, d_c, d_r = x.shape[0], self.n_head, self.d_c, self.d_r
+        w_in, b_in, w_out = self.absorbed_weights()
+        if hasattr(self, "q_a_proj"):  # the query comes from its own compressed input; the latent from x
+            q = F.linear(self.q_a_norm(self.q_a_proj(x)), w_in, b_in)
+            c_kv, k_rope = self.kv_a_proj(x).split([d_c, d_r], dim=-1)
+        else:
+            q, c_kv, k_rope = F.linear(x, w_in, b_in).split([H * (d_c + d_r), d_c, d_r], dim=-1)
+        q_absorbed, q_rope = q.view(B, 1, H, d_c + d_r).split([d_c, d_r], dim=-1)
+        # the query heads' RoPE parts and the shared RoPE key rotate together, as one more head (one kernel)
+        ropes = apply_rope(torch.cat([q_rope, k_rope[:, :, None]], dim=2), *rope)
+        q_rope, k_rope = ropes[:, :, :H], ropes[:, :, H]
+        c_kv = self.kv_a_norm(c_kv)
+        latent = cache.attend_latent(
+            self.layer_idx, q_absorbed.transpose(1, 2), q_rope.transpose(1, 2), c_kv, k_rope, self.scale
+        )  # (B, H, 1, D_c)
+        # the dropout here, not in the caller: a compiled region of its own would copy its input to its output
+        return self.resid_dropout(F.linear(latent.transpose(1, 2).reshape(B, 1, H * d_c), w_out, self.c_proj.bias))
+
+    def _absorb_sources(self) -> list[torch.Tensor]:
+        q = self.q_b_proj if hasattr(self, "q_a_proj") else self.q_proj
+        own = [q.weight, q.bias, self.kv_b_proj.weight, self.c_proj.weight]
+        kv_a = [self.kv_a_proj.weight, self.kv_a_proj.bias] if not hasattr(self, "q_a_proj") else []
+        return [t for t in own + kv_a if t is not None]
+
+    @torch.compiler.disable
+    @torch.no_grad()
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """The decode's projections with W_UK and W_UV folded in (DeepSeek-V2, section 2.1.2): (w_in, b_in, w_out).
+
+        w_in (H (D_c + D_r) [+ D_c + D_r], C_in): per head the rows of W_UK[h]^T W_q_nope[h] (the absorbed query,
+        D_c) and of W_q_rope[h] (D_r); without query compression the rows of kv_a_proj follow, so one matmul of x
+        gives the query and the new token's latent and RoPE key. w_out (C, H D_c) = per head W_O[h] W_UV[h]: the
+        heads' latent outputs straight to the residual stream. Two matmuls then replace the four projections and
+        two batched per-head matmuls of the unfolded form, at the price of weights about D_c / D_n times larger
+        (they are kept beside the model's own, for decode only: no gradient flows through them).
+
+        Computed in fp32 and rounded once to the weights' dtype, and kept until a source weight changes (its
+        version counter, storage, dtype or device), so that a decode step reads them and a CUDA graph replays
+        them as they are."""
+        sources = self._absorb_sources()
+        key = tuple((t._version, t.data_ptr(), t.dtype, t.device) for t in sources)
+        if getattr(self, "_absorbed_key", None) == key:
+            return self._absorbed
+        H, d_n, d_r, d_c = self.n_head, self.d_n, self.d_r, self.d_c
+        q = self.q_b_proj if hasattr(self, "q_a_proj") else self.q_proj
+        w_uk, w_uv = (w.float() for w in self._up_weights())  # (H, D_n, D_c), (H, D_v, D_c)
+        w_q = q.weight.float().view(H, d_n + d_r, -1)
+        w_q_nope, w_q_rope = w_q.split([d_n, d_r], dim=1)
+        w_in = torch.cat([torch.einsum("hnc,hni->hci", w_uk, w_q_nope), w_q_rope], dim=1).reshape(H * (d_c + d_r), -1)
+        b_in = None
+        if q.bias is not None:
+            b_nope, b_rope = q.bias.float().view(H, d_n + d_r).split([d_n, d_r], dim=1)
+            b_in = torch.cat([torch.einsum("hn,hnc->hc", b_nope, w_uk), b_rope], dim=1).reshape(-1)
+        if not hasattr(self, "q_a_proj"):
+            kv_a = self.kv_a_proj
+            w_in = torch.cat([w_in, kv_a.weight.float()])
+            if b_in is not None or kv_a.bias is not None:
+                zeros = lambda n: torch.zeros(n, device=w_in.device)  # noqa: E731
+                b_q = b_in if b_in is not None else zeros(H * (d_c + d_r))
+                b_in = torch.cat([b_q, kv_a.bias.float() if kv_a.bias is not None else zeros(d_c + d_r)])
+        w_o = self.c_proj.weight.float().view(-1, H, self.d_v)  # (C, H, D_v)
+        w_out = torch.einsum("ohv,hvc->ohc", w_o, w_uv).reshape(w_o.shape[0], H * d_c)
+        dtype = q.weight.dtype
+        self._absorbed = (w_in.to(dtype), b_in.to(dtype) if b_in is not None else None, w_out.to(dtype))
+        self._absorbed_key = key
+        return self._absorbed
 
 
 class MLP(nn.Module):

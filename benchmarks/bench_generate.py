@@ -68,7 +68,8 @@ class StaticCachePeer(nn.Module):
     """gpt-fast's decoder over the modules of one of our GPTs: a static cache per layer (registered buffers, so the
     compiled step's graphs may write them in place), rows at their own positions (B,), attention through SDPA with
     a mask of the positions each row has filled. GQA family: K and V (B, H_kv, S_max, D); MLA: the latent and the
-    RoPE key (B, S_max, D_c + D_r), attended in the absorbed form."""
+    RoPE key (B, S_max, D_c + D_r), attended in the absorbed form, through the model's folded projections
+    (`absorbed_weights`, kept as buffers here: the compiled step is one graph)."""
 
     def __init__(self, model, batch: int, max_len: int, compile: bool):
         import model as gpt  # here, not at the top: --device=cpu chooses Triton's interpreter before it is imported
@@ -88,6 +89,10 @@ class StaticCachePeer(nn.Module):
                 self.register_buffer(f"{name}{i}", torch.zeros(shape, device=p.device, dtype=p.dtype))
                 if compile:
                     torch._dynamo.mark_static_address(getattr(self, f"{name}{i}"))
+            if self.mla:
+                w_in, b_in, w_out = model.transformer.h[i].attn.absorbed_weights()
+                for name, t in (("w_in", w_in), ("b_in", b_in), ("w_out", w_out)):
+                    self.register_buffer(f"{name}{i}", t, persistent=False)
         self.register_buffer("key_pos", torch.arange(max_len, device=p.device))
         self.step, self.rows, self.compiled = self.decode_step, batch, compile
         if compile:
@@ -140,20 +145,21 @@ class StaticCachePeer(nn.Module):
 
     def _mla(self, attn, x, pos, rope, mask, rows, i):
         B, T, _ = x.shape
-        H = attn.n_head
-        q = attn.q_b_proj(attn.q_a_norm(attn.q_a_proj(x))) if hasattr(attn, "q_a_proj") else attn.q_proj(x)
-        q_nope, q_rope = q.view(B, T, H, attn.d_n + attn.d_r).split([attn.d_n, attn.d_r], dim=-1)
-        c_kv, k_rope = attn.kv_a_proj(x).split([attn.d_c, attn.d_r], dim=-1)
+        H, d_c, d_r = attn.n_head, attn.d_c, attn.d_r
+        w_in, b_in, w_out = getattr(self, f"w_in{i}"), getattr(self, f"b_in{i}"), getattr(self, f"w_out{i}")
+        if hasattr(attn, "q_a_proj"):
+            q = F.linear(attn.q_a_norm(attn.q_a_proj(x)), w_in, b_in)
+            c_kv, k_rope = attn.kv_a_proj(x).split([d_c, d_r], dim=-1)
+        else:
+            q, c_kv, k_rope = F.linear(x, w_in, b_in).split([H * (d_c + d_r), d_c, d_r], dim=-1)
+        q_absorbed, q_rope = q.view(B, T, H, d_c + d_r).split([d_c, d_r], dim=-1)
         q_rope, k_rope = self.apply_rope(q_rope, *rope), self.apply_rope(k_rope, *rope)
         cache = getattr(self, f"c{i}")[rows]  # (B, S, D_c + D_r)
         cache[torch.arange(B, device=x.device)[:, None], pos] = torch.cat([attn.kv_a_norm(c_kv), k_rope], -1)
-        w_uk, w_uv = attn._up_weights()
-        q_absorbed = torch.einsum("bthn,hnc->bhtc", q_nope, w_uk)
-        q = torch.cat([q_absorbed, q_rope.transpose(1, 2)], -1)  # (B, H, T, D_c + D_r)
-        k, v = cache[:, None], cache[:, None, :, : attn.d_c]  # one latent "head" shared by every query head
+        q = torch.cat([q_absorbed, q_rope], -1).transpose(1, 2)  # (B, H, T, D_c + D_r)
+        k, v = cache[:, None], cache[:, None, :, :d_c]  # one latent "head" shared by every query head
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scale, enable_gqa=True)
-        y = torch.einsum("bhtc,hvc->bthv", o, w_uv).reshape(B, T, H * attn.d_v)
-        return attn.c_proj(y)
+        return F.linear(o.transpose(1, 2).reshape(B, T, H * d_c), w_out, attn.c_proj.bias)
 
 
 @torch.no_grad()

@@ -213,6 +213,39 @@ def test_cached_forward_matches_full_forward(variant, pos, backend):
             assert cache.calls == [("reserve", T)] + per_layer
 
 
+@pytest.mark.parametrize("variant", ["mla", "mla-qlora"])
+def test_mla_decode_folds_the_up_projections(variant):
+    """MLA's decode step runs through absorbed_weights (W_UK folded into the query projection, W_UV into the
+    output one). With every bias nonzero (the init zeroes them), a decode step gives the full forward's logits;
+    the folded weights are kept while the model's stay the same, and rebuilt once one changes in place (an
+    optimizer step, a load_state_dict), so a later decode sees the new weights."""
+    model = GPT(make_config(variant, "rope")).to(DEVICE).eval()
+    attn = model.transformer.h[0].attn
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith(".bias"):
+                p.normal_(0.0, 0.05)
+    assert any(n.endswith("attn.c_proj.bias") for n, _ in model.named_parameters())
+    idx = torch.randint(0, model.config.vocab_size, (2, 9), device=DEVICE)
+
+    def decode_logits():
+        cache = ReferenceCache(2)
+        with torch.no_grad():
+            model(idx[:, :8], cache=cache)
+            return model(idx[:, 8:], cache=cache)[0]
+
+    with torch.no_grad():
+        full = model(idx)[0][:, 8:]
+    assert_scaled_close(decode_logits(), full, 1e-4, "decode logits with the folded weights")
+    kept = attn.absorbed_weights()
+    assert all(a is b for a, b in zip(kept, attn.absorbed_weights())), "the folded weights were rebuilt unchanged"
+    with torch.no_grad():
+        attn.kv_b_proj.weight.mul_(1.5)  # in place: the version counter moves, the storage stays
+        full = model(idx)[0][:, 8:]
+    assert_scaled_close(decode_logits(), full, 1e-4, "decode logits after a weight changed in place")
+    assert attn.absorbed_weights()[2] is not kept[2]
+
+
 def test_last_positions_give_those_logits_only():
     """forward(last=...) returns each row's logits at its own position, as a right-padded prefill reads them: the
     same numbers as the full logits there. A shape other than (B,) is refused."""
