@@ -314,7 +314,10 @@ def generate(
     engine = resolve_engine(engine, kind, device)
     seqs = _Sequences(prompts, max_new, eot_token, on_token)
     stats = GenerationStats(extra={"engine": engine})
-    pick = lambda logits: sample_next(logits, temperature, top_k, top_p, generator)  # noqa: E731
+    if temperature == 0 and getattr(model, "decode_compiled", False):
+        pick = _compiled_greedy()
+    else:
+        pick = lambda logits: sample_next(logits, temperature, top_k, top_p, generator)  # noqa: E731
     if kind == "none":
         _generate_uncached(model, seqs, pick, on_logits, stats)
         return seqs.out, stats
@@ -679,6 +682,13 @@ def advance_rows(new, tokens, remaining, live, next_pos, history, step_index, eo
 
 
 @functools.cache
+@functools.cache
+def _compiled_greedy():
+    """Greedy sampling of a compiled model: Inductor splits the argmax over the vocabulary across many programs,
+    where ATen's reduction of one row of logits runs in one block (RESULTS.md, "Generation")."""
+    return torch.compile(lambda logits: logits.argmax(dim=-1), dynamic=True)
+
+
 def _compiled_advance():
     """advance_rows compiled once per process: every decoder and batch size shares its graph."""
     return torch.compile(advance_rows, dynamic=True)
