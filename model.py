@@ -376,7 +376,6 @@ class MultiHeadLatentAttention(nn.Module):
         return [t for t in own + kv_a if t is not None]
 
     @torch.compiler.disable
-    @torch.no_grad()
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         """The decode's projections with W_UK and W_UV folded in (DeepSeek-V2, section 2.1.2): (w_in, b_in, w_out).
 
@@ -389,11 +388,17 @@ class MultiHeadLatentAttention(nn.Module):
 
         Computed in fp32 and rounded once to the weights' dtype, and kept until a source weight changes (its
         version counter, storage, dtype or device), so that a decode step reads them and a CUDA graph replays
-        them as they are."""
+        them as they are. They are plain tensors even when first built under torch.inference_mode, which would
+        make them unusable in a later forward that autograd records."""
         sources = self._absorb_sources()
         key = tuple((t._version, t.data_ptr(), t.dtype, t.device) for t in sources)
-        if getattr(self, "_absorbed_key", None) == key:
-            return self._absorbed
+        if getattr(self, "_absorbed_key", None) != key:
+            with torch.inference_mode(False), torch.no_grad():
+                self._absorbed = self._fold_up_projections()
+            self._absorbed_key = key
+        return self._absorbed
+
+    def _fold_up_projections(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
         H, d_n, d_r, d_c = self.n_head, self.d_n, self.d_r, self.d_c
         q = self.q_b_proj if hasattr(self, "q_a_proj") else self.q_proj
         w_uk, w_uv = (w.float() for w in self._up_weights())  # (H, D_n, D_c), (H, D_v, D_c)
@@ -414,9 +419,7 @@ class MultiHeadLatentAttention(nn.Module):
         w_o = self.c_proj.weight.float().view(-1, H, self.d_v)  # (C, H, D_v)
         w_out = torch.einsum("ohv,hvc->ohc", w_o, w_uv).reshape(w_o.shape[0], H * d_c)
         dtype = q.weight.dtype
-        self._absorbed = (w_in.to(dtype), b_in.to(dtype) if b_in is not None else None, w_out.to(dtype))
-        self._absorbed_key = key
-        return self._absorbed
+        return w_in.to(dtype), b_in.to(dtype) if b_in is not None else None, w_out.to(dtype)
 
 
 class MLP(nn.Module):

@@ -244,6 +244,13 @@ def test_mla_decode_folds_the_up_projections(variant):
         full = model(idx)[0][:, 8:]
     assert_scaled_close(decode_logits(), full, 1e-4, "decode logits after a weight changed in place")
     assert attn.absorbed_weights()[2] is not kept[2]
+    with torch.no_grad():
+        attn.c_proj.weight.mul_(0.5)
+    with torch.inference_mode():  # built here, they must still serve a decode that autograd records
+        decode_logits()
+    cache = ReferenceCache(2)
+    prefill = model(idx[:, :8], cache=cache)[0]
+    (prefill.sum() + model(idx[:, 8:], cache=cache)[0].sum()).backward()
 
 
 def test_last_positions_give_those_logits_only():
