@@ -6,6 +6,7 @@ here, on the same weights.
     python -m benchmarks.bench_generate --quick                          # batches 1, 8, ragged; 32 new tokens
     python -m benchmarks.bench_generate --batches 1,8,64,ragged --ragged_prompts 64 --ragged_rows 16   # ~7 min
     python -m benchmarks.bench_generate --device=cpu --tiny              # a smoke run of the same code on the CPU
+    python -m benchmarks.bench_generate --variants gqa,mla --batches 1 --profile   # where a decode step's time goes
 
 Models: GPT-2 small (12 layers, 12 heads of 64, 768 wide, learned positions) with GQA (4 KV heads) and with MLA
 (a 256-wide latent and a 32-dim RoPE key), random weights in bf16. Each batch (--batches) is that many prompts of
@@ -30,6 +31,10 @@ timing, each model is checked: the engine's (plain and compiled) and the peer's 
 the dtype's tolerance and their greedy tokens equal its tokens (up to a near-tie, where rounding may pick either
 token). On the CPU the engines run their static step without capture and the peer's step is not compiled (no CUDA
 graphs); the compiled way is Inductor's CPU code there.
+
+--profile traces one more run of the compiled way at each fixed batch (torch.profiler) and prints what a decode
+step spends: the GPU kernels that run in every step (a prefill's run once a layer), each one's microseconds and
+launches a step, with the step's wall time beside them; on the CPU, the ops' own host time instead.
 """
 
 from __future__ import annotations
@@ -293,6 +298,33 @@ def run_ours(model, cache: str, batch, engine: str, args, sync, warm: bool = Fal
     return {"tok/s": s["decode_tokens_per_s"], "ms/step": 1e3 * stats.decode_s / max(stats.decode_steps, 1)}
 
 
+def profile_step(model, cache: str, batch: int, engine: str, args, sync, top: int = 16) -> None:
+    """Print the kernels of a decode step of `model` (see the module docstring, --profile)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from generate import generate
+
+    prompts, new, rows = workload(model, batch, args)
+    cuda = args.device == "cuda"
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
+        _, stats = generate(model, prompts, cache, max_new_tokens=new, page_size=args.page_size, engine=engine)
+        sync()
+    steps = max(stats.decode_steps, 1)
+    events = prof.key_averages()
+    if cuda:  # the kernels themselves, not the host ops that launched them
+        events = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+    spent = (lambda e: e.self_device_time_total) if cuda else (lambda e: e.self_cpu_time_total)
+    per_step = sorted((e for e in events if e.count >= steps), key=lambda e: -spent(e))
+    what = "GPU kernels" if cuda else "host ops (self CPU time)"
+    print(
+        f"\nprofile {model.config.attention} {cache} B{batch} compiled: {1e3 * stats.decode_s / steps:.3f} ms a step "
+        f"traced, {sum(map(spent, per_step)) / steps:.1f} us of {what} in {sum(e.count for e in per_step) / steps:.0f} "
+        f"calls a step; the top {top}:"
+    )
+    for e in per_step[:top]:
+        print(f"  {spent(e) / steps:8.1f} us {e.count / steps:6.1f}x  {e.key[:110]}")
+
+
 def run_peer(model, batch, args, sync) -> dict:
     prompts, new, rows = workload(model, batch, args)
     max_len = max(len(p) for p in prompts) + max(new)  # static batching: a row decodes as long as its batch
@@ -323,6 +355,7 @@ def parse_args(argv):
         help="rows freed before waiting prompts are admitted (generate's admit_batch; default a quarter of the rows)",
     )
     p.add_argument("--page_size", type=int, default=16)
+    p.add_argument("--profile", action="store_true", help="per fixed batch: the kernels of a compiled decode step")
     p.add_argument("--quick", action="store_true", help="batches 1, 8 and 32 ragged prompts over 8 rows, 32 tokens")
     p.add_argument("--tiny", action="store_true", help="2-layer models, 8-token prompts, 4 new tokens (CPU smoke run)")
     args = p.parse_args(argv)
@@ -399,6 +432,8 @@ def main(argv: list[str] | None = None):
                 elapsed = time.perf_counter() - t_start
                 split = f"; prefill s {row[PREFILL]}" if PREFILL in row else ""
                 print(f"  {variant} {cache} B{batch}: {speeds} tok/s{split}; {elapsed:.0f} s so far", flush=True)
+                if args.profile and batch != "ragged":
+                    profile_step(compiled, cache, batch, engine, args, sync)
         del model, compiled
         if cuda:
             torch.cuda.empty_cache()
