@@ -399,6 +399,7 @@ class MultiHeadLatentAttention(nn.Module):
         return self._absorbed
 
     def _fold_up_projections(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """(w_in, b_in, w_out) of `absorbed_weights`, built from the current weights."""
         H, d_n, d_r, d_c = self.n_head, self.d_n, self.d_r, self.d_c
         q = self.q_b_proj if hasattr(self, "q_a_proj") else self.q_proj
         w_uk, w_uv = (w.float() for w in self._up_weights())  # (H, D_n, D_c), (H, D_v, D_c)
@@ -409,13 +410,12 @@ class MultiHeadLatentAttention(nn.Module):
         if q.bias is not None:
             b_nope, b_rope = q.bias.float().view(H, d_n + d_r).split([d_n, d_r], dim=1)
             b_in = torch.cat([torch.einsum("hn,hnc->hc", b_nope, w_uk), b_rope], dim=1).reshape(-1)
-        if not hasattr(self, "q_a_proj"):
-            kv_a = self.kv_a_proj
-            w_in = torch.cat([w_in, kv_a.weight.float()])
-            if b_in is not None or kv_a.bias is not None:
-                zeros = lambda n: torch.zeros(n, device=w_in.device)  # noqa: E731
-                b_q = b_in if b_in is not None else zeros(H * (d_c + d_r))
-                b_in = torch.cat([b_q, kv_a.bias.float() if kv_a.bias is not None else zeros(d_c + d_r)])
+        if not hasattr(
+            self, "q_a_proj"
+        ):  # the latent projection's rows follow (config.bias gives both a bias or neither)
+            w_in = torch.cat([w_in, self.kv_a_proj.weight.float()])
+            if b_in is not None:
+                b_in = torch.cat([b_in, self.kv_a_proj.bias.float()])
         w_o = self.c_proj.weight.float().view(-1, H, self.d_v)  # (C, H, D_v)
         w_out = torch.einsum("ohv,hvc->ohc", w_o, w_uv).reshape(w_o.shape[0], H * d_c)
         dtype = q.weight.dtype
