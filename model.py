@@ -410,9 +410,8 @@ class MultiHeadLatentAttention(nn.Module):
         if q.bias is not None:
             b_nope, b_rope = q.bias.float().view(H, d_n + d_r).split([d_n, d_r], dim=1)
             b_in = torch.cat([torch.einsum("hn,hnc->hc", b_nope, w_uk), b_rope], dim=1).reshape(-1)
-        if not hasattr(
-            self, "q_a_proj"
-        ):  # the latent projection's rows follow (config.bias gives both a bias or neither)
+        # without query compression the latent projection's rows follow (config.bias gives both a bias or neither)
+        if not hasattr(self, "q_a_proj"):
             w_in = torch.cat([w_in, self.kv_a_proj.weight.float()])
             if b_in is not None:
                 b_in = torch.cat([b_in, self.kv_a_proj.bias.float()])
