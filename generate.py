@@ -682,13 +682,13 @@ def advance_rows(new, tokens, remaining, live, next_pos, history, step_index, eo
 
 
 @functools.cache
-@functools.cache
 def _compiled_greedy():
     """Greedy sampling of a compiled model: Inductor splits the argmax over the vocabulary across many programs,
     where ATen's reduction of one row of logits runs in one block (RESULTS.md, "Generation")."""
     return torch.compile(lambda logits: logits.argmax(dim=-1), dynamic=True)
 
 
+@functools.cache
 def _compiled_advance():
     """advance_rows compiled once per process: every decoder and batch size shares its graph."""
     return torch.compile(advance_rows, dynamic=True)
