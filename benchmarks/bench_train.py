@@ -15,7 +15,9 @@ MLA a 256-wide latent and a 32-dim RoPE key. "ours" runs attention through atten
 (attn_backend="torch"); everything else is the same model, weights and batch.
 
 Each context (--contexts, default 1k, 2k and 8k) keeps the tokens of a micro-step at --tokens (batch = tokens /
-context), so attention's share of the step grows with the context while the rest stays alike. Per context and
+context), so attention's share of the step grows with the context while the rest stays alike. The default, 32,768
+tokens, is configs/gpt2_small_gqa.py's micro-step (32 sequences of 1,024): what train.py runs on one GPU. At half of
+it the GPU's work per micro-step no longer hides the host's launches on the fastest GPUs, for either model. Per context and
 variant both models are built and compiled once, warmed up (--warmup iterations: compiles and the kernels' config
 timing happen there), then timed in alternating rounds (ours, SDPA, ours, SDPA, ... --rounds rounds of --iters
 iterations each, device-synchronized around each round); a number is the median over the rounds.
@@ -63,7 +65,7 @@ BACKENDS = {"ours": "triton", "SDPA": "torch"}
 TRAIN_SHAPE = dict(GPT2_SMALL, bias=False, pos_embedding="rope")
 # A run's planned cost on an H200, for the budget printed before it starts: a compile of one block and the loss
 # head, with its Triton kernels, and the seconds of one timed iteration per 1k tokens of a micro-step (a GPT-2-small
-# micro-step of 16k tokens at ~500k tokens/s).
+# micro-step of 32k tokens at ~500k tokens/s).
 COMPILE_S, ITER_S_PER_KTOKEN = 10.0, 0.002
 
 
@@ -98,7 +100,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument(
         "--modes", default=None, help=f"comma-separated, from {', '.join(MODES)} (default compile; CPU eager)"
     )
-    p.add_argument("--tokens", type=int, default=0, help="tokens per micro-step (default 16384; tiny 128)")
+    p.add_argument("--tokens", type=int, default=0, help="tokens per micro-step (default 32768; tiny 128)")
     p.add_argument("--batch", type=int, default=0, help="sequences per micro-step (default: tokens / context)")
     p.add_argument("--accum", type=int, default=2, help="micro-steps per iteration (gradient accumulation)")
     p.add_argument("--rounds", type=int, default=0, help="alternating timed rounds per backend (default 3; tiny 1)")
@@ -117,7 +119,7 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     args.modes = _listed(p, "--modes", args.modes or ("eager" if args.device == "cpu" else "compile"), str, MODES)
     if args.device == "cpu" and any(m.endswith("graph") for m in args.modes):
         p.error("--modes: graph and compile+graph need a CUDA device (CUDA graphs); on the CPU use eager or compile")
-    args.tokens = args.tokens or (128 if args.tiny else 16384)
+    args.tokens = args.tokens or (128 if args.tiny else 32768)
     args.rounds, args.iters = args.rounds or (1 if args.tiny else 3), args.iters or (1 if args.tiny else 3)
     args.warmup = args.warmup or (1 if args.tiny else 2)
     for name in ("tokens", "batch", "accum", "rounds", "iters", "warmup"):
