@@ -17,7 +17,7 @@ MLA a 256-wide latent and a 32-dim RoPE key. "ours" runs attention through atten
 Each context (--contexts, default 1k, 2k and 8k) keeps the tokens of a micro-step at --tokens (batch = tokens /
 context), so attention's share of the step grows with the context while the rest stays alike. The default, 32,768
 tokens, is configs/gpt2_small_gqa.py's micro-step (32 sequences of 1,024): what train.py runs on one GPU. At half of
-it the GPU's work per micro-step no longer hides the host's launches on the fastest GPUs, for either model. Per context and
+it, the host's launches and Python start to show on the fastest GPUs (benchmarks/RESULTS.md). Per context and
 variant both models are built and compiled once, warmed up (--warmup iterations: compiles and the kernels' config
 timing happen there), then timed in alternating rounds (ours, SDPA, ours, SDPA, ... --rounds rounds of --iters
 iterations each, device-synchronized around each round); a number is the median over the rounds.
