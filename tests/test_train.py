@@ -64,6 +64,49 @@ def subprocess_env(**extra):
     return env
 
 
+def descendants(pid: int) -> list[int]:
+    """Every process below pid, from /proc (torchrun starts its workers in sessions of their own)."""
+    children = {}
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError):  # gone meanwhile
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        below = children.get(todo.pop(), [])
+        found += below
+        todo += below
+    return found
+
+
+def run_with_stacks_on_hang(cmd: list[str], env: dict, cwd, timeout: float) -> subprocess.CompletedProcess:
+    """subprocess.run, except that a run still going after timeout seconds fails the test with every process's
+    Python stack (faulthandler on SIGABRT): a collective that never completes shows where each rank waits."""
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=dict(env, PYTHONFAULTHANDLER="1"), cwd=cwd
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        for pid in [*descendants(proc.pid), proc.pid]:
+            try:
+                os.kill(pid, signal.SIGABRT)
+            except ProcessLookupError:
+                pass
+        try:
+            out, err = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        pytest.fail(
+            f"{cmd[:6]} ran past {timeout} s; its output, then every process's stack:\n{out[-6000:]}\n{err[-12000:]}"
+        )
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
 @pytest.mark.parametrize("variant", ["mha", "gqa", "mqa", "mla"])
 def test_each_attention_config_lowers_the_loss(data_dir, tmp_path, variant):
     result = run_inprocess(
@@ -346,7 +389,7 @@ def test_ddp_two_gloo_processes_match_one_process(data_dir, tmp_path):
         *args,
         f"--out_dir={tmp_path / 'ddp'}",
     ]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=subprocess_env(), cwd=tmp_path)
+    proc = run_with_stacks_on_hang(cmd, subprocess_env(), tmp_path, timeout=240)  # about 10 s on 2 cores
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("eval 4:") == 1, "only rank 0 prints"
     assert "over 2 process(es)" in proc.stdout
