@@ -34,6 +34,9 @@ TRAIN_KEYS = (
 )
 
 
+RUN_CHECKPOINTS = ("best.pt", "last.pt")  # a run directory's checkpoints, in the order its model is taken from
+
+
 class CheckpointError(ValueError):
     """A checkpoint that is missing, truncated, corrupt, or lacks the keys its reader needs."""
 
@@ -103,6 +106,11 @@ def load_checkpoint(path: str | os.PathLike, map_location="cpu", required_keys: 
     if missing:
         raise CheckpointError(f"checkpoint {path!r}: missing keys {missing}; it has {sorted(obj)}")
     return obj
+
+
+def run_checkpoints(directory: str | os.PathLike) -> list[str]:
+    """The checkpoints a run directory holds, best.pt first: the run's model is the first of them that loads."""
+    return [p for name in RUN_CHECKPOINTS if os.path.isfile(p := os.path.join(directory, name))]
 
 
 def _failed_crc(path: str) -> str | None:

@@ -60,7 +60,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from checkpoint import CheckpointError, first_line, load_checkpoint, model_from_checkpoint
+from checkpoint import CheckpointError, first_line, load_checkpoint, model_from_checkpoint, run_checkpoints
 from configurator import ConfigError, help_text, parse_config, wants_help
 
 DEFAULTS = dict(
@@ -79,7 +79,6 @@ DEFAULTS = dict(
 )
 
 FORMATS = ("table", "markdown", "csv", "json")
-CHECKPOINTS = ("best.pt", "last.pt")  # the one the table and decode use: best.pt, else last.pt
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ATTENTION_ORDER = ("mha", "gqa", "mqa", "mla")  # rows of discovered runs: this order, then by name
 PROMPT_LEN = 16
@@ -262,7 +261,7 @@ def load_run(directory: str, attn_backend: str = "torch") -> Run:
 
 def _read_checkpoint(directory: str, attn_backend: str):
     """(path, checkpoint, model) of best.pt, else last.pt; a damaged best.pt beside a good last.pt is noted."""
-    present = [os.path.join(directory, name) for name in CHECKPOINTS if os.path.isfile(os.path.join(directory, name))]
+    present = run_checkpoints(directory)
     if not present:
         raise CompareError(
             f"run directory {directory!r}: no checkpoint (best.pt or last.pt); valid: a directory train.py wrote"
@@ -351,9 +350,7 @@ def discover(root: str = ".") -> list[str]:
     return [
         os.path.join(root, d) if root != "." else d
         for d in names
-        if not d.startswith(".")
-        and os.path.isdir(os.path.join(root, d))
-        and any(os.path.isfile(os.path.join(root, d, c)) for c in CHECKPOINTS)
+        if not d.startswith(".") and os.path.isdir(os.path.join(root, d)) and run_checkpoints(os.path.join(root, d))
     ]
 
 

@@ -51,6 +51,7 @@ import sys
 import torch
 
 from cache import CacheFullError, check_page_size
+from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, run_checkpoints
 from generate import (
     available_bytes,
     check_length,
@@ -171,9 +172,6 @@ def check_pool(kind: str, prompt_len: int, cfg: dict):
 # ----------------------------------------------------------------------------------------------- the CLI
 
 
-CHECKPOINT_NAMES = ("best.pt", "last.pt")  # a run directory's checkpoints, in the order they are taken
-
-
 def load_model(cfg: dict, out_dir_given: bool = True):
     """(model, tokenizer meta, checkpoint config, checkpoint path or None) from --init_from: resume (--out_dir, or
     without it the newest checkpoint here), a run directory or checkpoint file, or gpt2*."""
@@ -222,9 +220,9 @@ def checkpoint_path(cfg: dict, out_dir_given: bool) -> str:
 
 
 def _in_directory(directory: str, option: str) -> str:
-    for name in CHECKPOINT_NAMES:
-        if os.path.isfile(os.path.join(directory, name)):
-            return os.path.join(directory, name)
+    found = run_checkpoints(directory)
+    if found:
+        return found[0]
     raise ValueError(
         f"{option}: no checkpoint in {directory!r} (best.pt or last.pt; train.py writes them to its out_dir); "
         f"valid: {_as_options(_checkpoint_dirs())}"
@@ -233,22 +231,19 @@ def _in_directory(directory: str, option: str) -> str:
 
 def _load(path: str, option: str):
     """(checkpoint, model) of a checkpoint file; a file that does not load names the other checkpoint beside it."""
-    from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint
-
     try:
         ckpt = load_checkpoint(path, map_location="cpu", required_keys=("model", "model_args", "tokenizer"))
         return ckpt, model_from_checkpoint(ckpt, path)
     except CheckpointError as e:
-        directory, name = os.path.split(path)
-        others = [n for n in CHECKPOINT_NAMES if n != name and os.path.isfile(os.path.join(directory, n))]
+        others = [p for p in run_checkpoints(os.path.dirname(path)) if os.path.basename(p) != os.path.basename(path)]
         if not others:
             raise
-        other = os.path.join(directory, others[0])
+        other = others[0]
         raise CheckpointError(f"{e}; valid: the other checkpoint beside it, {option}={other}") from None
 
 
 def _mtimes(directory: str) -> list[float]:
-    return [os.path.getmtime(p) for n in CHECKPOINT_NAMES if os.path.isfile(p := os.path.join(directory, n))]
+    return [os.path.getmtime(p) for p in run_checkpoints(directory)]
 
 
 def _checkpoint_dirs() -> list[str]:

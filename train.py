@@ -12,10 +12,12 @@ A GPT-2-small-sized GQA model on one GPU, with the Triton kernels and torch.comp
 Stack a size file and a variant file to compare the KV cache at GPU scale (the size file first: the variant file
 appends its name to the size file's out_dir, here out-kv-mla):
     python train.py configs/kv_h200.py configs/mla.py
-Override anything (`--key=value` or `--key value`; they apply left to right), resume exactly, or finetune GPT-2:
+Override anything (`--key=value` or `--key value`; they apply left to right), resume exactly, fine-tune GPT-2, or
+start a new run from a run's model (its best.pt; the model's architecture, this run's data, schedule, block_size):
     python train.py configs/gqa.py --batch_size=32 --max_iters=200
     python train.py configs/gqa.py --init_from=resume    # continues out-gqa/last.pt where it stopped
     python train.py --init_from=gpt2 --dataset=tinystories --learning_rate=3e-5 --block_size=512 --compile=True
+    python train.py configs/gqa.py --init_from=out-gqa --out_dir=out-gqa-ft --learning_rate=3e-4
 One node with 8 GPUs (DDP over NCCL; `gradient_accumulation_steps` is global and is divided among the ranks):
     torchrun --standalone --nproc_per_node=8 train.py configs/gpt2_small_gqa.py
 Two nodes of 8 GPUs (node 0 at 10.0.0.1; every node needs the prepared data; global rank 0 writes out_dir;
@@ -62,6 +64,7 @@ from checkpoint import (
     first_line,
     load_checkpoint,
     model_from_checkpoint,
+    run_checkpoints,
     save_checkpoint,
 )
 from configurator import ConfigError, help_text, parse_config, wants_help
@@ -77,7 +80,8 @@ DEFAULTS = dict(
     log_interval=10,  # progress line every this many iterations (also the NaN check and the stop sync)
     eval_iters=20,  # batches per split per eval (always the same batches: curves are comparable)
     eval_only=False,
-    init_from="scratch",  # "scratch", "resume" (out_dir/last.pt), a GPT-2 name (GPT2_NAMES) or its local dir
+    init_from="scratch",  # "scratch", "resume" (out_dir/last.pt), a run dir or checkpoint (a new run from its
+    # model), a GPT-2 name (GPT2_NAMES) or a directory of GPT2LMHeadModel.save_pretrained
     overwrite=False,  # a run that does not resume refuses an out_dir holding another run's files, unless True
     seed=1337,  # initial weights, data order and dropout (the eval batches are the same for every seed)
     # wandb (offline automatically without credentials or network)
@@ -222,16 +226,40 @@ def check_config(config: dict, d: Dist) -> None:
             f"multiple of the number of processes ({d.world_size}), since it is divided among them"
         )
     init = config["init_from"]
-    if init not in ("scratch", "resume", *GPT2_NAMES) and not os.path.isdir(init):
+    valid_init = (
+        f"valid: 'scratch', 'resume', a run directory (its best.pt, else last.pt) or checkpoint file that train.py "
+        f"wrote, {', '.join(GPT2_NAMES)}, or a directory saved by GPT2LMHeadModel.save_pretrained"
+    )
+    named = init in ("scratch", "resume", *GPT2_NAMES)  # a directory of the same name does not count
+    if not named and not os.path.exists(init):
+        raise ConfigError(f"init_from: got {init!r}, which is not a file or directory; {valid_init}")
+    if not named and os.path.isdir(init) and not run_checkpoints(init) and not os.path.isfile(f"{init}/config.json"):
         raise ConfigError(
-            f"init_from: got {init!r}; valid: 'scratch', 'resume', {', '.join(GPT2_NAMES)} or a "
-            "directory saved by GPT2LMHeadModel.save_pretrained"
+            f"init_from: got {init!r}, a directory with no checkpoint (best.pt, last.pt) and no GPT-2 weights "
+            f"(config.json); {valid_init}"
         )
     out_dir = config["out_dir"]
     if not out_dir or (os.path.exists(out_dir) and not os.path.isdir(out_dir)):
         raise ConfigError(
             f"out_dir: got {out_dir!r}{' (a file)' if out_dir else ''}; valid: a directory path (created if missing)"
         )
+    source = init_checkpoint_path(init)
+    if source is not None and os.path.realpath(os.path.dirname(os.path.abspath(source))) == os.path.realpath(out_dir):
+        raise ConfigError(
+            f"init_from: got {init!r}, a checkpoint of the run in this out_dir ({out_dir!r}); valid: "
+            "--init_from=resume to continue that run, or another --out_dir for a new run from its model"
+        )
+
+
+def init_checkpoint_path(init: str) -> str | None:
+    """The checkpoint that init_from names when it is one of train.py's: a file, or a run directory's best.pt
+    (else last.pt). None for scratch, resume and GPT-2 (a name, or a directory of save_pretrained)."""
+    if init in ("scratch", "resume", *GPT2_NAMES):
+        return None
+    if os.path.isfile(init):
+        return init
+    found = run_checkpoints(init) if os.path.isdir(init) else []
+    return found[0] if found else None
 
 
 # Keys that say where or how a run computes and logs, not what it trains: two configs that differ only in these
@@ -308,13 +336,21 @@ def held_run(config: dict, device: str) -> tuple[str, int] | None:
 
 def config_differences(config: dict, old: dict, old_model_args: dict, device: str) -> dict:
     """The keys (outside NOT_THE_RUN) where this config, resolved as setup() resolves it, differs from a saved run's
-    config: key -> this run's value."""
+    config: key -> this run's value. A run started from a model (a checkpoint, GPT-2) has that model's architecture
+    whatever the config says, so there the source itself is compared instead."""
     mine = dict(config, dtype=resolve_dtype(config["dtype"], device))
-    try:  # the model fields as the model resolves them (vocab_size 0: the dataset's, which the saved run has)
-        mine.update(asdict(model_config(config, old_model_args["vocab_size"])))
-    except ConfigError:  # settings that would not build a model: compared as written
-        pass
-    return {k: v for k, v in mine.items() if k not in NOT_THE_RUN and old.get(k) != v}
+    skip = set(NOT_THE_RUN)
+    if config["init_from"] == "scratch":
+        try:  # the model fields as the model resolves them (vocab_size 0: the dataset's, which the saved run has)
+            mine.update(asdict(model_config(config, old_model_args["vocab_size"])))
+        except ConfigError:  # settings that would not build a model: compared as written
+            pass
+    else:
+        skip |= set(MODEL_KEYS) - {"block_size", "dropout"}
+    differ = {k: v for k, v in mine.items() if k not in skip and old.get(k) != v}
+    if old.get("init_from", "scratch") not in ("resume", config["init_from"]):  # a resumed run's source is unknown
+        differ["init_from"] = config["init_from"]
+    return differ
 
 
 def model_config(config: dict, vocab_size: int) -> GPTConfig:
@@ -368,23 +404,31 @@ def tokens_per_iter(config: dict) -> int:
     return config["gradient_accumulation_steps"] * config["batch_size"] * config["block_size"]
 
 
-def build_model(config: dict, vocab_size: int, ckpt: dict | None) -> GPT:
-    """A fresh model, the one of a checkpoint (its architecture wins over the config), or OpenAI's GPT-2."""
+def build_model(config: dict, vocab_size: int, ckpt: dict | None, source: tuple[str, dict] | None) -> GPT:
+    """A fresh model; the resumed run's (ckpt); or, at this run's block_size, another run's (source: its checkpoint's
+    path and dict) or OpenAI's GPT-2. A checkpoint's architecture wins over the config."""
+    overrides = dict(attn_backend=config["attn_backend"], dropout=config["dropout"])
     if ckpt is not None:
-        model = model_from_checkpoint(
-            ckpt, resume_path(config), attn_backend=config["attn_backend"], dropout=config["dropout"]
-        )
+        model = model_from_checkpoint(ckpt, resume_path(config), **overrides)
     elif config["init_from"] == "scratch":
         model = GPT(model_config(config, vocab_size))
     else:
-        try:
-            model = GPT.from_pretrained(
-                config["init_from"], dict(dropout=config["dropout"], attn_backend=config["attn_backend"])
+        if source is not None:
+            path, saved = source
+            if saved["model_args"].get("pos_embedding") != "learned":  # RoPE has no table: any block_size goes
+                overrides["block_size"] = config["block_size"]
+            model = model_from_checkpoint(saved, path, **overrides)
+        else:
+            try:
+                model = GPT.from_pretrained(config["init_from"], overrides)
+            except (OSError, ValueError) as e:  # no network, not a GPT-2 directory: the model's message
+                raise ConfigError(f"init_from: {e}") from None
+        if config["block_size"] > model.config.block_size:
+            raise ConfigError(
+                f"block_size: got {config['block_size']}; valid: at most {model.config.block_size}, the learned "
+                f"positions of {config['init_from']!r}"
             )
-        except (OSError, ValueError) as e:  # no network, not a GPT-2 directory: the model's message, no traceback
-            raise ConfigError(f"init_from: {e}") from None
-        if config["block_size"] < model.config.block_size:
-            model.crop_block_size(config["block_size"])
+        model.crop_block_size(config["block_size"])
     if model.config.vocab_size < vocab_size:
         raise ConfigError(
             f"dataset: its vocabulary ({vocab_size}) does not fit the model's "
@@ -527,18 +571,33 @@ def load_resume_checkpoint(config: dict) -> dict:
     return ckpt
 
 
-def note_ignored_model_args(config: dict, ckpt: dict, vocab_size: int) -> None:
-    """On resume the model is the checkpoint's (only attn_backend and dropout follow this run's config): say which
-    of this run's model settings it does not take, so an override is never dropped in silence."""
+def load_init_checkpoint(config: dict) -> tuple[str, dict] | None:
+    """(path, checkpoint) of the run whose model --init_from names (a new run starts from it), else None. A damaged
+    best.pt names the last.pt beside it rather than silently starting from another model."""
+    path = init_checkpoint_path(config["init_from"])
+    if path is None:
+        return None
+    try:
+        return path, load_checkpoint(path, map_location="cpu", required_keys=("model", "model_args", "tokenizer"))
+    except CheckpointError as e:
+        others = [p for p in run_checkpoints(os.path.dirname(path)) if os.path.basename(p) != os.path.basename(path)]
+        if not others:
+            raise
+        raise CheckpointError(f"{e}; valid: the other checkpoint beside it, --init_from={others[0]}") from None
+
+
+def note_ignored_model_args(config: dict, ckpt: dict, vocab_size: int, taken: tuple[str, ...], why: str) -> None:
+    """The model is the checkpoint's (only the `taken` fields follow this run's config): say which of this run's
+    model settings it does not take, so an override is never dropped in silence."""
     try:
         wanted = asdict(model_config(config, vocab_size))
     except ConfigError:  # settings that would not even build a model: compare them as written
         wanted = {k: config[k] for k in MODEL_KEYS if k in config}
     saved = ckpt["model_args"] if isinstance(ckpt["model_args"], dict) else {}
-    differ = [k for k in saved if k not in ("attn_backend", "dropout") and k in wanted and wanted[k] != saved[k]]
+    differ = [k for k in saved if k not in taken and k in wanted and wanted[k] != saved[k]]
     if differ:
         say(
-            "resume: the model is the checkpoint's; not taken from this run's config: "
+            f"{why}: the model is the checkpoint's; not taken from this run's config: "
             + ", ".join(f"{k}={wanted[k]!r} (checkpoint: {saved[k]!r})" for k in differ)
         )
 
@@ -773,11 +832,19 @@ def setup(config: dict, d: Dist, device: str) -> Setup:
                 f"valid: at most {len(tokens) - 2}"
             )
     ckpt = load_resume_checkpoint(config) if config["init_from"] == "resume" else None
-    if ckpt is not None and ckpt["tokenizer"] != data.meta["tokenizer"]:
-        raise ConfigError(f"dataset: {config['dataset']!r} is tokenized differently from the checkpoint's data")
-    if ckpt is not None and d.master:
-        note_ignored_model_args(config, ckpt, data.vocab_size)
-    raw_model = build_model(config, data.vocab_size, ckpt).to(device)
+    source = load_init_checkpoint(config)  # a new run from another run's model
+    for saved in (ckpt, source[1] if source else None):
+        if saved and saved["tokenizer"] != data.meta["tokenizer"]:
+            raise ConfigError(
+                f"dataset: {config['dataset']!r} is tokenized differently from the checkpoint's data; valid: a "
+                "dataset prepared with the checkpoint's tokenizer"
+            )
+    if d.master and ckpt is not None:
+        note_ignored_model_args(config, ckpt, data.vocab_size, ("attn_backend", "dropout"), "resume")
+    if d.master and source is not None:
+        taken = ("attn_backend", "dropout", "block_size")
+        note_ignored_model_args(config, source[1], data.vocab_size, taken, "init_from")
+    raw_model = build_model(config, data.vocab_size, ckpt, source).to(device)
     config["wandb_group"], config["wandb_run_name"] = run_names(config)  # from the final values (a resume's model)
     check_backend(raw_model, device)
     optimizer = raw_model.configure_optimizers(
@@ -834,6 +901,8 @@ def setup(config: dict, d: Dist, device: str) -> Setup:
         print_setup(config, raw_model, d)
         if ckpt is not None:
             say(f"resumed from iteration {iter_num} ({resume_path(config)})")
+        if source is not None:
+            say(f"init_from: the model of {source[0]} (its iteration {source[1].get('iter_num', '?')}); a new run")
         run = init_wandb(config, raw_model, run_facts(config, raw_model)) if config["wandb_log"] else None
     return Setup(
         data,

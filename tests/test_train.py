@@ -559,10 +559,65 @@ def test_cuda_graphs_train_like_eager(data_dir, tmp_path, dtype):
         torch.testing.assert_close(b["model"][name], tensor, atol=1e-3, rtol=1e-3, msg=name)
 
 
-def test_init_from_a_directory_without_gpt2_weights_fails_clearly(data_dir, tmp_path):
+def test_init_from_a_directory_without_a_model_fails_clearly(data_dir, tmp_path):
     (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match=r"init_from: got '.*empty', a directory with no checkpoint \(best.pt"):
+        run_inprocess(data_dir, tmp_path / "out", f"--init_from={tmp_path / 'empty'}")
+    (tmp_path / "empty" / "config.json").write_text("{}")  # looks like save_pretrained's: transformers decides
     with pytest.raises(ConfigError, match="init_from: could not load GPT-2 weights .*empty"):
         run_inprocess(data_dir, tmp_path / "out", f"--init_from={tmp_path / 'empty'}")
+
+
+def test_init_from_a_run_starts_a_new_run_from_its_model(data_dir, tmp_path, capsys):
+    """--init_from=<run directory> takes that run's best.pt (the architecture too) into a new run: iteration 0,
+    a fresh optimizer and schedule, this run's block_size (RoPE), its own out_dir."""
+    run_inprocess(data_dir, tmp_path / "a", "--max_iters=6", "--eval_interval=3", config="gqa")
+    source = load_checkpoint(tmp_path / "a" / "best.pt")
+    capsys.readouterr()
+    args = [f"--init_from={tmp_path / 'a'}", "--max_iters=2", "--eval_interval=2", "--block_size=16"]
+    result = run_inprocess(data_dir, tmp_path / "b", *args)  # the default config: MHA, which the model is not
+    out = capsys.readouterr().out
+    assert "init_from: the model is the checkpoint's; not taken from this run's config: attention='mha'" in out
+    assert f"init_from: the model of {tmp_path / 'a' / 'best.pt'} (its iteration 6); a new run" in out
+    ckpt = load_checkpoint(tmp_path / "b" / "last.pt")
+    assert ckpt["model_args"] == dict(source["model_args"], block_size=16)
+    assert ckpt["config"]["attention"] == "gqa" and ckpt["config"]["block_size"] == 16  # the config tells the truth
+    assert result["iter_num"] == 2 and [m["iter"] for m in metrics(tmp_path / "b")] == [0, 2]
+    assert ckpt["optimizer"]["state"][0]["step"] == 2, "a fresh AdamW, not the source run's"
+    for name, tensor in source["model"].items():  # started from the source's weights, then trained
+        assert not torch.equal(ckpt["model"][name], tensor), name
+    first = metrics(tmp_path / "b")[0]
+    assert first["train_loss"] < metrics(tmp_path / "a")[0]["train_loss"] - 0.3, "iteration 0 is a trained model"
+
+    kept = run_inprocess(data_dir, tmp_path / "b", *args)  # the same command again: the finished run is kept
+    assert kept.get("kept") and kept["iter_num"] == 2
+    run_inprocess(data_dir, tmp_path / "c", "--max_iters=2", "--eval_interval=2")
+    with pytest.raises(ConfigError, match=r"That run differs from this one in init_from \('.*a' there, '.*c' here\)"):
+        run_inprocess(data_dir, tmp_path / "b", *args[1:], f"--init_from={tmp_path / 'c'}")
+
+
+def test_init_from_a_run_refuses_what_would_lose_or_misread_it(data_dir, tmp_path):
+    run_inprocess(data_dir, tmp_path / "a", "--max_iters=2", "--eval_interval=2", "--pos_embedding=learned")
+    with pytest.raises(
+        ConfigError,
+        match=r"init_from: got '.*a/last.pt', a checkpoint of the run in this out_dir .*"
+        r"valid: --init_from=resume to continue that run, or another --out_dir",
+    ):
+        run_inprocess(data_dir, tmp_path / "a", f"--init_from={tmp_path / 'a' / 'last.pt'}")
+    with pytest.raises(ConfigError, match=r"block_size: got 64; valid: at most 32, the learned positions of"):
+        run_inprocess(data_dir, tmp_path / "b", f"--init_from={tmp_path / 'a'}", "--block_size=64")
+    ckpt = load_checkpoint(tmp_path / "a" / "best.pt")
+    save_checkpoint(tmp_path / "a" / "best.pt", dict(ckpt, tokenizer=dict(ckpt["tokenizer"], chars="xyz")))
+    with pytest.raises(ConfigError, match="dataset: 'pydoc' is tokenized differently from the checkpoint's data"):
+        run_inprocess(data_dir, tmp_path / "b", f"--init_from={tmp_path / 'a'}")
+    (tmp_path / "a" / "best.pt").write_bytes((tmp_path / "a" / "best.pt").read_bytes()[:-1000])
+    with pytest.raises(
+        CheckpointError,
+        match=r"best.pt.*truncated or corrupt.*valid: the other checkpoint beside "
+        r"it, --init_from=.*last.pt",
+    ):
+        run_inprocess(data_dir, tmp_path / "b", f"--init_from={tmp_path / 'a'}")
+    assert not (tmp_path / "b").exists(), "nothing written for a run that was refused"
 
 
 def test_corrupt_checkpoint_fails_to_resume_clearly(data_dir, tmp_path):
