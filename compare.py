@@ -82,13 +82,13 @@ FORMATS = ("table", "markdown", "csv", "json")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 ATTENTION_ORDER = ("mha", "gqa", "mqa", "mla")  # rows of discovered runs: this order, then by name
 PROMPT_LEN = 16
-# Settings that do not change what a run learns (where it ran and wrote, how often it printed, how it started):
-# runs equal in everything else but the seed share a row.
+# Settings that do not change what a run learns (where it ran and wrote, how often it printed): runs equal in
+# everything else but the seed share a row. init_from counts: a run started from another run's model is another
+# experiment (checkpoints record where a resumed run began, not "resume").
 NOT_THE_EXPERIMENT = {
     "seed",
     "out_dir",
     "data_dir",
-    "init_from",
     "overwrite",
     "eval_only",
     "log_interval",
@@ -109,6 +109,7 @@ COMPARED = (
     ("token_budget", "token budget"),
     ("kv_dtype", "training dtype"),
     ("trained_on", "trained on"),
+    ("init_from", "started from"),
 )
 
 
@@ -197,6 +198,7 @@ class Run:
     size: str
     token_budget: int
     trained_on: str
+    init_from: str  # scratch, a GPT-2 name, or the run or checkpoint it started from
     curve: list[tuple[int, float]]  # (tokens seen, val loss) per eval
     decode: dict[int, float] = field(default_factory=dict)  # batch -> decode tokens/s
 
@@ -255,6 +257,7 @@ def load_run(directory: str, attn_backend: str = "torch") -> Run:
         size=last.get("size", f"L{mc.n_layer}-E{mc.n_embd}-H{mc.n_head}-T{mc.block_size}"),
         token_budget=token_budget,
         trained_on=str(cfg.get("device", "?")).split(":")[0],
+        init_from=str(cfg.get("init_from", "scratch")),
         curve=curve,
     )
 
@@ -479,7 +482,7 @@ def _group_label(names: list[str]) -> str:
 
 
 def flag_rows(rows: list[Row]) -> None:
-    """Mark each row whose dataset, size, token budget, dtype or device differs from the others', or whose runs
+    """Mark each row whose dataset, size, token budget, dtype, device or start differs from the others', or whose runs
     stopped before their token budget (Row.flags: what differs, in words)."""
     for key, name in COMPARED:
         values = [getattr(row.first, key) for row in rows]

@@ -571,6 +571,14 @@ def load_resume_checkpoint(config: dict) -> dict:
     return ckpt
 
 
+def run_origin(config: dict, ckpt: dict | None) -> str:
+    """init_from as the run's checkpoints record it: a resume continues the run its checkpoint began, so the
+    origin of that run, never "resume" (compare.py and the kept-run check read it)."""
+    if ckpt is None:
+        return config["init_from"]
+    return ckpt["config"].get("init_from", "scratch") if isinstance(ckpt["config"], dict) else "scratch"
+
+
 def load_init_checkpoint(config: dict) -> tuple[str, dict] | None:
     """(path, checkpoint) of the run whose model --init_from names (a new run starts from it), else None. A damaged
     best.pt names the last.pt beside it rather than silently starting from another model."""
@@ -776,6 +784,7 @@ class Setup:
     iter_num: int
     best_val_loss: float
     resumed: bool
+    origin: str  # how the run began: scratch, a GPT-2 name, or the run or checkpoint it started from
     stop_group: object  # process group of the stop flag (gloo), None = the default group
     run: object  # wandb run or None
 
@@ -917,6 +926,7 @@ def setup(config: dict, d: Dist, device: str) -> Setup:
         iter_num,
         best_val_loss,
         ckpt is not None,
+        run_origin(config, ckpt),
         stop_group,
         run,
     )
@@ -927,6 +937,7 @@ def train(config: dict, d: Dist, device: str, s: Setup, stop_requested: dict) ->
     optimizer and RNG states are exactly those after them (what a checkpoint written there holds)."""
     data, raw_model, model, optimizer, scaler, sampler = s.data, s.raw_model, s.model, s.optimizer, s.scaler, s.sampler
     iter_num, best_val_loss, start_iter = s.iter_num, s.best_val_loss, s.iter_num
+    saved_config = dict(config, init_from=s.origin)  # what checkpoints record
     local_accum = config["gradient_accumulation_steps"] // d.world_size
     iter_tokens = tokens_per_iter(config)
     facts = run_facts(config, raw_model)
@@ -973,7 +984,7 @@ def train(config: dict, d: Dist, device: str, s: Setup, stop_requested: dict) ->
                         optimizer,
                         scaler,
                         sampler,
-                        config,
+                        saved_config,
                         iter_num,
                         min(best_val_loss, losses["val"]),
                         rng,
@@ -988,7 +999,7 @@ def train(config: dict, d: Dist, device: str, s: Setup, stop_requested: dict) ->
             break
         if should_stop(stop_requested, d, s.stop_group):
             check_window(window_loss, window_iters, iter_num, d)
-            save_interrupted(raw_model, optimizer, scaler, sampler, config, iter_num, best_val_loss, data, d)
+            save_interrupted(raw_model, optimizer, scaler, sampler, saved_config, iter_num, best_val_loss, data, d)
             interrupted = stop_requested.get("signal", signal.SIGINT)  # another rank's signal: as Ctrl-C
             break
 

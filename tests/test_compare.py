@@ -56,6 +56,7 @@ def make_run(
     tok_s=(None, 1000.0, 3000.0),
     new_keys=True,
     dtype="float32",
+    init_from="scratch",
 ):
     """A run directory as train.py writes it: metrics.jsonl (an eval every 10 iterations) and best.pt / last.pt
     (train.py's training_state keys) of a tiny model. evals_planned > len(losses): a run stopped early."""
@@ -80,6 +81,7 @@ def make_run(
         kv_lora_rank=mc.kv_lora_rank,
         max_iters=10 * (evals - 1),
         wandb_group="test-group",
+        init_from=init_from,
     )
     tokens_per_iter = config["batch_size"] * config["block_size"]
     os.makedirs(directory, exist_ok=True)
@@ -217,9 +219,11 @@ def test_runs_differing_only_in_seed_share_a_row(tmp_path):
     for s, loss in best.items():
         make_run(tmp_path / f"out-mha-s{s}", "mha", seed=s, losses=(4.0, loss, loss + 0.5), tok_s=(None, 100, 100 + s))
     make_run(tmp_path / "out-gqa-s0", "gqa", seed=0)
-    dirs = [str(tmp_path / d) for d in ("out-mha-s0", "out-mha-s1", "out-mha-s2", "out-gqa-s0")]
+    make_run(tmp_path / "out-mha-ft", "mha", seed=3, init_from="out-gqa-s0")  # another experiment: its own row
+    dirs = [str(tmp_path / d) for d in ("out-mha-s0", "out-mha-s1", "out-mha-s2", "out-gqa-s0", "out-mha-ft")]
     result = compare.main([*dirs, *NO_DECODE])
-    mha, gqa = result["rows"]
+    mha, gqa, ft = result["rows"]
+    assert ft["n"] == 1 and ft["flags"] == ["started from out-gqa-s0 where most runs have scratch"]
     assert mha["run"] == "out-mha-s{0,1,2}" and mha["n"] == 3 and mha["seeds"] == [0, 1, 2]
     assert mha["val_loss_best"] == pytest.approx(2.2) and mha["val_loss_best_std"] == pytest.approx(0.2)
     assert mha["val_loss_best_std"] == pytest.approx(statistics.stdev(best.values()))  # sample std, n - 1

@@ -594,6 +594,9 @@ def test_init_from_a_run_starts_a_new_run_from_its_model(data_dir, tmp_path, cap
     run_inprocess(data_dir, tmp_path / "c", "--max_iters=2", "--eval_interval=2")
     with pytest.raises(ConfigError, match=r"That run differs from this one in init_from \('.*a' there, '.*c' here\)"):
         run_inprocess(data_dir, tmp_path / "b", *args[1:], f"--init_from={tmp_path / 'c'}")
+    # Resumed, the run still records where it began (compare.py keeps it apart from runs from scratch).
+    run_inprocess(data_dir, tmp_path / "b", *args[1:], "--max_iters=4", "--init_from=resume")
+    assert load_checkpoint(tmp_path / "b" / "last.pt")["config"]["init_from"] == str(tmp_path / "a")
 
 
 def test_init_from_a_run_refuses_what_would_lose_or_misread_it(data_dir, tmp_path):
