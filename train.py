@@ -80,8 +80,7 @@ DEFAULTS = dict(
     log_interval=10,  # progress line every this many iterations (also the NaN check and the stop sync)
     eval_iters=20,  # batches per split per eval (always the same batches: curves are comparable)
     eval_only=False,
-    init_from="scratch",  # "scratch", "resume" (out_dir/last.pt), a run dir or checkpoint (a new run from its
-    # model), a GPT-2 name (GPT2_NAMES) or a directory of GPT2LMHeadModel.save_pretrained
+    init_from="scratch",  # "scratch", "resume" (out_dir/last.pt), a run dir or .pt (its model), a GPT-2 name or HF dir
     overwrite=False,  # a run that does not resume refuses an out_dir holding another run's files, unless True
     seed=1337,  # initial weights, data order and dropout (the eval batches are the same for every seed)
     # wandb (offline automatically without credentials or network)
