@@ -284,12 +284,15 @@ def resolve_dtype(name: str, device: str) -> torch.dtype:
 
 
 class _Streamer:
-    """Writes sample 0's text to stdout as it grows (decoding the whole list keeps multi-byte BPE pieces whole)."""
+    """Writes sample 0's text to stdout as it grows (decoding the whole list keeps multi-byte BPE pieces whole), and
+    keeps every sample's tokens so far, which an interrupted run prints."""
 
     def __init__(self, tokenizer, out=None):
         self.tok, self.out, self.ids, self.shown = tokenizer, out or sys.stdout, [], 0
+        self.so_far: dict[int, list[int]] = {}
 
     def __call__(self, i: int, token: int):
+        self.so_far.setdefault(i, []).append(token)
         if i != 0:
             return
         self.ids.append(token)
@@ -337,35 +340,49 @@ def main(argv: list[str]) -> dict:
         f"decode={'CUDA graphs' if engine == 'graphs' else 'eager loop'}",
         file=sys.stderr,
     )
-    outputs, stats = generate(
-        model,
-        prompts,
-        kind,
-        max_new_tokens=cfg["max_new_tokens"],
-        temperature=cfg["temperature"],
-        top_k=cfg["top_k"] or None,
-        top_p=cfg["top_p"],
-        eot_token=tokenizer.eot_token,
-        generator=generator,
-        page_size=cfg["page_size"],
-        num_pages=cfg["num_pages"] or None,
-        wait_for_pages=cfg["wait_for_pages"],
-        allow_past_block_size=cfg["allow_past_block_size"],
-        dtype=dtype,
-        engine=engine,
-        on_token=stream,
-    )
-    stream.flush()
-    for out in outputs[1:]:
-        sys.stdout.write("\n---------------\n" + tokenizer.decode(start_ids + out))
-    sys.stdout.write("\n")
-    sys.stdout.flush()
+    try:
+        outputs, stats = generate(
+            model,
+            prompts,
+            kind,
+            max_new_tokens=cfg["max_new_tokens"],
+            temperature=cfg["temperature"],
+            top_k=cfg["top_k"] or None,
+            top_p=cfg["top_p"],
+            eot_token=tokenizer.eot_token,
+            generator=generator,
+            page_size=cfg["page_size"],
+            num_pages=cfg["num_pages"] or None,
+            wait_for_pages=cfg["wait_for_pages"],
+            allow_past_block_size=cfg["allow_past_block_size"],
+            dtype=dtype,
+            engine=engine,
+            on_token=stream,
+        )
+    except KeyboardInterrupt:  # Ctrl-C: the samples as far as they got, then the exit (130) in __main__
+        write_samples(stream, tokenizer, start_ids, [stream.so_far.get(i, []) for i in range(len(prompts))])
+        print(
+            f"interrupted: the samples stop where generation was ({sum(map(len, stream.so_far.values())):,} new "
+            "tokens in all)",
+            file=sys.stderr,
+        )
+        raise
+    write_samples(stream, tokenizer, start_ids, outputs)
     dtype_name = str(dtype).removeprefix("torch.")
     summary = {"cache": kind, "attention": model.config.attention, "dtype": dtype_name, **stats.summary()}
     report(summary)
     if cfg["wandb_log"]:
         log_wandb(summary, train_cfg, cfg, path)
     return summary
+
+
+def write_samples(stream: _Streamer, tokenizer, start_ids: list[int], outputs: list[list[int]]):
+    """The rest of sample 0 (streamed so far), then every other sample after a line of dashes."""
+    stream.flush()
+    for out in outputs[1:]:
+        sys.stdout.write("\n---------------\n" + tokenizer.decode(start_ids + out))
+    sys.stdout.write("\n")
+    sys.stdout.flush()
 
 
 def resolve_engine(cfg: dict, explicit: bool) -> str:
@@ -451,3 +468,5 @@ if __name__ == "__main__":
         main(sys.argv[1:])
     except (ValueError, CacheFullError, OSError) as e:  # bad options, lengths, checkpoints, pools, GPT-2 offline
         raise SystemExit(f"error: {e}") from None
+    except KeyboardInterrupt:  # main printed the samples so far; 130, as a shell loop expects of Ctrl-C
+        sys.exit(130)

@@ -4,6 +4,7 @@ none / grouped / paged / mla, ragged batches equal their sequences run alone, th
 and sample.py runs end to end on a tiny checkpoint."""
 
 import os
+import signal
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -355,6 +356,58 @@ def test_sample_py_end_to_end(tmp_path):
     assert run.returncode == 0, run.stderr
     assert run.stdout == f"{expected_text}\n---------------\n{expected_text}\n"
     assert "decode:" in run.stderr and "tokens/s" in run.stderr and "bytes/token (float32)" in run.stderr
+
+
+def test_sample_py_ctrl_c_prints_the_samples_so_far(tmp_path, monkeypatch, capsys):
+    """Ctrl-C mid-generation: stdout gets every sample as far as it got (in the usual layout), stderr says so, and
+    the KeyboardInterrupt goes on to __main__ (exit 130)."""
+    from data import char_meta, get_tokenizer
+
+    model = _checkpoint(tmp_path, "gqa")
+    tok = get_tokenizer(char_meta(CHARS))
+    real = sample.generate
+
+    def interrupted(*args, on_token, **kwargs):
+        seen = []
+
+        def on_token_then_ctrl_c(i, token):
+            on_token(i, token)
+            seen.append((i, token))
+            if len(seen) == 7:  # sample 0 has 4 tokens, sample 1 has 3
+                raise KeyboardInterrupt
+
+        return real(*args, on_token=on_token_then_ctrl_c, **kwargs)
+
+    monkeypatch.setattr(sample, "generate", interrupted)
+    full, _ = real(model, [tok.encode("HI")] * 2, "none", max_new_tokens=20)
+    with pytest.raises(KeyboardInterrupt):
+        sample.main([f"--init_from={tmp_path}", "--device=cpu", "--num_samples=2", "--temperature=0", "--start=HI"])
+    out, err = capsys.readouterr()
+    assert out == f"HI{tok.decode(full[0][:4])}\n---------------\nHI{tok.decode(full[1][:3])}\n"
+    assert "interrupted: the samples stop where generation was (7 new tokens in all)" in err
+
+
+def test_sample_py_exits_130_on_ctrl_c(tmp_path):
+    """The command line under a real SIGINT: exit status 130 and no traceback."""
+    _checkpoint(tmp_path, "gqa")
+    cmd = [sys.executable, os.path.join(REPO, "sample.py"), f"--init_from={tmp_path}", "--device=cpu"]
+    proc = subprocess.Popen(
+        [*cmd, "--max_new_tokens=1000000", "--start=HI"],  # far past block_size (RoPE): runs until stopped
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": REPO},
+        cwd=tmp_path,
+    )
+    try:
+        head = proc.stdout.read(3)  # blocks until the prompt and the first generated character are out
+        assert head.startswith("HI") and len(head) == 3, head
+        os.kill(proc.pid, signal.SIGINT)
+        rest, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 130, err
+    assert "interrupted: the samples stop where generation was" in err and "Traceback" not in err
 
 
 def test_sample_py_wandb_run_lands_beside_the_checkpoint(tmp_path):
