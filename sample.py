@@ -35,7 +35,8 @@ MLP fused; prefill stays eager; either loop, the graphs then replay the fused ke
 
 Standard output gets the samples alone (the first one streamed as it is generated, then the others, separated by
 a line of dashes), so `> out.txt` captures just the text; progress and statistics (prefill and decode tokens/s,
-cache memory) go to standard error, and to the checkpoint's wandb project with --wandb_log=True.
+cache memory) go to standard error, and to the checkpoint's wandb project with --wandb_log=True. Ctrl-C stops the
+generation and prints every sample as far as it got (exit status 130).
 
 Past block_size: a model with learned positions cannot go there, so prompt + max_new_tokens beyond block_size is
 an error at start. A RoPE model goes on, with a one-line warning on stderr (positions beyond what it was trained
