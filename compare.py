@@ -36,10 +36,11 @@ row per run, from those files:
                       --decode_batch, through generate.generate and the model's natural cache, after a warm-up run
                       of the same size. On a GPU the checkpoint runs our Triton kernels at the run's training dtype;
                       on a CPU the plain PyTorch attention (attn_backend=torch) in float32, and the table says so.
-Runs that differ only in seed (same attention, dataset, size, token budget and every other training setting) share
-one row: each number is the mean ± the sample standard deviation over them, and n counts them. Rows that differ in
-dataset, size, token budget, training dtype or device, or runs that stopped before their token budget, are marked
-with * and a line under the table says what differs.
+Runs that differ only in seed (same attention, dataset, size, token budget, start and every other training setting)
+share one row: each number is the mean ± the sample standard deviation over them, and n counts them. Rows that
+differ in dataset, size, token budget, training dtype, device or start (train.py's init_from: a run fine-tuned from
+another's model), or runs that stopped before their token budget, are marked with * and a line under the table
+says what differs.
 
 The plots (compare.png, `--plot`; needs matplotlib: pip install -e ".[plot]") are val loss against training tokens
 for every run on one chart, and best val loss against KV-cache bytes per token (the Pareto view: lower left is
