@@ -837,3 +837,5 @@ def test_finetune_from_gpt2_weights_in_a_local_directory(data_dir, tmp_path):
     assert ckpt["config"]["n_embd"] == 32 and ckpt["config"]["vocab_size"] == 128  # the config tells the truth
     first, last = metrics(tmp_path / "out")[0], metrics(tmp_path / "out")[-1]
     assert last["val_loss"] < first["val_loss"] and result["iter_num"] == 6
+    with pytest.raises(ConfigError, match=r"block_size: got 128; valid: at most 64, the learned positions of"):
+        run_inprocess(data_dir, tmp_path / "longer", f"--init_from={tmp_path / 'hf'}", "--block_size=128")
