@@ -414,7 +414,8 @@ def build_model(config: dict, vocab_size: int, ckpt: dict | None, source: tuple[
     else:
         if source is not None:
             path, saved = source
-            if saved["model_args"].get("pos_embedding") != "learned":  # RoPE has no table: any block_size goes
+            args = saved["model_args"] if isinstance(saved["model_args"], dict) else {}  # damaged: named below
+            if args.get("pos_embedding") != "learned":  # RoPE has no table: any block_size goes
                 overrides["block_size"] = config["block_size"]
             model = model_from_checkpoint(saved, path, **overrides)
         else:
