@@ -837,5 +837,14 @@ def test_finetune_from_gpt2_weights_in_a_local_directory(data_dir, tmp_path):
     assert ckpt["config"]["n_embd"] == 32 and ckpt["config"]["vocab_size"] == 128  # the config tells the truth
     first, last = metrics(tmp_path / "out")[0], metrics(tmp_path / "out")[-1]
     assert last["val_loss"] < first["val_loss"] and result["iter_num"] == 6
+    again = run_inprocess(  # the same command again: the finished run is kept (its model is GPT-2's, not the config's)
+        data_dir,
+        tmp_path / "out",
+        f"--init_from={tmp_path / 'hf'}",
+        "--max_iters=6",
+        "--eval_interval=6",
+        "--block_size=32",
+    )
+    assert again.get("kept") and again["iter_num"] == 6
     with pytest.raises(ConfigError, match=r"block_size: got 128; valid: at most 64, the learned positions of"):
         run_inprocess(data_dir, tmp_path / "longer", f"--init_from={tmp_path / 'hf'}", "--block_size=128")
