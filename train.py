@@ -242,6 +242,8 @@ def check_config(config: dict, d: Dist) -> None:
         raise ConfigError(
             f"out_dir: got {out_dir!r}{' (a file)' if out_dir else ''}; valid: a directory path (created if missing)"
         )
+    if not named:  # recorded in checkpoints and compared across runs: out-gqa/ and ./out-gqa are out-gqa
+        config["init_from"] = init = os.path.normpath(init)
     source = init_checkpoint_path(init)
     if source is not None and os.path.realpath(os.path.dirname(os.path.abspath(source))) == os.path.realpath(out_dir):
         raise ConfigError(

@@ -589,7 +589,7 @@ def test_init_from_a_run_starts_a_new_run_from_its_model(data_dir, tmp_path, cap
     first = metrics(tmp_path / "b")[0]
     assert first["train_loss"] < metrics(tmp_path / "a")[0]["train_loss"] - 0.3, "iteration 0 is a trained model"
 
-    kept = run_inprocess(data_dir, tmp_path / "b", *args)  # the same command again: the finished run is kept
+    kept = run_inprocess(data_dir, tmp_path / "b", f"{args[0]}/", *args[1:])  # the same again (a tab's slash): kept
     assert kept.get("kept") and kept["iter_num"] == 2
     run_inprocess(data_dir, tmp_path / "c", "--max_iters=2", "--eval_interval=2")
     with pytest.raises(ConfigError, match=r"That run differs from this one in init_from \('.*a' there, '.*c' here\)"):
