@@ -48,6 +48,7 @@ import signal
 import sys
 import textwrap
 import time
+import traceback
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass, fields
 
@@ -132,6 +133,9 @@ DEFAULTS = dict(
 MODEL_KEYS = [f.name for f in fields(GPTConfig)]
 RUN_FILES = ("last.pt", "best.pt", "metrics.jsonl")  # what a run writes into out_dir
 EVAL_SEED = 1338  # the eval batches: the same in every run, whatever its seed, so every run is measured alike
+# What holds a distributed run's process groups (its DDP model, the stop flag's group), kept until the process ends:
+# freeing a gloo group can deadlock (see the end of this file), so a torchrun process leaves by os._exit instead.
+UNTIL_EXIT: list = []
 
 
 class NonFiniteLoss(RuntimeError):
@@ -888,6 +892,8 @@ def setup(config: dict, d: Dist, device: str) -> Setup:
     model = compile_model(raw_model) if config["compile"] else raw_model  # in place, region by region
     train_model = DDP(model, device_ids=[d.local_rank] if device_type == "cuda" else None) if d.ddp else model
     stop_group = dist.new_group(backend="gloo") if d.ddp and dist.get_backend() != "gloo" else None
+    if d.ddp:
+        UNTIL_EXIT.extend([train_model, stop_group])
     step = TrainStep(
         train_model,
         optimizer,
@@ -1092,16 +1098,38 @@ def training_state(raw_model, optimizer, scaler, sampler, config, iter_num, best
     )
 
 
-if __name__ == "__main__":
+def cli() -> int:
+    """The command line: its exit status (2: a usage error, 1: a failure with its message, 130 / 143: stopped by
+    Ctrl-C / SIGTERM after saving)."""
     if wants_help(sys.argv[1:], DEFAULTS):
         print(help_text(__doc__, DEFAULTS, __file__))
-        sys.exit(0)
+        return 0
     try:
         result = main()
     except ConfigError as e:  # a usage error: status 2, as argparse's, so that `... || break` in a loop stops
         sys.stderr.write(f"error: {e}\n")
-        sys.exit(2)
+        return 2
     except (DataError, CheckpointError, NonFiniteLoss) as e:  # a message, not a traceback
-        raise SystemExit(f"error: {e}") from None
-    if result["interrupted"]:  # saved, but not finished: 130 after Ctrl-C, 143 after SIGTERM, so a script stops too
-        sys.exit(128 + int(result["interrupted"]))
+        sys.stderr.write(f"error: {e}\n")
+        return 1
+    return 128 + int(result["interrupted"]) if result["interrupted"] else 0  # saved, but a script stops too
+
+
+if __name__ == "__main__":
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        sys.exit(cli())
+    # Under torchrun: main() has synced the ranks (or one failed) and closed the process groups, and every file is
+    # written. What holds the groups (UNTIL_EXIT) is never freed: a gloo group's destructor joins its worker threads
+    # while holding the GIL, and a worker that is still releasing a finished collective's tensors waits for that GIL
+    # (pytorch/pytorch#190489): a deadlock, seen as an occasional hang at the end of runs on a loaded CPU.
+    try:
+        code = cli()
+    except BaseException:  # what Python would print before exiting with 1
+        traceback.print_exc()
+        code = 1
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):  # a reader that has gone: nothing left to lose
+            pass
+    os._exit(code)
