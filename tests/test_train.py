@@ -822,14 +822,8 @@ def test_finetune_from_gpt2_weights_in_a_local_directory(data_dir, tmp_path):
         vocab_size=128, n_positions=64, n_embd=32, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0
     )
     transformers.GPT2LMHeadModel(hf_config).save_pretrained(tmp_path / "hf")
-    result = run_inprocess(
-        data_dir,
-        tmp_path / "out",
-        f"--init_from={tmp_path / 'hf'}",
-        "--max_iters=6",
-        "--eval_interval=6",
-        "--block_size=32",
-    )
+    args = [f"--init_from={tmp_path / 'hf'}", "--max_iters=6", "--eval_interval=6", "--block_size=32"]
+    result = run_inprocess(data_dir, tmp_path / "out", *args)
     ckpt = load_checkpoint(tmp_path / "out" / "last.pt")
     assert ckpt["model_args"]["attention"] == "mha" and ckpt["model_args"]["pos_embedding"] == "learned"
     assert ckpt["model_args"]["block_size"] == 32, "cropped from the checkpoint's 64 positions"
@@ -837,14 +831,7 @@ def test_finetune_from_gpt2_weights_in_a_local_directory(data_dir, tmp_path):
     assert ckpt["config"]["n_embd"] == 32 and ckpt["config"]["vocab_size"] == 128  # the config tells the truth
     first, last = metrics(tmp_path / "out")[0], metrics(tmp_path / "out")[-1]
     assert last["val_loss"] < first["val_loss"] and result["iter_num"] == 6
-    again = run_inprocess(  # the same command again: the finished run is kept (its model is GPT-2's, not the config's)
-        data_dir,
-        tmp_path / "out",
-        f"--init_from={tmp_path / 'hf'}",
-        "--max_iters=6",
-        "--eval_interval=6",
-        "--block_size=32",
-    )
+    again = run_inprocess(data_dir, tmp_path / "out", *args)  # the same again: kept (the model is GPT-2's)
     assert again.get("kept") and again["iter_num"] == 6
     with pytest.raises(ConfigError, match=r"block_size: got 128; valid: at most 64, the learned positions of"):
         run_inprocess(data_dir, tmp_path / "longer", f"--init_from={tmp_path / 'hf'}", "--block_size=128")
