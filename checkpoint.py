@@ -113,6 +113,13 @@ def run_checkpoints(directory: str | os.PathLike) -> list[str]:
     return [p for name in RUN_CHECKPOINTS if os.path.isfile(p := os.path.join(directory, name))]
 
 
+def checkpoint_beside(path: str) -> str | None:
+    """The other checkpoint of path's run directory (last.pt beside best.pt, or best.pt beside last.pt), if any: what
+    a message about a damaged one offers instead."""
+    name = os.path.basename(path)
+    return next((p for p in run_checkpoints(os.path.dirname(path)) if os.path.basename(p) != name), None)
+
+
 def _failed_crc(path: str) -> str | None:
     """The first entry of a torch.save zip archive whose bytes fail their CRC-32, else None. torch.load itself reads
     the tensors without checking, so flipped bits would load as wrong weights. Not a zip archive: None (torch.load

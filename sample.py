@@ -52,7 +52,7 @@ import sys
 import torch
 
 from cache import CacheFullError, check_page_size
-from checkpoint import CheckpointError, load_checkpoint, model_from_checkpoint, run_checkpoints
+from checkpoint import CheckpointError, checkpoint_beside, load_checkpoint, model_from_checkpoint, run_checkpoints
 from generate import (
     available_bytes,
     check_length,
@@ -236,10 +236,9 @@ def _load(path: str, option: str):
         ckpt = load_checkpoint(path, map_location="cpu", required_keys=("model", "model_args", "tokenizer"))
         return ckpt, model_from_checkpoint(ckpt, path)
     except CheckpointError as e:
-        others = [p for p in run_checkpoints(os.path.dirname(path)) if os.path.basename(p) != os.path.basename(path)]
-        if not others:
+        other = checkpoint_beside(path)
+        if other is None:
             raise
-        other = others[0]
         raise CheckpointError(f"{e}; valid: the other checkpoint beside it, {option}={other}") from None
 
 
@@ -289,15 +288,14 @@ class _Streamer:
     keeps every sample's tokens so far, which an interrupted run prints."""
 
     def __init__(self, tokenizer, out=None):
-        self.tok, self.out, self.ids, self.shown = tokenizer, out or sys.stdout, [], 0
-        self.so_far: dict[int, list[int]] = {}
+        self.tok, self.out, self.shown = tokenizer, out or sys.stdout, 0
+        self.so_far: dict[int, list[int]] = {0: []}
 
     def __call__(self, i: int, token: int):
         self.so_far.setdefault(i, []).append(token)
         if i != 0:
             return
-        self.ids.append(token)
-        text = self.tok.decode(self.ids)
+        text = self.tok.decode(self.so_far[0])
         if text.endswith("\ufffd"):  # an incomplete UTF-8 sequence: wait for the rest of it
             return
         self.out.write(text[self.shown :])
@@ -305,7 +303,7 @@ class _Streamer:
         self.shown = len(text)
 
     def flush(self):
-        text = self.tok.decode(self.ids)
+        text = self.tok.decode(self.so_far[0])
         self.out.write(text[self.shown :])
         self.shown = len(text)
 

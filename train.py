@@ -61,6 +61,7 @@ from attention_kernels.flash import MAX_HEAD_DIM, MIN_HEAD_DIM
 from checkpoint import (
     TRAIN_KEYS,
     CheckpointError,
+    checkpoint_beside,
     clean_state_dict,
     first_line,
     load_checkpoint,
@@ -136,6 +137,7 @@ EVAL_SEED = 1338  # the eval batches: the same in every run, whatever its seed, 
 # What holds a distributed run's process groups (its DDP model, the stop flag's group), kept until the process ends:
 # freeing a gloo group can deadlock (see the end of this file), so a torchrun process leaves by os._exit instead.
 UNTIL_EXIT: list = []
+INIT_NAMES = ("scratch", "resume", *GPT2_NAMES)  # init_from values that name no file
 
 
 class NonFiniteLoss(RuntimeError):
@@ -160,10 +162,15 @@ class Dist:
         return self.world_size > 1
 
 
+def launched_as_ranks() -> bool:
+    """Whether torchrun started this process as one of several ranks (its environment says so)."""
+    return "RANK" in os.environ and int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
 def setup_distributed(config: dict) -> tuple[Dist, str]:
     """Read torchrun's environment, pick the device and join the process group; return (Dist, device)."""
     device = resolve_device(config["device"])
-    if "RANK" not in os.environ or int(os.environ.get("WORLD_SIZE", "1")) == 1:
+    if not launched_as_ranks():
         return Dist(), device
     d = Dist(int(os.environ["RANK"]), int(os.environ["LOCAL_RANK"]), int(os.environ["WORLD_SIZE"]))
     if device.startswith("cuda"):
@@ -233,7 +240,7 @@ def check_config(config: dict, d: Dist) -> None:
         f"valid: 'scratch', 'resume', a run directory (its best.pt, else last.pt) or checkpoint file that train.py "
         f"wrote, {', '.join(GPT2_NAMES)}, or a directory saved by GPT2LMHeadModel.save_pretrained"
     )
-    named = init in ("scratch", "resume", *GPT2_NAMES)  # a directory of the same name does not count
+    named = init in INIT_NAMES  # a directory of the same name does not count
     if not named and not os.path.exists(init):
         raise ConfigError(f"init_from: got {init!r}, which is not a file or directory; {valid_init}")
     if not named and os.path.isdir(init) and not run_checkpoints(init) and not os.path.isfile(f"{init}/config.json"):
@@ -259,7 +266,7 @@ def check_config(config: dict, d: Dist) -> None:
 def init_checkpoint_path(init: str) -> str | None:
     """The checkpoint that init_from names when it is one of train.py's: a file, or a run directory's best.pt
     (else last.pt). None for scratch, resume and GPT-2 (a name, or a directory of save_pretrained)."""
-    if init in ("scratch", "resume", *GPT2_NAMES):
+    if init in INIT_NAMES:
         return None
     if os.path.isfile(init):
         return init
@@ -594,10 +601,10 @@ def load_init_checkpoint(config: dict) -> tuple[str, dict] | None:
     try:
         return path, load_checkpoint(path, map_location="cpu", required_keys=("model", "model_args", "tokenizer"))
     except CheckpointError as e:
-        others = [p for p in run_checkpoints(os.path.dirname(path)) if os.path.basename(p) != os.path.basename(path)]
-        if not others:
+        other = checkpoint_beside(path)
+        if other is None:
             raise
-        raise CheckpointError(f"{e}; valid: the other checkpoint beside it, --init_from={others[0]}") from None
+        raise CheckpointError(f"{e}; valid: the other checkpoint beside it, --init_from={other}") from None
 
 
 def note_ignored_model_args(config: dict, ckpt: dict, vocab_size: int, taken: tuple[str, ...], why: str) -> None:
@@ -1116,7 +1123,7 @@ def cli() -> int:
 
 
 if __name__ == "__main__":
-    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+    if not launched_as_ranks():
         sys.exit(cli())
     # Under torchrun: main() has synced the ranks (or one failed) and closed the process groups, and every file is
     # written. What holds the groups (UNTIL_EXIT) is never freed: a gloo group's destructor joins its worker threads
