@@ -798,3 +798,6 @@ if __name__ == "__main__":
         main(sys.argv[1:])
     except (CompareError, ConfigError, CheckpointError) as e:  # a message, not a traceback
         raise SystemExit(f"error: {e}") from None
+    except KeyboardInterrupt:  # the runs are only read; 130, as a shell loop expects
+        print("\nstopped (Ctrl-C)", file=sys.stderr)
+        sys.exit(130)

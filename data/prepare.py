@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import socket
+import sys
 import tempfile
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -256,19 +257,30 @@ def write_dataset(
 
 
 def _write_tokens(path: str, chunks: Iterable[np.ndarray], dtype: np.dtype) -> int:
-    fd, tmp = _temp_beside(path)
     n = 0
+
+    def write(f):
+        nonlocal n
+        for chunk in chunks:
+            np.asarray(chunk, dtype=dtype).tofile(f)
+            n += len(chunk)
+
+    _write_whole(path, write)
+    return n
+
+
+def _write_whole(path: str, write) -> None:
+    """write(f) into a temporary file beside path, renamed into place only when it is whole: an interrupted or
+    failed write leaves path as it was and no temporary file behind."""
+    fd, tmp = _temp_beside(path)
     try:
         with os.fdopen(fd, "wb") as f:
-            for chunk in chunks:
-                np.asarray(chunk, dtype=dtype).tofile(f)
-                n += len(chunk)
+            write(f)
         os.replace(tmp, path)
     except BaseException:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
-    return n
 
 
 def _temp_beside(path: str) -> tuple[int, str]:
@@ -281,10 +293,7 @@ def _temp_beside(path: str) -> tuple[int, str]:
 
 
 def _atomic_write(path: str, data: bytes) -> None:
-    fd, tmp = _temp_beside(path)
-    with os.fdopen(fd, "wb") as f:
-        f.write(data)
-    os.replace(tmp, path)
+    _write_whole(path, lambda f: f.write(data))
 
 
 # ----------------------------------------------------------------------------------------------- command line
@@ -343,3 +352,6 @@ if __name__ == "__main__":
         main()
     except DataError as e:
         raise SystemExit(f"error: {e}") from None
+    except KeyboardInterrupt:  # every file is renamed into place whole, meta.json last: nothing to clean up
+        print("\nstopped (Ctrl-C): no file was left half-written; the same command prepares it", file=sys.stderr)
+        sys.exit(130)

@@ -52,6 +52,32 @@ def test_char_dataset_from_a_local_file_via_the_cli(tmp_path):
         prep.main(["char", f"--input={tmp_path / 'nope.txt'}"])
 
 
+def test_ctrl_c_while_writing_leaves_no_half_dataset(tmp_path, monkeypatch):
+    """Ctrl-C during a rewrite, just before meta.json: no temporary file is left, and the directory holds no
+    dataset that would load (new .bin files beside the old meta.json would be a silently wrong dataset)."""
+    text = "".join(f"line {i}: the quick brown fox\n" for i in range(50))
+    prep.prepare_char_text(text, str(tmp_path))
+    real_replace = os.replace
+
+    def interrupted(src, dst):
+        if dst.endswith("meta.json"):
+            raise KeyboardInterrupt
+        real_replace(src, dst)
+
+    monkeypatch.setattr(prep.os, "replace", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prep.prepare_char_text(text.upper(), str(tmp_path))
+    assert sorted(os.listdir(tmp_path)) == ["train.bin", "val.bin"]
+    with pytest.raises(DataError):
+        load_dataset_dir(str(tmp_path))
+    monkeypatch.setattr(prep.os, "replace", real_replace)
+    prep.prepare_char_text(text.upper(), str(tmp_path))  # the same command again prepares it
+    assert (
+        get_tokenizer(load_dataset_dir(str(tmp_path)).meta).decode(load_dataset_dir(str(tmp_path)).train[:4].tolist())
+        == "LINE"
+    )
+
+
 def byte_level_encoding():
     """A real tiktoken Encoding built offline (one token per byte, plus <|endoftext|>), standing in for GPT-2's
     BPE files, which tiktoken downloads."""
