@@ -844,6 +844,8 @@ def setup(config: dict, d: Dist, device: str) -> Setup:
     torch.manual_seed(config["seed"] + d.rank)
     torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = True
     ctx = autocast_context(config["dtype"], device_type)
+    if device_type == "cpu" and config["dtype"] == "float16" and d.master:
+        say("note: dtype float16 on the CPU: its float16 matmuls are slow, a step takes several times float32's")
 
     data = ensure_dataset(config["dataset"], config["data_dir"])
     for split, tokens in (("train", data.train), ("val", data.val)):
