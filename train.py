@@ -253,14 +253,22 @@ def check_config(config: dict, d: Dist) -> None:
         raise ConfigError(
             f"out_dir: got {out_dir!r}{' (a file)' if out_dir else ''}; valid: a directory path (created if missing)"
         )
-    if not named:  # recorded in checkpoints and compared across runs: out-gqa/ and ./out-gqa are out-gqa
-        config["init_from"] = init = os.path.normpath(init)
+    if not named:  # recorded in checkpoints and compared across runs: out-gqa/, ./out-gqa and its absolute path agree
+        config["init_from"] = init = one_spelling(init)
     source = init_checkpoint_path(init)
     if source is not None and os.path.realpath(os.path.dirname(os.path.abspath(source))) == os.path.realpath(out_dir):
         raise ConfigError(
             f"init_from: got {init!r}, a checkpoint of the run in this out_dir ({out_dir!r}); valid: "
             "--init_from=resume to continue that run, or another --out_dir for a new run from its model"
         )
+
+
+def one_spelling(path: str) -> str:
+    """The path of a file or directory as a run records it: relative to the working directory when inside it (as
+    a user types it), else absolute; symlinks resolved, so each place has one spelling."""
+    real = os.path.realpath(path)
+    relative = os.path.relpath(real)
+    return real if relative == os.pardir or relative.startswith(os.pardir + os.sep) else relative
 
 
 def init_checkpoint_path(init: str) -> str | None:

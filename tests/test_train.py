@@ -591,6 +591,8 @@ def test_init_from_a_run_starts_a_new_run_from_its_model(data_dir, tmp_path, cap
 
     kept = run_inprocess(data_dir, tmp_path / "b", f"{args[0]}/", *args[1:])  # the same again (a tab's slash): kept
     assert kept.get("kept") and kept["iter_num"] == 2
+    relative = f"--init_from={os.path.relpath(tmp_path / 'a')}"  # the same run spelled from the working directory
+    assert run_inprocess(data_dir, tmp_path / "b", relative, *args[1:]).get("kept")
     run_inprocess(data_dir, tmp_path / "c", "--max_iters=2", "--eval_interval=2")
     with pytest.raises(ConfigError, match=r"That run differs from this one in init_from \('.*a' there, '.*c' here\)"):
         run_inprocess(data_dir, tmp_path / "b", *args[1:], f"--init_from={tmp_path / 'c'}")
