@@ -87,6 +87,12 @@ def compile_model(model):
     return model
 
 
+# Coordinate-descent tuning, as gpt-fast sets it: at batch 1 Inductor then writes each projection (a one-row matmul,
+# model.linear) as a reduction fused with the norm before it and the bias, GELU or residual add after it, instead of
+# a cuBLAS GEMM and its split-K and elementwise kernels, and tunes its block sizes.
+DECODE_INDUCTOR_OPTIONS = {"coordinate_descent_tuning": True}
+
+
 class _DecodeCompiled:
     """A region of the forward, compiled for one new token per sequence and eager for prefill. A prefill compiled
     for symbolic lengths took twice the eager one's host time (docs/kernel-notes.md, "The decode step end to
@@ -94,7 +100,7 @@ class _DecodeCompiled:
     region's first argument is (B, T, ...)."""
 
     def __init__(self, forward):
-        self.eager, self.compiled = forward, torch.compile(forward, dynamic=True)
+        self.eager, self.compiled = forward, torch.compile(forward, dynamic=True, options=DECODE_INDUCTOR_OPTIONS)
 
     def __call__(self, x, *args):
         return (self.compiled if x.shape[1] == 1 else self.eager)(x, *args)

@@ -57,6 +57,24 @@ import torch.nn.functional as F
 from attention_kernels import flash_gqa_attention
 from attention_kernels.reference import causal_mask
 
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear, except a single row under torch.compile (the decode step at batch 1), which is written as a matmul
+    and then the bias: Inductor turns a one-row aten.mm into a fused reduction that carries its neighbours (the
+    norm before it, the bias, GELU or residual add after) when coordinate-descent tuning is on
+    (generate.compile_model), but it leaves addmm, F.linear's form with a bias, to cuBLAS."""
+    if bias is not None and torch.compiler.is_compiling() and math.prod(x.shape[:-1]) == 1:
+        return x @ weight.t() + bias
+    return F.linear(x, weight, bias)
+
+
+class Linear(nn.Linear):
+    """nn.Linear through `linear` (the same parameters and state dict)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
 ATTENTIONS = ("mha", "gqa", "mqa", "mla")
 POS_EMBEDDINGS = ("learned", "rope")
 ATTN_BACKENDS = ("triton", "torch", "auto")
@@ -259,8 +277,8 @@ class CausalSelfAttention(nn.Module):
         self.head_dim = config.n_embd // config.n_head
         self.scale = 1.0 / math.sqrt(self.head_dim)
         # Rows [q | k | v]; for MHA this is exactly GPT-2's c_attn.
-        self.c_attn = nn.Linear(config.n_embd, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=config.bias)
-        self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
+        self.c_attn = Linear(config.n_embd, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=config.bias)
+        self.c_proj = Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x, rope, cache, backend: str):
@@ -297,17 +315,17 @@ class MultiHeadLatentAttention(nn.Module):
         self.scale = 1.0 / math.sqrt(self.d_n + self.d_r)
         q_dim = self.n_head * (self.d_n + self.d_r)
         if config.q_lora_rank > 0:
-            self.q_a_proj = nn.Linear(config.n_embd, config.q_lora_rank, bias=config.bias)
+            self.q_a_proj = Linear(config.n_embd, config.q_lora_rank, bias=config.bias)
             self.q_a_norm = RMSNorm(config.q_lora_rank)
-            self.q_b_proj = nn.Linear(config.q_lora_rank, q_dim, bias=config.bias)
+            self.q_b_proj = Linear(config.q_lora_rank, q_dim, bias=config.bias)
         else:
-            self.q_proj = nn.Linear(config.n_embd, q_dim, bias=config.bias)
-        self.kv_a_proj = nn.Linear(config.n_embd, self.d_c + self.d_r, bias=config.bias)  # W_DKV and W_KR
+            self.q_proj = Linear(config.n_embd, q_dim, bias=config.bias)
+        self.kv_a_proj = Linear(config.n_embd, self.d_c + self.d_r, bias=config.bias)  # W_DKV and W_KR
         self.kv_a_norm = RMSNorm(self.d_c)
         # Rows per head [W_UK[h] (D_n) | W_UV[h] (D_v)]. No bias: the absorbed decode multiplies these weights
         # into the query and the output, and a bias would need terms of its own there.
         self.kv_b_proj = nn.Linear(self.d_c, self.n_head * (self.d_n + self.d_v), bias=False)
-        self.c_proj = nn.Linear(self.n_head * self.d_v, config.n_embd, bias=config.bias)
+        self.c_proj = Linear(self.n_head * self.d_v, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x, rope, cache, backend: str):
@@ -354,10 +372,10 @@ class MultiHeadLatentAttention(nn.Module):
         B, H, d_c, d_r = x.shape[0], self.n_head, self.d_c, self.d_r
         w_in, b_in, w_out = self.absorbed_weights()
         if hasattr(self, "q_a_proj"):  # the query comes from its own compressed input; the latent from x
-            q = F.linear(self.q_a_norm(self.q_a_proj(x)), w_in, b_in)
+            q = linear(self.q_a_norm(self.q_a_proj(x)), w_in, b_in)
             c_kv, k_rope = self.kv_a_proj(x).split([d_c, d_r], dim=-1)
         else:
-            q, c_kv, k_rope = F.linear(x, w_in, b_in).split([H * (d_c + d_r), d_c, d_r], dim=-1)
+            q, c_kv, k_rope = linear(x, w_in, b_in).split([H * (d_c + d_r), d_c, d_r], dim=-1)
         q_absorbed, q_rope = q.view(B, 1, H, d_c + d_r).split([d_c, d_r], dim=-1)
         # the query heads' RoPE parts and the shared RoPE key rotate together, as one more head (one kernel)
         ropes = apply_rope(torch.cat([q_rope, k_rope[:, :, None]], dim=2), *rope)
@@ -367,7 +385,7 @@ class MultiHeadLatentAttention(nn.Module):
             self.layer_idx, q_absorbed.transpose(1, 2), q_rope.transpose(1, 2), c_kv, k_rope, self.scale
         )  # (B, H, 1, D_c)
         # the dropout here, not in the caller: a compiled region of its own would copy its input to its output
-        return self.resid_dropout(F.linear(latent.transpose(1, 2).reshape(B, 1, H * d_c), w_out, self.c_proj.bias))
+        return self.resid_dropout(linear(latent.transpose(1, 2).reshape(B, 1, H * d_c), w_out, self.c_proj.bias))
 
     def _absorb_sources(self) -> list[torch.Tensor]:
         q = self.q_b_proj if hasattr(self, "q_a_proj") else self.q_proj
@@ -424,9 +442,9 @@ class MultiHeadLatentAttention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, config: GPTConfig):
         super().__init__()
-        self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
+        self.c_fc = Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
         self.gelu = nn.GELU(approximate="tanh")  # GPT-2's "gelu_new": from_pretrained matches it exactly
-        self.c_proj = nn.Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
+        self.c_proj = Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x):

@@ -20,7 +20,8 @@ batching: finished sequences' rows go to the next prompts, --admit_batch of them
 - eager: generate(engine="eager"), a forward and a read-back per step;
 - peer: gpt-fast's recipe over the same modules: a static KV cache tensor per layer (MLA: the latent and RoPE key),
   F.scaled_dot_product_attention with a mask of each row's length, the decode step (with the argmax) compiled with
-  torch.compile(mode="reduce-overhead", fullgraph=True); prefill eager. On the ragged prompts it batches statically:
+  torch.compile(mode="reduce-overhead", fullgraph=True) with coordinate-descent tuning (gpt-fast sets it; so does
+  compile_model); prefill eager. On the ragged prompts it batches statically:
   --ragged_rows prompts at a time, each batch decoding until its longest request is done.
 
 Decode tokens/s counts the tokens decoded (not the prefill's first) over the decode seconds (device-synchronized);
@@ -68,6 +69,8 @@ PREFILL = "prefill s (engine, compiled, eager, peer)"
 
 # ---------------------------------------------------------------------------------------------- the peer
 
+PEER_INDUCTOR_OPTIONS = {"triton.cudagraphs": True, "coordinate_descent_tuning": True}
+
 
 class StaticCachePeer(nn.Module):
     """gpt-fast's decoder over the modules of one of our GPTs: a static cache per layer (registered buffers, so the
@@ -102,7 +105,8 @@ class StaticCachePeer(nn.Module):
         self.step, self.rows, self.compiled = self.decode_step, batch, compile
         if compile:
             torch._dynamo.reset()  # a fresh compile per peer: the guards of earlier shapes never pile up to the limit
-            self.step = torch.compile(self.decode_step, mode="reduce-overhead", fullgraph=True)
+            # mode="reduce-overhead" (CUDA graphs) with gpt-fast's coordinate-descent tuning, as our compiled step has
+            self.step = torch.compile(self.decode_step, fullgraph=True, options=PEER_INDUCTOR_OPTIONS)
 
     def decode_step(self, tokens: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """tokens (B,), pos (B,) -> next greedy tokens (B,)."""

@@ -573,3 +573,24 @@ def test_compile_model_traces_the_training_step_in_two_graphs():
     assert losses["compiled"] == pytest.approx(losses["eager"], rel=1e-5)
     for (name, p), q in zip(eager.named_parameters(), compiled.parameters()):
         assert_scaled_close(q, p, 1e-5, f"{name} after a step")
+
+
+def test_linear_one_row_under_compile_is_a_matmul_then_bias():
+    """model.linear writes a single row under torch.compile as matmul + bias (the form Inductor fuses into a GEMV
+    at decode): the same values as F.linear, compiled or not, with and without a bias, one row or several."""
+    from model import linear
+
+    torch.manual_seed(0)
+    weight, bias = torch.randn(48, 32), torch.randn(48)
+    compiled = torch.compile(linear, dynamic=True)
+    for rows in ((1, 1), (3, 1), (1, 5)):
+        x = torch.randn(*rows, 32)
+        for b in (bias, None):
+            want = torch.nn.functional.linear(x, weight, b)
+            torch.testing.assert_close(linear(x, weight, b), want, rtol=0, atol=0)  # eager: F.linear itself
+            torch.testing.assert_close(compiled(x, weight, b), want, rtol=1e-5, atol=1e-5)  # summation order only
+    seen = []
+    torch.compile(lambda x: linear(x, weight, bias), backend=lambda gm, _: seen.append(gm.code) or gm.forward)(
+        x[:1, :1]
+    )
+    assert "linear" not in seen[0] and "matmul" in seen[0], seen[0]
