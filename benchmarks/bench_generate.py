@@ -84,7 +84,7 @@ class StaticCachePeer(nn.Module):
 
         super().__init__()
         self.model, cfg = model, model.config
-        self.rope_cos_sin, self.apply_rope = gpt.rope_cos_sin, gpt.apply_rope
+        self.rope_cos_sin, self.apply_rope, self.linear = gpt.rope_cos_sin, gpt.apply_rope, gpt.linear
         p = next(model.parameters())
         self.mla = cfg.attention == "mla"
         for i in range(cfg.n_layer):
@@ -157,10 +157,10 @@ class StaticCachePeer(nn.Module):
         H, d_c, d_r = attn.n_head, attn.d_c, attn.d_r
         w_in, b_in, w_out = getattr(self, f"w_in{i}"), getattr(self, f"b_in{i}"), getattr(self, f"w_out{i}")
         if hasattr(attn, "q_a_proj"):
-            q = F.linear(attn.q_a_norm(attn.q_a_proj(x)), w_in, b_in)
+            q = self.linear(attn.q_a_norm(attn.q_a_proj(x)), w_in, b_in)
             c_kv, k_rope = attn.kv_a_proj(x).split([d_c, d_r], dim=-1)
         else:
-            q, c_kv, k_rope = F.linear(x, w_in, b_in).split([H * (d_c + d_r), d_c, d_r], dim=-1)
+            q, c_kv, k_rope = self.linear(x, w_in, b_in).split([H * (d_c + d_r), d_c, d_r], dim=-1)
         q_absorbed, q_rope = q.view(B, T, H, d_c + d_r).split([d_c, d_r], dim=-1)
         q_rope, k_rope = self.apply_rope(q_rope, *rope), self.apply_rope(k_rope, *rope)
         cache = getattr(self, f"c{i}")[rows]  # (B, S, D_c + D_r)
@@ -168,7 +168,7 @@ class StaticCachePeer(nn.Module):
         q = torch.cat([q_absorbed, q_rope], -1).transpose(1, 2)  # (B, H, T, D_c + D_r)
         k, v = cache[:, None], cache[:, None, :, :d_c]  # one latent "head" shared by every query head
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scale, enable_gqa=True)
-        return F.linear(o.transpose(1, 2).reshape(B, T, H * d_c), w_out, attn.c_proj.bias)
+        return self.linear(o.transpose(1, 2).reshape(B, T, H * d_c), w_out, attn.c_proj.bias)
 
 
 @torch.no_grad()
