@@ -31,7 +31,8 @@ take (stderr says which and how long the capture took), with sampling on the GPU
 few steps; --cuda_graphs=False runs the eager loop instead (a forward and a read-back per step), and on a CPU the
 eager loop is the only one (--cuda_graphs=True there is an error). --compile=True compiles every block with
 torch.compile around its cache call for the decode steps (generate.compile_model: norms, projections, RoPE and
-MLP fused; prefill stays eager; either loop, the graphs then replay the fused kernels; the capture waits for it).
+MLP fused, at batch 1 the projections as GEMVs; prefill stays eager; either loop, the graphs then replay the fused
+kernels; the capture waits for it).
 
 Standard output gets the samples alone (the first one streamed as it is generated, then the others, separated by
 a line of dashes), so `> out.txt` captures just the text; progress and statistics (prefill and decode tokens/s,
