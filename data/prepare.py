@@ -248,7 +248,7 @@ def write_dataset(
         "val_tokens": counts["val"],
         "source": source,
     }
-    _atomic_write(os.path.join(directory, "meta.json"), json.dumps(meta, indent=1).encode())
+    _write_whole(os.path.join(directory, "meta.json"), lambda f: f.write(json.dumps(meta, indent=1).encode()))
     print(
         f"prepared {directory}: {counts['train']:,} train and {counts['val']:,} val tokens, "
         f"vocab {tokenizer_meta['vocab_size']}, {dtype.name}"
@@ -290,10 +290,6 @@ def _temp_beside(path: str) -> tuple[int, str]:
     os.umask(mask)
     os.chmod(tmp, 0o666 & ~mask)
     return fd, tmp
-
-
-def _atomic_write(path: str, data: bytes) -> None:
-    _write_whole(path, lambda f: f.write(data))
 
 
 # ----------------------------------------------------------------------------------------------- command line

@@ -72,10 +72,8 @@ def test_ctrl_c_while_writing_leaves_no_half_dataset(tmp_path, monkeypatch):
         load_dataset_dir(str(tmp_path))
     monkeypatch.setattr(prep.os, "replace", real_replace)
     prep.prepare_char_text(text.upper(), str(tmp_path))  # the same command again prepares it
-    assert (
-        get_tokenizer(load_dataset_dir(str(tmp_path)).meta).decode(load_dataset_dir(str(tmp_path)).train[:4].tolist())
-        == "LINE"
-    )
+    ds = load_dataset_dir(str(tmp_path))
+    assert get_tokenizer(ds.meta).decode(ds.train[:4].tolist()) == "LINE"
 
 
 def byte_level_encoding():
