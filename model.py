@@ -239,8 +239,12 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     """Rotate the pairs (i, i + D/2) of x (B, T, H, D) or (B, T, D) by the angles of cos/sin (B|1, T, D/2)."""
     if x.ndim == 4:
         cos, sin = cos[:, :, None], sin[:, :, None]
-    x1, x2 = x.float().chunk(2, dim=-1)
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
+    xf = x.float()
+    x1, x2 = xf.chunk(2, dim=-1)
+    # [x1 cos - x2 sin, x2 cos + x1 sin] as one expression over the whole vector, whose cats feed only products:
+    # Inductor fuses it into one kernel, where a cat of the two rotated halves would be a kernel per half.
+    rotated = torch.cat([-x2, x1], dim=-1)
+    return (xf * torch.cat([cos, cos], dim=-1) + rotated * torch.cat([sin, sin], dim=-1)).type_as(x)
 
 
 class LayerNorm(nn.Module):
@@ -370,7 +374,9 @@ class MultiHeadLatentAttention(nn.Module):
         absorbed query, its RoPE part and the new token's latent and RoPE key, and one maps the heads' latent
         outputs to the residual stream."""
         B, H, d_c, d_r = x.shape[0], self.n_head, self.d_c, self.d_r
-        w_in, b_in, w_out = self.absorbed_weights()
+        # Compiled, the folded weights are read as they are (GPT.forward refreshed them before the blocks): the call
+        # that checks them stays out of the graph, and there it would cut the graph between the norm and w_in's GEMV.
+        w_in, b_in, w_out = self._absorbed if torch.compiler.is_compiling() else self.absorbed_weights()
         if hasattr(self, "q_a_proj"):  # the query comes from its own compressed input; the latent from x
             q = linear(self.q_a_norm(self.q_a_proj(x)), w_in, b_in)
             c_kv, k_rope = self.kv_a_proj(x).split([d_c, d_r], dim=-1)
@@ -516,6 +522,9 @@ class GPT(nn.Module):
             positions = torch.arange(T, device=idx.device)[None]  # (1, T)
         self._check_positions(positions, T, cache)
         x, rope = self.embed(idx, positions)
+        if cache is not None and T == 1 and self.config.attention == "mla":
+            for block in self.transformer.h:
+                block.attn.absorbed_weights()  # (re)folded here, outside any compiled block (_decode_absorbed)
         backend = self.attn_backend_for(idx.device)
         for block in self.transformer.h:
             x = block(x, rope, cache, backend)

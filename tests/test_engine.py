@@ -91,7 +91,12 @@ def test_compiled_blocks_equal_the_uncompiled_engine(variant, kind):
     """generate.compile_model (sample.py --compile=True): every block compiled around its cache call. Its tokens
     and logits equal the uncompiled engine's on ragged prompts with waiting prompts and padded buckets (the graphs
     on a GPU, the static step on the CPU), and one compile serves every layer: ten blocks stay within dynamo's
-    recompile limit of 8, which a compile specialized per layer would pass (and fail here)."""
+    recompile limit of 8, which a compile specialized per layer would pass (and fail here). The cache call is the
+    only graph break (MLA's folded weights are checked before the blocks, not inside them, where a break would
+    keep the norm out of the query projection's kernel), and a weight changed between two generations reaches
+    the compiled step."""
+    from torch._dynamo.utils import counters
+
     engine = "graphs" if GPU else "static"
     net = model(variant, "triton" if GPU else "torch", n_layer=10)
     ps = prompts(PROMPT_LENS, seed=2)
@@ -101,14 +106,34 @@ def test_compiled_blocks_equal_the_uncompiled_engine(variant, kind):
     compiled_seen, compiled_record = _record()
     torch._dynamo.reset()
     # the flag compile_model sets goes back to its value afterwards, for the other tests of this process
+    counters.clear()
     with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=False, fail_on_recompile_limit_hit=True):
         try:
             compile_model(net)
             out, _ = generate(net, ps, kind, on_logits=compiled_record, **common)
             again, _ = generate(net, ps[:3], kind, **{**common, "max_new_tokens": MAX_NEW[:3]})  # no logits read
+            breaks = dict(counters["graph_break"])
+            _perturb_attention(net)
+            changed, _ = generate(net, ps[:3], kind, **{**common, "max_new_tokens": MAX_NEW[:3]})
         finally:
             torch._dynamo.reset()
     assert out == ref and again == ref[:3]
+    cache_call = "attend_latent" if variant == "mla" else "attend"
+    assert breaks and all(f".{cache_call} at" in reason for reason in breaks), breaks
+    uncompiled = _perturb_attention(model(variant, "triton" if GPU else "torch", n_layer=10))
+    want, _ = generate(uncompiled, ps[:3], kind, **{**common, "max_new_tokens": MAX_NEW[:3]})
+    assert changed == want and changed != ref[:3], "the compiled step decoded with the weights before the change"
+
+
+def _perturb_attention(net):
+    """Attention output weights large enough to change the greedy tokens, written in place (the version counter
+    moves, the storage stays), as an optimizer step writes them."""
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for block in net.transformer.h:
+            w = block.attn.c_proj.weight
+            w.copy_(torch.randn(w.shape, generator=g).to(w.device, w.dtype) * 0.5)
+    return net
     tol = TOLERANCES[torch.float32]  # the same fp32 math, fused by Inductor: only the order of the sums differs
     for i in seen:
         for want, got in zip(seen[i], compiled_seen[i]):
