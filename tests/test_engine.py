@@ -118,11 +118,15 @@ def test_compiled_blocks_equal_the_uncompiled_engine(variant, kind):
         finally:
             torch._dynamo.reset()
     assert out == ref and again == ref[:3]
+    tol = TOLERANCES[torch.float32]  # the same fp32 math, fused by Inductor: only the order of the sums differs
+    for i in seen:
+        for want, got in zip(seen[i], compiled_seen[i]):
+            torch.testing.assert_close(got, want, **tol)
     cache_call = "attend_latent" if variant == "mla" else "attend"
     assert breaks and all(f".{cache_call} at" in reason for reason in breaks), breaks
     uncompiled = _perturb_attention(model(variant, "triton" if GPU else "torch", n_layer=10))
-    want, _ = generate(uncompiled, ps[:3], kind, **{**common, "max_new_tokens": MAX_NEW[:3]})
-    assert changed == want and changed != ref[:3], "the compiled step decoded with the weights before the change"
+    expected, _ = generate(uncompiled, ps[:3], kind, **{**common, "max_new_tokens": MAX_NEW[:3]})
+    assert changed == expected and changed != ref[:3], "the compiled step decoded with the weights before the change"
 
 
 def _perturb_attention(net):
@@ -134,10 +138,6 @@ def _perturb_attention(net):
             w = block.attn.c_proj.weight
             w.copy_(torch.randn(w.shape, generator=g).to(w.device, w.dtype) * 0.5)
     return net
-    tol = TOLERANCES[torch.float32]  # the same fp32 math, fused by Inductor: only the order of the sums differs
-    for i in seen:
-        for want, got in zip(seen[i], compiled_seen[i]):
-            torch.testing.assert_close(got, want, **tol)
 
 
 def _record():
