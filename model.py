@@ -375,7 +375,7 @@ class MultiHeadLatentAttention(nn.Module):
         outputs to the residual stream."""
         B, H, d_c, d_r = x.shape[0], self.n_head, self.d_c, self.d_r
         # Compiled, the folded weights are read as they are (GPT.forward refreshed them before the blocks): the call
-        # that checks them stays out of the graph, and there it would cut the graph between the norm and w_in's GEMV.
+        # that checks them stays out of the graph, and here it would split the block's graph (a kernel more a layer).
         w_in, b_in, w_out = self._absorbed if torch.compiler.is_compiling() else self.absorbed_weights()
         if hasattr(self, "q_a_proj"):  # the query comes from its own compressed input; the latent from x
             q = linear(self.q_a_norm(self.q_a_proj(x)), w_in, b_in)

@@ -93,8 +93,7 @@ def test_compiled_blocks_equal_the_uncompiled_engine(variant, kind):
     on a GPU, the static step on the CPU), and one compile serves every layer: ten blocks stay within dynamo's
     recompile limit of 8, which a compile specialized per layer would pass (and fail here). The cache call is the
     only graph break (MLA's folded weights are checked before the blocks, not inside them, where a break would
-    keep the norm out of the query projection's kernel), and a weight changed between two generations reaches
-    the compiled step."""
+    split the block's graph), and a weight changed between two generations reaches the compiled step."""
     from torch._dynamo.utils import counters
 
     engine = "graphs" if GPU else "static"
