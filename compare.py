@@ -32,6 +32,8 @@ row per run, from those files:
     KV formula        that product with the run's numbers
     train tok/s, MFU  medians over the eval lines of metrics.jsonl (each holds the latest logged window); MFU is
                       n/a for a run trained on a CPU (no known peak)
+    train peak GiB    the most GPU memory the run's tensors held while training (PyTorch's allocator; the largest
+                      peak_memory_bytes of metrics.jsonl); n/a for a run trained on a CPU
     decode tok/s      greedy decode of a fixed 16-token prompt plus --decode_tokens new tokens at batch 1 and at
                       --decode_batch, through generate.generate and the model's natural cache, after a warm-up run
                       of the same size. On a GPU the checkpoint runs our Triton kernels at the run's training dtype;
@@ -194,6 +196,7 @@ class Run:
     kv_formula: str
     train_tokens_per_s: float | None
     mfu: float | None
+    train_peak_bytes: int | None
     dataset: str
     seed: int | None
     size: str
@@ -253,6 +256,7 @@ def load_run(directory: str, attn_backend: str = "torch") -> Run:
         kv_formula=formula,
         train_tokens_per_s=_median(line.get("tokens_per_sec") for line in lines),
         mfu=_median(line.get("mfu") for line in lines),
+        train_peak_bytes=_largest(line.get("peak_memory_bytes") for line in lines),
         dataset=dataset,
         seed=last.get("seed", cfg.get("seed")),
         size=last.get("size", f"L{mc.n_layer}-E{mc.n_embd}-H{mc.n_head}-T{mc.block_size}"),
@@ -320,9 +324,19 @@ def _read_metrics(directory: str) -> list[dict]:
     return lines
 
 
+def _numbers(values) -> list[float]:
+    return [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+
+
 def _median(values) -> float | None:
-    values = [v for v in values if isinstance(v, (int, float)) and math.isfinite(v)]
+    values = _numbers(values)
     return statistics.median(values) if values else None
+
+
+def _largest(values) -> float | None:
+    # a resumed run starts the allocator's peak again, so the run's peak is the largest of its lines'
+    values = _numbers(values)
+    return max(values) if values else None
 
 
 def attention_label(config) -> str:
@@ -523,12 +537,13 @@ def columns(batch: int) -> list[tuple[str, str]]:
         ("kv_formula", "KV formula"),
         ("train_tokens_per_s", "train tok/s"),
         ("mfu", "MFU"),
+        ("train_peak_bytes", "train peak GiB"),
         ("decode_b1", "decode tok/s b1"),
         (f"decode_b{batch}", f"decode tok/s b{batch}"),
     ]
 
 
-STATS = ("tokens", "val_loss_best", "val_loss_final", "train_tokens_per_s", "mfu")
+STATS = ("tokens", "val_loss_best", "val_loss_final", "train_tokens_per_s", "mfu", "train_peak_bytes")
 
 
 def cell(row: Row, key: str) -> str:
@@ -548,10 +563,11 @@ def cell(row: Row, key: str) -> str:
         "val_loss_best": lambda v: f"{v:.4f}",
         "val_loss_final": lambda v: f"{v:.4f}",
         "mfu": lambda v: f"{100 * v:.1f}%",
+        "train_peak_bytes": lambda v: f"{v / 2**30:.2f}",
     }.get(key, lambda v: f"{v:,.0f}")
     mean, std = row.mean(key), row.std(key)
     if mean is None:
-        return "n/a" if key == "mfu" else "-"
+        return "n/a" if key in ("mfu", "train_peak_bytes") else "-"
     if std is None or (key == "tokens" and std == 0):
         return show(mean)
     return f"{show(mean)} ± {show(std)}"
@@ -596,7 +612,8 @@ def footer(rows: list[Row], cfg: dict, device: str) -> list[str]:
     lines = [
         "KV B/token: KV-cache bytes per token over all layers at the run's training dtype; KV formula: "
         "2*n_layer*n_kv_head*head_dim*bytes (MHA/GQA/MQA), n_layer*(kv_lora_rank+qk_rope_head_dim)*bytes (MLA)",
-        "train tok/s, MFU: medians over the eval lines of metrics.jsonl (MFU n/a: trained on a CPU)",
+        "train tok/s, MFU: medians over the eval lines of metrics.jsonl (MFU n/a: trained on a CPU); train peak "
+        "GiB: the most GPU memory the run's tensors held while training (n/a: trained on a CPU)",
     ]
     if cfg["decode"]:
         where = (

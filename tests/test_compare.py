@@ -57,9 +57,11 @@ def make_run(
     new_keys=True,
     dtype="float32",
     init_from="scratch",
+    peaks=None,
 ):
     """A run directory as train.py writes it: metrics.jsonl (an eval every 10 iterations) and best.pt / last.pt
-    (train.py's training_state keys) of a tiny model. evals_planned > len(losses): a run stopped early."""
+    (train.py's training_state keys) of a tiny model. evals_planned > len(losses): a run stopped early. peaks: the
+    peak_memory_bytes of each line (None: a CPU run's)."""
     torch.manual_seed(seed)
     model = GPT(tiny_config(attention, n_layer))
     mc = model.config
@@ -94,7 +96,7 @@ def make_run(
                     params=model.num_params(),
                     kv_cache_bytes_per_token=model.kv_cache_bytes_per_token(train.PTDTYPES[dtype]),
                     kv_cache_dtype=dtype,
-                    peak_memory_bytes=None,
+                    peak_memory_bytes=peaks[i] if peaks else None,
                     attention=attention,
                     n_kv_head=mc.n_kv_head,
                     kv_lora_rank=mc.kv_lora_rank,
@@ -138,7 +140,7 @@ def test_table_numbers_come_from_the_files(tmp_path, capsys):
     assert r["tokens"] == 20 * 2 * 32 and r["token_budget"] == 20 * 2 * 32
     assert r["val_loss_best"] == 2.5 and r["val_loss_final"] == 2.75 and r["val_loss_best_std"] is None
     assert r["train_tokens_per_s"] == 2000.0  # the median of the logged windows (the first eval has none)
-    assert r["mfu"] is None and r["decode_tokens_per_s_b1"] is None
+    assert r["mfu"] is None and r["train_peak_bytes"] is None and r["decode_tokens_per_s_b1"] is None
     # KV bytes per token, float32: 2 * n_layer * n_kv_head * head_dim * 4 and n_layer * (kv_lora_rank + rope) * 4
     assert (r["kv_bytes_per_token"], r["kv_formula"], r["kv_dtype"]) == (256, "2*1*4*8*4", "float32")
     assert (rows["gqa-kv2"]["kv_bytes_per_token"], rows["gqa-kv2"]["kv_formula"]) == (128, "2*1*2*8*4")
@@ -153,6 +155,20 @@ def test_table_numbers_come_from_the_files(tmp_path, capsys):
     assert first.split()[:7] == ["out-mha", "1", "mha", "0.01M", "1,280", "2.5000", "2.7500"]
     assert "256 (float32)" in first and "2*1*4*8*4" in first and "2,000" in first and "n/a" in first
     assert "decode tok/s: not measured (--decode=False)" in text
+
+
+def test_train_peak_memory_is_the_largest_logged(tmp_path):
+    """The peak column is the largest peak_memory_bytes over the eval lines (a resumed run's allocator starts its
+    peak again, so the last line may hold less), in GiB in the table; seeds share a row as mean ± std."""
+    gib = 2**30
+    make_run(tmp_path / "a-s1", "gqa", seed=1, peaks=(None, 3 * gib, 2 * gib))
+    make_run(tmp_path / "a-s2", "gqa", seed=2, peaks=(gib, 2 * gib, 2 * gib))
+    (row,) = as_json([str(tmp_path / "a-s1"), str(tmp_path / "a-s2"), *NO_DECODE])["rows"]
+    assert row["n"] == 2 and row["train_peak_bytes"] == 2.5 * gib
+    assert row["train_peak_bytes_std"] == pytest.approx(0.5**0.5 * gib)
+    text = compare.main([str(tmp_path / "a-s1"), *NO_DECODE])["text"]
+    header, _, line = text.splitlines()[:3]
+    assert "train peak GiB" in header and " 3.00 " in line
 
 
 def test_bfloat16_runs_count_two_bytes_and_say_so(tmp_path):
