@@ -32,7 +32,9 @@ few steps; --cuda_graphs=False runs the eager loop instead (a forward and a read
 eager loop is the only one (--cuda_graphs=True there is an error). --compile=True compiles every block with
 torch.compile around its cache call for the decode steps (generate.compile_model: norms, projections, RoPE and
 MLP fused, at batch 1 the projections as GEMVs; prefill stays eager; either loop, the graphs then replay the fused
-kernels; the capture waits for it).
+kernels; the capture waits for it). It pays most at small batches, where the step's many small kernels set the
+speed (benchmarks/RESULTS.md has the numbers), and over long generations: a short run spends more on the compile
+than it saves.
 
 Standard output gets the samples alone (the first one streamed as it is generated, then the others, separated by
 a line of dashes), so `> out.txt` captures just the text; progress and statistics (prefill and decode tokens/s,
