@@ -374,9 +374,9 @@ class MultiHeadLatentAttention(nn.Module):
         absorbed query, its RoPE part and the new token's latent and RoPE key, and one maps the heads' latent
         outputs to the residual stream."""
         B, H, d_c, d_r = x.shape[0], self.n_head, self.d_c, self.d_r
-        # Compiled, the folded weights are read as they are (GPT.forward refreshed them before the blocks): the call
-        # that checks them stays out of the graph, and here it would split the block's graph (a kernel more a layer).
-        w_in, b_in, w_out = self._absorbed if torch.compiler.is_compiling() else self.absorbed_weights()
+        # GPT.forward refreshed the folded weights before the blocks: the call that checks them stays out of any
+        # compiled graph, and here it would split the block's graph (a kernel more a layer).
+        w_in, b_in, w_out = self._absorbed
         if hasattr(self, "q_a_proj"):  # the query comes from its own compressed input; the latent from x
             q = linear(self.q_a_norm(self.q_a_proj(x)), w_in, b_in)
             c_kv, k_rope = self.kv_a_proj(x).split([d_c, d_r], dim=-1)
