@@ -87,9 +87,10 @@ def compile_model(model):
     return model
 
 
-# Coordinate-descent tuning, as gpt-fast sets it: at batch 1 Inductor then writes each projection (a one-row matmul,
-# model.linear) as a reduction fused with the norm before it and the bias, GELU or residual add after it, instead of
-# a cuBLAS GEMM and its split-K and elementwise kernels, and tunes its block sizes.
+# Coordinate-descent tuning, as gpt-fast sets it: Inductor tunes its kernels' block sizes, and at batch 1 on the
+# PyTorch attention backend it writes each projection (a one-row matmul, model.linear) as a reduction fused with its
+# neighbours instead of a cuBLAS GEMM. (On the Triton backend a step of up to projections.MAX_ROWS rows runs its
+# projections through that kernel, `GPT.fused_rows`, and Inductor fuses what lies between them.)
 DECODE_INDUCTOR_OPTIONS = {"coordinate_descent_tuning": True}
 
 

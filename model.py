@@ -55,14 +55,40 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attention_kernels import flash_gqa_attention
+from attention_kernels.projections import MAX_ROWS, decode_linear
 from attention_kernels.reference import causal_mask
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear, except a single row under torch.compile (the decode step at batch 1), which is written as a matmul
-    and then the bias: Inductor turns a one-row aten.mm into a fused reduction that carries its neighbours (the
-    norm before it, the bias, GELU or residual add after) when coordinate-descent tuning is on
-    (generate.compile_model), but it leaves addmm, F.linear's form with a bias, to cuBLAS."""
+def linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    *,
+    norm: "LayerNorm | None" = None,
+    gelu: bool = False,
+    residual: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """residual + gelu(norm(x) @ weight.T + bias), each part optional; F.linear without them.
+
+    With a norm, GELU or residual the projection is a decode step's, at a few rows (GPT.forward decides, see
+    `fused_rows`): one launch of attention_kernels.decode_linear with the norm before it and the GELU or residual
+    add after it, reading the weights at the memory's speed where cuBLAS and Inductor run a one-row product at a
+    third to a half of it. Without them, a single row under torch.compile (the decode step of the PyTorch attention
+    backend) is written as a matmul and then the bias: Inductor turns a one-row aten.mm into a fused reduction when
+    coordinate-descent tuning is on (generate.compile_model), but it leaves addmm, F.linear's form with a bias, to
+    cuBLAS."""
+    if norm is not None or gelu or residual is not None:
+        y = decode_linear(
+            x.reshape(-1, x.shape[-1]),
+            weight,
+            bias,
+            norm_weight=None if norm is None else norm.weight,
+            norm_bias=None if norm is None else norm.bias,
+            eps=LayerNorm.eps,
+            gelu=gelu,
+            residual=None if residual is None else residual.reshape(-1, residual.shape[-1]),
+        )
+        return y.view(*x.shape[:-1], -1)
     if bias is not None and torch.compiler.is_compiling() and math.prod(x.shape[:-1]) == 1:
         return x @ weight.t() + bias
     return F.linear(x, weight, bias)
@@ -71,8 +97,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 class Linear(nn.Linear):
     """nn.Linear through `linear` (the same parameters and state dict)."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
+    def forward(self, x: torch.Tensor, **fused) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, **fused)
 
 
 ATTENTIONS = ("mha", "gqa", "mqa", "mla")
@@ -250,13 +276,15 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
 class LayerNorm(nn.Module):
     """LayerNorm with an optional bias (PyTorch's has no bias=False before 2.1)."""
 
+    eps = 1e-5
+
     def __init__(self, ndim: int, bias: bool):
         super().__init__()
         self.weight = nn.Parameter(torch.ones(ndim))
         self.bias = nn.Parameter(torch.zeros(ndim)) if bias else None
 
     def forward(self, x):
-        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, 1e-5)
+        return F.layer_norm(x, self.weight.shape, self.weight, self.bias, self.eps)
 
 
 class RMSNorm(nn.Module):
@@ -285,10 +313,12 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, rope, cache, backend: str):
+    def forward(self, x, rope, cache, backend: str, norm=None, residual=None):
+        """With norm and residual (a decode step's few rows, `Block`), x is the block's input: the norm runs in the
+        first projection's launch, the residual add in the last's, and the block's new residual stream returns."""
         B, T, _ = x.shape
         H, H_kv, D = self.n_head, self.n_kv_head, self.head_dim
-        q, k, v = self.c_attn(x).split([H * D, H_kv * D, H_kv * D], dim=2)
+        q, k, v = self.c_attn(x, norm=norm).split([H * D, H_kv * D, H_kv * D], dim=2)
         q, k, v = q.view(B, T, H, D), k.view(B, T, H_kv, D), v.view(B, T, H_kv, D)
         if rope is not None:
             q, k = apply_rope(q, *rope), apply_rope(k, *rope)
@@ -302,7 +332,7 @@ class CausalSelfAttention(nn.Module):
             k, v = k.to(q.dtype), v.to(q.dtype)  # the cache may store another dtype than autocast computes in
             y = causal_attention(q, k, v, backend)
         y = y.transpose(1, 2).reshape(B, T, H * D)
-        return self.resid_dropout(self.c_proj(y))
+        return self.resid_dropout(self.c_proj(y, residual=residual))
 
 
 class MultiHeadLatentAttention(nn.Module):
@@ -332,11 +362,12 @@ class MultiHeadLatentAttention(nn.Module):
         self.c_proj = Linear(self.n_head * self.d_v, config.n_embd, bias=config.bias)
         self.resid_dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x, rope, cache, backend: str):
+    def forward(self, x, rope, cache, backend: str, norm=None, residual=None):
+        """norm and residual: as CausalSelfAttention's (decode only)."""
         B, T, _ = x.shape
         H = self.n_head
         if cache is not None and T == 1:
-            return self._decode_absorbed(x, rope, cache)
+            return self._decode_absorbed(x, rope, cache, norm, residual)
         q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x))) if hasattr(self, "q_a_proj") else self.q_proj(x)
         q_nope, q_rope = q.view(B, T, H, self.d_n + self.d_r).split([self.d_n, self.d_r], dim=-1)
         c_kv, k_rope = self.kv_a_proj(x).split([self.d_c, self.d_r], dim=-1)
@@ -367,7 +398,7 @@ class MultiHeadLatentAttention(nn.Module):
         q = torch.cat([q_nope, q_rope], dim=-1)
         return causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), backend)
 
-    def _decode_absorbed(self, x, rope, cache):
+    def _decode_absorbed(self, x, rope, cache, norm=None, residual=None):
         """Decode, x (B, 1, C): q_nope . k_nope = (q_nope W_UK[h]) . c_kv, so the query moves into the latent space
         and every head attends to the one shared latent cache, whose output W_UV[h] then maps to the head's values.
         Both up-projections are folded into the weights around them (`absorbed_weights`): one projection gives the
@@ -378,10 +409,10 @@ class MultiHeadLatentAttention(nn.Module):
         # compiled graph, and here it would split the block's graph (a kernel more a layer).
         w_in, b_in, w_out = self._absorbed
         if hasattr(self, "q_a_proj"):  # the query comes from its own compressed input; the latent from x
-            q = linear(self.q_a_norm(self.q_a_proj(x)), w_in, b_in)
-            c_kv, k_rope = self.kv_a_proj(x).split([d_c, d_r], dim=-1)
+            q = linear(self.q_a_norm(self.q_a_proj(x, norm=norm)), w_in, b_in)
+            c_kv, k_rope = self.kv_a_proj(x, norm=norm).split([d_c, d_r], dim=-1)
         else:
-            q, c_kv, k_rope = linear(x, w_in, b_in).split([H * (d_c + d_r), d_c, d_r], dim=-1)
+            q, c_kv, k_rope = linear(x, w_in, b_in, norm=norm).split([H * (d_c + d_r), d_c, d_r], dim=-1)
         q_absorbed, q_rope = q.view(B, 1, H, d_c + d_r).split([d_c, d_r], dim=-1)
         # the query heads' RoPE parts and the shared RoPE key rotate together, as one more head (one kernel)
         ropes = apply_rope(torch.cat([q_rope, k_rope[:, :, None]], dim=2), *rope)
@@ -391,7 +422,8 @@ class MultiHeadLatentAttention(nn.Module):
             self.layer_idx, q_absorbed.transpose(1, 2), q_rope.transpose(1, 2), c_kv, k_rope, self.scale
         )  # (B, H, 1, D_c)
         # the dropout here, not in the caller: a compiled region of its own would copy its input to its output
-        return self.resid_dropout(linear(latent.transpose(1, 2).reshape(B, 1, H * d_c), w_out, self.c_proj.bias))
+        latent = latent.transpose(1, 2).reshape(B, 1, H * d_c)
+        return self.resid_dropout(linear(latent, w_out, self.c_proj.bias, residual=residual))
 
     def _absorb_sources(self) -> list[torch.Tensor]:
         q = self.q_b_proj if hasattr(self, "q_a_proj") else self.q_proj
@@ -453,8 +485,11 @@ class MLP(nn.Module):
         self.c_proj = Linear(4 * config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = nn.Dropout(config.dropout)
 
-    def forward(self, x):
-        return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+    def forward(self, x, norm=None, residual=None):
+        """norm and residual: as CausalSelfAttention's (decode only; GELU then runs in c_fc's launch)."""
+        if norm is None and residual is None:
+            return self.dropout(self.c_proj(self.gelu(self.c_fc(x))))
+        return self.dropout(self.c_proj(self.c_fc(x, norm=norm, gelu=True), residual=residual))
 
 
 class Block(nn.Module):
@@ -466,7 +501,10 @@ class Block(nn.Module):
         self.ln_2 = LayerNorm(config.n_embd, bias=config.bias)
         self.mlp = MLP(config)
 
-    def forward(self, x, rope, cache, backend: str):
+    def forward(self, x, rope, cache, backend: str, fused: bool = False):
+        if fused:  # a decode step's few rows (`fused_rows`): the norms and residual adds ride in the projections
+            x = self.attn(x, rope, cache, backend, norm=self.ln_1, residual=x)
+            return self.mlp(x, norm=self.ln_2, residual=x)
         x = x + self.attn(self.ln_1(x), rope, cache, backend)
         return x + self.mlp(self.ln_2(x))
 
@@ -521,16 +559,33 @@ class GPT(nn.Module):
         else:
             positions = torch.arange(T, device=idx.device)[None]  # (1, T)
         self._check_positions(positions, T, cache)
-        x, rope = self.embed(idx, positions)
         if cache is not None and T == 1 and self.config.attention == "mla":
+            # (Re)folded here, outside any compiled block (_decode_absorbed), and before the embedding: a fused
+            # projection reads its weights before it waits for the kernel before it (decode_linear), so that kernel
+            # must not be the one that writes them.
             for block in self.transformer.h:
-                block.attn.absorbed_weights()  # (re)folded here, outside any compiled block (_decode_absorbed)
+                block.attn.absorbed_weights()
+        x, rope = self.embed(idx, positions)
         backend = self.attn_backend_for(idx.device)
+        fused = self.fused_rows(B, T, cache, backend)
         for block in self.transformer.h:
-            x = block(x, rope, cache, backend)
+            x = block(x, rope, cache, backend, fused)
         if last is not None:
             x = x[torch.arange(B, device=x.device), last][:, None]
-        return self.logits_and_loss(x, targets)
+        return self.logits_and_loss(x, targets, fused)
+
+    def fused_rows(self, B: int, T: int, cache, backend: str) -> bool:
+        """Does this forward run its projections as few-row kernels with their norms, GELU and residual adds inside
+        (`linear`)? A decode step (one new token a row, a cache) of at most MAX_ROWS rows on the Triton backend,
+        with no gradient (the kernel has no backward) and no active dropout (the kernel has none)."""
+        return (
+            cache is not None
+            and T == 1
+            and B <= MAX_ROWS
+            and backend == "triton"
+            and not torch.is_grad_enabled()
+            and not (self.training and self.config.dropout > 0)
+        )
 
     def embed(self, idx, positions):
         """The token (and learned position) embeddings of idx (B, T) at positions (B or 1, T), and RoPE's
@@ -543,11 +598,15 @@ class GPT(nn.Module):
         rope = rope_cos_sin(positions, self.config.rope_dim, self.config.rope_theta) if self.config.rope_dim else None
         return x, rope
 
-    def logits_and_loss(self, x, targets=None):
+    def logits_and_loss(self, x, targets=None, fused: bool = False):
         """The final norm and the output projection of x (B, T, n_embd), and with targets the mean cross-entropy:
         (logits (B, T, vocab_size), loss or None). A method of its own so that torch.compile can take it as one
-        region (train_step.compile_model), where the softmax over the vocabulary fuses with the loss."""
-        logits = self.lm_head(self.transformer.ln_f(x))
+        region (train_step.compile_model), where the softmax over the vocabulary fuses with the loss. fused: the
+        norm runs in the projection's launch (`fused_rows`)."""
+        if fused:
+            logits = linear(x, self.lm_head.weight, norm=self.transformer.ln_f)
+        else:
+            logits = self.lm_head(self.transformer.ln_f(x))
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)

@@ -1,4 +1,5 @@
-"""Triton attention kernels: differentiable flash attention for training, and grouped, paged and MLA decode.
+"""Triton attention kernels: differentiable flash attention for training, and grouped, paged and MLA decode, with
+the two kernels a decode step needs around them (the cache write, the few-row projections).
 
 Every op is a `torch.library` custom op (traceable by torch.compile with fullgraph=True; eager flash calls use an
 equivalent autograd.Function, which costs less host time), validates its inputs before launching (ValueError naming
@@ -19,6 +20,8 @@ Modules (each imports only those above it):
     decode, decode_sm90        grouped_decode / paged_grouped_decode; the Hopper paged kernel
     mla, mla_sm90              mla_decode / paged_mla_decode; the Hopper MLA kernels
     cache_write                write_tokens: a new token's two halves into a KV cache, one launch
+    projections                decode_linear: a decode step's projection of a few rows with its norm, GELU and
+                               residual add, one launch
 """
 
 from attention_kernels import reference
@@ -26,6 +29,7 @@ from attention_kernels.cache_write import write_tokens
 from attention_kernels.decode import grouped_decode, paged_grouped_decode
 from attention_kernels.flash import flash_gqa_attention, flash_gqa_backward, flash_gqa_forward
 from attention_kernels.mla import mla_decode, paged_mla_decode
+from attention_kernels.projections import decode_linear
 
 __all__ = [
     "flash_gqa_attention",
@@ -36,5 +40,6 @@ __all__ = [
     "mla_decode",
     "paged_mla_decode",
     "write_tokens",
+    "decode_linear",
     "reference",
 ]

@@ -1,4 +1,4 @@
-"""Plain PyTorch references for every op in `kernels`, in fp32 math.
+"""Plain PyTorch references for every op in `attention_kernels`, in fp32 math.
 
 They materialize the full score matrix, so they are slow and memory-hungry, and they are the ground truth: every
 kernel test compares against them, and the model's `attn_backend="torch"` path is built from the same math.
@@ -111,3 +111,18 @@ def absorb_query(q_nope, w_uk):
 def unabsorb_output(latent, w_uv):
     """out[b, h] = latent[b, h] @ W_UV[h]^T: the value up-projection applied after attention."""
     return torch.einsum("bhc,hvc->bhv", latent.float(), w_uv.float())
+
+
+def decode_linear_reference(
+    x, weight, bias=None, *, norm_weight=None, norm_bias=None, eps=1e-5, gelu=False, residual=None
+):
+    """decode_linear's math unfused, in fp32: residual + gelu(layer_norm(x) @ weight.T + bias). The norm's output is
+    rounded to x's dtype first, as F.layer_norm returns it to the projection of the unfused model."""
+    h = x.float()
+    if norm_weight is not None:
+        shift = None if norm_bias is None else norm_bias.float()
+        h = torch.nn.functional.layer_norm(h, h.shape[-1:], norm_weight.float(), shift, eps).to(x.dtype).float()
+    y = torch.nn.functional.linear(h, weight.float(), None if bias is None else bias.float())
+    if gelu:
+        y = torch.nn.functional.gelu(y, approximate="tanh")
+    return y if residual is None else y + residual.float()

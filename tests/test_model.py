@@ -594,3 +594,53 @@ def test_linear_one_row_under_compile_is_a_matmul_then_bias():
         x[:1, :1]
     )
     assert "linear" not in seen[0] and "matmul" in seen[0], seen[0]
+
+
+@pytest.mark.parametrize("variant", ["mha", "gqa-g2", "mla", "mla-qlora"])
+@pytest.mark.parametrize("bias", [True, False])
+def test_decode_rows_fused_equal_the_unfused_step(variant, bias, monkeypatch):
+    """A decode step of a few rows on the Triton backend runs its projections through attention_kernels.decode_linear
+    with the norms, GELU and residual adds inside (`GPT.fused_rows`): the same logits as the unfused step (fp32,
+    summation order only), through one launch per projection and the LM head."""
+    from attention_kernels import projections as kernel_module
+    from cache import make_cache
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(**TINY, **VARIANTS[variant], bias=bias, attn_backend="triton")
+    model = GPT(cfg).to(DEVICE).eval()
+    prompt, token = torch.randint(0, 96, (3, 5), device=DEVICE), torch.randint(0, 96, (3, 1), device=DEVICE)
+    launches = []
+    run = kernel_module._run
+    monkeypatch.setattr(kernel_module, "_run", lambda *a, **k: launches.append(1) or run(*a, **k))
+    logits = {}
+    for fused in (True, False):
+        monkeypatch.setattr(model_module, "MAX_ROWS", kernel_module.MAX_ROWS if fused else 0)
+        cache = make_cache("mla" if cfg.attention == "mla" else "grouped", cfg, 3, 16, device=DEVICE, backend="triton")
+        with torch.no_grad():
+            model(prompt, cache=cache)
+            logits[fused] = model(token, cache=cache)[0]
+    # per layer the Q/K/V (or MLA's folded query and latent) projection, the output one and the MLP's two; with
+    # query compression MLA's down-projections of the query and the latent take the norm (its up-projection is
+    # the folded plain one)
+    per_layer = 5 if variant == "mla-qlora" else 4
+    assert len(launches) == per_layer * cfg.n_layer + 1
+    scale = logits[False].abs().max()
+    assert (logits[True] - logits[False]).abs().max() <= 1e-5 * scale
+
+
+def test_fused_rows_only_where_the_kernel_computes_the_same_step():
+    """fused_rows: a cached one-token step of at most MAX_ROWS rows on the Triton backend, without autograd and
+    without active dropout; anything else runs the unfused forward."""
+    model = GPT(GPTConfig(**{**TINY, "dropout": 0.1}, **VARIANTS["mha"]))
+    cache = object()
+    model.eval()
+    with torch.no_grad():
+        assert model.fused_rows(model_module.MAX_ROWS, 1, cache, "triton")
+        assert not model.fused_rows(model_module.MAX_ROWS + 1, 1, cache, "triton")  # a GEMM's batch
+        assert not model.fused_rows(1, 2, cache, "triton")  # prefill
+        assert not model.fused_rows(1, 1, None, "triton")  # no cache: not a decode step
+        assert not model.fused_rows(1, 1, cache, "torch")  # the plain PyTorch backend
+        model.train()
+        assert not model.fused_rows(1, 1, cache, "triton")  # dropout active
+    model.eval()
+    assert not model.fused_rows(1, 1, cache, "triton")  # autograd on: the kernel has no backward
