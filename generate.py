@@ -89,8 +89,8 @@ def compile_model(model):
 
 # Coordinate-descent tuning, as gpt-fast sets it: Inductor tunes its kernels' block sizes, and at batch 1 on the
 # PyTorch attention backend it writes each projection (a one-row matmul, model.linear) as a reduction fused with its
-# neighbours instead of a cuBLAS GEMM. (On the Triton backend a step of up to projections.MAX_ROWS rows runs its
-# projections through that kernel, `GPT.fused_rows`, and Inductor fuses what lies between them.)
+# neighbours instead of a cuBLAS GEMM. (On the Triton backend a batch-1 step runs its projections through
+# attention_kernels.decode_linear, `GPT.fused_rows`, and Inductor fuses what lies between them.)
 DECODE_INDUCTOR_OPTIONS = {"coordinate_descent_tuning": True}
 
 

@@ -55,7 +55,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attention_kernels import flash_gqa_attention
-from attention_kernels.projections import MAX_ROWS, decode_linear
+from attention_kernels.projections import decode_linear
 from attention_kernels.reference import causal_mask
 
 
@@ -102,6 +102,10 @@ class Linear(nn.Linear):
 
 
 ATTENTIONS = ("mha", "gqa", "mqa", "mla")
+# Decode steps of at most this many rows run their projections through decode_linear (`GPT.fused_rows`). The kernel
+# takes up to 8, but its tiles are tuned for one: at 8 rows a GPT-2-small compiled step took 0.76 ms where cuBLAS's
+# projections take 0.53, at one row 0.32 where Inductor's take 0.36 (benchmarks/RESULTS.md).
+FUSED_MAX_ROWS = 1
 POS_EMBEDDINGS = ("learned", "rope")
 ATTN_BACKENDS = ("triton", "torch", "auto")
 GPT2_NAMES = ("gpt2", "gpt2-medium", "gpt2-large", "gpt2-xl")
@@ -576,12 +580,12 @@ class GPT(nn.Module):
 
     def fused_rows(self, B: int, T: int, cache, backend: str) -> bool:
         """Does this forward run its projections as few-row kernels with their norms, GELU and residual adds inside
-        (`linear`)? A decode step (one new token a row, a cache) of at most MAX_ROWS rows on the Triton backend,
+        (`linear`)? A decode step (one new token a row, a cache) of at most FUSED_MAX_ROWS rows on the Triton backend,
         with no gradient (the kernel has no backward) and no active dropout (the kernel has none)."""
         return (
             cache is not None
             and T == 1
-            and B <= MAX_ROWS
+            and B <= FUSED_MAX_ROWS
             and backend == "triton"
             and not torch.is_grad_enabled()
             and not (self.training and self.config.dropout > 0)

@@ -44,7 +44,7 @@ from attention_kernels._host import (
 MAX_ROWS = 8
 # The largest K whose whole rows one program holds (BLOCK_K values in registers per row of the tile).
 MAX_K = 8192
-SQRT_2_OVER_PI = 0.7978845608028654
+SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)
 
 
 @triton.jit

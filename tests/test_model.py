@@ -599,9 +599,10 @@ def test_linear_one_row_under_compile_is_a_matmul_then_bias():
 @pytest.mark.parametrize("variant", ["mha", "gqa-g2", "mla", "mla-qlora"])
 @pytest.mark.parametrize("bias", [True, False])
 def test_decode_rows_fused_equal_the_unfused_step(variant, bias, monkeypatch):
-    """A decode step of a few rows on the Triton backend runs its projections through attention_kernels.decode_linear
-    with the norms, GELU and residual adds inside (`GPT.fused_rows`): the same logits as the unfused step (fp32,
-    summation order only), through one launch per projection and the LM head."""
+    """A decode step on the Triton backend runs its projections through attention_kernels.decode_linear with the
+    norms, GELU and residual adds inside (`GPT.fused_rows`; here at 3 rows, FUSED_MAX_ROWS raised to the kernel's
+    limit): the same logits as the unfused step (fp32, summation order only), through one launch per projection and
+    the LM head."""
     from attention_kernels import projections as kernel_module
     from cache import make_cache
 
@@ -614,7 +615,7 @@ def test_decode_rows_fused_equal_the_unfused_step(variant, bias, monkeypatch):
     monkeypatch.setattr(kernel_module, "_run", lambda *a, **k: launches.append(1) or run(*a, **k))
     logits = {}
     for fused in (True, False):
-        monkeypatch.setattr(model_module, "MAX_ROWS", kernel_module.MAX_ROWS if fused else 0)
+        monkeypatch.setattr(model_module, "FUSED_MAX_ROWS", kernel_module.MAX_ROWS if fused else 0)
         cache = make_cache("mla" if cfg.attention == "mla" else "grouped", cfg, 3, 16, device=DEVICE, backend="triton")
         with torch.no_grad():
             model(prompt, cache=cache)
@@ -629,14 +630,14 @@ def test_decode_rows_fused_equal_the_unfused_step(variant, bias, monkeypatch):
 
 
 def test_fused_rows_only_where_the_kernel_computes_the_same_step():
-    """fused_rows: a cached one-token step of at most MAX_ROWS rows on the Triton backend, without autograd and
+    """fused_rows: a cached one-token step of at most FUSED_MAX_ROWS rows on the Triton backend, without autograd and
     without active dropout; anything else runs the unfused forward."""
     model = GPT(GPTConfig(**{**TINY, "dropout": 0.1}, **VARIANTS["mha"]))
     cache = object()
     model.eval()
     with torch.no_grad():
-        assert model.fused_rows(model_module.MAX_ROWS, 1, cache, "triton")
-        assert not model.fused_rows(model_module.MAX_ROWS + 1, 1, cache, "triton")  # a GEMM's batch
+        assert model.fused_rows(model_module.FUSED_MAX_ROWS, 1, cache, "triton")
+        assert not model.fused_rows(model_module.FUSED_MAX_ROWS + 1, 1, cache, "triton")  # a GEMM's batch
         assert not model.fused_rows(1, 2, cache, "triton")  # prefill
         assert not model.fused_rows(1, 1, None, "triton")  # no cache: not a decode step
         assert not model.fused_rows(1, 1, cache, "torch")  # the plain PyTorch backend
