@@ -1,6 +1,6 @@
 """decode_linear against its math in fp32, on the CPU (interpreter) and the GPU: every combination of bias, layer
 norm (with and without its bias), GELU and residual, one to MAX_ROWS rows, widths that are not powers of two, rows
-with a stride, under torch.compile, and every bad input."""
+with a stride, under torch.compile, and every bad input; and the one-row tiles compiled for sm_90 on any machine."""
 
 import pytest
 import torch
@@ -90,3 +90,29 @@ def test_bad_inputs_fail_clearly():
         with pytest.raises(ValueError) as err:
             decode_linear(args["x"], args["weight"], args.get("bias"), **extra)
         assert message in str(err.value), (change, str(err.value))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("K, block_n, warps", [(768, 2, 4), (3072, 1, 8)])
+def test_one_row_tiles_compile_for_sm90_without_spills(K, block_n, warps):
+    """The kernel as the model launches it at one row on an H100/H200 (every part on, a programmatic dependent launch),
+    compiled for sm_90 on any machine (`conftest.compile_gluon_sm90`): the compiler accepts it (the interpreter
+    runs what the compiler refuses, such as a plain Python global inside the kernel) and ptxas spills nothing."""
+    from conftest import compile_gluon_sm90, spill_bytes
+
+    from attention_kernels import projections
+
+    assert projections._tile(1, 3072, K, torch.device("cuda")) == (block_n, warps)
+    pointers = dict(X="*bf16", W="*bf16", BIAS="*bf16", NORM_W="*bf16", NORM_B="*bf16", RES="*bf16", Y="*bf16")
+    parts = dict(HAS_BIAS=True, NORM=True, HAS_NORM_BIAS=True, GELU=True, HAS_RES=True, WAIT=True)
+    const = dict(M=1, K=K, BLOCK_N=block_n, BLOCK_K=projections.next_power_of_2(K), **parts)
+    result = compile_gluon_sm90(
+        "attention_kernels.projections",
+        "_decode_linear_kernel",
+        dict(pointers, eps="fp32"),
+        const,
+        options=dict(num_warps=warps),
+        gluon=False,
+    )
+    assert "griddepcontrol.wait" in result["ptx"], "no wait for the previous kernel: WAIT did not reach the PTX"
+    assert spill_bytes(result["ptxas"]) == [(0, 0)], result["ptxas"]
