@@ -1,7 +1,7 @@
 """The projections of a decode step at a few rows: y = residual + act(norm(x) W^T + b) in one launch.
 
 At batch 1 a GPT-2-small decode step is four projections a layer over one row each, and each is a matrix-vector
-product bound by reading its weights (1-5 MB): cuBLAS and Inductor run them at a third to a half of the memory's
+product bound by reading its weights (1-5 MB): cuBLAS and Inductor run them at a tenth to a third of the memory's
 speed, and the layer norm before and the bias, GELU and residual add after each cost a launch of their own or a
 slower fused reduction (docs/kernel-notes.md, "Few-row projections"). Here one program reads BLOCK_N whole rows
 of W (all of K at once, so every read is in flight together), then the M input rows, and writes BLOCK_N outputs
@@ -19,7 +19,8 @@ the residual are read after the wait. So the kernel launched right before must n
 refolds MLA's decode weights before the embedding's kernels for this reason).
 
 Layouts: x (M, K), weight (N, K) with unit stride along K, bias (N,), norm_weight / norm_bias (K,), residual and
-y (M, N); M at most MAX_ROWS (a batch that large is a GEMM's work: cuBLAS's).
+y (M, N); M at most MAX_ROWS (a larger batch is a GEMM's work: cuBLAS's). The model uses it at one row
+(model.FUSED_MAX_ROWS): at eight its tile measured slower than cuBLAS (benchmarks/RESULTS.md).
 """
 
 from __future__ import annotations
