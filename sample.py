@@ -29,13 +29,14 @@ up (each admitted sequence is guaranteed pages for its full length, so nothing i
 Speed: on a GPU each decode step is replayed from a CUDA graph captured at the start for the batch sizes it may
 take (stderr says which and how long the capture took), with sampling on the GPU and the tokens read back every
 few steps; --cuda_graphs=False runs the eager loop instead (a forward and a read-back per step), and on a CPU the
-eager loop is the only one (--cuda_graphs=True there is an error). At batch 1 every projection runs as one kernel
-with the norm before it and the GELU or residual add after it (attention_kernels.decode_linear), compiled or not.
+eager loop is the only one (--cuda_graphs=True there is an error). On a GPU at batch 1 every projection runs as one
+kernel with the norm before it and the GELU or residual add after it (attention_kernels.decode_linear), compiled or
+not.
 --compile=True compiles every block with torch.compile around its cache call for the decode steps
 (generate.compile_model: norms, projections, RoPE and MLP fused; prefill stays eager; either loop, the graphs then
-replay the fused kernels; the capture waits for it). It pays most at small batches and for MLA, whose RoPE and
-latent norm are small kernels of their own (benchmarks/RESULTS.md has the numbers), and over long generations: a
-short run spends more on the compile than it saves.
+replay the fused kernels; the capture waits for it). It pays most where many small kernels remain between the
+projections: MLA's RoPE and latent norm, and batches above 1 (benchmarks/RESULTS.md has the numbers; GQA at batch 1
+gains 7%), and over long generations: a short run spends more on the compile than it saves.
 
 Standard output gets the samples alone (the first one streamed as it is generated, then the others, separated by
 a line of dashes), so `> out.txt` captures just the text; progress and statistics (prefill and decode tokens/s,
