@@ -72,11 +72,11 @@ def linear(
 
     With a norm, GELU or residual the projection is a decode step's, at a few rows (GPT.forward decides, see
     `fused_rows`): one launch of attention_kernels.decode_linear with the norm before it and the GELU or residual
-    add after it, reading the weights at the memory's speed where cuBLAS and Inductor run a one-row product at a
-    third to a half of it. Without them, a single row under torch.compile (the decode step of the PyTorch attention
-    backend) is written as a matmul and then the bias: Inductor turns a one-row aten.mm into a fused reduction when
-    coordinate-descent tuning is on (generate.compile_model), but it leaves addmm, F.linear's form with a bias, to
-    cuBLAS."""
+    add after it, which reads the weights faster than cuBLAS's or Inductor's one-row products and saves the
+    neighbours' launches (docs/kernel-notes.md, "Few-row projections"). Without them, a single row under
+    torch.compile (the decode step of the PyTorch attention backend) is written as a matmul and then the bias:
+    Inductor turns a one-row aten.mm into a fused reduction when coordinate-descent tuning is on
+    (generate.compile_model), but it leaves addmm, F.linear's form with a bias, to cuBLAS."""
     if norm is not None or gelu or residual is not None:
         y = decode_linear(
             x.reshape(-1, x.shape[-1]),
@@ -84,7 +84,7 @@ def linear(
             bias,
             norm_weight=None if norm is None else norm.weight,
             norm_bias=None if norm is None else norm.bias,
-            eps=LayerNorm.eps,
+            eps=norm.eps if norm is not None else LayerNorm.eps,
             gelu=gelu,
             residual=None if residual is None else residual.reshape(-1, residual.shape[-1]),
         )
@@ -103,8 +103,8 @@ class Linear(nn.Linear):
 
 ATTENTIONS = ("mha", "gqa", "mqa", "mla")
 # Decode steps of at most this many rows run their projections through decode_linear (`GPT.fused_rows`). The kernel
-# takes up to 8, but its tiles are tuned for one: at 8 rows a GPT-2-small compiled step took 0.76 ms where cuBLAS's
-# projections take 0.53, at one row 0.32 where Inductor's take 0.36 (benchmarks/RESULTS.md).
+# takes up to 8, but its tiles are tuned for one: at 8 rows a GPT-2-small compiled step took 0.76 ms against the
+# gpt-fast-style peer's 0.54 in the same run, at one row 0.32 against its 0.44 (benchmarks/RESULTS.md).
 FUSED_MAX_ROWS = 1
 POS_EMBEDDINGS = ("learned", "rope")
 ATTN_BACKENDS = ("triton", "torch", "auto")
