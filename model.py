@@ -24,9 +24,11 @@ value, resolved here, in one place, so that a config names a variant and a size 
 
 Positions: pos_embedding="learned" adds GPT-2's learned absolute position embedding to the token embedding;
 "rope" uses rotary embeddings instead (GQA family: all head_dim dims of q and k are rotated, rotate-half
-pairing (i, i + D/2) as in GPT-NeoX/Llama). MLA rotates only its decoupled RoPE part (q_rope and the shared
-k_rope) whatever pos_embedding says, because the absorbed decode needs position-free nope keys; for MLA
-pos_embedding="learned" additionally adds the learned absolute embedding, "rope" adds nothing else.
+pairing (i, i + D/2) as in GPT-NeoX/Llama; wherever Triton runs, by `attention_kernels.rope_qkv`, whatever the
+attention backend, so both backends train the same model at the same cost outside attention). MLA rotates only
+its decoupled RoPE part (q_rope and the shared k_rope) whatever pos_embedding says, because the absorbed decode
+needs position-free nope keys; for MLA pos_embedding="learned" additionally adds the learned absolute embedding,
+"rope" adds nothing else.
 
 Generation: `forward(idx, cache=cache)` appends idx to every sequence held by `cache` and returns their logits.
 Before anything changes it checks the cache's `batch_size` (and, where the cache has them, `check_model` and
@@ -57,6 +59,7 @@ import torch.nn.functional as F
 from attention_kernels import flash_gqa_attention
 from attention_kernels.projections import decode_linear
 from attention_kernels.reference import causal_mask
+from attention_kernels.rope import rope_qkv
 
 
 def linear(
@@ -322,10 +325,16 @@ class CausalSelfAttention(nn.Module):
         first projection's launch, the residual add in the last's, and the block's new residual stream returns."""
         B, T, _ = x.shape
         H, H_kv, D = self.n_head, self.n_kv_head, self.head_dim
-        q, k, v = self.c_attn(x, norm=norm).split([H * D, H_kv * D, H_kv * D], dim=2)
-        q, k, v = q.view(B, T, H, D), k.view(B, T, H_kv, D), v.view(B, T, H_kv, D)
-        if rope is not None:
-            q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        qkv = self.c_attn(x, norm=norm)
+        if rope is not None and (qkv.is_cuda or backend == "triton"):
+            # One launch splits the heads and rotates q and k, and one packs their gradients back into qkv's: the
+            # backward Inductor makes of the split, apply_rope and the concatenation runs ten times its bytes' time.
+            q, k, v = rope_qkv(qkv, *rope, H, H_kv)
+        else:
+            q, k, v = qkv.split([H * D, H_kv * D, H_kv * D], dim=2)
+            q, k, v = q.view(B, T, H, D), k.view(B, T, H_kv, D), v.view(B, T, H_kv, D)
+            if rope is not None:
+                q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)  # (B, H|H_kv, T, D)
         if cache is None:
             y = causal_attention(q, k, v, backend)
@@ -553,7 +562,8 @@ class GPT(nn.Module):
         """idx (B, T) token ids -> (logits (B, T, vocab_size), loss or None). With a cache, idx are new tokens
         appended to every cached sequence (positions from cache.reserve); without one, idx is the whole sequence.
         last (B,) int64 on idx's device: only the logits at those positions of each row, (B, 1, vocab_size), as a
-        prefill needs them (the full logits of a long prompt batch take gigabytes)."""
+        prefill needs them (the full logits of a long prompt batch take gigabytes). With targets the logits are
+        detached and the loss carries the gradient (`logits_and_loss`)."""
         B, T = idx.shape
         if last is not None and (targets is not None or last.shape != (B,)):  # before reserve changes the cache
             raise ValueError(f"last: got shape {tuple(last.shape)}; valid: (B={B},) positions, without targets")
@@ -606,7 +616,11 @@ class GPT(nn.Module):
         """The final norm and the output projection of x (B, T, n_embd), and with targets the mean cross-entropy:
         (logits (B, T, vocab_size), loss or None). A method of its own so that torch.compile can take it as one
         region (train_step.compile_model), where the softmax over the vocabulary fuses with the loss. fused: the
-        norm runs in the projection's launch (`fused_rows`)."""
+        norm runs in the projection's launch (`fused_rows`).
+
+        With targets, the logits come back detached: the loss is what trains, and a compiled region whose logits
+        output could take a gradient gets a zero gradient of the logits' size in its backward (3.3 GB filled and
+        read again at 32 x 1,024 tokens). For a loss of your own over the logits, call without targets."""
         if fused:
             logits = linear(x, self.lm_head.weight, norm=self.transformer.ln_f)
         else:
@@ -614,6 +628,7 @@ class GPT(nn.Module):
         loss = None
         if targets is not None:
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
+            logits = logits.detach()
         return logits, loss
 
     def _check_cache(self, cache, B: int, T: int):

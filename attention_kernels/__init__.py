@@ -1,5 +1,6 @@
 """Triton attention kernels: differentiable flash attention for training, and grouped, paged and MLA decode, with
-the two kernels a decode step needs around them (the cache write, the few-row projections).
+the kernels around them that a step needs: the cache write, the few-row projections of a decode step, and RoPE on
+the fused projection's heads.
 
 Every op is a `torch.library` custom op (traceable by torch.compile with fullgraph=True; eager flash calls use an
 equivalent autograd.Function, which costs less host time), validates its inputs before launching (ValueError naming
@@ -22,6 +23,8 @@ Modules (each imports only those above it):
     cache_write                write_tokens: a new token's two halves into a KV cache, one launch
     projections                decode_linear: a decode step's projection of a few rows with its norm, GELU and
                                residual add, one launch
+    rope                       rope_qkv: the fused projection's heads split and q, k rotated, one launch (and one
+                               for the gradient)
 """
 
 from attention_kernels import reference
@@ -30,6 +33,7 @@ from attention_kernels.decode import grouped_decode, paged_grouped_decode
 from attention_kernels.flash import flash_gqa_attention, flash_gqa_backward, flash_gqa_forward
 from attention_kernels.mla import mla_decode, paged_mla_decode
 from attention_kernels.projections import decode_linear
+from attention_kernels.rope import rope_qkv
 
 __all__ = [
     "flash_gqa_attention",
@@ -41,5 +45,6 @@ __all__ = [
     "paged_mla_decode",
     "write_tokens",
     "decode_linear",
+    "rope_qkv",
     "reference",
 ]

@@ -9,6 +9,7 @@ Layouts (the same letters everywhere in the repo):
     decode       q (B, H_q, D)           k (B, H_kv, S_max, D)     seq_lens (B,) int32
     paged        k_pages (num_pages, page_size, H_kv, D)           block_table (B, max_pages) int32
     MLA          q_absorbed (B, H, D_c)  q_rope (B, H, D_r)        c_kv (B, S_max, D_c)  k_rope (B, S_max, D_r)
+    RoPE         qkv (B, T, (H_q + 2 H_kv) D)                       cos, sin (B|1, T, D/2)
     paged MLA    c_kv_pages (num_pages, page_size, D_c)            k_rope_pages (num_pages, page_size, D_r)
 """
 
@@ -126,3 +127,18 @@ def decode_linear_reference(
     if gelu:
         y = torch.nn.functional.gelu(y, approximate="tanh")
     return y if residual is None else y + residual.float()
+
+
+def rope_qkv_reference(qkv, cos, sin, n_head: int, n_kv_head: int):
+    """rope_qkv's math in fp32: the rows [q | k | v] split into heads, q and k rotated (rotate-half: dims i and
+    i + D/2 pair up), v as it is. Returns (q, k, v), (B, T, heads, D) each."""
+    B, T, width = qkv.shape
+    D = width // (n_head + 2 * n_kv_head)
+    q, k, v = qkv.float().view(B, T, -1, D).split([n_head, n_kv_head, n_kv_head], dim=2)
+    cos, sin = cos.float()[:, :, None], sin.float()[:, :, None]
+
+    def rotate(x):
+        x1, x2 = x.chunk(2, dim=-1)
+        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
+
+    return rotate(q), rotate(k), v

@@ -575,6 +575,35 @@ def test_compile_model_traces_the_training_step_in_two_graphs():
         assert_scaled_close(q, p, 1e-5, f"{name} after a step")
 
 
+def test_the_compiled_head_has_no_gradient_input_for_the_logits():
+    """With targets the logits come back detached, so the compiled loss head's backward takes the loss's gradient
+    alone: an output that could take a gradient would get a zero tensor of the logits' size filled and read there."""
+    from functorch.compile import make_boxed_func
+    from torch._functorch.aot_autograd import aot_module_simplified
+
+    tangents = []
+
+    def record_backward(gm, _):
+        tangents.extend(tuple(n.meta["val"].shape) for n in gm.graph.nodes if n.name.startswith("tangents"))
+        return make_boxed_func(gm.forward)
+
+    def backend(gm, inputs):
+        forward = lambda g, _: make_boxed_func(g.forward)  # noqa: E731
+        return aot_module_simplified(gm, inputs, fw_compiler=forward, bw_compiler=record_backward)
+
+    torch._dynamo.reset()
+    model = GPT(make_config("gqa-g2", "rope")).to(DEVICE)
+    head = torch.compile(model.logits_and_loss, fullgraph=True, backend=backend)
+    x = torch.randn(2, 20, model.config.n_embd, device=DEVICE, requires_grad=True)
+    targets = torch.randint(0, TINY["vocab_size"], (2, 20), device=DEVICE)
+    logits, loss = head(x, targets)
+    loss.backward()
+    assert tangents == [()], tangents  # the scalar loss's, nothing of the logits' (2, 20, vocab) shape
+    assert not logits.requires_grad and x.grad is not None
+    logits, loss = model(targets)  # without targets the logits are the differentiable output
+    assert logits.requires_grad and loss is None
+
+
 def test_linear_one_row_under_compile_is_a_matmul_then_bias():
     """model.linear writes a single row under torch.compile as matmul + bias (the form Inductor fuses into a GEMV
     at decode): the same values as F.linear, compiled or not, with and without a bias, one row or several."""
