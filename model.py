@@ -57,6 +57,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from attention_kernels import flash_gqa_attention
+from attention_kernels.loss import linear_cross_entropy
 from attention_kernels.projections import decode_linear
 from attention_kernels.reference import causal_mask
 from attention_kernels.rope import rope_qkv
@@ -242,6 +243,13 @@ class GPTConfig:
         return self.n_embd // self.n_head if self.pos_embedding == "rope" else 0
 
 
+def triton_runs(t: torch.Tensor, backend: str) -> bool:
+    """Do Triton kernels run on t's device? On CUDA always (whatever the attention backend: RoPE and the loss head
+    take their kernels on both, so the two backends differ in attention alone); on the CPU under the interpreter,
+    which the triton backend there implies."""
+    return t.is_cuda or backend == "triton"
+
+
 def causal_attention(q, k, v, backend: str) -> torch.Tensor:
     """The one attention switch. q (B, H_q, S_q, D_qk), k (B, H_kv, S_kv, D_qk), v (B, H_kv, S_kv, D_v) ->
     (B, H_q, S_q, D_v). Scores are scaled by 1/sqrt(D_qk), every variant's scale (MLA's 1/sqrt(nope + rope) too),
@@ -326,7 +334,7 @@ class CausalSelfAttention(nn.Module):
         B, T, _ = x.shape
         H, H_kv, D = self.n_head, self.n_kv_head, self.head_dim
         qkv = self.c_attn(x, norm=norm)
-        if rope is not None and (qkv.is_cuda or backend == "triton"):
+        if rope is not None and triton_runs(qkv, backend):
             # One launch splits the heads and rotates q and k, and one packs their gradients back into qkv's: the
             # backward Inductor makes of the split, apply_rope and the concatenation runs ten times its bytes' time.
             q, k, v = rope_qkv(qkv, *rope, H, H_kv)
@@ -618,9 +626,15 @@ class GPT(nn.Module):
         region (train_step.compile_model), where the softmax over the vocabulary fuses with the loss. fused: the
         norm runs in the projection's launch (`fused_rows`).
 
-        With targets, the logits come back detached: the loss is what trains, and a compiled region whose logits
-        output could take a gradient gets a zero gradient of the logits' size in its backward (3.3 GB filled and
-        read again at 32 x 1,024 tokens). For a loss of your own over the logits, call without targets."""
+        With targets, the logits come back detached: the loss is what trains. Wherever Triton runs, the output
+        projection and the loss are `attention_kernels.linear_cross_entropy`, which forms the logits' gradient in
+        the forward's pass over them; elsewhere F.cross_entropy. (A compiled region whose logits output could take
+        a gradient would also get a zero gradient of the logits' size in its backward: 3.3 GB filled and read again
+        at 32 x 1,024 tokens.) For a loss of your own over the logits, call without targets."""
+        if targets is not None and triton_runs(x, self.attn_backend_for(x.device)):
+            h = self.transformer.ln_f(x)
+            logits, loss = linear_cross_entropy(h.view(-1, h.size(-1)), self.lm_head.weight, targets.reshape(-1))
+            return logits.view(*x.shape[:-1], -1), loss
         if fused:
             logits = linear(x, self.lm_head.weight, norm=self.transformer.ln_f)
         else:

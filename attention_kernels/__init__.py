@@ -1,6 +1,6 @@
 """Triton attention kernels: differentiable flash attention for training, and grouped, paged and MLA decode, with
-the kernels around them that a step needs: the cache write, the few-row projections of a decode step, and RoPE on
-the fused projection's heads.
+the kernels around them that a step needs: the cache write, the few-row projections of a decode step, RoPE on the
+fused projection's heads, and the output head's cross-entropy.
 
 Every op is a `torch.library` custom op (traceable by torch.compile with fullgraph=True; eager flash calls use an
 equivalent autograd.Function, which costs less host time), validates its inputs before launching (ValueError naming
@@ -25,12 +25,14 @@ Modules (each imports only those above it):
                                residual add, one launch
     rope                       rope_qkv: the fused projection's heads split and q, k rotated, one launch (and one
                                for the gradient)
+    loss                       linear_cross_entropy: the output head's loss with its gradient formed in the forward
 """
 
 from attention_kernels import reference
 from attention_kernels.cache_write import write_tokens
 from attention_kernels.decode import grouped_decode, paged_grouped_decode
 from attention_kernels.flash import flash_gqa_attention, flash_gqa_backward, flash_gqa_forward
+from attention_kernels.loss import linear_cross_entropy
 from attention_kernels.mla import mla_decode, paged_mla_decode
 from attention_kernels.projections import decode_linear
 from attention_kernels.rope import rope_qkv
@@ -46,5 +48,6 @@ __all__ = [
     "write_tokens",
     "decode_linear",
     "rope_qkv",
+    "linear_cross_entropy",
     "reference",
 ]

@@ -575,9 +575,11 @@ def test_compile_model_traces_the_training_step_in_two_graphs():
         assert_scaled_close(q, p, 1e-5, f"{name} after a step")
 
 
-def test_the_compiled_head_has_no_gradient_input_for_the_logits():
-    """With targets the logits come back detached, so the compiled loss head's backward takes the loss's gradient
-    alone: an output that could take a gradient would get a zero tensor of the logits' size filled and read there."""
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_the_compiled_head_has_no_gradient_input_for_the_logits(backend):
+    """With targets the logits come back detached (F.cross_entropy's path) or non-differentiable (the Triton path,
+    linear_cross_entropy), so the compiled loss head's backward takes the loss's gradient alone: an output that
+    could take a gradient would get a zero tensor of the logits' size filled and read there."""
     from functorch.compile import make_boxed_func
     from torch._functorch.aot_autograd import aot_module_simplified
 
@@ -587,13 +589,13 @@ def test_the_compiled_head_has_no_gradient_input_for_the_logits():
         tangents.extend(tuple(n.meta["val"].shape) for n in gm.graph.nodes if n.name.startswith("tangents"))
         return make_boxed_func(gm.forward)
 
-    def backend(gm, inputs):
+    def record(gm, inputs):
         forward = lambda g, _: make_boxed_func(g.forward)  # noqa: E731
         return aot_module_simplified(gm, inputs, fw_compiler=forward, bw_compiler=record_backward)
 
     torch._dynamo.reset()
-    model = GPT(make_config("gqa-g2", "rope")).to(DEVICE)
-    head = torch.compile(model.logits_and_loss, fullgraph=True, backend=backend)
+    model = GPT(make_config("gqa-g2", "rope", attn_backend=backend)).to(DEVICE)
+    head = torch.compile(model.logits_and_loss, fullgraph=True, backend=record)
     x = torch.randn(2, 20, model.config.n_embd, device=DEVICE, requires_grad=True)
     targets = torch.randint(0, TINY["vocab_size"], (2, 20), device=DEVICE)
     logits, loss = head(x, targets)
