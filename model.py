@@ -626,12 +626,13 @@ class GPT(nn.Module):
         region (train_step.compile_model), where the softmax over the vocabulary fuses with the loss. fused: the
         norm runs in the projection's launch (`fused_rows`).
 
-        With targets, the logits come back detached: the loss is what trains. Wherever Triton runs, the output
-        projection and the loss are `attention_kernels.linear_cross_entropy`, which forms the logits' gradient in
-        the forward's pass over them; elsewhere F.cross_entropy. (A compiled region whose logits output could take
-        a gradient would also get a zero gradient of the logits' size in its backward: 3.3 GB filled and read again
-        at 32 x 1,024 tokens.) For a loss of your own over the logits, call without targets."""
-        if targets is not None and triton_runs(x, self.attn_backend_for(x.device)):
+        With targets, the logits come back detached: the loss is what trains. Wherever Triton runs and a gradient
+        is wanted, the output projection and the loss are `attention_kernels.linear_cross_entropy`, which forms the
+        logits' gradient in the forward's pass over them; elsewhere (and for an evaluation's loss) F.cross_entropy.
+        (A compiled region whose logits output could take a gradient would also get a zero gradient of the logits'
+        size in its backward: 3.3 GB filled and read again at 32 x 1,024 tokens.) For a loss of your own over the
+        logits, call without targets."""
+        if targets is not None and torch.is_grad_enabled() and triton_runs(x, self.attn_backend_for(x.device)):
             h = self.transformer.ln_f(x)
             logits, loss = linear_cross_entropy(h.view(-1, h.size(-1)), self.lm_head.weight, targets.reshape(-1))
             return logits.view(*x.shape[:-1], -1), loss
