@@ -29,10 +29,11 @@ import triton.language as tl
 from attention_kernels import _checks
 from attention_kernels._host import device_guard, launcher, next_power_of_2
 
-# Vocabulary entries a program holds at once, and its warps: 8 blocks of 8,192 for GPT-2's 50,304, 8 values a thread
-# (31 registers on sm_90). Liger-Kernel's 32,768 spills at 32 warps, whose threads get at most 64 registers each.
+# Vocabulary entries a program holds at once, and its warps: 7 blocks of 8,192 for GPT-2's 50,304, 16 values a
+# thread. Liger-Kernel's 32,768 spills at 32 warps, whose threads get at most 64 registers each; of five settings
+# timed on an H100, this one ran the kernel fastest (benchmarks/RESULTS.md, "Training iteration").
 MAX_BLOCK_V = 8192
-NUM_WARPS = 32
+NUM_WARPS = 16
 NEG_INF = tl.constexpr(float("-inf"))
 
 

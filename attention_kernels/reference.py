@@ -10,6 +10,7 @@ Layouts (the same letters everywhere in the repo):
     paged        k_pages (num_pages, page_size, H_kv, D)           block_table (B, max_pages) int32
     MLA          q_absorbed (B, H, D_c)  q_rope (B, H, D_r)        c_kv (B, S_max, D_c)  k_rope (B, S_max, D_r)
     RoPE         qkv (B, T, (H_q + 2 H_kv) D)                       cos, sin (B|1, T, D/2)
+    loss head    x (N, C)                weight (V, C)               targets (N,) int64
     paged MLA    c_kv_pages (num_pages, page_size, D_c)            k_rope_pages (num_pages, page_size, D_r)
 """
 
@@ -142,3 +143,10 @@ def rope_qkv_reference(qkv, cos, sin, n_head: int, n_kv_head: int):
         return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
     return rotate(q), rotate(k), v
+
+
+def linear_cross_entropy_reference(x, weight, targets, ignore_index: int = -1):
+    """linear_cross_entropy's math in fp32: (logits = x @ weight.T, the mean cross-entropy over the rows whose
+    target is not ignore_index)."""
+    logits = x.float() @ weight.float().t()
+    return logits, torch.nn.functional.cross_entropy(logits, targets, ignore_index=ignore_index)
