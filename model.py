@@ -623,7 +623,7 @@ class GPT(nn.Module):
     def logits_and_loss(self, x, targets=None, fused: bool = False):
         """The final norm and the output projection of x (B, T, n_embd), and with targets the mean cross-entropy:
         (logits (B, T, vocab_size), loss or None). A method of its own so that torch.compile can take it as one
-        region (train_step.compile_model), where the softmax over the vocabulary fuses with the loss. fused: the
+        region (train_step.compile_model), where the final norm fuses with what follows it. fused: the
         norm runs in the projection's launch (`fused_rows`).
 
         With targets, the logits come back detached: the loss is what trains. Wherever Triton runs and a gradient

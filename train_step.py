@@ -34,8 +34,8 @@ def compile_model(model: GPT, **options) -> GPT:
     """torch.compile applied region by region, in place: each transformer block, and the output head
     (GPT.logits_and_loss). The blocks are alike, so they share one compiled graph and compiling costs one block's
     time whatever n_layer is (a whole-model compile traces and lowers every layer), while each region still fuses
-    what matters: the norms, RoPE, GELU and residual adds around the matmuls, and the softmax over the vocabulary
-    with the loss (in bf16 the fp32 logits are never materialized). fullgraph=True: a graph break around our
+    what matters: the norms, GELU and residual adds around the matmuls and our kernels (on a GPU the attention,
+    RoPE and the loss head's kernels are custom ops in these graphs). fullgraph=True: a graph break around our
     attention ops is an error here, not a silent slowdown. The state_dict keeps its keys. `options` go to
     torch.compile (backend, mode)."""
     for block in model.transformer.h:
