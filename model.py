@@ -60,7 +60,7 @@ from attention_kernels import flash_gqa_attention
 from attention_kernels.loss import linear_cross_entropy
 from attention_kernels.projections import decode_linear
 from attention_kernels.reference import causal_mask
-from attention_kernels.rope import rope_qkv
+from attention_kernels.rope import mla_rope_norm, rope_qkv
 
 
 def linear(
@@ -388,7 +388,7 @@ class MultiHeadLatentAttention(nn.Module):
         B, T, _ = x.shape
         H = self.n_head
         if cache is not None and T == 1:
-            return self._decode_absorbed(x, rope, cache, norm, residual)
+            return self._decode_absorbed(x, rope, cache, backend, norm, residual)
         q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x))) if hasattr(self, "q_a_proj") else self.q_proj(x)
         q_nope, q_rope = q.view(B, T, H, self.d_n + self.d_r).split([self.d_n, self.d_r], dim=-1)
         c_kv, k_rope = self.kv_a_proj(x).split([self.d_c, self.d_r], dim=-1)
@@ -419,7 +419,7 @@ class MultiHeadLatentAttention(nn.Module):
         q = torch.cat([q_nope, q_rope], dim=-1)
         return causal_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), backend)
 
-    def _decode_absorbed(self, x, rope, cache, norm=None, residual=None):
+    def _decode_absorbed(self, x, rope, cache, backend: str, norm=None, residual=None):
         """Decode, x (B, 1, C): q_nope . k_nope = (q_nope W_UK[h]) . c_kv, so the query moves into the latent space
         and every head attends to the one shared latent cache, whose output W_UV[h] then maps to the head's values.
         Both up-projections are folded into the weights around them (`absorbed_weights`): one projection gives the
@@ -431,14 +431,24 @@ class MultiHeadLatentAttention(nn.Module):
         w_in, b_in, w_out = self._absorbed
         if hasattr(self, "q_a_proj"):  # the query comes from its own compressed input; the latent from x
             q = linear(self.q_a_norm(self.q_a_proj(x, norm=norm)), w_in, b_in)
-            c_kv, k_rope = self.kv_a_proj(x, norm=norm).split([d_c, d_r], dim=-1)
+            kv = self.kv_a_proj(x, norm=norm)
         else:
-            q, c_kv, k_rope = linear(x, w_in, b_in, norm=norm).split([H * (d_c + d_r), d_c, d_r], dim=-1)
+            q, kv = linear(x, w_in, b_in, norm=norm).split([H * (d_c + d_r), d_c + d_r], dim=-1)
         q_absorbed, q_rope = q.view(B, 1, H, d_c + d_r).split([d_c, d_r], dim=-1)
-        # the query heads' RoPE parts and the shared RoPE key rotate together, as one more head (one kernel)
-        ropes = apply_rope(torch.cat([q_rope, k_rope[:, :, None]], dim=2), *rope)
-        q_rope, k_rope = ropes[:, :, :H], ropes[:, :, H]
-        c_kv = self.kv_a_norm(c_kv)
+        if triton_runs(x, backend) and not torch.is_grad_enabled():
+            # One launch for what PyTorch runs as a dozen small kernels a layer: the RoPE of the query heads and of
+            # the key, and the latent's norm.
+            cos, sin = rope[0][:, 0], rope[1][:, 0]  # (B, D_r / 2): the row's one new position
+            q_rope, c_kv, k_rope = mla_rope_norm(
+                q.view(B, H, d_c + d_r), kv.view(B, d_c + d_r), cos, sin, self.kv_a_norm.weight, self.kv_a_norm.eps
+            )
+            q_rope, c_kv, k_rope = q_rope[:, None], c_kv[:, None], k_rope[:, None]
+        else:
+            c_kv, k_rope = kv.split([d_c, d_r], dim=-1)
+            # the query heads' RoPE parts and the shared RoPE key rotate together, as one more head (one kernel)
+            ropes = apply_rope(torch.cat([q_rope, k_rope[:, :, None]], dim=2), *rope)
+            q_rope, k_rope = ropes[:, :, :H], ropes[:, :, H]
+            c_kv = self.kv_a_norm(c_kv)
         latent = cache.attend_latent(
             self.layer_idx, q_absorbed.transpose(1, 2), q_rope.transpose(1, 2), c_kv, k_rope, self.scale
         )  # (B, H, 1, D_c)

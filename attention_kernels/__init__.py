@@ -24,7 +24,7 @@ Modules (each imports only those above it):
     projections                decode_linear: a decode step's projection of a few rows with its norm, GELU and
                                residual add, one launch
     rope                       rope_qkv: the fused projection's heads split and q, k rotated, one launch (and one
-                               for the gradient)
+                               for the gradient); mla_rope_norm: MLA's decode inputs (RoPE parts, latent norm)
     loss                       linear_cross_entropy: the output head's loss with its gradient formed in the forward
 """
 
@@ -35,7 +35,7 @@ from attention_kernels.flash import flash_gqa_attention, flash_gqa_backward, fla
 from attention_kernels.loss import linear_cross_entropy
 from attention_kernels.mla import mla_decode, paged_mla_decode
 from attention_kernels.projections import decode_linear
-from attention_kernels.rope import rope_qkv
+from attention_kernels.rope import mla_rope_norm, rope_qkv
 
 __all__ = [
     "flash_gqa_attention",
@@ -48,6 +48,7 @@ __all__ = [
     "write_tokens",
     "decode_linear",
     "rope_qkv",
+    "mla_rope_norm",
     "linear_cross_entropy",
     "reference",
 ]

@@ -10,6 +10,7 @@ Layouts (the same letters everywhere in the repo):
     paged        k_pages (num_pages, page_size, H_kv, D)           block_table (B, max_pages) int32
     MLA          q_absorbed (B, H, D_c)  q_rope (B, H, D_r)        c_kv (B, S_max, D_c)  k_rope (B, S_max, D_r)
     RoPE         qkv (B, T, (H_q + 2 H_kv) D)                       cos, sin (B|1, T, D/2)
+    MLA RoPE     q (B, H, D_c + D_r)     kv (B, D_c + D_r)           cos, sin (B|1, D_r/2)
     loss head    x (N, C)                weight (V, C)               targets (N,) int64
     paged MLA    c_kv_pages (num_pages, page_size, D_c)            k_rope_pages (num_pages, page_size, D_r)
 """
@@ -150,3 +151,18 @@ def linear_cross_entropy_reference(x, weight, targets, ignore_index: int = -1):
     target is not ignore_index)."""
     logits = x.float() @ weight.float().t()
     return logits, torch.nn.functional.cross_entropy(logits, targets, ignore_index=ignore_index)
+
+
+def mla_rope_norm_reference(q, kv, cos, sin, norm_weight, eps: float):
+    """mla_rope_norm's math in fp32: (the query heads' RoPE parts rotated (B, H, D_r), the latent RMS-normalized
+    (B, D_c), the RoPE key rotated (B, D_r)) from q (B, H, D_c + D_r) and kv (B, D_c + D_r)."""
+    d_c = norm_weight.shape[0]
+    cos, sin = cos.float(), sin.float()
+
+    def rotate(x, c, s):
+        x1, x2 = x.float().chunk(2, dim=-1)
+        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
+
+    latent = kv[:, :d_c].float()
+    latent = latent * torch.rsqrt(latent.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
+    return rotate(q[..., d_c:], cos[:, None], sin[:, None]), latent, rotate(kv[:, d_c:], cos, sin)

@@ -207,3 +207,135 @@ def rope_qkv(
     qkv's dtype; differentiable in qkv (the module docstring gives the math)."""
     _check(qkv, cos, sin, n_head, n_kv_head)
     return torch.ops.zoo.rope_qkv(qkv, cos, sin, n_head, n_kv_head)
+
+
+# --------------------------------------------------------------------------------------------------------------
+# MLA's absorbed decode: the query heads' RoPE parts and the shared RoPE key rotated, the latent RMS-normalized
+# --------------------------------------------------------------------------------------------------------------
+
+
+@triton.jit
+def _mla_rope_norm_kernel(
+    Q,
+    KV,
+    COS,
+    SIN,
+    NORM_W,
+    Q_ROPE,
+    C_KV,
+    K_ROPE,
+    stride_qb,
+    stride_qh,
+    stride_kvb,
+    stride_cb,
+    eps,
+    H: tl.constexpr,
+    D_C: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+):
+    # grid (B, H + 1): programs h < H rotate query head h's RoPE part; program H normalizes the latent and rotates
+    # the shared RoPE key of the row's token
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    i = tl.arange(0, BLOCK_HALF)
+    mask = i < HALF
+    cos = tl.load(COS + b * stride_cb + i, mask=mask, other=0.0)
+    sin = tl.load(SIN + b * stride_cb + i, mask=mask, other=0.0)
+    if h < H:
+        src = Q + b * stride_qb + h * stride_qh + D_C + i
+        dst = Q_ROPE + (b * H + h) * 2 * HALF + i
+    else:
+        src = KV + b * stride_kvb + D_C + i
+        dst = K_ROPE + b * 2 * HALF + i
+        c = tl.arange(0, BLOCK_C)
+        latent = tl.load(KV + b * stride_kvb + c, mask=c < D_C, other=0.0).to(tl.float32)
+        gain = tl.load(NORM_W + c, mask=c < D_C, other=0.0).to(tl.float32)
+        rms = tl.rsqrt(tl.sum(latent * latent, axis=0) / D_C + eps)
+        tl.store(C_KV + b * D_C + c, (latent * rms * gain).to(C_KV.dtype.element_ty), mask=c < D_C)
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dst, (x1 * cos - x2 * sin).to(dst.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(dst.dtype.element_ty), mask=mask)
+
+
+@torch.library.custom_op("zoo::mla_rope_norm", mutates_args=())
+def _mla_rope_norm_op(
+    q: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm_weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    B, H, _ = q.shape
+    d_c = norm_weight.shape[0]
+    d_r = kv.shape[1] - d_c
+    q_rope, c_kv, k_rope = q.new_empty(B, H, d_r), kv.new_empty(B, d_c), kv.new_empty(B, d_r)
+    with device_guard(q):
+        launcher(_mla_rope_norm_kernel)[(B, H + 1)](
+            q,
+            kv,
+            cos,
+            sin,
+            norm_weight,
+            q_rope,
+            c_kv,
+            k_rope,
+            q.stride(0),
+            q.stride(1),
+            kv.stride(0),
+            cos.stride(0) if cos.shape[0] > 1 else 0,
+            eps,
+            H=H,
+            D_C=d_c,
+            HALF=d_r // 2,
+            BLOCK_C=next_power_of_2(d_c),
+            BLOCK_HALF=next_power_of_2(d_r // 2),
+            num_warps=4,
+        )
+    return q_rope, c_kv, k_rope
+
+
+@_mla_rope_norm_op.register_fake
+def _(q, kv, cos, sin, norm_weight, eps):
+    B, H, _ = q.shape
+    d_c = norm_weight.shape[0]
+    return q.new_empty(B, H, kv.shape[1] - d_c), kv.new_empty(B, d_c), kv.new_empty(B, kv.shape[1] - d_c)
+
+
+def _check_mla(q, kv, cos, sin, norm_weight, eps):
+    _checks.check_rank("q", q, 3, "(B, H, D_c + D_r)")
+    _checks.check_rank("kv", kv, 2, "(B, D_c + D_r)")
+    _checks.check_float("q", q)
+    _checks.check_float("kv", kv, q, "q")
+    _checks.check_rank("norm_weight", norm_weight, 1, "(D_c,)")
+    _checks.check_float("norm_weight", norm_weight)
+    B, H, width = q.shape
+    d_c = norm_weight.shape[0]
+    d_r = width - d_c
+    if d_r < 2 or d_r % 2:
+        _checks.fail("q", f"last dim {width} with D_c={d_c}", "D_c + D_r with an even D_r >= 2")
+    if tuple(kv.shape) != (B, width):
+        _checks.fail("kv", f"shape {tuple(kv.shape)}", f"(B={B}, D_c + D_r={width}) like q's heads")
+    for name, t in (("q", q), ("kv", kv), ("norm_weight", norm_weight)):
+        if t.stride(-1) != 1:
+            _checks.fail(name, f"strides {tuple(t.stride())}", "unit stride along the last dim")
+    for name, t in (("cos", cos), ("sin", sin)):
+        _checks.check_rank(name, t, 2, "(B or 1, D_r/2)")
+        if t.dtype != torch.float32:
+            _checks.fail(name, f"dtype {t.dtype}", "torch.float32 (bf16 angles are off by whole radians)")
+        if t.shape[0] not in (1, B) or t.shape[1] != d_r // 2 or t.stride(-1) != 1:
+            _checks.fail(name, f"shape {tuple(t.shape)}", f"({B} or 1, D_r/2={d_r // 2}), unit stride along D_r/2")
+    if cos.shape != sin.shape or cos.stride() != sin.stride():
+        _checks.fail("sin", f"shape {tuple(sin.shape)}, strides {sin.stride()}", "cos's shape and strides")
+    _checks.check_scale(eps, "a finite float > 0")
+    _checks.check_same_device(dict(q=q, kv=kv, cos=cos, sin=sin, norm_weight=norm_weight))
+
+
+def mla_rope_norm(
+    q: torch.Tensor, kv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, norm_weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """MLA's absorbed decode step, one token a row, in one launch: q (B, H, D_c + D_r), each head's absorbed
+    query then its RoPE part, and kv (B, D_c + D_r), the token's latent then its RoPE key (views of the projections'
+    outputs) -> the query heads' RoPE parts rotated (B, H, D_r), the latent RMS-normalized with norm_weight (D_c,)
+    (B, D_c), and the RoPE key rotated (B, D_r), in q's dtype. cos, sin (B or 1, D_r/2) fp32 are the token's angles
+    (rotate-half pairing, as rope_qkv's); the norm is the model's RMSNorm (fp32, eps). No gradient (decode only)."""
+    _check_mla(q, kv, cos, sin, norm_weight, eps)
+    return torch.ops.zoo.mla_rope_norm(q, kv, cos, sin, norm_weight, float(eps))
