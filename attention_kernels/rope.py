@@ -59,7 +59,7 @@ def _rope_qkv_kernel(
 ):
     # grid (cdiv(T, BLOCK_T), B, H + 2 H_KV): one head slot of the packed rows (q heads, then k, then v), one sequence
     t = tl.program_id(0) * BLOCK_T + tl.arange(0, BLOCK_T)
-    b = tl.program_id(1)
+    b = tl.program_id(1).to(tl.int64)  # a training batch's qkv can pass 2^31 elements
     slot = tl.program_id(2)
     i = tl.arange(0, BLOCK_HALF)
     mask = (t[:, None] < T) & (i[None, :] < HALF)
