@@ -244,10 +244,10 @@ class GPTConfig:
 
 
 def triton_runs(t: torch.Tensor, backend: str) -> bool:
-    """Do Triton kernels run on t's device? On CUDA always (whatever the attention backend: RoPE and the loss head
-    take their kernels on both, so the two backends differ in attention alone); on the CPU under the interpreter,
-    which the triton backend there implies."""
-    return t.is_cuda or backend == "triton"
+    """Do our RoPE and loss-head kernels run on t? On CUDA in the kernels' dtypes (fp16, bf16, fp32), whatever the
+    attention backend, so the two backends differ in attention alone; on the CPU under the interpreter, which the
+    triton backend there implies."""
+    return (t.is_cuda and t.dtype != torch.float64) or backend == "triton"
 
 
 def causal_attention(q, k, v, backend: str) -> torch.Tensor:

@@ -41,11 +41,11 @@ def check_same_device(tensors: dict[str, torch.Tensor]):
         fail(first_name, f"device {first}", "a CUDA tensor (or run with TRITON_INTERPRET=1 to execute on the CPU)")
 
 
-def check_scale(scale, valid: str = "a finite float > 0"):
+def check_scale(scale, valid: str = "a finite float > 0", name: str = "scale"):
     # Comparisons rather than math.isfinite: under torch.compile a float argument can arrive as a SymFloat, which
     # comparisons guard on and math.isfinite breaks the graph at.
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
-        fail("scale", repr(scale), valid)
+        fail(name, repr(scale), valid)
 
 
 def check_int32(name: str, x: torch.Tensor, shape: tuple[int, ...], layout: str):

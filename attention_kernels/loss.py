@@ -6,14 +6,15 @@ and writes it, each a pass over gigabytes. Here one kernel does both in the forw
 cross-entropy does: a program takes one row, finds its max and sum of exponentials in a first pass over the
 vocabulary, and in a second pass (whose reads mostly hit the L2, the row just read) writes the gradient
 
-    dlogits[i, j] = (softmax(logits[i])[j] - [j == target_i]) / n_valid     (0 for a row whose target is ignored)
+    dlogits[i, j] = softmax(logits[i])[j] - [j == target_i]     (0 for a row whose target is ignored)
     loss = sum_i (logsumexp(logits[i]) - logits[i, target_i]) / n_valid
 
 in fp32, rounded once. The backward then multiplies that gradient into the two products the head needs,
-dx = dlogits W and dW = dlogits^T x, and scales their (much smaller) results by the loss's incoming gradient (a
-gradient-accumulation step divides the loss), so the logits' gradient is never read or written again; that scale
-costs one rounding of the products more than scaling the gradient first would. A target outside [0, V) other than
-ignore_index makes the loss NaN (found on the device, without a host sync).
+dx = dlogits W and dW = dlogits^T x, and scales their (much smaller) results by the mean's 1 / n_valid times the
+loss's incoming gradient (GradScaler's scale, a gradient-accumulation step's division) in fp32, so the logits'
+gradient is never read or written again. The stored gradient is unscaled so that fp16 keeps it: divided by 32,768
+rows, most of a row's softmax would flush to zero there. A target outside [0, V) other than ignore_index makes the
+loss NaN (found on the device, without a host sync).
 
 Layouts: x (N, C) and weight (V, C) in one float dtype (under autocast, the autocast dtype: what F.linear would
 multiply in); targets (N,) int64, ignore_index where a token has no target. Returns logits (N, V) in x's dtype,
@@ -41,7 +42,6 @@ NEG_INF = tl.constexpr(float("-inf"))
 def _cross_entropy_kernel(
     LOGITS,
     TARGETS,
-    N_VALID,
     LOSS,
     DLOGITS,
     stride_l,
@@ -71,18 +71,19 @@ def _cross_entropy_kernel(
     x_target = tl.load(logits + target, mask=valid & in_range, other=0.0).to(tl.float32)
     # A target outside the vocabulary makes the loss NaN: loud, and found without a host sync.
     tl.store(LOSS + row, tl.where(valid, tl.where(in_range, lse - x_target, float("nan")), 0.0))
-    # pass 2: the gradient of the mean loss over the valid rows
-    scale = tl.where(valid, 1.0 / tl.load(N_VALID).to(tl.float32), 0.0)
+    # pass 2: the row's loss's gradient, softmax - one-hot (zero for an ignored row), unscaled: divided by the valid
+    # rows' count here, fp16 would flush most of it to zero before GradScaler's scale reaches it in the backward
+    keep = tl.where(valid, 1.0, 0.0)
     for start in range(0, V, BLOCK_V):
         j = start + cols
         x = tl.load(logits + j, mask=j < V, other=0.0).to(tl.float32)
-        grad = (tl.exp(x - lse) - (j == target).to(tl.float32)) * scale
+        grad = (tl.exp(x - lse) - (j == target).to(tl.float32)) * keep
         tl.store(dlogits + j, grad.to(DLOGITS.dtype.element_ty), mask=j < V)
 
 
 def _launch(logits, targets, ignore_index: int):
     N, V = logits.shape
-    n_valid = (targets != ignore_index).sum()
+    targets = targets.contiguous()  # the kernel reads a row's target at its row index
     loss_rows = torch.empty(N, device=logits.device, dtype=torch.float32)
     dlogits = torch.empty_like(logits)
     block_v = min(MAX_BLOCK_V, next_power_of_2(V))
@@ -90,7 +91,6 @@ def _launch(logits, targets, ignore_index: int):
         launcher(_cross_entropy_kernel)[(N,)](
             logits,
             targets,
-            n_valid,
             loss_rows,
             dlogits,
             logits.stride(0),
@@ -100,7 +100,11 @@ def _launch(logits, targets, ignore_index: int):
             BLOCK_V=block_v,
             num_warps=NUM_WARPS if logits.is_cuda else 4,
         )
-    return loss_rows.sum() / n_valid, dlogits
+    return loss_rows.sum() / _valid_rows(targets, ignore_index), dlogits
+
+
+def _valid_rows(targets, ignore_index: int) -> torch.Tensor:
+    return (targets != ignore_index).sum()
 
 
 @torch.library.custom_op("zoo::linear_cross_entropy", mutates_args=())
@@ -119,19 +123,25 @@ def _(x, weight, targets, ignore_index):
 
 
 def _setup_context(ctx, inputs, output):
-    x, weight, _, _ = inputs
+    x, weight, targets, ignore_index = inputs
     _, _, dlogits = output
-    ctx.save_for_backward(x, weight, dlogits)
+    ctx.save_for_backward(x, weight, targets, dlogits)
+    ctx.ignore_index = ignore_index
     ctx.mark_non_differentiable(output[0], output[2])
     ctx.set_materialize_grads(False)
 
 
 def _backward(ctx, d_logits, d_loss, d_dlogits):
-    x, weight, dlogits = ctx.saved_tensors
+    x, weight, targets, dlogits = ctx.saved_tensors
     if d_loss is None:
         return None, None, None, None
-    scale = d_loss.to(x.dtype)
-    return (dlogits @ weight) * scale, (dlogits.t() @ x) * scale, None, None
+    # The mean's 1 / n_valid and the loss's incoming gradient (GradScaler's scale, a gradient-accumulation step's
+    # 1 / steps) as one fp32 factor; a bf16 / fp16 product times an fp32 0-d tensor is computed in fp32 and rounded
+    # once to the product's dtype.
+    scale = d_loss.float() / _valid_rows(targets, ctx.ignore_index).clamp(min=1)  # none valid: zero, as PyTorch's
+    dx = (dlogits @ weight) * scale if ctx.needs_input_grad[0] else None
+    dweight = (dlogits.t() @ x) * scale if ctx.needs_input_grad[1] else None
+    return dx, dweight, None, None
 
 
 _linear_cross_entropy_op.register_autograd(_backward, setup_context=_setup_context)

@@ -183,6 +183,8 @@ def _check(qkv, cos, sin, n_head, n_kv_head):
             _checks.fail(name, repr(n), "an int >= 1")
     B, T, width = qkv.shape
     slots = n_head + 2 * n_kv_head
+    if B < 1 or T < 1:
+        _checks.fail("qkv", f"shape {tuple(qkv.shape)}", "at least one sequence of at least one token")
     if width % slots or (width // slots) % 2:
         _checks.fail("qkv", f"last dim {width}", f"(n_head + 2 n_kv_head) = {slots} heads of an even head dim")
     if qkv.stride(-1) != 1:
@@ -325,7 +327,7 @@ def _check_mla(q, kv, cos, sin, norm_weight, eps):
             _checks.fail(name, f"shape {tuple(t.shape)}", f"({B} or 1, D_r/2={d_r // 2}), unit stride along D_r/2")
     if cos.shape != sin.shape or cos.stride() != sin.stride():
         _checks.fail("sin", f"shape {tuple(sin.shape)}, strides {sin.stride()}", "cos's shape and strides")
-    _checks.check_scale(eps, "a finite float > 0")
+    _checks.check_scale(eps, "a finite float > 0", name="eps")
     _checks.check_same_device(dict(q=q, kv=kv, cos=cos, sin=sin, norm_weight=norm_weight))
 
 

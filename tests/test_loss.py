@@ -65,6 +65,28 @@ def test_ignored_rows_count_for_nothing():
     assert math.isnan(loss.item()) and x.grad.abs().max() == 0
 
 
+def test_fp16_under_a_grad_scaler_keeps_its_gradients():
+    """fp16 training multiplies the loss by GradScaler's scale (65,536 at first): the gradients come back that many
+    times larger and finite, as accurate as the unfused head's in fp16. The kernel stores softmax - one-hot
+    unscaled; divided by the 512 rows first, a row's small probabilities would flush to zero in fp16."""
+    x, weight, targets = _inputs(512, 32, 4096, torch.float16, ignored=())
+    _, loss = linear_cross_entropy(x, weight, targets)
+    (loss * 65536.0).backward()
+    _, _, ref_dx, ref_dw = _reference(x, weight, targets, 65536.0)
+    for name, got, ref in (("dx", x.grad, ref_dx), ("dweight", weight.grad, ref_dw)):
+        assert torch.isfinite(got).all(), name
+        rel = (got.float() - ref).norm() / ref.norm()
+        assert rel < 2e-3, f"{name}: relative error {rel:.2e}"  # fp16's 2^-11 rounding of the inputs and products
+
+
+def test_strided_targets():
+    """targets may be a strided view (the kernel reads a contiguous copy)."""
+    x, weight, _ = _inputs(6, 8, 50, torch.float32, ignored=())
+    every_other = torch.randint(0, 50, (12,), device=DEVICE)[::2]
+    _, loss = linear_cross_entropy(x, weight, every_other)
+    assert_close(loss, F.cross_entropy((x @ weight.t()).float(), every_other), torch.float32, "loss")
+
+
 def test_a_target_outside_the_vocabulary_makes_the_loss_nan():
     x, weight, targets = _inputs(4, 8, 50, torch.float32, ignored=())
     targets[2] = 50
@@ -131,7 +153,7 @@ def test_kernel_compiles_for_sm90_without_spills():
     and ptxas spills nothing."""
     from conftest import compile_gluon_sm90, spill_bytes
 
-    pointers = dict(LOGITS="*bf16", TARGETS="*i64", N_VALID="*i64", LOSS="*fp32", DLOGITS="*bf16")
+    pointers = dict(LOGITS="*bf16", TARGETS="*i64", LOSS="*fp32", DLOGITS="*bf16")
     const = dict(V=50304, BLOCK_V=MAX_BLOCK_V)
     result = compile_gluon_sm90(
         "attention_kernels.loss",

@@ -103,6 +103,7 @@ def test_bad_inputs_fail_clearly():
     qkv = qkv.detach()
     cases = [
         (dict(qkv=qkv[0]), "qkv: got shape (5, 32); valid: a 3-d tensor"),
+        (dict(qkv=qkv[:, :0]), "qkv: got shape (2, 0, 32); valid: at least one sequence of at least one token"),
         (dict(qkv=qkv[..., :30]), "qkv: got last dim 30; valid: (n_head + 2 n_kv_head) = 4 heads of an even head dim"),
         (dict(qkv=qkv[..., :28]), "qkv: got last dim 28; valid: (n_head + 2 n_kv_head) = 4 heads of an even"),
         (dict(qkv=qkv.long()), "qkv: got dtype torch.int64"),
@@ -212,7 +213,7 @@ def test_mla_rope_norm_bad_inputs_fail_clearly():
         (dict(cos=cos[:, :3]), "cos: got shape (2, 3); valid: (2 or 1, D_r/2=4)"),
         (dict(sin=sin[None]), "sin: got shape (1, 2, 4); valid: a 2-d tensor (B or 1, D_r/2)"),
         (dict(norm_weight=norm_weight[None]), "norm_weight: got shape (1, 16); valid: a 1-d tensor (D_c,)"),
-        (dict(eps=0.0), "scale: got 0.0; valid: a finite float > 0"),
+        (dict(eps=0.0), "eps: got 0.0; valid: a finite float > 0"),
     ]
     for change, message in cases:
         args = dict(q=q, kv=kv, cos=cos, sin=sin, norm_weight=norm_weight, eps=1e-6) | change

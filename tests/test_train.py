@@ -234,15 +234,17 @@ def test_ctrl_c_saves_the_last_iteration_and_resumes(data_dir, tmp_path):
             break
     proc.send_signal(signal.SIGINT)
     # The rest through the same text buffer as the lines above: communicate(timeout=) reads the raw pipe and would
-    # drop lines that buffer already holds (a fast GPU prints the next iteration's line before this loop stops).
-    timer = threading.Timer(120, proc.kill)
-    timer.start()
-    try:
-        out = proc.stdout.read()
-        proc.wait()
-    finally:
-        timer.cancel()
-    output = "".join(lines) + out
+    # drop lines that buffer already holds (a fast GPU prints the next iteration's line before this loop stops). A
+    # reader thread with a deadline, so that a pipe held open by a stray child cannot hang the test.
+    rest = []
+    reader = threading.Thread(target=lambda: rest.append(proc.stdout.read()), daemon=True)
+    reader.start()
+    reader.join(timeout=120)
+    if reader.is_alive():
+        proc.kill()
+        reader.join(timeout=10)
+    proc.wait(timeout=30)
+    output = "".join(lines + rest)
     assert proc.returncode == 128 + signal.SIGINT, output  # saved, not finished: a shell loop over runs stops
     assert "SIGINT: stopping after this iteration" in output and "interrupted: saved" in output
     last_logged = max(int(line.split()[1].split("/")[0]) for line in output.splitlines() if line.startswith("iter "))
