@@ -72,10 +72,11 @@ def resolve_engine(engine: str, kind: str, device) -> str:
 def compile_model(model):
     """torch.compile the decode step of `model`, in place, region by region: the embedding (`GPT.embed`), every
     block around its cache call, and the final norm with the output projection (`GPT.logits_and_loss`). Inductor
-    fuses the norms, projections, RoPE, residual adds and MLP around each cache call, and the cache call itself runs
-    as it is (cache.py keeps it out of the graphs). One compile serves every layer, batch size and cache view, and
-    the CUDA graphs of the graphs engine replay the fused kernels. The model is marked `decode_compiled`, which
-    compiles the static step's bookkeeping too (`StaticDecoder`). Prefill stays eager (see _DecodeCompiled)."""
+    fuses the norms, projections, residual adds and MLP around each cache call (RoPE is our kernel either way), and
+    the cache call itself runs as it is (cache.py keeps it out of the graphs). One compile serves every layer, batch
+    size and cache view, and the CUDA graphs of the graphs engine replay the fused kernels. The model is marked
+    `decode_compiled`, which compiles the static step's bookkeeping too (`StaticDecoder`). Prefill stays eager (see
+    _DecodeCompiled)."""
     # layer_idx is an int attribute of each block that reaches the cache call: left specialized, every layer would
     # compile a graph of its own and a 12-layer model would pass dynamo's recompile limit.
     torch._dynamo.config.allow_unspec_int_on_nn_module = True

@@ -30,13 +30,13 @@ Speed: on a GPU each decode step is replayed from a CUDA graph captured at the s
 take (stderr says which and how long the capture took), with sampling on the GPU and the tokens read back every
 few steps; --cuda_graphs=False runs the eager loop instead (a forward and a read-back per step), and on a CPU the
 eager loop is the only one (--cuda_graphs=True there is an error). On a GPU at batch 1 every projection runs as one
-kernel with the norm before it and the GELU or residual add after it (attention_kernels.decode_linear), compiled or
-not.
+kernel with the norm before it and the GELU or residual add after it (attention_kernels.decode_linear), and at any
+batch RoPE runs as one kernel a layer (rope_qkv; MLA's with its latent norm, mla_rope_norm), compiled or not.
 --compile=True compiles every block with torch.compile around its cache call for the decode steps
-(generate.compile_model: norms, projections, RoPE and MLP fused; prefill stays eager; either loop, the graphs then
-replay the fused kernels; the capture waits for it). It pays most where many small kernels remain between the
-projections: MLA's RoPE and latent norm, and batches above 1 (benchmarks/RESULTS.md has the numbers; GQA at batch 1
-gains 7%), and over long generations: a short run spends more on the compile than it saves.
+(generate.compile_model: norms, projections, residual adds and MLP fused; prefill stays eager; either loop, the
+graphs then replay the fused kernels; the capture waits for it). It pays most where small kernels remain between
+the projections, at batches above 1 (benchmarks/RESULTS.md has the numbers; GQA at batch 1 gains 7%), and over long
+generations: a short run spends more on the compile than it saves.
 
 Standard output gets the samples alone (the first one streamed as it is generated, then the others, separated by
 a line of dashes), so `> out.txt` captures just the text; progress and statistics (prefill and decode tokens/s,
