@@ -137,13 +137,15 @@ def rope_qkv_reference(qkv, cos, sin, n_head: int, n_kv_head: int):
     B, T, width = qkv.shape
     D = width // (n_head + 2 * n_kv_head)
     q, k, v = qkv.float().view(B, T, -1, D).split([n_head, n_kv_head, n_kv_head], dim=2)
-    cos, sin = cos.float()[:, :, None], sin.float()[:, :, None]
+    cos, sin = cos[:, :, None], sin[:, :, None]
+    return _rotate_half(q, cos, sin), _rotate_half(k, cos, sin), v
 
-    def rotate(x):
-        x1, x2 = x.chunk(2, dim=-1)
-        return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
-    return rotate(q), rotate(k), v
+def _rotate_half(x, cos, sin):
+    """RoPE in fp32 with rotate-half pairing: [x1 cos - x2 sin, x2 cos + x1 sin] for x = [x1 | x2]."""
+    x1, x2 = x.float().chunk(2, dim=-1)
+    cos, sin = cos.float(), sin.float()
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 def linear_cross_entropy_reference(x, weight, targets, ignore_index: int = -1):
@@ -157,12 +159,6 @@ def mla_rope_norm_reference(q, kv, cos, sin, norm_weight, eps: float):
     """mla_rope_norm's math in fp32: (the query heads' RoPE parts rotated (B, H, D_r), the latent RMS-normalized
     (B, D_c), the RoPE key rotated (B, D_r)) from q (B, H, D_c + D_r) and kv (B, D_c + D_r)."""
     d_c = norm_weight.shape[0]
-    cos, sin = cos.float(), sin.float()
-
-    def rotate(x, c, s):
-        x1, x2 = x.float().chunk(2, dim=-1)
-        return torch.cat([x1 * c - x2 * s, x2 * c + x1 * s], dim=-1)
-
     latent = kv[:, :d_c].float()
     latent = latent * torch.rsqrt(latent.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
-    return rotate(q[..., d_c:], cos[:, None], sin[:, None]), latent, rotate(kv[:, d_c:], cos, sin)
+    return _rotate_half(q[..., d_c:], cos[:, None], sin[:, None]), latent, _rotate_half(kv[:, d_c:], cos, sin)

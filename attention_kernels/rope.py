@@ -190,15 +190,20 @@ def _check(qkv, cos, sin, n_head, n_kv_head):
     if qkv.stride(-1) != 1:
         _checks.fail("qkv", f"strides {tuple(qkv.stride())}", "unit stride along the last dim")
     half = width // slots // 2
+    _check_angles(cos, sin, B, (T, half), "(B or 1, T, D/2)", f"T={T}, D/2={half}", "D/2")
+    _checks.check_same_device({"qkv": qkv, "cos": cos, "sin": sin})
+
+
+def _check_angles(cos, sin, B: int, tail: tuple, layout: str, dims: str, last: str):
+    """cos and sin alike, fp32, (B or 1, *tail) with a unit stride along the last dim."""
     for name, t in (("cos", cos), ("sin", sin)):
-        _checks.check_rank(name, t, 3, "(B or 1, T, D/2)")
+        _checks.check_rank(name, t, 1 + len(tail), layout)
         if t.dtype != torch.float32:
             _checks.fail(name, f"dtype {t.dtype}", "torch.float32 (bf16 angles are off by whole radians)")
-        if t.shape[0] not in (1, B) or tuple(t.shape[1:]) != (T, half) or t.stride(-1) != 1:
-            _checks.fail(name, f"shape {tuple(t.shape)}", f"({B} or 1, T={T}, D/2={half}), unit stride along D/2")
+        if t.shape[0] not in (1, B) or tuple(t.shape[1:]) != tail or t.stride(-1) != 1:
+            _checks.fail(name, f"shape {tuple(t.shape)}", f"({B} or 1, {dims}), unit stride along {last}")
     if cos.shape != sin.shape or cos.stride() != sin.stride():
         _checks.fail("sin", f"shape {tuple(sin.shape)}, strides {sin.stride()}", "cos's shape and strides")
-    _checks.check_same_device({"qkv": qkv, "cos": cos, "sin": sin})
 
 
 def rope_qkv(
@@ -319,14 +324,7 @@ def _check_mla(q, kv, cos, sin, norm_weight, eps):
     for name, t in (("q", q), ("kv", kv), ("norm_weight", norm_weight)):
         if t.stride(-1) != 1:
             _checks.fail(name, f"strides {tuple(t.stride())}", "unit stride along the last dim")
-    for name, t in (("cos", cos), ("sin", sin)):
-        _checks.check_rank(name, t, 2, "(B or 1, D_r/2)")
-        if t.dtype != torch.float32:
-            _checks.fail(name, f"dtype {t.dtype}", "torch.float32 (bf16 angles are off by whole radians)")
-        if t.shape[0] not in (1, B) or t.shape[1] != d_r // 2 or t.stride(-1) != 1:
-            _checks.fail(name, f"shape {tuple(t.shape)}", f"({B} or 1, D_r/2={d_r // 2}), unit stride along D_r/2")
-    if cos.shape != sin.shape or cos.stride() != sin.stride():
-        _checks.fail("sin", f"shape {tuple(sin.shape)}, strides {sin.stride()}", "cos's shape and strides")
+    _check_angles(cos, sin, B, (d_r // 2,), "(B or 1, D_r/2)", f"D_r/2={d_r // 2}", "D_r/2")
     _checks.check_scale(eps, "a finite float > 0", name="eps")
     _checks.check_same_device(dict(q=q, kv=kv, cos=cos, sin=sin, norm_weight=norm_weight))
 
