@@ -642,6 +642,36 @@ class _LatentCache(_Cache):
         out = self._decode(layer, q_absorbed[:, :, 0].to(dt), q_rope[:, :, 0].to(dt), scale)
         return out.to(q_absorbed.dtype)[:, :, None]
 
+    @torch.compiler.disable
+    def attend_latent_inputs(self, layer, q, kv, cos, sin, norm_weight, eps: float, w_uk, scale: float):
+        """Decode from the step's projections as they come: q (B, H, D_n + D_r) the query heads, kv (B, D_c + D_r)
+        the token's latent and RoPE key before their norm and rotation, cos / sin (B or 1, D_r/2) the token's angles,
+        w_uk (H, D_n, D_c) -> latent out (B, H, D_c). With the Triton backend one launch
+        (`attention_kernels.mla_decode_inputs`) absorbs W_UK into the query, rotates the RoPE parts, normalizes the
+        latent and writes the token into the cache, which `attend_latent` needs three launches for."""
+        self._new_tokens(kv[:, None], layer, "kv")
+        dt = self.store.dtype
+        if self.backend == "torch":
+            q_abs, q_rope, c_kv, k_rope = reference.mla_decode_inputs_reference(q, kv, cos, sin, norm_weight, eps, w_uk)
+            self._write(layer, c_kv[:, None], k_rope[:, None])
+        else:
+            pages, slots = self.store.where(self._step)  # (B, 1) each
+            q_abs, q_rope = attention_kernels.mla_decode_inputs(
+                q,
+                kv,
+                cos,
+                sin,
+                norm_weight,
+                eps,
+                w_uk,
+                self.c[layer],
+                self.r[layer],
+                pages[:, 0],
+                slots[:, 0],
+                validate=False,
+            )
+        return self._decode(layer, q_abs.to(dt), q_rope.to(dt), scale).to(q.dtype)
+
 
 class MLACache(_LatentCache):
     def __init__(self, batch_size, max_len, n_layer, d_c, d_r, *, device, dtype, backend):

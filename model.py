@@ -38,7 +38,8 @@ Before anything changes it checks the cache's `batch_size` (and, where the cache
 decode kernel.
 MLA decodes in the absorbed form: q_absorbed = q_nope W_UK[h] attends to the latent cache, and the value
 up-projection W_UV[h] maps the latent output afterwards, so the cache holds only kv_lora_rank + qk_rope_head_dim
-numbers per token per layer. Both up-projections are folded into the projections around them for decode
+numbers per token per layer. W_UK is applied to the query per head, in the launch that also writes the step's
+latent into the cache (`attention_kernels.mla_decode_inputs`), and W_UV is folded into the output projection
 (`MultiHeadLatentAttention.absorbed_weights`).
 
 Dropout: applied to the embeddings and to each residual branch; there is no dropout on the attention
@@ -60,7 +61,7 @@ from attention_kernels import flash_gqa_attention
 from attention_kernels.loss import linear_cross_entropy
 from attention_kernels.projections import decode_linear
 from attention_kernels.reference import causal_mask
-from attention_kernels.rope import mla_rope_norm, rope_qkv
+from attention_kernels.rope import rope_qkv
 
 
 def linear(
@@ -422,90 +423,92 @@ class MultiHeadLatentAttention(nn.Module):
     def _decode_absorbed(self, x, rope, cache, backend: str, norm=None, residual=None):
         """Decode, x (B, 1, C): q_nope . k_nope = (q_nope W_UK[h]) . c_kv, so the query moves into the latent space
         and every head attends to the one shared latent cache, whose output W_UV[h] then maps to the head's values.
-        Both up-projections are folded into the weights around them (`absorbed_weights`): one projection gives the
-        absorbed query, its RoPE part and the new token's latent and RoPE key, and one maps the heads' latent
-        outputs to the residual stream."""
-        B, H, d_c, d_r = x.shape[0], self.n_head, self.d_c, self.d_r
-        # GPT.forward refreshed the folded weights before the blocks: the call that checks them stays out of any
+        W_UK is applied to the query per head (its weights are D_n x D_c a head, far fewer bytes than a projection
+        folded with it); W_UV is folded into the output projection (`absorbed_weights`), so one matmul takes the
+        heads' latent outputs to the residual stream."""
+        B, H, d_n, d_c, d_r = x.shape[0], self.n_head, self.d_n, self.d_c, self.d_r
+        # GPT.forward refreshed the decode weights before the blocks: the call that checks them stays out of any
         # compiled graph, and here it would split the block's graph (a kernel more a layer).
         w_in, b_in, w_out = self._absorbed
         if hasattr(self, "q_a_proj"):  # the query comes from its own compressed input; the latent from x
-            q = linear(self.q_a_norm(self.q_a_proj(x, norm=norm)), w_in, b_in)
+            q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x, norm=norm)))
             kv = self.kv_a_proj(x, norm=norm)
         else:
-            q, kv = linear(x, w_in, b_in, norm=norm).split([H * (d_c + d_r), d_c + d_r], dim=-1)
-        q_absorbed, q_rope = q.view(B, 1, H, d_c + d_r).split([d_c, d_r], dim=-1)
+            q, kv = linear(x, w_in, b_in, norm=norm).split([H * (d_n + d_r), d_c + d_r], dim=-1)
+        w_uk = self._up_weights()[0]  # (H, D_n, D_c)
         if triton_runs(x, backend) and not torch.is_grad_enabled():
-            # One launch for what PyTorch runs as a dozen small kernels a layer: the RoPE of the query heads and of
-            # the key, and the latent's norm.
+            # One launch absorbs W_UK into the query, rotates the RoPE parts, normalizes the latent and writes the
+            # token into the cache: in PyTorch that is a dozen small kernels a layer and the cache's write.
             cos, sin = rope[0][:, 0], rope[1][:, 0]  # (B, D_r / 2): the row's one new position
-            q_rope, c_kv, k_rope = mla_rope_norm(
-                q.view(B, H, d_c + d_r), kv.view(B, d_c + d_r), cos, sin, self.kv_a_norm.weight, self.kv_a_norm.eps
-            )
-            q_rope, c_kv, k_rope = q_rope[:, None], c_kv[:, None], k_rope[:, None]
+            norm_kv = self.kv_a_norm
+            latent = cache.attend_latent_inputs(
+                self.layer_idx,
+                q.view(B, H, d_n + d_r),
+                kv.view(B, d_c + d_r),
+                cos,
+                sin,
+                norm_kv.weight,
+                norm_kv.eps,
+                w_uk,
+                self.scale,
+            )  # (B, H, D_c)
         else:
+            q_nope, q_rope = q.view(B, 1, H, d_n + d_r).split([d_n, d_r], dim=-1)
+            q_absorbed = torch.einsum("bthn,hnc->bhtc", q_nope, w_uk)  # (B, H, 1, D_c)
             c_kv, k_rope = kv.split([d_c, d_r], dim=-1)
             # the query heads' RoPE parts and the shared RoPE key rotate together, as one more head (one kernel)
             ropes = apply_rope(torch.cat([q_rope, k_rope[:, :, None]], dim=2), *rope)
             q_rope, k_rope = ropes[:, :, :H], ropes[:, :, H]
             c_kv = self.kv_a_norm(c_kv)
-        latent = cache.attend_latent(
-            self.layer_idx, q_absorbed.transpose(1, 2), q_rope.transpose(1, 2), c_kv, k_rope, self.scale
-        )  # (B, H, 1, D_c)
+            latent = cache.attend_latent(self.layer_idx, q_absorbed, q_rope.transpose(1, 2), c_kv, k_rope, self.scale)
         # the dropout here, not in the caller: a compiled region of its own would copy its input to its output
-        latent = latent.transpose(1, 2).reshape(B, 1, H * d_c)
+        latent = latent.reshape(B, 1, H * d_c)
         return self.resid_dropout(linear(latent, w_out, self.c_proj.bias, residual=residual))
 
     def _absorb_sources(self) -> list[torch.Tensor]:
-        q = self.q_b_proj if hasattr(self, "q_a_proj") else self.q_proj
-        own = [q.weight, q.bias, self.kv_b_proj.weight, self.c_proj.weight]
-        kv_a = [self.kv_a_proj.weight, self.kv_a_proj.bias] if not hasattr(self, "q_a_proj") else []
-        return [t for t in own + kv_a if t is not None]
+        own = [self.kv_b_proj.weight, self.c_proj.weight]
+        joined = (
+            []
+            if hasattr(self, "q_a_proj")
+            else [self.q_proj.weight, self.q_proj.bias] + [self.kv_a_proj.weight, self.kv_a_proj.bias]
+        )
+        return [t for t in own + joined if t is not None]
 
     @torch.compiler.disable
-    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
-        """The decode's projections with W_UK and W_UV folded in (DeepSeek-V2, section 2.1.2): (w_in, b_in, w_out).
+    def absorbed_weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        """The decode's projections: (w_in, b_in, w_out).
 
-        w_in (H (D_c + D_r) [+ D_c + D_r], C_in): per head the rows of W_UK[h]^T W_q_nope[h] (the absorbed query,
-        D_c) and of W_q_rope[h] (D_r); without query compression the rows of kv_a_proj follow, so one matmul of x
-        gives the query and the new token's latent and RoPE key. w_out (C, H D_c) = per head W_O[h] W_UV[h]: the
-        heads' latent outputs straight to the residual stream. Two matmuls then replace the four projections and
-        two batched per-head matmuls of the unfolded form, at the price of weights about D_c / D_n times larger
-        (they are kept beside the model's own, for decode only: no gradient flows through them).
+        w_out (C, H D_c) = per head W_O[h] W_UV[h] (DeepSeek-V2, section 2.1.2): the heads' latent outputs straight to
+        the residual stream, one matmul where the unfolded form takes a batched per-head matmul more. Its weights
+        are D_c / D_v times W_O's; the query side keeps its own weights, with W_UK applied per head after the
+        projection (`_decode_absorbed`), because folding W_UK in makes the query projection D_c / D_n times larger.
+        w_in, b_in: without query compression, the rows of q_proj then of kv_a_proj, so one matmul of x gives the
+        query and the new token's latent and RoPE key; None with it. They are kept beside the model's own weights,
+        for decode only: no gradient flows through them.
 
-        Computed in fp32 and rounded once to the weights' dtype, and kept until a source weight changes (its
-        version counter, storage, dtype or device), so that a decode step reads them and a CUDA graph replays
-        them as they are. They are plain tensors even when first built under torch.inference_mode, which would
-        make them unusable in a later forward that autograd records."""
+        W_out is computed in fp32 and rounded once to the weights' dtype. Both are kept until a source weight
+        changes (its version counter, storage, dtype or device), so that a decode step reads them and a CUDA graph
+        replays them as they are. They are plain tensors even when first built under torch.inference_mode, which
+        would make them unusable in a later forward that autograd records."""
         sources = self._absorb_sources()
         key = tuple((t._version, t.data_ptr(), t.dtype, t.device) for t in sources)
         if getattr(self, "_absorbed_key", None) != key:
             with torch.inference_mode(False), torch.no_grad():
-                self._absorbed = self._fold_up_projections()
+                self._absorbed = self._decode_weights()
             self._absorbed_key = key
         return self._absorbed
 
-    def _fold_up_projections(self) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    def _decode_weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
         """(w_in, b_in, w_out) of `absorbed_weights`, built from the current weights."""
-        H, d_n, d_r, d_c = self.n_head, self.d_n, self.d_r, self.d_c
-        q = self.q_b_proj if hasattr(self, "q_a_proj") else self.q_proj
-        w_uk, w_uv = (w.float() for w in self._up_weights())  # (H, D_n, D_c), (H, D_v, D_c)
-        w_q = q.weight.float().view(H, d_n + d_r, -1)
-        w_q_nope, w_q_rope = w_q.split([d_n, d_r], dim=1)
-        w_in = torch.cat([torch.einsum("hnc,hni->hci", w_uk, w_q_nope), w_q_rope], dim=1).reshape(H * (d_c + d_r), -1)
-        b_in = None
-        if q.bias is not None:
-            b_nope, b_rope = q.bias.float().view(H, d_n + d_r).split([d_n, d_r], dim=1)
-            b_in = torch.cat([torch.einsum("hn,hnc->hc", b_nope, w_uk), b_rope], dim=1).reshape(-1)
-        # without query compression the latent projection's rows follow (config.bias gives both a bias or neither)
-        if not hasattr(self, "q_a_proj"):
-            w_in = torch.cat([w_in, self.kv_a_proj.weight.float()])
-            if b_in is not None:
-                b_in = torch.cat([b_in, self.kv_a_proj.bias.float()])
-        w_o = self.c_proj.weight.float().view(-1, H, self.d_v)  # (C, H, D_v)
-        w_out = torch.einsum("ohv,hvc->ohc", w_o, w_uv).reshape(w_o.shape[0], H * d_c)
-        dtype = q.weight.dtype
-        return w_in.to(dtype), b_in.to(dtype) if b_in is not None else None, w_out.to(dtype)
+        w_in = b_in = None
+        if not hasattr(self, "q_a_proj"):  # config.bias gives both projections a bias or neither
+            w_in = torch.cat([self.q_proj.weight, self.kv_a_proj.weight])
+            if self.q_proj.bias is not None:
+                b_in = torch.cat([self.q_proj.bias, self.kv_a_proj.bias])
+        w_uv = self._up_weights()[1].float()  # (H, D_v, D_c)
+        w_o = self.c_proj.weight.float().view(-1, self.n_head, self.d_v)  # (C, H, D_v)
+        w_out = torch.einsum("ohv,hvc->ohc", w_o, w_uv).reshape(w_o.shape[0], self.n_head * self.d_c)
+        return w_in, b_in, w_out.to(self.c_proj.weight.dtype)
 
 
 class MLP(nn.Module):

@@ -31,7 +31,8 @@ take (stderr says which and how long the capture took), with sampling on the GPU
 few steps; --cuda_graphs=False runs the eager loop instead (a forward and a read-back per step), and on a CPU the
 eager loop is the only one (--cuda_graphs=True there is an error). On a GPU at batch 1 every projection runs as one
 kernel with the norm before it and the GELU or residual add after it (attention_kernels.decode_linear), and at any
-batch RoPE runs as one kernel a layer (rope_qkv; MLA's with its latent norm, mla_rope_norm), compiled or not.
+batch RoPE runs as one kernel a layer (rope_qkv; for MLA mla_decode_inputs, which also applies W_UK to the query,
+normalizes the latent and writes it into the cache), compiled or not.
 --compile=True compiles every block with torch.compile around its cache call for the decode steps
 (generate.compile_model: norms, projections, residual adds and MLP fused; prefill stays eager; either loop, the
 graphs then replay the fused kernels; the capture waits for it). It pays most where small kernels remain between

@@ -19,12 +19,13 @@ Modules (each imports only those above it):
     sm90                       what every Hopper (Gluon) kernel shares: on_hopper, TMA descriptors, wgmma layout
     split_kv                   split-KV decode (Flash-Decoding) pieces shared by decode and mla
     decode, decode_sm90        grouped_decode / paged_grouped_decode; the Hopper paged kernel
-    mla, mla_sm90              mla_decode / paged_mla_decode; the Hopper MLA kernels
+    mla, mla_sm90              mla_decode / paged_mla_decode; the Hopper MLA kernels; mla_decode_inputs: a decode
+                               step's absorbed query, RoPE parts, latent norm and cache write, one launch
     cache_write                write_tokens: a new token's two halves into a KV cache, one launch
     projections                decode_linear: a decode step's projection of a few rows with its norm, GELU and
                                residual add, one launch
     rope                       rope_qkv: the fused projection's heads split and q, k rotated, one launch (and one
-                               for the gradient); mla_rope_norm: MLA's decode inputs (RoPE parts, latent norm)
+                               for the gradient)
     loss                       linear_cross_entropy: the output head's loss with its gradient formed in the forward
 """
 
@@ -33,9 +34,9 @@ from attention_kernels.cache_write import write_tokens
 from attention_kernels.decode import grouped_decode, paged_grouped_decode
 from attention_kernels.flash import flash_gqa_attention, flash_gqa_backward, flash_gqa_forward
 from attention_kernels.loss import linear_cross_entropy
-from attention_kernels.mla import mla_decode, paged_mla_decode
+from attention_kernels.mla import mla_decode, mla_decode_inputs, paged_mla_decode
 from attention_kernels.projections import decode_linear
-from attention_kernels.rope import mla_rope_norm, rope_qkv
+from attention_kernels.rope import rope_qkv
 
 __all__ = [
     "flash_gqa_attention",
@@ -45,10 +46,10 @@ __all__ = [
     "paged_grouped_decode",
     "mla_decode",
     "paged_mla_decode",
+    "mla_decode_inputs",
     "write_tokens",
     "decode_linear",
     "rope_qkv",
-    "mla_rope_norm",
     "linear_cross_entropy",
     "reference",
 ]

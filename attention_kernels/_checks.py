@@ -48,6 +48,18 @@ def check_scale(scale, valid: str = "a finite float > 0", name: str = "scale"):
         fail(name, repr(scale), valid)
 
 
+def check_angles(cos, sin, B: int, tail: tuple, layout: str, dims: str, last: str):
+    """RoPE's angles: cos and sin alike, fp32, (B or 1, *tail) with a unit stride along the last dim."""
+    for name, t in (("cos", cos), ("sin", sin)):
+        check_rank(name, t, 1 + len(tail), layout)
+        if t.dtype != torch.float32:
+            fail(name, f"dtype {t.dtype}", "torch.float32 (bf16 angles are off by whole radians)")
+        if t.shape[0] not in (1, B) or tuple(t.shape[1:]) != tail or t.stride(-1) != 1:
+            fail(name, f"shape {tuple(t.shape)}", f"({B} or 1, {dims}), unit stride along {last}")
+    if cos.shape != sin.shape or cos.stride() != sin.stride():
+        fail("sin", f"shape {tuple(sin.shape)}, strides {sin.stride()}", "cos's shape and strides")
+
+
 def check_int32(name: str, x: torch.Tensor, shape: tuple[int, ...], layout: str):
     if not isinstance(x, torch.Tensor) or x.dtype != torch.int32:
         got = f"dtype {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__

@@ -29,7 +29,7 @@ import triton
 import triton.language as tl
 
 from attention_kernels import _checks, split_kv
-from attention_kernels._host import LOG2E, cdiv, device_guard, launcher, num_sms
+from attention_kernels._host import LOG2E, cdiv, device_guard, launcher, next_power_of_2, num_sms
 from attention_kernels.split_kv import (
     MAX_SPLITS,
     auto_num_splits,
@@ -306,6 +306,105 @@ def _mla_config(h: int, d_c: int) -> dict:
     return dict(BLOCK_H=block_h, BLOCK_N=64, num_warps=4, num_stages=3)
 
 
+# ---- The step's inputs: W_UK absorbed into the query, RoPE, the latent's norm, the cache write ------------------
+
+# A program's rows and absorbed-query columns: 16 rows is the MMA's least M; 64 columns give a one-row step four
+# programs a head, so W_UK (H x D_n x D_c, a few hundred KB) streams through many SMs at once.
+INPUT_ROWS, INPUT_COLUMNS = 16, 64
+
+
+@triton.jit
+def _inputs_kernel(
+    Q,
+    KV,
+    COS,
+    SIN,
+    NORM_W,
+    W_UK,
+    Q_ABS,
+    Q_ROPE,
+    C_CACHE,
+    R_CACHE,
+    PAGES,
+    SLOTS,
+    B,
+    stride_qb,
+    stride_qh,
+    stride_kvb,
+    stride_ab,
+    stride_wh,
+    stride_wn,
+    stride_cp,
+    stride_cs,
+    stride_rp,
+    stride_rs,
+    stride_pb,
+    stride_sb,
+    stride_angle,
+    eps,
+    H: tl.constexpr,
+    D_N: tl.constexpr,
+    D_C: tl.constexpr,
+    HALF: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_LATENT: tl.constexpr,
+    BLOCK_HALF: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    # grid (cdiv(B, BLOCK_B), H + 1, cdiv(D_c, BLOCK_C)). Head h < H: BLOCK_C columns of q_nope W_UK[h] for BLOCK_B
+    # rows as one MMA (the weight tile is read once for all of them), and at column block 0 the head's RoPE part.
+    # "Head" H, column block 0: the latent's norm and the RoPE key, stored at each row's (page, slot) in the cache.
+    rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
+    h = tl.program_id(1)
+    j = tl.program_id(2)
+    row_ok = rows < B
+    rows = rows.to(tl.int64)
+    i = tl.arange(0, BLOCK_HALF)
+    half_ok = row_ok[:, None] & (i < HALF)[None, :]
+    if h < H:
+        n = tl.arange(0, BLOCK_N)
+        c = j * BLOCK_C + tl.arange(0, BLOCK_C)
+        q_ok = row_ok[:, None] & (n < D_N)[None, :]
+        q_nope = tl.load(Q + rows[:, None] * stride_qb + h * stride_qh + n[None, :], mask=q_ok, other=0.0)
+        w_ok = (n < D_N)[:, None] & (c < D_C)[None, :]
+        w = tl.load(W_UK + h * stride_wh + n[:, None] * stride_wn + c[None, :], mask=w_ok, other=0.0)
+        q_abs = tl.dot(q_nope, w.to(q_nope.dtype), input_precision=DOT_PRECISION)
+        q_abs_ptr = Q_ABS + rows[:, None] * stride_ab + h * D_C + c[None, :]
+        tl.store(q_abs_ptr, q_abs.to(Q_ABS.dtype.element_ty), mask=row_ok[:, None] & (c < D_C)[None, :])
+        if j == 0:
+            cos_row, sin_row = COS + rows[:, None] * stride_angle, SIN + rows[:, None] * stride_angle
+            q_rope_src = Q + rows[:, None] * stride_qb + h * stride_qh + D_N + i[None, :]
+            q_rope_dst = Q_ROPE + (rows[:, None] * H + h) * 2 * HALF + i[None, :]
+            _rotate_into(q_rope_src, q_rope_dst, cos_row, sin_row, i, half_ok, HALF)
+    elif j == 0:
+        c = tl.arange(0, BLOCK_LATENT)
+        latent_ok = row_ok[:, None] & (c < D_C)[None, :]
+        latent = tl.load(KV + rows[:, None] * stride_kvb + c[None, :], mask=latent_ok, other=0.0).to(tl.float32)
+        gain = tl.load(NORM_W + c, mask=c < D_C, other=0.0).to(tl.float32)
+        rms = tl.rsqrt(tl.sum(latent * latent, axis=1) / D_C + eps)
+        page = tl.load(PAGES + rows * stride_pb, mask=row_ok, other=0).to(tl.int64)
+        slot = tl.load(SLOTS + rows * stride_sb, mask=row_ok, other=0).to(tl.int64)
+        c_dst = C_CACHE + page[:, None] * stride_cp + slot[:, None] * stride_cs + c[None, :]
+        tl.store(c_dst, (latent * rms[:, None] * gain[None, :]).to(C_CACHE.dtype.element_ty), mask=latent_ok)
+        cos_row, sin_row = COS + rows[:, None] * stride_angle, SIN + rows[:, None] * stride_angle
+        k_rope_src = KV + rows[:, None] * stride_kvb + D_C + i[None, :]
+        k_rope_dst = R_CACHE + page[:, None] * stride_rp + slot[:, None] * stride_rs + i[None, :]
+        _rotate_into(k_rope_src, k_rope_dst, cos_row, sin_row, i, half_ok, HALF)
+
+
+@triton.jit
+def _rotate_into(src, dst, cos_row, sin_row, i, mask, HALF: tl.constexpr):
+    """dst = RoPE of the pairs (src[i], src[i + HALF]) at each row's angles (rotate-half, as rope.py's), in fp32."""
+    cos = tl.load(cos_row + i[None, :], mask=mask, other=0.0)
+    sin = tl.load(sin_row + i[None, :], mask=mask, other=0.0)
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
+    tl.store(dst, (x1 * cos - x2 * sin).to(dst.dtype.element_ty), mask=mask)
+    tl.store(dst + HALF, (x2 * cos + x1 * sin).to(dst.dtype.element_ty), mask=mask)
+
+
 # ---- Launcher ---------------------------------------------------------------------------------------------------
 
 
@@ -492,6 +591,74 @@ def _(q_absorbed, q_rope, c_kv_pages, k_rope_pages, block_table, seq_lens, scale
     return torch.empty_like(q_absorbed), q_absorbed.new_empty(q_absorbed.shape[:2], dtype=torch.float32)
 
 
+@torch.library.custom_op("zoo::mla_decode_inputs", mutates_args=("c_cache", "r_cache"))
+def _inputs_op(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    w_uk: torch.Tensor,
+    c_cache: torch.Tensor,
+    r_cache: torch.Tensor,
+    pages: torch.Tensor,
+    slots: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    B, H, width = q.shape
+    _, d_n, d_c = w_uk.shape
+    d_r = width - d_n
+    q_absorbed, q_rope = q.new_empty(B, H, d_c), q.new_empty(B, H, d_r)
+    with device_guard(q):
+        launcher(_inputs_kernel)[(cdiv(B, INPUT_ROWS), H + 1, cdiv(d_c, INPUT_COLUMNS))](
+            q,
+            kv,
+            cos,
+            sin,
+            norm_weight,
+            w_uk,
+            q_absorbed,
+            q_rope,
+            c_cache,
+            r_cache,
+            pages,
+            slots,
+            B,
+            q.stride(0),
+            q.stride(1),
+            kv.stride(0),
+            q_absorbed.stride(0),
+            w_uk.stride(0),
+            w_uk.stride(1),
+            c_cache.stride(0),
+            c_cache.stride(1),
+            r_cache.stride(0),
+            r_cache.stride(1),
+            pages.stride(0),
+            slots.stride(0),
+            cos.stride(0) if cos.shape[0] > 1 else 0,
+            eps,
+            H=H,
+            D_N=d_n,
+            D_C=d_c,
+            HALF=d_r // 2,
+            BLOCK_B=INPUT_ROWS,
+            BLOCK_N=pow2(d_n),
+            BLOCK_C=INPUT_COLUMNS,
+            BLOCK_LATENT=pow2(d_c),
+            BLOCK_HALF=next_power_of_2(d_r // 2),
+            DOT_PRECISION=dot_precision(q.dtype),
+            num_warps=4,
+        )
+    return q_absorbed, q_rope
+
+
+@_inputs_op.register_fake
+def _(q, kv, cos, sin, norm_weight, eps, w_uk, c_cache, r_cache, pages, slots):
+    B, H, width = q.shape
+    return q.new_empty(B, H, w_uk.shape[2]), q.new_empty(B, H, width - w_uk.shape[1])
+
+
 # ---- Input checks -------------------------------------------------------------------------------------------------
 
 
@@ -524,6 +691,69 @@ def _check_mla(q_absorbed, q_rope, ckv, kr, seq_lens, scale, num_splits, *, ckv_
     )
     _checks.check_num_splits(num_splits, MAX_SPLITS)
     _checks.check_scale(scale)
+
+
+def _check_inputs(q, kv, cos, sin, norm_weight, eps, w_uk, c_cache, r_cache, pages, slots):
+    _checks.check_rank("q", q, 3, "(B, H, D_n + D_r)")
+    _checks.check_rank("kv", kv, 2, "(B, D_c + D_r)")
+    _checks.check_rank("w_uk", w_uk, 3, "(H, D_n, D_c)")
+    _checks.check_rank("norm_weight", norm_weight, 1, "(D_c,)")
+    _checks.check_rank("c_cache", c_cache, 3, "(P, S, D_c)")
+    _checks.check_rank("r_cache", r_cache, 3, "(P, S, D_r)")
+    _checks.check_float("q", q)
+    for name, t in (("kv", kv), ("w_uk", w_uk)):
+        _checks.check_float(name, t, q, "q")
+    for name, t in (("norm_weight", norm_weight), ("c_cache", c_cache), ("r_cache", r_cache)):
+        _checks.check_float(name, t)
+    B, H, width = q.shape
+    h, d_n, d_c = w_uk.shape
+    d_r = width - d_n
+    if B < 1:
+        _checks.fail("q", f"shape {tuple(q.shape)}", "at least one row")
+    if h != H:
+        _checks.fail("w_uk", f"shape {tuple(w_uk.shape)}", f"(H={H}, D_n, D_c): one W_UK per query head of q")
+    _checks.check_head_dim("w_uk", d_n, 1, 256)
+    _checks.check_head_dim("w_uk", d_c, 1, 512)
+    if d_r < 2 or d_r % 2:
+        _checks.fail("q", f"last dim {width} with D_n={d_n}", "D_n + D_r with an even D_r >= 2")
+    if tuple(kv.shape) != (B, d_c + d_r):
+        _checks.fail("kv", f"shape {tuple(kv.shape)}", f"(B={B}, D_c + D_r={d_c + d_r})")
+    if tuple(norm_weight.shape) != (d_c,):
+        _checks.fail("norm_weight", f"shape {tuple(norm_weight.shape)}", f"(D_c={d_c},)")
+    if c_cache.shape[2] != d_c:
+        _checks.fail("c_cache", f"shape {tuple(c_cache.shape)}", f"(P, S, D_c={d_c})")
+    if tuple(r_cache.shape) != (*c_cache.shape[:2], d_r):
+        _checks.fail("r_cache", f"shape {tuple(r_cache.shape)}", f"{(*c_cache.shape[:2], d_r)}: c_cache's (P, S), D_r")
+    for name, t in (
+        ("q", q),
+        ("kv", kv),
+        ("w_uk", w_uk),
+        ("norm_weight", norm_weight),
+        ("c_cache", c_cache),
+        ("r_cache", r_cache),
+    ):
+        if t.stride(-1) != 1:
+            _checks.fail(name, f"strides {tuple(t.stride())}", "unit stride along the last dim")
+    for name, idx in (("pages", pages), ("slots", slots)):
+        if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int32, torch.int64) or idx.shape != (B,):
+            got = f"{idx.dtype} shape {tuple(idx.shape)}" if isinstance(idx, torch.Tensor) else type(idx).__name__
+            _checks.fail(name, got, f"an int32 or int64 tensor of shape (B={B},)")
+    _checks.check_angles(cos, sin, B, (d_r // 2,), "(B or 1, D_r/2)", f"D_r/2={d_r // 2}", "D_r/2")
+    _checks.check_scale(eps, "a finite float > 0", name="eps")
+    _checks.check_same_device(
+        dict(
+            q=q,
+            kv=kv,
+            cos=cos,
+            sin=sin,
+            norm_weight=norm_weight,
+            w_uk=w_uk,
+            c_cache=c_cache,
+            r_cache=r_cache,
+            pages=pages,
+            slots=slots,
+        )
+    )
 
 
 # ---- Public functions ---------------------------------------------------------------------------------------------
@@ -588,4 +818,39 @@ def paged_mla_decode(
         _checks.check_block_table_values(block_table, seq_lens, c_kv_pages.shape[1], c_kv_pages.shape[0])
     return torch.ops.zoo.paged_mla_decode(
         q_absorbed, q_rope, c_kv_pages, k_rope_pages, block_table, seq_lens, float(scale), num_splits
+    )
+
+
+def mla_decode_inputs(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    w_uk: torch.Tensor,
+    c_cache: torch.Tensor,
+    r_cache: torch.Tensor,
+    pages: torch.Tensor,
+    slots: torch.Tensor,
+    *,
+    validate: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """What MLA's decode kernel needs from a step's projections, one new token a row, in one launch.
+
+    q (B, H, D_n + D_r): each query head's [nope | rope] parts; kv (B, D_c + D_r): the token's latent, then its RoPE
+    key (views of the projections' outputs); w_uk (H, D_n, D_c): W_UK, the key up-projection per head. Returns, in
+    q's dtype, q_absorbed (B, H, D_c) = q_nope[b, h] W_UK[h] and the heads' RoPE parts rotated (B, H, D_r). In
+    place, the latent RMS-normalized with norm_weight (D_c,) goes to c_cache[pages[b], slots[b]] and the rotated RoPE
+    key to r_cache[pages[b], slots[b]]: c_cache (P, S, D_c) and r_cache (P, S, D_r) are token-major views of a latent
+    cache (rows and positions, or pages and slots), stored in their dtype. cos, sin (B or 1, D_r/2) fp32 are the
+    token's angles (rotate-half pairing, as rope_qkv's); the norm is the model's RMSNorm (fp32, eps). No gradient.
+    validate=False skips the check that reads pages and slots (a device sync)."""
+    _check_inputs(q, kv, cos, sin, norm_weight, eps, w_uk, c_cache, r_cache, pages, slots)
+    if validate and _checks.can_read_values(pages):
+        for name, idx, bound in (("pages", pages, c_cache.shape[0]), ("slots", slots, c_cache.shape[1])):
+            if int(idx.min()) < 0 or int(idx.max()) >= bound:
+                _checks.fail(name, f"values in [{int(idx.min())}, {int(idx.max())}]", f"values in [0, {bound})")
+    return torch.ops.zoo.mla_decode_inputs(
+        q, kv, cos, sin, norm_weight, float(eps), w_uk, c_cache, r_cache, pages, slots
     )

@@ -155,10 +155,13 @@ def linear_cross_entropy_reference(x, weight, targets, ignore_index: int = -1):
     return logits, torch.nn.functional.cross_entropy(logits, targets, ignore_index=ignore_index)
 
 
-def mla_rope_norm_reference(q, kv, cos, sin, norm_weight, eps: float):
-    """mla_rope_norm's math in fp32: (the query heads' RoPE parts rotated (B, H, D_r), the latent RMS-normalized
-    (B, D_c), the RoPE key rotated (B, D_r)) from q (B, H, D_c + D_r) and kv (B, D_c + D_r)."""
-    d_c = norm_weight.shape[0]
+def mla_decode_inputs_reference(q, kv, cos, sin, norm_weight, eps: float, w_uk):
+    """mla_decode_inputs' math in fp32: (q_absorbed = q_nope W_UK[h] (B, H, D_c), the query heads' RoPE parts
+    rotated (B, H, D_r), the latent RMS-normalized (B, D_c), the RoPE key rotated (B, D_r)) from q (B, H, D_n + D_r),
+    kv (B, D_c + D_r) and w_uk (H, D_n, D_c); the kernel stores the last two in the cache."""
+    d_n, d_c = w_uk.shape[1], w_uk.shape[2]
+    q_absorbed = torch.einsum("bhn,hnc->bhc", q[..., :d_n].float(), w_uk.float())
     latent = kv[:, :d_c].float()
     latent = latent * torch.rsqrt(latent.pow(2).mean(-1, keepdim=True) + eps) * norm_weight.float()
-    return _rotate_half(q[..., d_c:], cos[:, None], sin[:, None]), latent, _rotate_half(kv[:, d_c:], cos, sin)
+    q_rope = _rotate_half(q[..., d_n:], cos[:, None], sin[:, None])
+    return q_absorbed, q_rope, latent, _rotate_half(kv[:, d_c:], cos, sin)

@@ -11,6 +11,7 @@ from conftest import DEVICE, KERNEL_DTYPES, assert_close
 
 from attention_kernels import reference
 from cache import BlockAllocator, CacheFullError, make_cache
+from model import rope_cos_sin
 
 GQA = SimpleNamespace(attention="gqa", n_layer=2, n_head=4, n_kv_head=2, n_embd=64)  # head_dim 16
 MLA = SimpleNamespace(attention="mla", n_layer=2, n_head=4, kv_lora_rank=32, qk_rope_head_dim=8)
@@ -198,6 +199,17 @@ class _Shadow:
                 self.tok[key] = []
 
 
+def _raw_latent_step(n, positions, dtype):
+    """attend_latent_inputs' arguments after the scale for n rows at their positions (n, 1): the query heads (4 of
+    16 + 8), the token's latent and RoPE key (32 + 8) before their norm and rotation, the angles, the norm and W_UK."""
+    q = torch.randn(n, 4, 16 + 8, device=DEVICE, dtype=dtype)
+    kv = torch.randn(n, 32 + 8, device=DEVICE, dtype=dtype)
+    cos, sin = (t[:, 0] for t in rope_cos_sin(positions, 8, 10000.0))
+    norm_weight = (1 + 0.1 * torch.randn(32, device=DEVICE)).to(dtype)
+    w_uk = (torch.randn(4, 16, 32, device=DEVICE) / 4).to(dtype)
+    return q, kv, cos, sin, norm_weight, 1e-6, w_uk
+
+
 def _step(cache, shadow, rows, T, dtype, check, view=None, checked=None):
     """Grow `rows` of the cache by T tokens in every layer and check what the cache returns (for the rows of
     `checked`, default all; `view`: a view of `rows` to go through, default cache.view(rows))."""
@@ -209,17 +221,27 @@ def _step(cache, shadow, rows, T, dtype, check, view=None, checked=None):
     for layer in range(cache.n_layer):
         if mla:
             c, kr = torch.randn(n, T, 32, device=DEVICE, dtype=dtype), torch.randn(n, T, 8, device=DEVICE, dtype=dtype)
-            shadow.add(rows, layer, c, kr)
             if T > 1:
+                shadow.add(rows, layer, c, kr)
                 c_all, r_all = view.append_latent(layer, c, kr)
                 check(c_all[0], shadow.stacked(rows[0], layer, 0), "append_latent c_kv")
                 check(r_all[0], shadow.stacked(rows[0], layer, 1), "append_latent k_rope")
                 continue
-            qa, qr = (
-                torch.randn(n, 4, 1, 32, device=DEVICE, dtype=dtype),
-                torch.randn(n, 4, 1, 8, device=DEVICE, dtype=dtype),
-            )
-            out = view.attend_latent(layer, qa, qr, c[:, :, :], kr, 0.2)
+            if layer % 2:  # the step's raw projections: the cache normalizes, rotates and writes them itself
+                raw = _raw_latent_step(n, pos, dtype)
+                qa, qr, c, kr = (t[:, :, None] for t in reference.mla_decode_inputs_reference(*raw))
+                c, kr = c.transpose(1, 2).to(dtype), kr.transpose(1, 2).to(dtype)  # (n, 1, D): as the cache holds
+                shadow.add(rows, layer, c, kr)
+                out = view.attend_latent_inputs(layer, *raw, 0.2)[:, :, None]
+                name = "attend_latent_inputs"
+            else:
+                shadow.add(rows, layer, c, kr)
+                qa, qr = (
+                    torch.randn(n, 4, 1, 32, device=DEVICE, dtype=dtype),
+                    torch.randn(n, 4, 1, 8, device=DEVICE, dtype=dtype),
+                )
+                out = view.attend_latent(layer, qa, qr, c[:, :, :], kr, 0.2)
+                name = "attend_latent"
             for i, r in ((i, r) for i, r in enumerate(rows) if r in checked):
                 cs, rs = shadow.stacked(r, layer, 0), shadow.stacked(r, layer, 1)  # (S, D_c), (S, D_r)
                 ref, _ = reference.mla_decode_reference(
@@ -230,7 +252,7 @@ def _step(cache, shadow, rows, T, dtype, check, view=None, checked=None):
                     torch.tensor([cs.shape[0]], device=DEVICE),
                     scale=0.2,
                 )
-                check(out[i : i + 1, :, 0], ref, f"attend_latent row {r} layer {layer}")
+                check(out[i : i + 1, :, 0], ref, f"{name} row {r} layer {layer}")
         else:
             k, v = (
                 torch.randn(n, 2, T, 16, device=DEVICE, dtype=dtype),

@@ -2,7 +2,8 @@
 (fp16/bf16): DeepSeek's 512 + 64 latent at small S, other latent widths and head counts (masked heads, two head
 tiles), ragged lengths including 1, explicit/automatic splits, shuffled page tables at page sizes 8-256, the
 absorbed kernel against the unabsorbed math (per-head K/V materialized), non-contiguous inputs, bad inputs and
-torch.compile."""
+torch.compile; and mla_decode_inputs, the decode step's query absorption, RoPE, latent norm and cache write, the same
+ways."""
 
 import pytest
 import torch
@@ -19,9 +20,12 @@ from conftest import (
     spill_bytes,
 )
 
-from attention_kernels import mla_decode, paged_mla_decode
+import model as gpt
+from attention_kernels import mla_decode, mla_decode_inputs, paged_mla_decode
+from attention_kernels.mla import _inputs_op as _mla_inputs_op
 from attention_kernels.reference import (
     absorb_query,
+    mla_decode_inputs_reference,
     mla_decode_reference,
     mla_unabsorbed_reference,
     paged_mla_decode_reference,
@@ -549,3 +553,176 @@ def test_mla_decode_as_dependent_launch(h, splits, monkeypatch):
         check,
         monkeypatch,
     )
+
+
+# ------------------------------------------------------------------------------------------------------------
+# mla_decode_inputs: a decode step's absorbed query, RoPE parts, latent norm and cache write
+# ------------------------------------------------------------------------------------------------------------
+
+INPUT_SHAPES = {  # B, H, D_n, D_r, D_c
+    "one row": (1, 3, 16, 8, 32),
+    "two row blocks": (19, 2, 24, 6, 40),  # 16 rows a program; D_n, D_r / 2 and D_c not powers of two
+    "gpt2-small": (2, 12, 64, 32, 256),  # the model bench_generate decodes: four column blocks a head
+}
+
+
+def _step_inputs(B, H, D_n, D_r, D_c, dtype, together: bool, cache_dtype=None):
+    """together: q and kv as column slices of one projection's output (MLA without query compression); else two
+    tensors. w_uk is a view of the model's (H, D_n + D_v, D_c) up-projection, as `_up_weights` gives it. The cache
+    (7 rows or pages of 11 slots) starts random, so a write to the wrong place or a missing one shows."""
+    if together:
+        proj = torch.randn(B, H * (D_n + D_r) + D_c + D_r, device=DEVICE, dtype=dtype)
+        q, kv = proj.split([H * (D_n + D_r), D_c + D_r], dim=-1)
+        q = q.view(B, H, D_n + D_r)
+    else:
+        q = torch.randn(B, H, D_n + D_r, device=DEVICE, dtype=dtype)
+        kv = torch.randn(B, D_c + D_r, device=DEVICE, dtype=dtype)
+    w_uk = (torch.randn(H, D_n + 5, D_c, device=DEVICE) / D_n**0.5).to(dtype)[:, :D_n]
+    positions = 5 + 3 * torch.arange(B, device=DEVICE)[:, None]  # (B, 1): each row's next position
+    cos, sin = (t[:, 0] for t in gpt.rope_cos_sin(positions, D_r, 10000.0))
+    norm_weight = (1 + 0.1 * torch.randn(D_c, device=DEVICE)).to(dtype)
+    P, S = max(7, B), 11
+    c_cache = torch.randn(P, S, D_c, device=DEVICE, dtype=cache_dtype or dtype)
+    r_cache = torch.randn(P, S, D_r, device=DEVICE, dtype=cache_dtype or dtype)
+    where = torch.randperm(P * S, device=DEVICE)[:B]  # distinct (page, slot) per row
+    return dict(
+        q=q,
+        kv=kv,
+        cos=cos,
+        sin=sin,
+        norm_weight=norm_weight,
+        eps=1e-6,
+        w_uk=w_uk,
+        c_cache=c_cache,
+        r_cache=r_cache,
+        pages=where // S,
+        slots=where % S,
+    )
+
+
+def _check_step(args, got, dtype):
+    """got (q_absorbed, q_rope) and the cache against the reference; every other cache entry unchanged."""
+    q, w_uk = args["q"], args["w_uk"]
+    B, H, _ = q.shape
+    before_c, before_r = args["c_cache_before"], args["r_cache_before"]
+    ref = mla_decode_inputs_reference(q, args["kv"], args["cos"], args["sin"], args["norm_weight"], args["eps"], w_uk)
+    q_abs, q_rope = got
+    assert q_abs.shape == (B, H, w_uk.shape[2]) and q_abs.dtype == q.dtype
+    assert q_rope.shape == (B, H, q.shape[2] - w_uk.shape[1]) and q_rope.dtype == q.dtype
+    assert_close(q_abs, ref[0], dtype, "q_absorbed")
+    assert_close(q_rope, ref[1], dtype, "q_rope")
+    pages, slots = args["pages"], args["slots"]
+    c_cache, r_cache = args["c_cache"], args["r_cache"]
+    assert_close(c_cache[pages, slots], ref[2], dtype, "the cached latent")
+    assert_close(r_cache[pages, slots], ref[3], dtype, "the cached RoPE key")
+    untouched = torch.ones(c_cache.shape[:2], dtype=torch.bool, device=DEVICE)
+    untouched[pages, slots] = False
+    assert torch.equal(c_cache[untouched], before_c[untouched]) and torch.equal(r_cache[untouched], before_r[untouched])
+
+
+def _run_step(args):
+    args["c_cache_before"], args["r_cache_before"] = args["c_cache"].clone(), args["r_cache"].clone()
+    keys = ("q", "kv", "cos", "sin", "norm_weight", "eps", "w_uk", "c_cache", "r_cache", "pages", "slots")
+    return mla_decode_inputs(*(args[k] for k in keys))
+
+
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
+@pytest.mark.parametrize("together", [True, False], ids=["one projection", "two projections"])
+@pytest.mark.parametrize("shape", list(INPUT_SHAPES), ids=str)
+def test_mla_decode_inputs_matches_the_math(shape, together, dtype):
+    args = _step_inputs(*INPUT_SHAPES[shape], dtype, together)
+    _check_step(args, _run_step(args), dtype)
+
+
+def test_mla_decode_inputs_cache_in_another_dtype_with_shared_angles():
+    """An fp32 cache under a half-precision model stores the values as a copy would; int32 page and slot ids and
+    one row of angles for every row (a (1, D_r/2) broadcast) work as well."""
+    dtype = KERNEL_DTYPES[0]
+    args = _step_inputs(*INPUT_SHAPES["two row blocks"], dtype, True, cache_dtype=torch.float32)
+    args["cos"], args["sin"] = args["cos"][:1], args["sin"][:1]
+    args["pages"], args["slots"] = args["pages"].int(), args["slots"].int()
+    got = _run_step(args)
+    args["cos"], args["sin"] = (t.expand(args["q"].shape[0], -1) for t in (args["cos"], args["sin"]))
+    _check_step(args, got, dtype)
+
+
+def test_mla_decode_inputs_equals_the_models_eager_math():
+    """What MLA's decode runs without it: the per-head einsum with W_UK, apply_rope on the query heads' RoPE parts
+    and the key, RMSNorm, and the cache's write."""
+    B, H, D_n, D_r, D_c = INPUT_SHAPES["two row blocks"]
+    args = _step_inputs(B, H, D_n, D_r, D_c, torch.float32, together=True)
+    norm = gpt.RMSNorm(D_c).to(DEVICE)
+    norm.weight.data.copy_(args["norm_weight"])
+    args["norm_weight"], args["eps"] = norm.weight, norm.eps
+    q, kv, cos, sin = args["q"], args["kv"], args["cos"], args["sin"]
+    with torch.no_grad():
+        q_abs, q_rope = _run_step(args)
+        want_c = norm(kv[:, :D_c])
+    assert_close(q_abs, torch.einsum("bhn,hnc->bhc", q[..., :D_n], args["w_uk"]), torch.float32, "q_absorbed")
+    assert_close(q_rope, gpt.apply_rope(q[..., D_n:], cos[:, None], sin[:, None]), torch.float32, "q_rope")
+    pages, slots = args["pages"], args["slots"]
+    assert_close(args["c_cache"][pages, slots], want_c, torch.float32, "c_kv")
+    want_k = gpt.apply_rope(kv[:, None, D_c:], cos[:, None], sin[:, None])[:, 0]
+    assert_close(args["r_cache"][pages, slots], want_k, torch.float32, "k_rope")
+
+
+def test_mla_decode_inputs_compiles_to_its_op():
+    """Under torch.compile(fullgraph=True) it traces as the zoo::mla_decode_inputs op and writes the cache as the
+    eager call does; opcheck checks the op's registrations (its declared mutation of both caches included)."""
+    args = _step_inputs(*INPUT_SHAPES["one row"], torch.float32, together=True)
+    keys = ("q", "kv", "cos", "sin", "norm_weight", "eps", "w_uk", "c_cache", "r_cache", "pages", "slots")
+    eager = _run_step(args)
+    eager_cache = args["c_cache"].clone(), args["r_cache"].clone()
+    args["c_cache"].copy_(args["c_cache_before"])
+    args["r_cache"].copy_(args["r_cache_before"])
+    compiled = torch.compile(mla_decode_inputs, fullgraph=True, backend="aot_eager")
+    for g, e in zip(compiled(*(args[k] for k in keys), validate=False), eager):
+        assert torch.equal(g, e)
+    assert torch.equal(args["c_cache"], eager_cache[0]) and torch.equal(args["r_cache"], eager_cache[1])
+    torch.library.opcheck(_mla_inputs_op, tuple(args[k] for k in keys))
+
+
+def test_mla_decode_inputs_bad_inputs_fail_clearly():
+    B, H, D_n, D_r, D_c = 2, 3, 16, 8, 32
+    args = _step_inputs(B, H, D_n, D_r, D_c, torch.float32, together=False)
+    q, kv, w_uk, c_cache = args["q"], args["kv"], args["w_uk"], args["c_cache"]
+    cases = [
+        (dict(q=q[0]), "q: got shape (3, 24); valid: a 3-d tensor (B, H, D_n + D_r)"),
+        (dict(kv=kv[:, :20]), "kv: got shape (2, 20); valid: (B=2, D_c + D_r=40)"),
+        (dict(w_uk=w_uk[:2]), "w_uk: got shape (2, 16, 32); valid: (H=3, D_n, D_c)"),
+        (dict(q=q[..., :23], kv=kv[:, :39]), "q: got last dim 23 with D_n=16; valid: D_n + D_r with an even D_r"),
+        (dict(kv=kv.half()), "kv: got dtype torch.float16; valid: the dtype of q, torch.float32"),
+        (dict(w_uk=w_uk.mT.contiguous().mT), "w_uk: got strides"),
+        (dict(c_cache=c_cache[..., :31]), "c_cache: got shape (7, 11, 31); valid: (P, S, D_c=32)"),
+        (dict(r_cache=args["r_cache"][:, :10]), "r_cache: got shape (7, 10, 8); valid: (7, 11, 8)"),
+        (dict(c_cache=c_cache.int()), "c_cache: got dtype torch.int32"),
+        (
+            dict(pages=args["pages"][:1]),
+            "pages: got torch.int64 shape (1,); valid: an int32 or int64 tensor of shape (B=2,)",
+        ),
+        (dict(slots=args["slots"].float()), "slots: got torch.float32 shape (2,)"),
+        (dict(slots=args["slots"] + 11), "slots: got values in"),
+        (dict(pages=-args["pages"] - 1), "pages: got values in"),
+        (dict(cos=args["cos"][:, :3]), "cos: got shape (2, 3); valid: (2 or 1, D_r/2=4)"),
+        (dict(norm_weight=args["norm_weight"][:31]), "norm_weight: got shape (31,); valid: (D_c=32,)"),
+        (dict(eps=0.0), "eps: got 0.0; valid: a finite float > 0"),
+    ]
+    for change, message in cases:
+        call = {k: v for k, v in args.items() if not k.endswith("_before")} | change
+        with pytest.raises(ValueError) as err:
+            mla_decode_inputs(**call)
+        assert message in str(err.value), (change, str(err.value))
+
+
+@pytest.mark.slow
+def test_mla_decode_inputs_compiles_for_sm90_without_spills():
+    """The kernel as the GPT-2-small MLA decodes with it (bf16, 12 heads, D_n 64, a 256-wide latent, a 32-dim RoPE
+    key), compiled for sm_90 on any machine: the compiler accepts what the interpreter ran, and ptxas spills
+    nothing."""
+    pointers = dict(Q="*bf16", KV="*bf16", COS="*fp32", SIN="*fp32", NORM_W="*bf16", W_UK="*bf16", Q_ABS="*bf16")
+    pointers |= dict(Q_ROPE="*bf16", C_CACHE="*bf16", R_CACHE="*bf16", PAGES="*i64", SLOTS="*i64", B="i32", eps="fp32")
+    const = dict(H=12, D_N=64, D_C=256, HALF=16, BLOCK_B=16, BLOCK_N=64, BLOCK_C=64, BLOCK_LATENT=256, BLOCK_HALF=16)
+    result = compile_gluon_sm90(
+        "attention_kernels.mla", "_inputs_kernel", pointers, dict(const, DOT_PRECISION="tf32"), gluon=False
+    )
+    assert spill_bytes(result["ptxas"]) == [(0, 0)], result["ptxas"]

@@ -181,9 +181,17 @@ class ReferenceCache:
         )
         return out.to(q_absorbed.dtype)[:, :, None]
 
+    def attend_latent_inputs(self, layer, q, kv, cos, sin, norm_weight, eps, w_uk, scale):
+        """The step's raw projections (the Triton backend's decode): the reference math, then attend_latent's."""
+        q_abs, q_rope, c_kv, k_rope = reference.mla_decode_inputs_reference(q, kv, cos, sin, norm_weight, eps, w_uk)
+        out = self.attend_latent(layer, q_abs[:, :, None], q_rope[:, :, None], c_kv[:, None], k_rope[:, None], scale)
+        self.calls[-1] = ("attend_latent_inputs", layer, scale)
+        return out[:, :, 0].to(q.dtype)
 
-# The Triton backend changes only the prefill attention (the flash kernel over a cached prefix, bottom-right
-# causal), which does not depend on the position scheme: one position scheme is enough there.
+
+# The Triton backend changes the prefill attention (the flash kernel over a cached prefix, bottom-right causal), RoPE
+# (rope_qkv) and MLA's decode call (attend_latent_inputs), none of which depends on the position scheme beyond
+# RoPE itself: one position scheme is enough there.
 CACHED_CASES = [(v, p, "torch") for v in VARIANTS for p in POSITIONS] + [(v, "rope", "triton") for v in VARIANTS]
 
 
@@ -209,16 +217,17 @@ def test_cached_forward_matches_full_forward(variant, pos, backend):
                 per_layer = [("append_latent" if mla else "append", i) for i in range(cfg.n_layer)]
             else:
                 scale = 1 / math.sqrt(cfg.qk_head_dim)  # MLA: 1/sqrt(nope + rope)
-                per_layer = [("attend_latent" if mla else "attend", i, scale) for i in range(cfg.n_layer)]
+                attend = ("attend_latent_inputs" if backend == "triton" else "attend_latent") if mla else "attend"
+                per_layer = [(attend, i, scale) for i in range(cfg.n_layer)]
             assert cache.calls == [("reserve", T)] + per_layer
 
 
 @pytest.mark.parametrize("variant", ["mla", "mla-qlora"])
 def test_mla_decode_folds_the_up_projections(variant):
-    """MLA's decode step runs through absorbed_weights (W_UK folded into the query projection, W_UV into the
-    output one). With every bias nonzero (the init zeroes them), a decode step gives the full forward's logits;
-    the folded weights are kept while the model's stay the same, and rebuilt once one changes in place (an
-    optimizer step, a load_state_dict), so a later decode sees the new weights."""
+    """MLA's decode step runs through absorbed_weights (W_UV folded into the output projection; without query
+    compression the query and latent projections joined). With every bias nonzero (the init zeroes them), a decode
+    step gives the full forward's logits; the decode weights are kept while the model's stay the same, and rebuilt
+    once one changes in place (an optimizer step, a load_state_dict), so a later decode sees the new weights."""
     model = GPT(make_config(variant, "rope")).to(DEVICE).eval()
     attn = model.transformer.h[0].attn
     with torch.no_grad():

@@ -1,16 +1,16 @@
 """rope_qkv against its math in fp32 and against the model's eager RoPE, forward and backward, on the CPU
 (interpreter) and the GPU: MHA, GQA and MQA head counts, a head dim whose half is not a power of two, sequences
 longer than a program's tile, per-row angles (a decode step), strided inputs and gradients, under torch.compile, the
-op's registrations (opcheck), and every bad input; and mla_rope_norm, MLA's decode inputs, the same ways."""
+op's registrations (opcheck), and every bad input."""
 
 import pytest
 import torch
 from conftest import DEVICE, DTYPE_IDS, KERNEL_DTYPES, assert_close
 
 import model as gpt
-from attention_kernels import mla_rope_norm, rope_qkv
-from attention_kernels.reference import mla_rope_norm_reference, rope_qkv_reference
-from attention_kernels.rope import _mla_rope_norm_op, _rope_qkv_op
+from attention_kernels import rope_qkv
+from attention_kernels.reference import rope_qkv_reference
+from attention_kernels.rope import _rope_qkv_op
 
 SHAPES = {  # B, T, H, H_kv, D
     "mha": (2, 19, 4, 4, 16),
@@ -136,105 +136,4 @@ def test_kernel_compiles_for_sm90_without_spills(backward):
     pointers = dict(PACKED="*bf16", Q="*bf16", K="*bf16", V="*bf16", COS="*fp32", SIN="*fp32")
     const = dict(H=12, H_KV=3, HALF=32, BLOCK_HALF=32, BLOCK_T=rope.BLOCK_T, BACKWARD=backward)
     result = compile_gluon_sm90("attention_kernels.rope", "_rope_qkv_kernel", pointers, const, gluon=False)
-    assert spill_bytes(result["ptxas"]) == [(0, 0)], result["ptxas"]
-
-
-# ------------------------------------------------------------------------------------------------------------
-# mla_rope_norm: MLA's absorbed decode inputs
-# ------------------------------------------------------------------------------------------------------------
-
-MLA_SHAPES = {  # B, H, D_c, D_r
-    "one row": (1, 4, 16, 8),
-    "rows": (3, 2, 24, 6),  # D_c and D_r / 2 not powers of two: masked tiles
-    "one head": (2, 1, 32, 4),
-}
-
-
-def _mla_inputs(B, H, D_c, D_r, dtype, together: bool):
-    """together: q and kv as column slices of one projection's output (MLA without query compression); else two
-    tensors (with it)."""
-    if together:
-        proj = torch.randn(B, H * (D_c + D_r) + D_c + D_r, device=DEVICE, dtype=dtype)
-        q, kv = proj.split([H * (D_c + D_r), D_c + D_r], dim=-1)
-        q = q.view(B, H, D_c + D_r)
-    else:
-        q = torch.randn(B, H, D_c + D_r, device=DEVICE, dtype=dtype)
-        kv = torch.randn(B, D_c + D_r, device=DEVICE, dtype=dtype)
-    positions = 5 + 3 * torch.arange(B, device=DEVICE)[:, None]  # (B, 1): each row's next position
-    cos, sin = (t[:, 0] for t in gpt.rope_cos_sin(positions, D_r, 10000.0))
-    norm_weight = (1 + 0.1 * torch.randn(D_c, device=DEVICE)).to(dtype)
-    return q, kv, cos, sin, norm_weight
-
-
-@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
-@pytest.mark.parametrize("together", [True, False], ids=["one projection", "two projections"])
-@pytest.mark.parametrize("shape", list(MLA_SHAPES), ids=str)
-def test_mla_rope_norm_matches_the_math(shape, together, dtype):
-    B, H, D_c, D_r = MLA_SHAPES[shape]
-    q, kv, cos, sin, norm_weight = _mla_inputs(B, H, D_c, D_r, dtype, together)
-    got = mla_rope_norm(q, kv, cos, sin, norm_weight, 1e-6)
-    ref = mla_rope_norm_reference(q, kv, cos, sin, norm_weight, 1e-6)
-    for name, g, r, shape_ in zip(("q_rope", "c_kv", "k_rope"), got, ref, ((B, H, D_r), (B, D_c), (B, D_r))):
-        assert g.shape == shape_ and g.dtype == dtype
-        assert_close(g, r, dtype, name)
-
-
-def test_mla_rope_norm_equals_the_models_eager_math():
-    """What MLA's decode runs without it: apply_rope on the query heads' RoPE parts and the key, RMSNorm."""
-    B, H, D_c, D_r = MLA_SHAPES["rows"]
-    q, kv, cos, sin, norm_weight = _mla_inputs(B, H, D_c, D_r, torch.float32, together=True)
-    norm = gpt.RMSNorm(D_c).to(DEVICE)
-    norm.weight.data.copy_(norm_weight)
-    q_rope, c_kv, k_rope = mla_rope_norm(q, kv, cos, sin, norm.weight, norm.eps)
-    assert_close(q_rope, gpt.apply_rope(q[..., D_c:], cos[:, None], sin[:, None]), torch.float32, "q_rope")
-    assert_close(k_rope, gpt.apply_rope(kv[:, None, D_c:], cos[:, None], sin[:, None])[:, 0], torch.float32, "k")
-    assert_close(c_kv, norm(kv[:, :D_c]), torch.float32, "c_kv")
-
-
-def test_mla_rope_norm_compiles_to_its_op():
-    """Under torch.compile(fullgraph=True) it traces as the zoo::mla_rope_norm op, with the eager call's numbers."""
-    q, kv, cos, sin, norm_weight = _mla_inputs(*MLA_SHAPES["rows"], torch.float32, together=True)
-    compiled = torch.compile(mla_rope_norm, fullgraph=True, backend="aot_eager")
-    for g, e in zip(compiled(q, kv, cos, sin, norm_weight, 1e-6), mla_rope_norm(q, kv, cos, sin, norm_weight, 1e-6)):
-        assert torch.equal(g, e)
-    torch.library.opcheck(_mla_rope_norm_op, (q, kv, cos, sin, norm_weight, 1e-6))
-
-
-def test_mla_rope_norm_bad_inputs_fail_clearly():
-    B, H, D_c, D_r = 2, 3, 16, 8
-    q, kv, cos, sin, norm_weight = _mla_inputs(B, H, D_c, D_r, torch.float32, together=False)
-    cases = [
-        (dict(q=q[0]), "q: got shape (3, 24); valid: a 3-d tensor (B, H, D_c + D_r)"),
-        (dict(kv=kv[:, :20]), "kv: got shape (2, 20); valid: (B=2, D_c + D_r=24) like q's heads"),
-        (dict(q=q[..., :23], kv=kv[:, :23]), "q: got last dim 23 with D_c=16; valid: D_c + D_r with an even D_r"),
-        (dict(kv=kv.half()), "kv: got dtype torch.float16; valid: the dtype of q, torch.float32"),
-        (dict(q=q.transpose(0, 1).contiguous().transpose(0, 1)[..., :24].mT.contiguous().mT), "q: got strides"),
-        (dict(cos=cos.half()), "cos: got dtype torch.float16; valid: torch.float32"),
-        (dict(cos=cos[:, :3]), "cos: got shape (2, 3); valid: (2 or 1, D_r/2=4)"),
-        (dict(sin=sin[None]), "sin: got shape (1, 2, 4); valid: a 2-d tensor (B or 1, D_r/2)"),
-        (dict(norm_weight=norm_weight[None]), "norm_weight: got shape (1, 16); valid: a 1-d tensor (D_c,)"),
-        (dict(eps=0.0), "eps: got 0.0; valid: a finite float > 0"),
-    ]
-    for change, message in cases:
-        args = dict(q=q, kv=kv, cos=cos, sin=sin, norm_weight=norm_weight, eps=1e-6) | change
-        with pytest.raises(ValueError) as err:
-            mla_rope_norm(**args)
-        assert message in str(err.value), (change, str(err.value))
-
-
-@pytest.mark.slow
-def test_mla_rope_norm_compiles_for_sm90_without_spills():
-    """The kernel as the GPT-2-small MLA decodes with it (bf16, 12 heads, a 256-wide latent, a 32-dim RoPE key),
-    compiled for sm_90 on any machine: the compiler accepts what the interpreter ran, and ptxas spills nothing."""
-    from conftest import compile_gluon_sm90, spill_bytes
-
-    pointers = dict(Q="*bf16", KV="*bf16", COS="*fp32", SIN="*fp32", NORM_W="*bf16", Q_ROPE="*bf16", C_KV="*bf16")
-    const = dict(H=12, D_C=256, HALF=16, BLOCK_C=256, BLOCK_HALF=16)
-    result = compile_gluon_sm90(
-        "attention_kernels.rope",
-        "_mla_rope_norm_kernel",
-        dict(pointers, K_ROPE="*bf16", eps="fp32"),
-        const,
-        gluon=False,
-    )
     assert spill_bytes(result["ptxas"]) == [(0, 0)], result["ptxas"]
