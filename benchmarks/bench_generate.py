@@ -98,7 +98,7 @@ class StaticCachePeer(nn.Module):
                 if compile:
                     torch._dynamo.mark_static_address(getattr(self, f"{name}{i}"))
             if self.mla:
-                w_in, b_in, w_out = model.transformer.h[i].attn.absorbed_weights()
+                w_in, b_in, w_out = _fold_query(model.transformer.h[i].attn)
                 for name, t in (("w_in", w_in), ("b_in", b_in), ("w_out", w_out)):
                     self.register_buffer(f"{name}{i}", t, persistent=False)
         self.register_buffer("key_pos", torch.arange(max_len, device=p.device))
@@ -169,6 +169,28 @@ class StaticCachePeer(nn.Module):
         k, v = cache[:, None], cache[:, None, :, :d_c]  # one latent "head" shared by every query head
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=attn.scale, enable_gqa=True)
         return self.linear(o.transpose(1, 2).reshape(B, T, H * d_c), w_out, attn.c_proj.bias)
+
+
+@torch.no_grad()
+def _fold_query(attn) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+    """The peer's MLA decode weights (w_in, b_in, w_out): both up-projections folded into the projections around
+    attention (DeepSeek-V2, section 2.1.2), which in plain PyTorch beats applying W_UK per head, a batched matmul
+    more a layer (benchmarks/RESULTS.md). w_in: per head the rows of W_UK[h]^T W_q_nope[h] then of W_q_rope[h],
+    and without query compression the latent projection's rows; w_out: the model's own (W_O W_UV folded)."""
+    H, d_n, d_r, d_c = attn.n_head, attn.d_n, attn.d_r, attn.d_c
+    q = attn.q_b_proj if hasattr(attn, "q_a_proj") else attn.q_proj
+    w_uk = attn._up_weights()[0].float()  # (H, D_n, D_c)
+    w_q_nope, w_q_rope = q.weight.float().view(H, d_n + d_r, -1).split([d_n, d_r], dim=1)
+    w_in = torch.cat([torch.einsum("hnc,hni->hci", w_uk, w_q_nope), w_q_rope], dim=1).reshape(H * (d_c + d_r), -1)
+    b_in = None
+    if q.bias is not None:
+        b_nope, b_rope = q.bias.float().view(H, d_n + d_r).split([d_n, d_r], dim=1)
+        b_in = torch.cat([torch.einsum("hn,hnc->hc", b_nope, w_uk), b_rope], dim=1).reshape(-1)
+    if not hasattr(attn, "q_a_proj"):
+        w_in = torch.cat([w_in, attn.kv_a_proj.weight.float()])
+        b_in = None if b_in is None else torch.cat([b_in, attn.kv_a_proj.bias.float()])
+    dtype = q.weight.dtype
+    return w_in.to(dtype), None if b_in is None else b_in.to(dtype), attn.absorbed_weights()[2]
 
 
 @torch.no_grad()
