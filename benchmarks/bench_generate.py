@@ -76,8 +76,8 @@ class StaticCachePeer(nn.Module):
     """gpt-fast's decoder over the modules of one of our GPTs: a static cache per layer (registered buffers, so the
     compiled step's graphs may write them in place), rows at their own positions (B,), attention through SDPA with
     a mask of the positions each row has filled. GQA family: K and V (B, H_kv, S_max, D); MLA: the latent and the
-    RoPE key (B, S_max, D_c + D_r), attended in the absorbed form, through the model's folded projections
-    (`absorbed_weights`, kept as buffers here: the compiled step is one graph)."""
+    RoPE key (B, S_max, D_c + D_r), attended in the absorbed form, through projections with both up-projections
+    folded in (`_fold_query`, kept as buffers here: the compiled step is one graph)."""
 
     def __init__(self, model, batch: int, max_len: int, compile: bool):
         import model as gpt  # here, not at the top: --device=cpu chooses Triton's interpreter before it is imported
