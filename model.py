@@ -466,13 +466,11 @@ class MultiHeadLatentAttention(nn.Module):
         return self.resid_dropout(linear(latent, w_out, self.c_proj.bias, residual=residual))
 
     def _absorb_sources(self) -> list[torch.Tensor]:
-        own = [self.kv_b_proj.weight, self.c_proj.weight]
-        joined = (
-            []
-            if hasattr(self, "q_a_proj")
-            else [self.q_proj.weight, self.q_proj.bias] + [self.kv_a_proj.weight, self.kv_a_proj.bias]
-        )
-        return [t for t in own + joined if t is not None]
+        """The weights `absorbed_weights` is built from."""
+        sources = [self.kv_b_proj.weight, self.c_proj.weight]
+        if not hasattr(self, "q_a_proj"):
+            sources += [self.q_proj.weight, self.q_proj.bias, self.kv_a_proj.weight, self.kv_a_proj.bias]
+        return [t for t in sources if t is not None]
 
     @torch.compiler.disable
     def absorbed_weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
