@@ -25,13 +25,14 @@ batching: finished sequences' rows go to the next prompts, --admit_batch of them
   --ragged_rows prompts at a time, each batch decoding until its longest request is done.
 
 Decode tokens/s counts the tokens decoded (not the prefill's first) over the decode seconds (device-synchronized);
-ms/step is the decode seconds over the steps. The ragged rows count every new token over the whole run's wall time,
-prefill included (a server's throughput, as nano-vllm's bench reports it), capture and compile excluded, and give
-each way's seconds of prefill (the peer's: its run outside the decode loops). Before
-timing, each model is checked: the engine's (plain and compiled) and the peer's logits equal the eager loop's within
-the dtype's tolerance and their greedy tokens equal its tokens (up to a near-tie, where rounding may pick either
-token). On the CPU the engines run their static step without capture and the peer's step is not compiled (no CUDA
-graphs); the compiled way is Inductor's CPU code there.
+ms/step is the decode seconds over the steps. After each way's warm-up, the engine, compiled and peer ways run in
+alternating rounds (--rounds, default 3) and each reports its median run; the progress lines give the spread. The
+ragged rows count every new token over the whole run's wall time, prefill included (a server's throughput, as
+nano-vllm's bench reports it), capture and compile excluded, and give each way's seconds of prefill (the peer's: its
+run outside the decode loops). Before timing, each model is checked: the engine's (plain and compiled) and the
+peer's logits equal the eager loop's within the dtype's tolerance and their greedy tokens equal its tokens (up to a
+near-tie, where rounding may pick either token). On the CPU the engines run their static step without capture and
+the peer's step is not compiled (no CUDA graphs); the compiled way is Inductor's CPU code there.
 
 --profile traces one more run of the compiled way at each fixed batch (torch.profiler) and prints what a decode
 step spends: the GPU kernels that run in every step (a prefill's run once a layer), each one's microseconds and
@@ -305,23 +306,29 @@ def workload(model, batch: int | str, args) -> tuple[list[list[int]], list[int],
     return prompts, new.tolist(), args.ragged_rows
 
 
-def run_ours(model, cache: str, batch, engine: str, args, sync, warm: bool = False) -> dict:
+def ours_timer(model, cache: str, batch, engine: str, args, sync, warm: bool = False):
+    """Warm our engine up on this workload (compiles and tuning happen here, untimed); returns a function that
+    times one run of it: {"tok/s", "ms/step", "prefill s"}."""
     from generate import generate
 
     prompts, new, rows = workload(model, batch, args)
     common = dict(page_size=args.page_size, max_batch=rows, admit_batch=args.admit_batch, engine=engine)
     if warm or args.device == "cuda":
-        # Compiles and tuning happen here, untimed. A fixed batch meets every shape it will in two tokens; the ragged
-        # run admits and prefills its prompts in groups that depend on when rows finish, so it warms up on itself.
+        # A fixed batch meets every shape it will in two tokens; the ragged run admits and prefills its prompts in
+        # groups that depend on when rows finish, so it warms up on itself.
         generate(model, prompts, cache, max_new_tokens=new if batch == "ragged" else 2, **common)
-    sync()
-    t0 = time.perf_counter()
-    _, stats = generate(model, prompts, cache, max_new_tokens=new, **common)
-    wall = time.perf_counter() - t0 - stats.extra.get("capture_s", 0.0)
-    s = stats.summary()
-    if batch == "ragged":
-        return {"tok/s": sum(new) / wall, "ms/step": None, "prefill s": stats.prefill_s}
-    return {"tok/s": s["decode_tokens_per_s"], "ms/step": 1e3 * stats.decode_s / max(stats.decode_steps, 1)}
+
+    def timed() -> dict:
+        sync()
+        t0 = time.perf_counter()
+        _, stats = generate(model, prompts, cache, max_new_tokens=new, **common)
+        wall = time.perf_counter() - t0 - stats.extra.get("capture_s", 0.0)
+        s = stats.summary()
+        if batch == "ragged":
+            return {"tok/s": sum(new) / wall, "ms/step": None, "prefill s": stats.prefill_s}
+        return {"tok/s": s["decode_tokens_per_s"], "ms/step": 1e3 * stats.decode_s / max(stats.decode_steps, 1)}
+
+    return timed
 
 
 def profile_step(model, cache: str, batch: int, engine: str, args, sync, top: int = 16) -> None:
@@ -351,16 +358,32 @@ def profile_step(model, cache: str, batch: int, engine: str, args, sync, top: in
         print(f"  {spent(e) / steps:8.1f} us {e.count / steps:6.1f}x  {e.key[:110]}")
 
 
-def run_peer(model, batch, args, sync) -> dict:
+def peer_timer(model, batch, args, sync):
+    """Build the peer for this workload and warm it up (its compile, graph capture and every prompt length's
+    prefill, untimed); returns a function that times one run of it, as `ours_timer`'s does."""
     prompts, new, rows = workload(model, batch, args)
     max_len = max(len(p) for p in prompts) + max(new)  # static batching: a row decodes as long as its batch
     peer = StaticCachePeer(model, min(rows, len(prompts)), max_len, compile=args.device == "cuda")
-    if peer.compiled:  # the compile, its graph capture and every prompt length's prefill, untimed
+    if peer.compiled:
         peer_generate(peer, prompts, [3] * len(prompts), sync)
-    out, decode_s, steps, wall = peer_generate(peer, prompts, new, sync)
-    if batch == "ragged":  # its prefill: the run's time outside the decode loops
-        return {"tok/s": sum(new) / wall, "ms/step": None, "prefill s": wall - decode_s}
-    return {"tok/s": sum(len(o) - 1 for o in out) / decode_s, "ms/step": 1e3 * decode_s / steps}
+
+    def timed() -> dict:
+        out, decode_s, steps, wall = peer_generate(peer, prompts, new, sync)
+        if batch == "ragged":  # its prefill: the run's time outside the decode loops
+            return {"tok/s": sum(new) / wall, "ms/step": None, "prefill s": wall - decode_s}
+        return {"tok/s": sum(len(o) - 1 for o in out) / decode_s, "ms/step": 1e3 * decode_s / steps}
+
+    return timed
+
+
+def _spread(result: dict) -> str:
+    return f" ({result['low']:,.0f}-{result['high']:,.0f})" if result.get("high", 0) > result.get("low", 0) else ""
+
+
+def median_run(runs: list[dict]) -> dict:
+    """The run of median tokens/s (the lower middle one of an even count), with its spread over all runs."""
+    ordered = sorted(runs, key=lambda r: r["tok/s"])
+    return dict(ordered[(len(ordered) - 1) // 2], low=ordered[0]["tok/s"], high=ordered[-1]["tok/s"])
 
 
 def parse_args(argv):
@@ -381,6 +404,12 @@ def parse_args(argv):
         help="rows freed before waiting prompts are admitted (generate's admit_batch; default a quarter of the rows)",
     )
     p.add_argument("--page_size", type=int, default=16)
+    p.add_argument(
+        "--rounds",
+        type=int,
+        default=0,
+        help="timed runs of the engine, compiled and peer ways, alternating; the median counts (default 3; tiny 1)",
+    )
     p.add_argument("--profile", action="store_true", help="per fixed batch: the kernels of a compiled decode step")
     p.add_argument("--quick", action="store_true", help="batches 1, 8 and 32 ragged prompts over 8 rows, 32 tokens")
     p.add_argument("--tiny", action="store_true", help="2-layer models, 8-token prompts, 4 new tokens (CPU smoke run)")
@@ -396,6 +425,9 @@ def parse_args(argv):
         args.prompt_len, args.new_tokens, args.ragged_prompts, args.ragged_rows = 8, 4, 4, 2
     args.batches = [b if b == "ragged" else int(b) for b in (args.batches or "1,8,64,256,ragged").split(",")]
     args.variants, args.caches = args.variants.split(","), args.caches.split(",")
+    args.rounds = args.rounds or (1 if args.tiny else 3)
+    if args.rounds < 1:
+        p.error(f"--rounds: got {args.rounds}; valid: an int >= 1")
     return args
 
 
@@ -433,17 +465,26 @@ def main(argv: list[str] | None = None):
         print(f"{variant} check: {check(model, compiled, args.prompt_len, engine, args.device, **size)}", flush=True)
         for batch in args.batches:
             try:
-                peer = run_peer(model, batch, args, sync)
+                peer = peer_timer(model, batch, args, sync)
             except Exception as e:  # a torch.compile that fails here must not hide our numbers: say so, go on
                 print(f"  peer failed on {variant} B{batch}: {type(e).__name__}: {str(e)[:300]}", flush=True)
-                peer = {"tok/s": float("nan"), "ms/step": None}
+                peer = None
             for cache in args.caches:
-                results = dict(
-                    engine=run_ours(model, cache, batch, engine, args, sync),
-                    compiled=run_ours(compiled, cache, batch, engine, args, sync, warm=True),
-                    eager=run_ours(model, cache, batch, "eager", args, sync),
+                timers = dict(
+                    engine=ours_timer(model, cache, batch, engine, args, sync),
+                    compiled=ours_timer(compiled, cache, batch, engine, args, sync, warm=True),
                     peer=peer,
                 )
+                runs = {name: [] for name in timers}
+                for _ in range(args.rounds):  # alternating, so that a drift of the clocks reaches every way alike
+                    for name, timer in timers.items():
+                        if timer is not None:
+                            runs[name].append(timer())
+                results = {
+                    name: median_run(r) if r else {"tok/s": float("nan"), "ms/step": None} for name, r in runs.items()
+                }
+                # the eager loop is the slow baseline, not a rival: one run
+                results["eager"] = ours_timer(model, cache, batch, "eager", args, sync)()
                 row = {"model": variant, "cache": cache, "batch": batch}
                 for name, r in results.items():
                     row[f"{name} tok/s"], row[f"{name} ms/step"] = r["tok/s"], r["ms/step"]
@@ -454,7 +495,7 @@ def main(argv: list[str] | None = None):
                 rows.append(row)
                 for name in ways[:2]:
                     step_ms[name, variant, cache, batch] = row[f"{name} ms/step"]
-                speeds = ", ".join(f"{name} {row[name + ' tok/s']:,.0f}" for name in ways)
+                speeds = ", ".join(f"{name} {row[name + ' tok/s']:,.0f}{_spread(results[name])}" for name in ways)
                 elapsed = time.perf_counter() - t_start
                 split = f"; prefill s {row[PREFILL]}" if PREFILL in row else ""
                 print(f"  {variant} {cache} B{batch}: {speeds} tok/s{split}; {elapsed:.0f} s so far", flush=True)
