@@ -593,9 +593,9 @@ class GPT(nn.Module):
             positions = torch.arange(T, device=idx.device)[None]  # (1, T)
         self._check_positions(positions, T, cache)
         if cache is not None and T == 1 and self.config.attention == "mla":
-            # (Re)folded here, outside any compiled block (_decode_absorbed), and before the embedding: a fused
-            # projection reads its weights before it waits for the kernel before it (decode_linear), so that kernel
-            # must not be the one that writes them.
+            # The decode weights (re)built here, outside any compiled block (_decode_absorbed), and before the
+            # embedding: a fused projection reads its weights before it waits for the kernel before it
+            # (decode_linear), so that kernel must not be the one that writes them.
             for block in self.transformer.h:
                 block.attn.absorbed_weights()
         x, rope = self.embed(idx, positions)
