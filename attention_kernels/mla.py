@@ -701,9 +701,10 @@ def _check_inputs(q, kv, cos, sin, norm_weight, eps, w_uk, c_cache, r_cache, pag
     _checks.check_rank("c_cache", c_cache, 3, "(P, S, D_c)")
     _checks.check_rank("r_cache", r_cache, 3, "(P, S, D_r)")
     _checks.check_float("q", q)
-    for name, t in (("kv", kv), ("w_uk", w_uk)):
-        _checks.check_float(name, t, q, "q")
-    for name, t in (("norm_weight", norm_weight), ("c_cache", c_cache), ("r_cache", r_cache)):
+    _checks.check_float("kv", kv, q, "q")
+    # The weights may be in another float dtype than the activations (fp32 weights under autocast): the kernel
+    # rounds W_UK to q's dtype for the MMA, and the norm's gain and the cache's stores convert as a copy would.
+    for name, t in (("w_uk", w_uk), ("norm_weight", norm_weight), ("c_cache", c_cache), ("r_cache", r_cache)):
         _checks.check_float(name, t)
     B, H, width = q.shape
     h, d_n, d_c = w_uk.shape
@@ -712,8 +713,8 @@ def _check_inputs(q, kv, cos, sin, norm_weight, eps, w_uk, c_cache, r_cache, pag
         _checks.fail("q", f"shape {tuple(q.shape)}", "at least one row")
     if h != H:
         _checks.fail("w_uk", f"shape {tuple(w_uk.shape)}", f"(H={H}, D_n, D_c): one W_UK per query head of q")
-    _checks.check_head_dim("w_uk", d_n, 1, 256)
-    _checks.check_head_dim("w_uk", d_c, 1, 512)
+    if not (1 <= d_n <= 256 and 1 <= d_c <= 512):
+        _checks.fail("w_uk", f"shape {tuple(w_uk.shape)}", "(H, D_n, D_c) with D_n from 1 to 256 and D_c from 1 to 512")
     if d_r < 2 or d_r % 2:
         _checks.fail("q", f"last dim {width} with D_n={d_n}", "D_n + D_r with an even D_r >= 2")
     if tuple(kv.shape) != (B, d_c + d_r):
@@ -843,9 +844,10 @@ def mla_decode_inputs(
     q's dtype, q_absorbed (B, H, D_c) = q_nope[b, h] W_UK[h] and the heads' RoPE parts rotated (B, H, D_r). In
     place, the latent RMS-normalized with norm_weight (D_c,) goes to c_cache[pages[b], slots[b]] and the rotated RoPE
     key to r_cache[pages[b], slots[b]]: c_cache (P, S, D_c) and r_cache (P, S, D_r) are token-major views of a latent
-    cache (rows and positions, or pages and slots), stored in their dtype. cos, sin (B or 1, D_r/2) fp32 are the
-    token's angles (rotate-half pairing, as rope_qkv's); the norm is the model's RMSNorm (fp32, eps). No gradient.
-    validate=False skips the check that reads pages and slots (a device sync)."""
+    cache (rows and positions, or pages and slots), stored in their dtype. w_uk, norm_weight and the cache may be in
+    any float dtype (fp32 weights under autocast, say); W_UK is rounded to q's dtype for the product. cos, sin
+    (B or 1, D_r/2) fp32 are the token's angles (rotate-half pairing, as rope_qkv's); the norm is the model's RMSNorm
+    (fp32, eps). No gradient. validate=False skips the check that reads pages and slots (a device sync)."""
     _check_inputs(q, kv, cos, sin, norm_weight, eps, w_uk, c_cache, r_cache, pages, slots)
     if validate and _checks.can_read_values(pages):
         for name, idx, bound in (("pages", pages, c_cache.shape[0]), ("slots", slots, c_cache.shape[1])):

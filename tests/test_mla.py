@@ -634,14 +634,17 @@ def test_mla_decode_inputs_matches_the_math(shape, together, dtype):
     _check_step(args, _run_step(args), dtype)
 
 
-def test_mla_decode_inputs_cache_in_another_dtype_with_shared_angles():
-    """An fp32 cache under a half-precision model stores the values as a copy would; int32 page and slot ids and
-    one row of angles for every row (a (1, D_r/2) broadcast) work as well."""
-    dtype = KERNEL_DTYPES[0]
+def test_mla_decode_inputs_other_dtypes_with_shared_angles():
+    """An fp32 cache and fp32 weights (W_UK, the norm's gain) under a half-precision model, as autocast decodes with
+    fp32 weights: the cache stores the values as a copy would. int32 page and slot ids and one row of angles for
+    every row (a (1, D_r/2) broadcast) work as well."""
+    dtype = KERNEL_DTYPES[-1]  # fp16 on the CPU, bf16 on the GPU
     args = _step_inputs(*INPUT_SHAPES["two row blocks"], dtype, True, cache_dtype=torch.float32)
+    args["w_uk"], args["norm_weight"] = args["w_uk"].float(), args["norm_weight"].float()
     args["cos"], args["sin"] = args["cos"][:1], args["sin"][:1]
     args["pages"], args["slots"] = args["pages"].int(), args["slots"].int()
     got = _run_step(args)
+    assert args["c_cache"].dtype == torch.float32 and args["r_cache"].dtype == torch.float32
     args["cos"], args["sin"] = (t.expand(args["q"].shape[0], -1) for t in (args["cos"], args["sin"]))
     _check_step(args, got, dtype)
 
@@ -690,6 +693,7 @@ def test_mla_decode_inputs_bad_inputs_fail_clearly():
         (dict(q=q[0]), "q: got shape (3, 24); valid: a 3-d tensor (B, H, D_n + D_r)"),
         (dict(kv=kv[:, :20]), "kv: got shape (2, 20); valid: (B=2, D_c + D_r=40)"),
         (dict(w_uk=w_uk[:2]), "w_uk: got shape (2, 16, 32); valid: (H=3, D_n, D_c)"),
+        (dict(w_uk=w_uk.int()), "w_uk: got dtype torch.int32"),
         (dict(q=q[..., :23], kv=kv[:, :39]), "q: got last dim 23 with D_n=16; valid: D_n + D_r with an even D_r"),
         (dict(kv=kv.half()), "kv: got dtype torch.float16; valid: the dtype of q, torch.float32"),
         (dict(w_uk=w_uk.mT.contiguous().mT), "w_uk: got strides"),

@@ -262,6 +262,24 @@ def test_mla_decode_folds_the_up_projections(variant):
     (prefill.sum() + model(idx[:, 8:], cache=cache)[0].sum()).backward()
 
 
+def test_mla_decode_under_autocast_takes_fp32_weights():
+    """An fp32 MLA model decoding under fp16 autocast through the Triton path and a real cache: the step's
+    projections come out in fp16 while W_UK and the latent norm's gain stay fp32 (mla_decode_inputs takes both).
+    The decode step's logits equal the full forward's under the same autocast within fp16's rounding."""
+    from cache import make_cache
+
+    model = GPT(make_config("mla", "rope", attn_backend="triton")).to(DEVICE).eval()
+    idx = torch.randint(0, model.config.vocab_size, (2, 9), device=DEVICE)
+    cache = make_cache("mla", model.config, 2, 16, device=DEVICE, dtype=torch.float16, backend="triton")
+    with torch.no_grad(), torch.autocast(DEVICE, dtype=torch.float16):
+        full = model(idx)[0][:, 8:]
+        model(idx[:, :8], cache=cache)
+        step = model(idx[:, 8:], cache=cache)[0]
+    assert step.dtype == full.dtype
+    # fp16 rounds each activation to 2^-11 through the layers; the cache holds the latent in fp16 too
+    assert_scaled_close(step.float(), full.float(), 1e-2, "decode logits under autocast")
+
+
 def test_last_positions_give_those_logits_only():
     """forward(last=...) returns each row's logits at its own position, as a right-padded prefill reads them: the
     same numbers as the full logits there. A shape other than (B,) is refused."""
@@ -660,9 +678,9 @@ def test_decode_rows_fused_equal_the_unfused_step(variant, bias, monkeypatch):
         with torch.no_grad():
             model(prompt, cache=cache)
             logits[fused] = model(token, cache=cache)[0]
-    # per layer the Q/K/V (or MLA's folded query and latent) projection, the output one and the MLP's two; with
-    # query compression MLA's down-projections of the query and the latent take the norm (its up-projection is
-    # the folded plain one)
+    # per layer the Q/K/V (or MLA's joined query and latent) projection, the output one and the MLP's two; with
+    # query compression MLA's down-projections of the query and the latent take the norm (its up-projection is a
+    # plain one)
     per_layer = 5 if variant == "mla-qlora" else 4
     assert len(launches) == per_layer * cfg.n_layer + 1
     scale = logits[False].abs().max()
