@@ -308,9 +308,14 @@ def _mla_config(h: int, d_c: int) -> dict:
 
 # ---- The step's inputs: W_UK absorbed into the query, RoPE, the latent's norm, the cache write ------------------
 
-# A program's rows and absorbed-query columns: 16 rows is the MMA's least M; 64 columns give a one-row step four
-# programs a head, so W_UK (H x D_n x D_c, a few hundred KB) streams through many SMs at once.
-INPUT_ROWS, INPUT_COLUMNS = 16, 64
+INPUT_ROWS = 16  # rows a program takes: the MMA's least M
+
+
+def input_columns(d_n: int, itemsize: int) -> int:
+    """Absorbed-query columns a program computes: 64 (a one-row step then spreads W_UK, a few hundred KB, over four
+    programs a head), fewer where the D_n x columns tile of W_UK would pass 16 KB of registers (wide fp32 heads
+    spill at 64)."""
+    return max(16, min(64, 16384 // (pow2(d_n) * itemsize)))
 
 
 @triton.jit
@@ -609,8 +614,9 @@ def _inputs_op(
     _, d_n, d_c = w_uk.shape
     d_r = width - d_n
     q_absorbed, q_rope = q.new_empty(B, H, d_c), q.new_empty(B, H, d_r)
+    columns = input_columns(d_n, q.element_size())
     with device_guard(q):
-        launcher(_inputs_kernel)[(cdiv(B, INPUT_ROWS), H + 1, cdiv(d_c, INPUT_COLUMNS))](
+        launcher(_inputs_kernel)[(cdiv(B, INPUT_ROWS), H + 1, cdiv(d_c, columns))](
             q,
             kv,
             cos,
@@ -644,7 +650,7 @@ def _inputs_op(
             HALF=d_r // 2,
             BLOCK_B=INPUT_ROWS,
             BLOCK_N=pow2(d_n),
-            BLOCK_C=INPUT_COLUMNS,
+            BLOCK_C=columns,
             BLOCK_LATENT=pow2(d_c),
             BLOCK_HALF=next_power_of_2(d_r // 2),
             DOT_PRECISION=dot_precision(q.dtype),

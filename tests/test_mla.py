@@ -23,6 +23,7 @@ from conftest import (
 import model as gpt
 from attention_kernels import mla_decode, mla_decode_inputs, paged_mla_decode
 from attention_kernels.mla import _inputs_op as _mla_inputs_op
+from attention_kernels.mla import input_columns
 from attention_kernels.reference import (
     absorb_query,
     mla_decode_inputs_reference,
@@ -563,6 +564,7 @@ INPUT_SHAPES = {  # B, H, D_n, D_r, D_c
     "one row": (1, 3, 16, 8, 32),
     "two row blocks": (19, 2, 24, 6, 40),  # 16 rows a program; D_n, D_r / 2 and D_c not powers of two
     "gpt2-small": (2, 12, 64, 32, 256),  # the model bench_generate decodes: four column blocks a head
+    "wide head": (3, 2, 128, 8, 100),  # fp32 takes 32 columns a program here (`input_columns`), fp16 64
 }
 
 
@@ -719,14 +721,22 @@ def test_mla_decode_inputs_bad_inputs_fail_clearly():
 
 
 @pytest.mark.slow
-def test_mla_decode_inputs_compiles_for_sm90_without_spills():
-    """The kernel as the GPT-2-small MLA decodes with it (bf16, 12 heads, D_n 64, a 256-wide latent, a 32-dim RoPE
-    key), compiled for sm_90 on any machine: the compiler accepts what the interpreter ran, and ptxas spills
-    nothing."""
-    pointers = dict(Q="*bf16", KV="*bf16", COS="*fp32", SIN="*fp32", NORM_W="*bf16", W_UK="*bf16", Q_ABS="*bf16")
-    pointers |= dict(Q_ROPE="*bf16", C_CACHE="*bf16", R_CACHE="*bf16", PAGES="*i64", SLOTS="*i64", B="i32", eps="fp32")
-    const = dict(H=12, D_N=64, D_C=256, HALF=16, BLOCK_B=16, BLOCK_N=64, BLOCK_C=64, BLOCK_LATENT=256, BLOCK_HALF=16)
-    result = compile_gluon_sm90(
-        "attention_kernels.mla", "_inputs_kernel", pointers, dict(const, DOT_PRECISION="tf32"), gluon=False
-    )
+@pytest.mark.parametrize(
+    "dims, dtype",
+    [((12, 64, 256, 32), "bf16"), ((128, 128, 512, 64), "bf16"), ((16, 256, 512, 64), "fp32")],
+    ids=["gpt2-small-bf16", "deepseek-bf16", "widest-fp32"],
+)
+def test_mla_decode_inputs_compiles_for_sm90_without_spills(dims, dtype):
+    """The kernel as the GPT-2-small MLA decodes with it (12 heads, D_n 64, a 256-wide latent, a 32-dim RoPE key),
+    at DeepSeek-V2's 128 heads of 128 + 64 with a 512-wide latent, and at the widest head and latent the op takes in
+    fp32 (exact fp32 dots), compiled for sm_90 on any machine: the compiler accepts what the interpreter ran, and
+    ptxas spills nothing."""
+    H, d_n, d_c, d_r = dims
+    t = f"*{dtype}"
+    pointers = dict(Q=t, KV=t, COS="*fp32", SIN="*fp32", NORM_W=t, W_UK=t, Q_ABS=t, Q_ROPE=t, C_CACHE=t, R_CACHE=t)
+    pointers |= dict(PAGES="*i64", SLOTS="*i64", B="i32", eps="fp32")
+    columns = input_columns(d_n, 4 if dtype == "fp32" else 2)
+    const = dict(H=H, D_N=d_n, D_C=d_c, HALF=d_r // 2, BLOCK_B=16, BLOCK_N=d_n, BLOCK_C=columns, BLOCK_LATENT=d_c)
+    const |= dict(BLOCK_HALF=d_r // 2, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32")
+    result = compile_gluon_sm90("attention_kernels.mla", "_inputs_kernel", pointers, const, gluon=False)
     assert spill_bytes(result["ptxas"]) == [(0, 0)], result["ptxas"]
