@@ -60,6 +60,21 @@ def check_angles(cos, sin, B: int, tail: tuple, layout: str, dims: str, last: st
         fail("sin", f"shape {tuple(sin.shape)}, strides {sin.stride()}", "cos's shape and strides")
 
 
+def check_write_indices(pages, slots, shape: tuple[int, ...], layout: str):
+    """Where new tokens go in a cache: pages and slots, int32 or int64 tensors of `shape`."""
+    for name, idx in (("pages", pages), ("slots", slots)):
+        if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int32, torch.int64) or idx.shape != shape:
+            got = f"{idx.dtype} shape {tuple(idx.shape)}" if isinstance(idx, torch.Tensor) else type(idx).__name__
+            fail(name, got, f"an int32 or int64 tensor of shape {layout}")
+
+
+def check_write_index_values(dst: torch.Tensor, pages, slots):
+    """pages and slots inside dst's (P, S, ...) rows and positions (reads their values: a device sync)."""
+    for name, idx, bound in (("pages", pages, dst.shape[0]), ("slots", slots, dst.shape[1])):
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= bound):
+            fail(name, f"values in [{int(idx.min())}, {int(idx.max())}]", f"values in [0, {bound})")
+
+
 def check_int32(name: str, x: torch.Tensor, shape: tuple[int, ...], layout: str):
     if not isinstance(x, torch.Tensor) or x.dtype != torch.int32:
         got = f"dtype {x.dtype}" if isinstance(x, torch.Tensor) else type(x).__name__

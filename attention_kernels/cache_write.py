@@ -150,17 +150,8 @@ def _check(a_dst, b_dst, a, b, pages, slots):
             _checks.fail(name, f"shape {tuple(dst.shape)}", f"(P, S, H={H}, D={src.shape[3]}) as its new tokens'")
     if a_dst.shape[:2] != b_dst.shape[:2]:
         _checks.fail("b_dst", f"shape {tuple(b_dst.shape)}", f"(P={a_dst.shape[0]}, S={a_dst.shape[1]}, ...) as a_dst")
-    for name, idx in (("pages", pages), ("slots", slots)):
-        if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int32, torch.int64) or idx.shape != (n, T):
-            got = f"{idx.dtype} shape {tuple(idx.shape)}" if isinstance(idx, torch.Tensor) else type(idx).__name__
-            _checks.fail(name, got, f"an int32 or int64 tensor of shape (n={n}, T={T})")
+    _checks.check_write_indices(pages, slots, (n, T), f"(n={n}, T={T})")
     _checks.check_same_device(dict(a_dst=a_dst, b_dst=b_dst, a=a, b=b, pages=pages, slots=slots))
-
-
-def _check_values(a_dst, pages, slots):
-    for name, idx, bound in (("pages", pages, a_dst.shape[0]), ("slots", slots, a_dst.shape[1])):
-        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= bound):
-            _checks.fail(name, f"values in [{int(idx.min())}, {int(idx.max())}]", f"values in [0, {bound})")
 
 
 def write_tokens(
@@ -186,7 +177,7 @@ def write_tokens(
                 _CHECKED.clear()
             _CHECKED.add(key)
     if validate and _checks.can_read_values(pages):
-        _check_values(a_dst, pages, slots)
+        _checks.check_write_index_values(a_dst, pages, slots)
     if compiling:
         torch.ops.zoo.write_tokens(a_dst, b_dst, a, b, pages, slots)
     else:

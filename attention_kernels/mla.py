@@ -368,6 +368,7 @@ def _inputs_kernel(
     rows = rows.to(tl.int64)
     i = tl.arange(0, BLOCK_HALF)
     half_ok = row_ok[:, None] & (i < HALF)[None, :]
+    cos_row, sin_row = COS + rows[:, None] * stride_angle, SIN + rows[:, None] * stride_angle
     if h < H:
         n = tl.arange(0, BLOCK_N)
         c = j * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -379,7 +380,6 @@ def _inputs_kernel(
         q_abs_ptr = Q_ABS + rows[:, None] * stride_ab + h * D_C + c[None, :]
         tl.store(q_abs_ptr, q_abs.to(Q_ABS.dtype.element_ty), mask=row_ok[:, None] & (c < D_C)[None, :])
         if j == 0:
-            cos_row, sin_row = COS + rows[:, None] * stride_angle, SIN + rows[:, None] * stride_angle
             q_rope_src = Q + rows[:, None] * stride_qb + h * stride_qh + D_N + i[None, :]
             q_rope_dst = Q_ROPE + (rows[:, None] * H + h) * 2 * HALF + i[None, :]
             _rotate_into(q_rope_src, q_rope_dst, cos_row, sin_row, i, half_ok, HALF)
@@ -393,7 +393,6 @@ def _inputs_kernel(
         slot = tl.load(SLOTS + rows * stride_sb, mask=row_ok, other=0).to(tl.int64)
         c_dst = C_CACHE + page[:, None] * stride_cp + slot[:, None] * stride_cs + c[None, :]
         tl.store(c_dst, (latent * rms[:, None] * gain[None, :]).to(C_CACHE.dtype.element_ty), mask=latent_ok)
-        cos_row, sin_row = COS + rows[:, None] * stride_angle, SIN + rows[:, None] * stride_angle
         k_rope_src = KV + rows[:, None] * stride_kvb + D_C + i[None, :]
         k_rope_dst = R_CACHE + page[:, None] * stride_rp + slot[:, None] * stride_rs + i[None, :]
         _rotate_into(k_rope_src, k_rope_dst, cos_row, sin_row, i, half_ok, HALF)
@@ -741,10 +740,7 @@ def _check_inputs(q, kv, cos, sin, norm_weight, eps, w_uk, c_cache, r_cache, pag
     ):
         if t.stride(-1) != 1:
             _checks.fail(name, f"strides {tuple(t.stride())}", "unit stride along the last dim")
-    for name, idx in (("pages", pages), ("slots", slots)):
-        if not isinstance(idx, torch.Tensor) or idx.dtype not in (torch.int32, torch.int64) or idx.shape != (B,):
-            got = f"{idx.dtype} shape {tuple(idx.shape)}" if isinstance(idx, torch.Tensor) else type(idx).__name__
-            _checks.fail(name, got, f"an int32 or int64 tensor of shape (B={B},)")
+    _checks.check_write_indices(pages, slots, (B,), f"(B={B},)")
     _checks.check_angles(cos, sin, B, (d_r // 2,), "(B or 1, D_r/2)", f"D_r/2={d_r // 2}", "D_r/2")
     _checks.check_scale(eps, "a finite float > 0", name="eps")
     _checks.check_same_device(
@@ -856,9 +852,7 @@ def mla_decode_inputs(
     (fp32, eps). No gradient. validate=False skips the check that reads pages and slots (a device sync)."""
     _check_inputs(q, kv, cos, sin, norm_weight, eps, w_uk, c_cache, r_cache, pages, slots)
     if validate and _checks.can_read_values(pages):
-        for name, idx, bound in (("pages", pages, c_cache.shape[0]), ("slots", slots, c_cache.shape[1])):
-            if int(idx.min()) < 0 or int(idx.max()) >= bound:
-                _checks.fail(name, f"values in [{int(idx.min())}, {int(idx.max())}]", f"values in [0, {bound})")
+        _checks.check_write_index_values(c_cache, pages, slots)
     return torch.ops.zoo.mla_decode_inputs(
         q, kv, cos, sin, norm_weight, float(eps), w_uk, c_cache, r_cache, pages, slots
     )
