@@ -187,10 +187,14 @@ class ContiguousRows:
 
     def prefix(self, buf, rows: list[int], rows_t, length: int):
         """(n, length, *feat): the first `length` tokens of these rows (a view when the rows are a range)."""
-        r0 = rows[0]
-        if rows == list(range(r0, r0 + len(rows))):
-            return buf[r0 : r0 + len(rows), :length]
+        if self.decode_appends(rows):
+            return buf[rows[0] : rows[0] + len(rows), :length]
         return buf[rows_t, :length]
+
+    def decode_appends(self, rows: list[int]) -> bool:
+        """Can the decode kernel store the new tokens (`grouped_decode`'s k_new)? Into a view of the buffer, yes;
+        into the copy that gathers scattered rows, no."""
+        return rows == list(range(rows[0], rows[0] + len(rows)))
 
     def release(self, row: int):
         self.lens[row] = 0
@@ -311,6 +315,10 @@ class PagedRows:
         """(page, slot) of every new token, (n, T) each: pool[where] = x scatters x (n, T, *feat) into the pool
         (num_pages, page_size, *feat)."""
         return step.pages, step.offsets
+
+    def decode_appends(self, rows: list[int]) -> bool:
+        """The paged decode kernel stores the new tokens through the same table it reads: any rows."""
+        return True
 
     def table(self, rows: list[int], rows_t) -> torch.Tensor:
         r0 = rows[0]
@@ -549,18 +557,25 @@ class _KVCache(_Cache):
 
     @torch.compiler.disable
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
-        """Decode: q (B, H_q, 1, D_qk), k/v (B, H_kv, 1, D) -> y (B, H_q, 1, D_v) over every cached token."""
+        """Decode: q (B, H_q, 1, D_qk), k/v (B, H_kv, 1, D) -> y (B, H_q, 1, D_v) over every cached token. With
+        the Triton backend the decode kernel writes k and v into the cache itself (its k_new, v_new)."""
         if q.shape[2] != 1:
             raise ValueError(f"q: got shape {tuple(q.shape)}; valid: (B, H_q, 1, D_qk) (decode is one token)")
-        self._write(layer, k, v)
-        return self._decode(layer, q[:, :, 0].to(self.store.dtype), scale).to(q.dtype)[:, :, None]
+        if self.backend == "triton" and self.store.decode_appends(self.rows):
+            self._new_tokens(k.transpose(1, 2), layer, "k")
+            self._new_tokens(v.transpose(1, 2), layer, "v")
+            new = (k[:, :, 0], v[:, :, 0])
+        else:
+            self._write(layer, k, v)
+            new = None
+        return self._decode(layer, q[:, :, 0].to(self.store.dtype), scale, new).to(q.dtype)[:, :, None]
 
 
 class GroupedCache(_KVCache):
     def __init__(self, batch_size, max_len, n_layer, n_kv_head, d_qk, d_v, *, device, dtype, backend):
         super().__init__(ContiguousRows(batch_size, max_len, device, dtype), n_layer, n_kv_head, d_qk, d_v, backend)
 
-    def _decode(self, layer, q, scale):
+    def _decode(self, layer, q, scale, new=None):
         # The kernel only reads up to each row's length; narrowing S saves the reference work. A static step reads
         # the whole capacity, because max(lens) is a host value that changes between replays.
         n = self.store.capacity if self._static else max(self.lens)
@@ -568,7 +583,10 @@ class GroupedCache(_KVCache):
         v = self.store.prefix(self.v[layer], self.rows, self._rows_t, n).transpose(1, 2)
         if self.backend == "torch":
             return reference.decode_reference(q, k, v, self._step.seq_lens, scale=scale)[0]
-        return attention_kernels.grouped_decode(q, k, v, self._step.seq_lens, scale=scale, validate=False)[0]
+        k_new, v_new = new or (None, None)
+        return attention_kernels.grouped_decode(
+            q, k, v, self._step.seq_lens, scale=scale, k_new=k_new, v_new=v_new, validate=False
+        )[0]
 
 
 class PagedCache(_KVCache):
@@ -591,7 +609,7 @@ class PagedCache(_KVCache):
         store = PagedRows(batch_size, max_len, device, dtype, page_size, num_pages, scratch=static)
         super().__init__(store, n_layer, n_kv_head, d_qk, d_v, backend)
 
-    def _decode(self, layer, q, scale):
+    def _decode(self, layer, q, scale, new=None):
         table = self.store.table(self.rows, self._rows_t)
         if self.backend == "torch" and self._static:  # the reference reads max(seq_lens) on the host
             k = self.store.gather(self.k[layer], self._rows_t, self.batch_size).transpose(1, 2)
@@ -601,8 +619,17 @@ class PagedCache(_KVCache):
             return reference.paged_decode_reference(
                 q, self.k[layer], self.v[layer], table, self._step.seq_lens, scale=scale
             )[0]
+        k_new, v_new = new or (None, None)
         return attention_kernels.paged_grouped_decode(
-            q, self.k[layer], self.v[layer], table, self._step.seq_lens, scale=scale, validate=False
+            q,
+            self.k[layer],
+            self.v[layer],
+            table,
+            self._step.seq_lens,
+            scale=scale,
+            k_new=k_new,
+            v_new=v_new,
+            validate=False,
         )[0]
 
 

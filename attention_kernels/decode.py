@@ -85,6 +85,8 @@ def _grouped_decode_kernel(
     FINAL_OUT,
     FINAL_LSE,
     COUNTERS,
+    K_NEW,
+    V_NEW,
     stride_qb,
     stride_qh,
     stride_qd,
@@ -117,6 +119,12 @@ def _grouped_decode_kernel(
     stride_fd,
     stride_flb,
     stride_flh,
+    stride_nkb,
+    stride_nkh,
+    stride_nkd,
+    stride_nvb,
+    stride_nvh,
+    stride_nvd,
     scale_log2,
     GROUP_SIZE: tl.constexpr,
     D_QK: tl.constexpr,
@@ -134,10 +142,13 @@ def _grouped_decode_kernel(
     DOT_PRECISION: tl.constexpr,
     FUSE_CHUNK: tl.constexpr,
     WAIT: tl.constexpr,
+    APPEND: tl.constexpr,
 ):
     # grid (head tiles, splits, B): a head tile is BLOCK_H query heads of one KV group. WAIT: launched as a
     # programmatic dependent of the kernel before it (`pdl`), so the programs may start before that kernel's
-    # outputs (the query, the cache) are stored; every memory access waits here.
+    # outputs (the query, the cache) are stored; every memory access waits here. APPEND: the sequence's last token
+    # is K_NEW / V_NEW (B, H_kv, D), which the last split folds in from registers and stores into the cache, so the
+    # cache write needs no launch of its own; no program reads that slot from the cache.
     if WAIT:
         gdc_wait()
     tile = tl.program_id(0)
@@ -165,7 +176,7 @@ def _grouped_decode_kernel(
     else:
         q_rope = q  # unused
 
-    start, end = split_range(SEQ_LENS, b, split, NUM_SPLITS, BLOCK_N)
+    start, end = split_range(SEQ_LENS, b, split, NUM_SPLITS, BLOCK_N, APPEND)
     m_i = tl.full([BLOCK_H], -float("inf"), tl.float32)  # running max, log2 units
     l_i = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], tl.float32)
@@ -210,6 +221,46 @@ def _grouped_decode_kernel(
             PAGE_SIZE,
             DOT_PRECISION,
         )
+    if APPEND:
+        if split == NUM_SPLITS - 1:  # the split with the fewest cached tokens
+            m_i, l_i, acc = _append_token(
+                K_NEW,
+                V_NEW,
+                K,
+                V,
+                BLOCK_TABLE,
+                SEQ_LENS,
+                q,
+                m_i,
+                l_i,
+                acc,
+                b,
+                kv_head,
+                tile % TILES_PER_GROUP == 0,
+                offs_d,
+                offs_dv,
+                stride_nkb,
+                stride_nkh,
+                stride_nkd,
+                stride_nvb,
+                stride_nvh,
+                stride_nvd,
+                stride_kp,
+                stride_kn,
+                stride_kh,
+                stride_kd,
+                stride_vp,
+                stride_vn,
+                stride_vh,
+                stride_vd,
+                stride_tb,
+                stride_tp,
+                scale_log2,
+                D_QK,
+                D_V,
+                PAGED,
+                PAGE_SIZE,
+            )
 
     store_split(
         OUT,
@@ -334,6 +385,119 @@ def _attend_tile(
         )
         s += tl.dot(q_rope, tl.trans(k_rope), input_precision=DOT_PRECISION)
     return online_softmax_step(s * scale_log2, mask_n, v, m_i, l_i, acc, DOT_PRECISION)
+
+
+@triton.jit
+def _append_token(
+    K_NEW,
+    V_NEW,
+    K,
+    V,
+    BLOCK_TABLE,
+    SEQ_LENS,
+    q,
+    m_i,
+    l_i,
+    acc,
+    b,
+    kv_head,
+    store,
+    offs_d,
+    offs_dv,
+    stride_nkb,
+    stride_nkh,
+    stride_nkd,
+    stride_nvb,
+    stride_nvh,
+    stride_nvd,
+    stride_kp,
+    stride_kn,
+    stride_kh,
+    stride_kd,
+    stride_vp,
+    stride_vn,
+    stride_vh,
+    stride_vd,
+    stride_tb,
+    stride_tp,
+    scale_log2,
+    D_QK: tl.constexpr,
+    D_V: tl.constexpr,
+    PAGED: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+):
+    """The online-softmax step of one token held in registers: sequence b's new K/V, rounded to the cache's dtype as
+    the cache will hold them, then (if `store`, one program per KV head) written at position seq_len - 1."""
+    k = tl.load(K_NEW + b * stride_nkb + kv_head * stride_nkh + offs_d * stride_nkd, mask=offs_d < D_QK, other=0.0)
+    v = tl.load(V_NEW + b * stride_nvb + kv_head * stride_nvh + offs_dv * stride_nvd, mask=offs_dv < D_V, other=0.0)
+    k, v = k.to(K.dtype.element_ty), v.to(V.dtype.element_ty)
+    s = tl.sum(q.to(tl.float32) * k.to(tl.float32)[None, :], axis=1) * scale_log2  # (BLOCK_H,)
+    m_new = tl.maximum(m_i, s)  # finite: s is
+    alpha = tl.math.exp2(m_i - m_new)
+    p = tl.math.exp2(s - m_new)
+    l_i = l_i * alpha + p
+    acc = acc * alpha[:, None] + p[:, None] * v.to(tl.float32)[None, :]
+    if store:
+        pos = tl.load(SEQ_LENS + b) - 1
+        if PAGED:
+            page = tl.load(BLOCK_TABLE + b * stride_tb + (pos // PAGE_SIZE) * stride_tp).to(tl.int64)
+            slot = pos % PAGE_SIZE
+        else:
+            page = b.to(tl.int64)
+            slot = pos
+        tl.store(
+            K + page * stride_kp + slot * stride_kn + kv_head * stride_kh + offs_d * stride_kd, k, mask=offs_d < D_QK
+        )
+        tl.store(
+            V + page * stride_vp + slot * stride_vn + kv_head * stride_vh + offs_dv * stride_vd, v, mask=offs_dv < D_V
+        )
+    return m_new, l_i, acc
+
+
+@triton.jit
+def _store_new_kernel(
+    K_NEW,
+    V_NEW,
+    K,
+    V,
+    BLOCK_TABLE,
+    SEQ_LENS,
+    stride_nkb,
+    stride_nkh,
+    stride_nkd,
+    stride_nvb,
+    stride_nvh,
+    stride_nvd,
+    stride_kp,
+    stride_kn,
+    stride_kh,
+    stride_kd,
+    stride_vp,
+    stride_vn,
+    stride_vh,
+    stride_vd,
+    stride_tb,
+    stride_tp,
+    D_QK: tl.constexpr,
+    D_V: tl.constexpr,
+    BLOCK_DQK: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    PAGE_SIZE: tl.constexpr,
+):
+    # grid (B, H_kv): the paged append before a decode kernel that reads every token from the cache (decode_sm90)
+    b = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    offs_d = tl.arange(0, BLOCK_DQK)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    pos = tl.load(SEQ_LENS + b) - 1
+    page = tl.load(BLOCK_TABLE + b * stride_tb + (pos // PAGE_SIZE) * stride_tp).to(tl.int64)
+    slot = pos % PAGE_SIZE
+    k = tl.load(K_NEW + b * stride_nkb + kv_head * stride_nkh + offs_d * stride_nkd, mask=offs_d < D_QK)
+    v = tl.load(V_NEW + b * stride_nvb + kv_head * stride_nvh + offs_dv * stride_nvd, mask=offs_dv < D_V)
+    dst_k = K + page * stride_kp + slot * stride_kn + kv_head * stride_kh + offs_d * stride_kd
+    dst_v = V + page * stride_vp + slot * stride_vn + kv_head * stride_vh + offs_dv * stride_vd
+    tl.store(dst_k, k.to(K.dtype.element_ty), mask=offs_d < D_QK)
+    tl.store(dst_v, v.to(V.dtype.element_ty), mask=offs_dv < D_V)
 
 
 # ---- Launch heuristics ------------------------------------------------------------------------------------------
@@ -550,8 +714,10 @@ def _launch_decode(
     page_size: int,
     capacity: int,
     config: dict | None = None,
+    new: tuple | None = None,
 ):
-    """Shared by the contiguous and the paged op. k/v/k_rope strides are passed as (page, slot, head, dim)."""
+    """Shared by the contiguous and the paged op. k/v/k_rope strides are passed as (page, slot, head, dim).
+    new = (k_new, v_new): each sequence's last token, appended to the cache by the launch (`_append_token`)."""
     batch, h_q, d_qk = q.shape
     h_kv = k.shape[2] if paged else k.shape[1]
     d_v = v.shape[-1]
@@ -578,6 +744,8 @@ def _launch_decode(
     counters = split_counters(q.device, programs) if chunk else None
     fused = counters is not None
     if sm90:
+        if new is not None:  # its loader copies whole pages from the cache: the new tokens must be there first
+            _store_new(*new, k, v, block_table, seq_lens)
         decode_sm90.launch(
             q,
             k,
@@ -610,6 +778,7 @@ def _launch_decode(
             capacity=capacity,
             config=config,
             fused=(out, lse, counters, chunk) if fused else None,
+            new=new,
         )
     if num_splits > 1 and not fused:
         combine_splits(part_o, part_lse, out, lse)
@@ -634,9 +803,11 @@ def _launch_triton(
     capacity: int,
     config: dict | None,
     fused: tuple | None,
+    new: tuple | None,
 ):
     """`_grouped_decode_kernel` into part_o / part_lse (the split outputs `_launch_decode` allocated); with
-    fused = (out, lse, counters, chunk) the launch also combines the splits into out / lse (`combine_if_last`)."""
+    fused = (out, lse, counters, chunk) the launch also combines the splits into out / lse (`combine_if_last`), with
+    new = (k_new, v_new) it appends them."""
     batch, h_q, d_qk = q.shape
     h_kv = k.shape[2] if paged else k.shape[1]
     d_v = v.shape[-1]
@@ -663,6 +834,7 @@ def _launch_triton(
     qr_strides = q_rope.stride() if q_rope is not None else (0, 0, 0)
     static_iters = cdiv(cdiv(capacity, block_n), num_splits) if _checks.interpreting() else 0
     out, lse, counters, chunk = fused if fused is not None else (part_o[:, :, 0], part_lse[:, :, 0], seq_lens, 0)
+    k_new, v_new = new if new is not None else (q, q)  # unused without APPEND
     wait = pdl(q.device)
     launcher(_grouped_decode_kernel)[(h_kv * cdiv(group, block_h), num_splits, batch)](
         q,
@@ -677,6 +849,8 @@ def _launch_triton(
         out,
         lse,
         counters,
+        k_new,
+        v_new,
         *q.stride(),
         *k_strides,
         *v_strides,
@@ -687,6 +861,8 @@ def _launch_triton(
         *part_lse.stride(),
         *out.stride(),
         *lse.stride(),
+        *k_new.stride(),
+        *v_new.stride(),
         float(scale) * LOG2E,
         GROUP_SIZE=group,
         D_QK=d_qk,
@@ -704,9 +880,35 @@ def _launch_triton(
         DOT_PRECISION=dot_precision(q.dtype),
         FUSE_CHUNK=chunk,
         WAIT=wait,
+        APPEND=new is not None,
         num_warps=warps,
         num_stages=stages,
         launch_pdl=wait,
+    )
+
+
+def _store_new(k_new, v_new, k_pages, v_pages, block_table, seq_lens):
+    """k_new / v_new (B, H_kv, D) into the paged cache at each sequence's position seq_lens - 1."""
+    batch, h_kv, d_qk = k_new.shape
+    d_v = v_new.shape[-1]
+    launcher(_store_new_kernel)[(batch, h_kv)](
+        k_new,
+        v_new,
+        k_pages,
+        v_pages,
+        block_table,
+        seq_lens,
+        *k_new.stride(),
+        *v_new.stride(),
+        *k_pages.stride(),
+        *v_pages.stride(),
+        *block_table.stride(),
+        D_QK=d_qk,
+        D_V=d_v,
+        BLOCK_DQK=pow2(d_qk),
+        BLOCK_DV=pow2(d_v),
+        PAGE_SIZE=k_pages.shape[1],
+        num_warps=1,
     )
 
 
@@ -768,6 +970,74 @@ def _(q, k_pages, v_pages, block_table, seq_lens, scale, num_splits, q_rope, k_r
     return q.new_empty((*q.shape[:2], v_pages.shape[-1])), q.new_empty(q.shape[:2], dtype=torch.float32)
 
 
+@torch.library.custom_op("zoo::grouped_decode_append", mutates_args=("k", "v"))
+def _grouped_decode_append_op(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    return _launch_decode(
+        q,
+        k,
+        v,
+        None,
+        None,
+        None,
+        seq_lens,
+        scale,
+        num_splits,
+        paged=False,
+        page_size=1,
+        capacity=k.shape[2],
+        new=(k_new, v_new),
+    )
+
+
+@_grouped_decode_append_op.register_fake
+def _(q, k, v, seq_lens, scale, num_splits, k_new, v_new):
+    return q.new_empty((*q.shape[:2], v.shape[-1])), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
+@torch.library.custom_op("zoo::paged_grouped_decode_append", mutates_args=("k_pages", "v_pages"))
+def _paged_grouped_decode_append_op(
+    q: torch.Tensor,
+    k_pages: torch.Tensor,
+    v_pages: torch.Tensor,
+    block_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    page_size = k_pages.shape[1]
+    return _launch_decode(
+        q,
+        k_pages,
+        v_pages,
+        None,
+        None,
+        block_table,
+        seq_lens,
+        scale,
+        num_splits,
+        paged=True,
+        page_size=page_size,
+        capacity=block_table.shape[1] * page_size,
+        new=(k_new, v_new),
+    )
+
+
+@_paged_grouped_decode_append_op.register_fake
+def _(q, k_pages, v_pages, block_table, seq_lens, scale, num_splits, k_new, v_new):
+    return q.new_empty((*q.shape[:2], v_pages.shape[-1])), q.new_empty(q.shape[:2], dtype=torch.float32)
+
+
 # ---- Input checks -------------------------------------------------------------------------------------------------
 
 
@@ -800,6 +1070,25 @@ def _check_common(q, k, v, seq_lens, scale, num_splits, q_rope, k_rope, *, k_nam
     _checks.check_same_device(tensors)
     _checks.check_num_splits(num_splits, MAX_SPLITS)
     _checks.check_scale(scale)
+
+
+def _check_new(k_new, v_new, k, v, q_rope, *, batch: int, head_axis: int, k_name: str, v_name: str):
+    """The appended tokens: k_new (B, H_kv, D) and v_new (B, H_kv, D_v) of any float dtype (stored in the cache's,
+    as a copy converts), on the cache's device."""
+    if (k_new is None) != (v_new is None):
+        _checks.fail("k_new" if k_new is None else "v_new", "only one of k_new and v_new", "both or neither")
+    if k_new is None:
+        return
+    if q_rope is not None:
+        _checks.fail("k_new", "a token to append with q_rope", "no q_rope (append without the RoPE terms)")
+    h_kv = k.shape[head_axis]
+    for name, x, cache, cache_name in (("k_new", k_new, k, k_name), ("v_new", v_new, v, v_name)):
+        _checks.check_rank(name, x, 3, "(B, H_kv, D)")
+        _checks.check_float(name, x)
+        want = (batch, h_kv, cache.shape[-1])
+        if tuple(x.shape) != want:
+            _checks.fail(name, f"shape {tuple(x.shape)}", f"{want}: (B, H_kv, D) as q and {cache_name}")
+    _checks.check_same_device({k_name: k, "k_new": k_new, "v_new": v_new})
 
 
 def _check_grouped(q, k, v, seq_lens, scale, num_splits, q_rope, k_rope):
@@ -887,6 +1176,8 @@ def grouped_decode(
     num_splits: int | None = None,
     q_rope: torch.Tensor | None = None,
     k_rope: torch.Tensor | None = None,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
     validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Decode one query token per sequence over a contiguous cache (MHA, GQA or MQA).
@@ -896,10 +1187,17 @@ def grouped_decode(
     add a second score term. Returns out (B, H_q, D_v) in q's dtype and lse (B, H_q) fp32 (natural log).
     num_splits=None picks the split count from the device and the shapes. validate=False skips the checks that
     read seq_lens (a device sync); they are skipped anyway under CUDA graph capture and torch.compile.
+
+    k_new (B, H_kv, D) and v_new (B, H_kv, D_v), as FlashAttention's kvcache call takes them: each sequence's
+    newest token, written into k and v in place at position seq_lens[b] - 1 by the same launch (the step's cache
+    write costs no launch of its own) and attended from registers. Not with q_rope.
     """
     _check_grouped(q, k, v, seq_lens, scale, num_splits, q_rope, k_rope)
+    _check_new(k_new, v_new, k, v, q_rope, batch=q.shape[0], head_axis=1, k_name="k", v_name="v")
     if validate and _checks.can_read_values(seq_lens):
         _checks.check_seq_lens_values(seq_lens, k.shape[2], f"S_max of k is {k.shape[2]}")
+    if k_new is not None:
+        return torch.ops.zoo.grouped_decode_append(q, k, v, seq_lens, float(scale), num_splits, k_new, v_new)
     return torch.ops.zoo.grouped_decode(q, k, v, seq_lens, float(scale), num_splits, q_rope, k_rope)
 
 
@@ -914,16 +1212,25 @@ def paged_grouped_decode(
     num_splits: int | None = None,
     q_rope: torch.Tensor | None = None,
     k_rope_pages: torch.Tensor | None = None,
+    k_new: torch.Tensor | None = None,
+    v_new: torch.Tensor | None = None,
     validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """grouped_decode over a paged cache: pools (num_pages, page_size, H_kv, D) shared by every sequence and a
     block table (B, max_pages) int32 mapping each sequence's logical pages to pool pages. page_size is a power of
-    two from 8 to 256. validate=False skips the value checks of seq_lens and block_table (a device sync)."""
+    two from 8 to 256. k_new / v_new: appended as grouped_decode's, into the page that holds position
+    seq_lens[b] - 1. validate=False skips the value checks of seq_lens and block_table (a device sync)."""
     _check_paged(q, k_pages, v_pages, block_table, seq_lens, scale, num_splits, q_rope, k_rope_pages)
+    kw = dict(k_name="k_pages", v_name="v_pages")
+    _check_new(k_new, v_new, k_pages, v_pages, q_rope, batch=q.shape[0], head_axis=2, **kw)
     if validate and _checks.can_read_values(seq_lens):
         page_size = k_pages.shape[1]
         _checks.check_seq_lens_values(seq_lens, 2**31 - 1, "a positive length")
         _checks.check_block_table_values(block_table, seq_lens, page_size, k_pages.shape[0])
+    if k_new is not None:
+        return torch.ops.zoo.paged_grouped_decode_append(
+            q, k_pages, v_pages, block_table, seq_lens, float(scale), num_splits, k_new, v_new
+        )
     return torch.ops.zoo.paged_grouped_decode(
         q, k_pages, v_pages, block_table, seq_lens, float(scale), num_splits, q_rope, k_rope_pages
     )

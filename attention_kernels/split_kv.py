@@ -38,10 +38,13 @@ MAX_SPLITS = 128
 
 
 @triton.jit
-def split_range(SEQ_LENS, b, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr):
+def split_range(SEQ_LENS, b, split, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, APPEND: tl.constexpr = False):
     """The tokens [start, end) of sequence b that this split reduces: whole tiles, the sequence's own length cut
-    evenly into NUM_SPLITS (empty for a split past the end of a short sequence)."""
+    evenly into NUM_SPLITS (empty for a split past the end of a short sequence). With APPEND the last token comes
+    from the launch's inputs, not the cache, and only the seq_len - 1 before it are cut."""
     seq_len = tl.load(SEQ_LENS + b)
+    if APPEND:
+        seq_len -= 1
     chunk = tl.cdiv(tl.cdiv(seq_len, NUM_SPLITS), BLOCK_N) * BLOCK_N
     start = split * chunk
     return start, tl.minimum(start + chunk, seq_len)

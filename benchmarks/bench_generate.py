@@ -34,14 +34,15 @@ peer's logits equal the eager loop's within the dtype's tolerance and their gree
 near-tie, where rounding may pick either token). On the CPU the engines run their static step without capture and
 the peer's step is not compiled (no CUDA graphs); the compiled way is Inductor's CPU code there.
 
---profile traces one more run of the compiled way at each fixed batch (torch.profiler) and prints what a decode
-step spends: the GPU kernels that run in every step (a prefill's run once a layer), each one's microseconds and
-launches a step, with the step's wall time beside them; on the CPU, the ops' own host time instead.
+--profile traces one more run of the compiled way and of the peer at each fixed batch (torch.profiler) and prints
+what a decode step of each spends: the GPU kernels that run in every step (a prefill's run once a layer), each one's
+microseconds and launches a step, with the step's wall time beside them; on the CPU, the ops' own host time instead.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import os
 import sys
@@ -195,9 +196,10 @@ def _fold_query(attn) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
 
 
 @torch.no_grad()
-def peer_generate(peer: StaticCachePeer, prompts: list[list[int]], new_tokens: list[int], sync):
+def peer_generate(peer: StaticCachePeer, prompts: list[list[int]], new_tokens: list[int], sync, trace=None):
     """Static batching: as many prompts as the peer has rows at a time, prefilled, then decoded until the batch's
-    longest request is done. Returns (tokens per prompt, decode seconds, decode steps, wall seconds)."""
+    longest request is done. Returns (tokens per prompt, decode seconds, decode steps, wall seconds). `trace`, a
+    profiler, is entered around the decode loop of a single batch."""
     rows, device = peer.rows, peer.key_pos.device
     out, decode_s, steps = [], 0.0, 0
     sync()
@@ -210,15 +212,16 @@ def peer_generate(peer: StaticCachePeer, prompts: list[list[int]], new_tokens: l
         history = torch.empty(max(want), rows, dtype=torch.int64, device=device)
         history[0] = tokens
         sync()
-        t0 = time.perf_counter()
-        for k in range(1, max(want)):
-            if peer.compiled:
-                torch.compiler.cudagraph_mark_step_begin()
-            tokens = peer.step(tokens, pos).clone()
-            history[k] = tokens
-            pos += 1
-        sync()
-        decode_s += time.perf_counter() - t0
+        with trace if trace is not None else contextlib.nullcontext():
+            t0 = time.perf_counter()
+            for k in range(1, max(want)):
+                if peer.compiled:
+                    torch.compiler.cudagraph_mark_step_begin()
+                tokens = peer.step(tokens, pos).clone()
+                history[k] = tokens
+                pos += 1
+            sync()
+            decode_s += time.perf_counter() - t0
         steps += max(want) - 1
         got = history.t().tolist()
         out += [got[j][: want[j]] for j in range(len(batch))]
@@ -331,18 +334,14 @@ def ours_timer(model, cache: str, batch, engine: str, args, sync, warm: bool = F
     return timed
 
 
-def profile_step(model, cache: str, batch: int, engine: str, args, sync, top: int = 16) -> None:
-    """Print the kernels of a decode step of `model` (see the module docstring, --profile)."""
+def profile_step(label: str, run, cuda: bool, top: int = 16) -> None:
+    """Print the kernels of a decode step (see the module docstring, --profile). run(prof) -> (decode seconds,
+    steps) runs the way with the profiler `prof` entered around what it traces."""
     from torch.profiler import ProfilerActivity, profile
 
-    from generate import generate
-
-    prompts, new, rows = workload(model, batch, args)
-    cuda = args.device == "cuda"
-    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as prof:
-        _, stats = generate(model, prompts, cache, max_new_tokens=new, page_size=args.page_size, engine=engine)
-        sync()
-    steps = max(stats.decode_steps, 1)
+    prof = profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else []))
+    decode_s, steps = run(prof)
+    steps = max(steps, 1)
     events = prof.key_averages()
     if cuda:  # the kernels themselves, not the host ops that launched them
         events = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
@@ -350,12 +349,26 @@ def profile_step(model, cache: str, batch: int, engine: str, args, sync, top: in
     per_step = sorted((e for e in events if e.count >= steps), key=lambda e: -spent(e))
     what = "GPU kernels" if cuda else "host ops (self CPU time)"
     print(
-        f"\nprofile {model.config.attention} {cache} B{batch} compiled: {1e3 * stats.decode_s / steps:.3f} ms a step "
-        f"traced, {sum(map(spent, per_step)) / steps:.1f} us of {what} in {sum(e.count for e in per_step) / steps:.0f} "
-        f"calls a step; the top {top}:"
+        f"\nprofile {label}: {1e3 * decode_s / steps:.3f} ms a step traced, {sum(map(spent, per_step)) / steps:.1f} us "
+        f"of {what} in {sum(e.count for e in per_step) / steps:.0f} calls a step; the top {top}:"
     )
     for e in per_step[:top]:
         print(f"  {spent(e) / steps:8.1f} us {e.count / steps:6.1f}x  {e.key[:110]}")
+
+
+def ours_profile_run(model, cache: str, batch: int, engine: str, args, sync):
+    """A run of our engine for profile_step."""
+    from generate import generate
+
+    prompts, new, _ = workload(model, batch, args)
+
+    def run(prof):
+        with prof:  # the prefill too: its kernels run once a layer, fewer times than the steps, and drop out
+            _, stats = generate(model, prompts, cache, max_new_tokens=new, page_size=args.page_size, engine=engine)
+            sync()
+        return stats.decode_s, stats.decode_steps
+
+    return run
 
 
 def peer_timer(model, batch, args, sync):
@@ -373,6 +386,8 @@ def peer_timer(model, batch, args, sync):
             return {"tok/s": sum(new) / wall, "ms/step": None, "prefill s": wall - decode_s}
         return {"tok/s": sum(len(o) - 1 for o in out) / decode_s, "ms/step": 1e3 * decode_s / steps}
 
+    # for profile_step: the decode loop alone, since the peer prefills one prompt at a time (kernels a prompt a layer)
+    timed.profile_run = lambda prof: peer_generate(peer, prompts, new, sync, trace=prof)[1:3]
     return timed
 
 
@@ -410,7 +425,11 @@ def parse_args(argv):
         default=None,
         help="timed runs of the engine, compiled and peer ways, alternating; the median counts (default 3; tiny 1)",
     )
-    p.add_argument("--profile", action="store_true", help="per fixed batch: the kernels of a compiled decode step")
+    p.add_argument(
+        "--profile",
+        action="store_true",
+        help="per fixed batch: the kernels of a compiled decode step, ours and the peer's",
+    )
     p.add_argument("--quick", action="store_true", help="batches 1, 8 and 32 ragged prompts over 8 rows, 32 tokens")
     p.add_argument("--tiny", action="store_true", help="2-layer models, 8-token prompts, 4 new tokens (CPU smoke run)")
     args = p.parse_args(argv)
@@ -507,7 +526,10 @@ def main(argv: list[str] | None = None):
                 split = f"; prefill s {row[PREFILL]}" if PREFILL in row else ""
                 print(f"  {variant} {cache} B{batch}: {speeds} tok/s{split}; {elapsed:.0f} s so far", flush=True)
                 if args.profile and batch != "ragged":
-                    profile_step(compiled, cache, batch, engine, args, sync)
+                    run = ours_profile_run(compiled, cache, batch, engine, args, sync)
+                    profile_step(f"{variant} {cache} B{batch} compiled", run, cuda)
+                    if peer is not None:  # the same step of the peer, kernel by kernel beside ours
+                        profile_step(f"{variant} B{batch} peer", peer.profile_run, cuda)
         del model, compiled
         if cuda:
             torch.cuda.empty_cache()

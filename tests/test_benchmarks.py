@@ -43,11 +43,12 @@ def table(stdout: str, first_column: str) -> list[dict[str, str]]:
 def test_bench_generate_cpu_smoke_run():
     """`--device cpu` (argparse's spelling, as well as --device=cpu): both models pass the check against the eager
     loop, then a batch and the ragged prompts run four ways (our static engine, the same over compiled blocks, our
-    eager loop, the peer), and --profile lists what a compiled decode step of each fixed batch spends."""
+    eager loop, the peer), and --profile lists what a decode step of each fixed batch spends, compiled ours and the
+    peer's."""
     out = run_module("bench_generate", "--device", "cpu", "--tiny", "--profile")
     assert "gqa check: max logit error vs eager" in out and "mla check: max logit error vs eager" in out, out
     for variant in ("gqa", "mla"):
-        assert f"profile {variant} auto B2 compiled:" in out, out
+        assert f"profile {variant} auto B2 compiled:" in out and f"profile {variant} B2 peer:" in out, out
     rows = table(out, "model")
     assert [(r["model"], r["batch"]) for r in rows] == [
         ("gqa", "2"),

@@ -251,6 +251,75 @@ def test_decode_never_reads_past_the_end(dtype, case, kernel, monkeypatch):
         assert decode._sm90_supports(q, k_pages, v_pages, None) == decode_sm90.on_hopper(q)
 
 
+def _appended(k, v, k_new, v_new, seq_lens, table=None):
+    """Copies of the cache (contiguous (B, H_kv, S, D) or pools with their table) holding each sequence's new token
+    at position seq_lens[b] - 1, in the cache's dtype: what an append must leave."""
+    k, v = k.clone(), v.clone()
+    for b, n in enumerate(seq_lens.tolist()):
+        if table is None:
+            k[b, :, n - 1], v[b, :, n - 1] = k_new[b], v_new[b]
+        else:
+            page_size = k.shape[1]
+            page = int(table[b, (n - 1) // page_size])
+            k[page, (n - 1) % page_size], v[page, (n - 1) % page_size] = k_new[b], v_new[b]
+    return k, v
+
+
+@pytest.mark.parametrize("kernel", SM90_KERNELS)
+@pytest.mark.parametrize(
+    "case",
+    SM90_CASES + [(2, 6, 2, 17, 80, 0, 2), (2, 4, 2, 1, 32, 0, 2), (3, 6, 2, 70, 48, 8, 9)],
+    ids=lambda c: (
+        f"B{c[0]}-Hq{c[1]}-Hkv{c[2]}-S{c[3]}-D{c[4]}-"
+        + (f"page{c[5]}" if c[5] else "contig")
+        + f"-splits{c[6] or 'Auto'}"
+    ),
+)
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
+def test_decode_appends_the_new_token(dtype, case, kernel, monkeypatch):
+    """k_new / v_new: the launch stores each sequence's new token at seq_lens - 1 and attends to it, as a write into
+    the cache and then a decode would; every other entry of the cache stays as it was. Cases: the Hopper kernel's
+    inputs (on a GPU it stores them in a launch of its own before it reads), D 80 with two splits, a one-token cache
+    (only the new token), more splits than tiles; the new tokens in fp32, stored in the cache's dtype."""
+    if kernel == "triton":
+        monkeypatch.setenv("ZOO_DECODE_SM90", "0")
+    b, hq, hkv, s, d, page_size, splits = case
+    q = torch.randn(b, hq, d, device=DEVICE, dtype=dtype)
+    k, v = (torch.randn(b, hkv, s, d, device=DEVICE, dtype=dtype) for _ in range(2))
+    k_new, v_new = (torch.randn(b, hkv, d, device=DEVICE) for _ in range(2))
+    seq_lens = ragged_lens(b, s)
+    if page_size:
+        k, v, table = _paged(k, v, page_size)
+    want_k, want_v = _appended(k, v, k_new.to(dtype), v_new.to(dtype), seq_lens, table if page_size else None)
+    if page_size:
+        ref_out, ref_lse = paged_decode_reference(q, want_k, want_v, table, seq_lens, scale=0.1)
+        out, lse = paged_grouped_decode(
+            q, k, v, table, seq_lens, scale=0.1, num_splits=splits, k_new=k_new, v_new=v_new
+        )
+    else:
+        ref_out, ref_lse = decode_reference(q, want_k, want_v, seq_lens, scale=0.1)
+        out, lse = grouped_decode(q, k, v, seq_lens, scale=0.1, num_splits=splits, k_new=k_new, v_new=v_new)
+    _check(out, lse, ref_out, ref_lse, dtype, "decode with append")
+    assert torch.equal(k, want_k) and torch.equal(v, want_v), "the cache after the append"
+
+
+def test_decode_appends_through_strided_views():
+    """The new tokens as the model hands them over (strided views of one projection) into a cache stored
+    (B, S, H_kv, D) and viewed (B, H_kv, S, D), as cache.GroupedCache holds it."""
+    dtype = KERNEL_DTYPES[-1]
+    b, hq, hkv, s, d = 3, 8, 2, 50, 32
+    q = torch.randn(b, hq, d, device=DEVICE, dtype=dtype)
+    k, v = (torch.randn(b, s, hkv, d, device=DEVICE, dtype=dtype).transpose(1, 2) for _ in range(2))
+    kv = torch.randn(b, 2, hkv, d, device=DEVICE, dtype=dtype)
+    k_new, v_new = kv[:, 0], kv[:, 1]
+    seq_lens = ragged_lens(b, s)
+    want_k, want_v = _appended(k, v, k_new, v_new, seq_lens)
+    ref_out, ref_lse = decode_reference(q, want_k, want_v, seq_lens, scale=0.1)
+    out, lse = grouped_decode(q, k, v, seq_lens, scale=0.1, num_splits=3, k_new=k_new, v_new=v_new)
+    _check(out, lse, ref_out, ref_lse, dtype, "strided append")
+    assert torch.equal(k, want_k) and torch.equal(v, want_v)
+
+
 def test_sm90_eligibility():
     """Which paged inputs the Hopper decode kernel takes (on an sm_90 GPU): fp16/bf16, D_qk == D_v in {64, 128}, no
     RoPE, pools whose slots hold their heads side by side (TMA reads them as (pages, page_size, H_kv * D)).
@@ -602,6 +671,24 @@ def _bad_inputs():
         ),
         "paged-device-mismatch": (paged(block_table=table.to("meta" if DEVICE == "cpu" else "cpu")), "block_table"),
         "paged-scale-nan": (paged(scale=float("nan")), "scale"),
+        "k_new-alone": (grouped(k_new=torch.randn(2, 2, 32, **f)), "v_new"),
+        "v_new-alone": (paged(v_new=torch.randn(2, 2, 32, **f)), "k_new"),
+        "k_new-shape": (grouped(k_new=torch.randn(2, 4, 32, **f), v_new=torch.randn(2, 2, 32, **f)), "k_new"),
+        "v_new-dim": (paged(k_new=torch.randn(2, 2, 32, **f), v_new=torch.randn(2, 2, 16, **f)), "v_new"),
+        "k_new-int": (grouped(k_new=torch.ones(2, 2, 32, **i32), v_new=torch.randn(2, 2, 32, **f)), "k_new"),
+        "k_new-with-rope": (
+            grouped(
+                q_rope=torch.randn(2, 4, 16, **f),
+                k_rope=torch.randn(2, 2, 16, 16, **f),
+                k_new=torch.randn(2, 2, 32, **f),
+                v_new=torch.randn(2, 2, 32, **f),
+            ),
+            "k_new",
+        ),
+        "k_new-device": (
+            grouped(k_new=torch.randn(2, 2, 32, device="meta" if DEVICE == "cpu" else "cpu"), v_new=v[:, :, 0]),
+            "k_new",
+        ),
     }
 
 
@@ -693,6 +780,38 @@ def test_compile_fullgraph():
     ref_out, ref_lse = decode_reference(q, k, v, lens, scale=0.2)
     assert_close(out, 2 * ref_out, dtype, "compiled out")
     assert_close(lse, 2 * ref_lse, dtype, "compiled lse")
+
+    # The appending ops mutate the caches: traced as such, the writes land in the tensors the caller passed.
+    k_new, v_new = (torch.randn(b, hkv, d, device=DEVICE, dtype=dtype) for _ in range(2))
+    want_k, want_v = _appended(k, v, k_new, v_new, lens)
+    want_kp, want_vp = _appended(k_pages, v_pages, k_new, v_new, lens, table)
+
+    def append(q, k, v, k_pages, v_pages, table, lens, k_new, v_new):
+        a, _ = grouped_decode(q, k, v, lens, scale=0.2, k_new=k_new, v_new=v_new)
+        p, _ = paged_grouped_decode(q, k_pages, v_pages, table, lens, scale=0.2, k_new=k_new, v_new=v_new)
+        return a + p
+
+    compiled = torch.compile(append, fullgraph=True, backend="aot_eager")
+    out = compiled(q, k, v, k_pages, v_pages, table, lens, k_new, v_new)
+    assert_close(out, 2 * decode_reference(q, want_k, want_v, lens, scale=0.2)[0], dtype, "compiled append")
+    for got, want in ((k, want_k), (v, want_v), (k_pages, want_kp), (v_pages, want_vp)):
+        assert torch.equal(got, want)
+
+
+def test_append_ops_pass_opcheck():
+    """torch.library.opcheck of the appending ops: their schemas declare the caches they write, the fake kernels
+    match the real outputs' metadata, and autograd and functionalization see the mutation."""
+    dtype = KERNEL_DTYPES[-1]
+    b, hq, hkv, s, d = 2, 4, 2, 24, 32
+    q = torch.randn(b, hq, d, device=DEVICE, dtype=dtype)
+    k, v = (torch.randn(b, hkv, s, d, device=DEVICE, dtype=dtype) for _ in range(2))
+    k_pages, v_pages, table = _paged(k, v, 8)
+    lens = torch.tensor([24, 7], dtype=torch.int32, device=DEVICE)
+    k_new, v_new = (torch.randn(b, hkv, d, device=DEVICE, dtype=dtype) for _ in range(2))
+    torch.library.opcheck(torch.ops.zoo.grouped_decode_append, (q, k, v, lens, 0.2, None, k_new, v_new))
+    torch.library.opcheck(
+        torch.ops.zoo.paged_grouped_decode_append, (q, k_pages, v_pages, table, lens, 0.2, None, k_new, v_new)
+    )
 
 
 @pytest.mark.parametrize(
@@ -862,6 +981,8 @@ _TRITON_DECODE_COMPILES = {
             FINAL_OUT="*bf16",
             FINAL_LSE="*fp32",
             COUNTERS="*i32",
+            K_NEW="*bf16",
+            V_NEW="*bf16",
             scale_log2="fp32",
         ),
         dict(
@@ -880,6 +1001,7 @@ _TRITON_DECODE_COMPILES = {
             STATIC_ITERS=0,
             DOT_PRECISION="tf32",
             FUSE_CHUNK=2,
+            APPEND=True,  # the new token's fold and store ride on the whole kernel
         ),
     ),
     "_combine_splits_kernel": (
