@@ -27,9 +27,10 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from attention_kernels import _checks, split_kv
-from attention_kernels._host import LOG2E, cdiv, device_guard, launcher, next_power_of_2, num_sms
+from attention_kernels._host import LOG2E, cdiv, device_guard, launcher, next_power_of_2, num_sms, pdl
 from attention_kernels.split_kv import (
     MAX_SPLITS,
     auto_num_splits,
@@ -357,10 +358,13 @@ def _inputs_kernel(
     BLOCK_LATENT: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
+    WAIT: tl.constexpr,
 ):
     # grid (cdiv(B, BLOCK_B), H + 1, cdiv(D_c, BLOCK_C)). Head h < H: BLOCK_C columns of q_nope W_UK[h] for BLOCK_B
     # rows as one MMA (the weight tile is read once for all of them), and at column block 0 the head's RoPE part.
     # "Head" H, column block 0: the latent's norm and the RoPE key, stored at each row's (page, slot) in the cache.
+    # WAIT: a programmatic dependent launch (`_host.pdl`): each program reads its weights, which no kernel of the
+    # step writes, while the projection before it finishes, and waits for it before anything else.
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     h = tl.program_id(1)
     j = tl.program_id(2)
@@ -373,9 +377,11 @@ def _inputs_kernel(
         n = tl.arange(0, BLOCK_N)
         c = j * BLOCK_C + tl.arange(0, BLOCK_C)
         q_ok = row_ok[:, None] & (n < D_N)[None, :]
-        q_nope = tl.load(Q + rows[:, None] * stride_qb + h * stride_qh + n[None, :], mask=q_ok, other=0.0)
         w_ok = (n < D_N)[:, None] & (c < D_C)[None, :]
         w = tl.load(W_UK + h * stride_wh + n[:, None] * stride_wn + c[None, :], mask=w_ok, other=0.0)
+        if WAIT:
+            gdc_wait()
+        q_nope = tl.load(Q + rows[:, None] * stride_qb + h * stride_qh + n[None, :], mask=q_ok, other=0.0)
         q_abs = tl.dot(q_nope, w.to(q_nope.dtype), input_precision=DOT_PRECISION)
         q_abs_ptr = Q_ABS + rows[:, None] * stride_ab + h * D_C + c[None, :]
         tl.store(q_abs_ptr, q_abs.to(Q_ABS.dtype.element_ty), mask=row_ok[:, None] & (c < D_C)[None, :])
@@ -386,8 +392,10 @@ def _inputs_kernel(
     elif j == 0:
         c = tl.arange(0, BLOCK_LATENT)
         latent_ok = row_ok[:, None] & (c < D_C)[None, :]
-        latent = tl.load(KV + rows[:, None] * stride_kvb + c[None, :], mask=latent_ok, other=0.0).to(tl.float32)
         gain = tl.load(NORM_W + c, mask=c < D_C, other=0.0).to(tl.float32)
+        if WAIT:
+            gdc_wait()
+        latent = tl.load(KV + rows[:, None] * stride_kvb + c[None, :], mask=latent_ok, other=0.0).to(tl.float32)
         rms = tl.rsqrt(tl.sum(latent * latent, axis=1) / D_C + eps)
         page = tl.load(PAGES + rows * stride_pb, mask=row_ok, other=0).to(tl.int64)
         slot = tl.load(SLOTS + rows * stride_sb, mask=row_ok, other=0).to(tl.int64)
@@ -614,6 +622,7 @@ def _inputs_op(
     d_r = width - d_n
     q_absorbed, q_rope = q.new_empty(B, H, d_c), q.new_empty(B, H, d_r)
     columns = input_columns(d_n, q.element_size())
+    wait = pdl(q.device)
     with device_guard(q):
         launcher(_inputs_kernel)[(cdiv(B, INPUT_ROWS), H + 1, cdiv(d_c, columns))](
             q,
@@ -653,7 +662,9 @@ def _inputs_op(
             BLOCK_LATENT=pow2(d_c),
             BLOCK_HALF=next_power_of_2(d_r // 2),
             DOT_PRECISION=dot_precision(q.dtype),
+            WAIT=wait,
             num_warps=4,
+            launch_pdl=wait,
         )
     return q_absorbed, q_rope
 

@@ -737,6 +737,30 @@ def test_mla_decode_inputs_compiles_for_sm90_without_spills(dims, dtype):
     pointers |= dict(PAGES="*i64", SLOTS="*i64", B="i32", eps="fp32")
     columns = input_columns(d_n, 4 if dtype == "fp32" else 2)
     const = dict(H=H, D_N=d_n, D_C=d_c, HALF=d_r // 2, BLOCK_B=16, BLOCK_N=d_n, BLOCK_C=columns, BLOCK_LATENT=d_c)
-    const |= dict(BLOCK_HALF=d_r // 2, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32")
+    const |= dict(BLOCK_HALF=d_r // 2, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", WAIT=True)
     result = compile_gluon_sm90("attention_kernels.mla", "_inputs_kernel", pointers, const, gluon=False)
     assert spill_bytes(result["ptxas"]) == [(0, 0)], result["ptxas"]
+    # as a dependent launch: a wait in each of the two branches that read the projection's outputs
+    assert result["ptx"].count("griddepcontrol.wait") == 2, "WAIT did not reach the PTX"
+
+
+def test_mla_decode_inputs_as_dependent_launch(monkeypatch):
+    """On an H100/H200 the input launch is a programmatic dependent of the projection before it (`decode.pdl`): it
+    reads W_UK and the norm's gain early and waits before it reads q and kv. A chain of three launches, each taking
+    the previous one's absorbed query as its query (and the next cache slot): the reference's outputs, eager and
+    replayed from a CUDA graph, bit for bit those of plain launches (ZOO_PDL=0)."""
+    dtype = KERNEL_DTYPES[-1]
+    B, H, D_n, D_r, D_c = INPUT_SHAPES["gpt2-small"]
+    args = _step_inputs(B, H, D_n, D_r, D_c, dtype, together=False)
+    keys = ("kv", "cos", "sin", "norm_weight", "eps", "w_uk", "c_cache", "r_cache", "pages", "slots")
+
+    def step(x):  # x (B, H, D_c): its first D_n + D_r columns are the next query
+        return mla_decode_inputs(x[..., : D_n + D_r], *(args[k] for k in keys), validate=False)
+
+    def check(x, q_abs, q_rope, name):
+        ref = mla_decode_inputs_reference(x[..., : D_n + D_r], *(args[k] for k in keys[:6]))
+        assert_close(q_abs, ref[0], dtype, f"{name} q_absorbed")
+        assert_close(q_rope, ref[1], dtype, f"{name} q_rope")
+
+    x0 = torch.randn(B, H, D_c, device=DEVICE, dtype=dtype)
+    check_dependent_chain(step, x0, check, monkeypatch)

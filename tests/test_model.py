@@ -217,7 +217,9 @@ def test_cached_forward_matches_full_forward(variant, pos, backend):
                 per_layer = [("append_latent" if mla else "append", i) for i in range(cfg.n_layer)]
             else:
                 scale = 1 / math.sqrt(cfg.qk_head_dim)  # MLA: 1/sqrt(nope + rope)
-                attend = ("attend_latent_inputs" if backend == "triton" else "attend_latent") if mla else "attend"
+                # MLA's input kernel runs wherever model.triton_runs: the Triton backend, and any backend on CUDA
+                inputs = backend == "triton" or DEVICE == "cuda"
+                attend = ("attend_latent_inputs" if inputs else "attend_latent") if mla else "attend"
                 per_layer = [(attend, i, scale) for i in range(cfg.n_layer)]
             assert cache.calls == [("reserve", T)] + per_layer
 
