@@ -559,8 +559,13 @@ class _KVCache(_Cache):
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float):
         """Decode: q (B, H_q, 1, D_qk), k/v (B, H_kv, 1, D) -> y (B, H_q, 1, D_v) over every cached token. With
         the Triton backend the decode kernel writes k and v into the cache itself (its k_new, v_new)."""
-        if q.shape[2] != 1:
-            raise ValueError(f"q: got shape {tuple(q.shape)}; valid: (B, H_q, 1, D_qk) (decode is one token)")
+        for name, x, layout in (
+            ("q", q, "(B, H_q, 1, D_qk)"),
+            ("k", k, "(B, H_kv, 1, D_qk)"),
+            ("v", v, "(B, H_kv, 1, D_v)"),
+        ):
+            if x.shape[2] != 1:
+                raise ValueError(f"{name}: got shape {tuple(x.shape)}; valid: {layout} (decode is one token)")
         if self.backend == "triton" and self.store.decode_appends(self.rows):
             self._new_tokens(k.transpose(1, 2), layer, "k")
             self._new_tokens(v.transpose(1, 2), layer, "v")

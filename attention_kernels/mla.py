@@ -860,7 +860,11 @@ def mla_decode_inputs(
     cache (rows and positions, or pages and slots), stored in their dtype. w_uk, norm_weight and the cache may be in
     any float dtype (fp32 weights under autocast, say); W_UK is rounded to q's dtype for the product. cos, sin
     (B or 1, D_r/2) fp32 are the token's angles (rotate-half pairing, as rope_qkv's); the norm is the model's RMSNorm
-    (fp32, eps). No gradient. validate=False skips the check that reads pages and slots (a device sync)."""
+    (fp32, eps). No gradient. validate=False skips the check that reads pages and slots (a device sync).
+
+    On sm_90 the launch is a programmatic dependent of the kernel before it: w_uk and norm_weight are read before the
+    program waits for that kernel (everything else after), so that kernel must not be the one that writes them (a
+    cast of the weights right before the call, say), as with decode_linear."""
     _check_inputs(q, kv, cos, sin, norm_weight, eps, w_uk, c_cache, r_cache, pages, slots)
     if validate and _checks.can_read_values(pages):
         _checks.check_write_index_values(c_cache, pages, slots)

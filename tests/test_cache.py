@@ -9,6 +9,7 @@ import pytest
 import torch
 from conftest import DEVICE, KERNEL_DTYPES, assert_close
 
+import attention_kernels
 from attention_kernels import reference
 from cache import BlockAllocator, CacheFullError, make_cache
 from model import rope_cos_sin
@@ -311,6 +312,42 @@ def test_decode_matches_reference_through_ragged_release_and_reuse(kind, backend
     assert sorted(p[0] for p in pos.tolist()) == sorted([9, 17, 6])
     if cache.store.paged:
         cache.store.allocator.check()
+
+
+@pytest.mark.parametrize("kind", ["grouped", "paged"])
+def test_decode_step_writes_inside_the_decode_launch(kind, monkeypatch):
+    """With the Triton backend a decode step's new K/V reach the cache inside the decode kernel (grouped_decode's
+    k_new), with no write_tokens launch, wherever the kernel reads the cache's own buffer: a grouped view of
+    consecutive rows, any paged view. A grouped view of scattered rows decodes from a gathered copy, so there the
+    write keeps its launch. Either way the outputs and every buffer equal the torch backend's."""
+    dtype = KERNEL_DTYPES[0]
+    writes = []
+    write_tokens = attention_kernels.write_tokens
+    monkeypatch.setattr(attention_kernels, "write_tokens", lambda *a, **kw: writes.append(1) or write_tokens(*a, **kw))
+    caches = {
+        b: make_cache(kind, GQA, 3, 24, device=DEVICE, dtype=dtype, backend=b, page_size=8) for b in ("torch", "triton")
+    }
+    for r, n in enumerate((5, 9, 3)):  # ragged prefills, one row at a time
+        kv = [(torch.randn(1, 2, n, 16, device=DEVICE, dtype=dtype),) * 2 for _ in range(GQA.n_layer)]
+        for cache in caches.values():
+            view = cache.view([r])
+            view.reserve(n)
+            for layer in range(GQA.n_layer):
+                view.append(layer, *kv[layer])
+    for rows in ([0, 1, 2], [1, 2], [0, 2]):
+        q, k, v = (torch.randn(len(rows), h, 1, 16, device=DEVICE, dtype=dtype) for h in (4, 2, 2))
+        out = {}
+        for backend, cache in caches.items():
+            writes.clear()
+            view = cache.view(rows)
+            view.reserve(1)
+            out[backend] = [view.attend(layer, q, k, v, 0.25) for layer in range(GQA.n_layer)]
+        scattered = kind == "grouped" and rows == [0, 2]
+        assert len(writes) == (GQA.n_layer if scattered else 0), (rows, writes)
+        for got, want in zip(out["triton"], out["torch"]):
+            assert_close(got, want, dtype, f"{kind} rows {rows}")
+        for got, want in zip(caches["triton"].store.buffers, caches["torch"].store.buffers):
+            assert torch.equal(got, want), f"{kind} rows {rows}: the caches differ"
 
 
 # ----------------------------------------------------------------------------------------- static decode
