@@ -761,7 +761,8 @@ def test_validate_false_skips_value_checks():
 
 
 def test_compile_fullgraph():
-    """torch.compile traces both ops as custom ops without a graph break (aot_eager: no Inductor codegen)."""
+    """torch.compile traces both ops as custom ops without a graph break (aot_eager: no Inductor codegen), and their
+    appending forms as ops that write the caches the caller passed."""
     dtype = KERNEL_DTYPES[-1]
     b, hq, hkv, s, d = 2, 4, 2, 24, 32
     q = torch.randn(b, hq, d, device=DEVICE, dtype=dtype)
