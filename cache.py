@@ -22,7 +22,10 @@ Layouts (the letters of attention_kernels/reference.py):
                  the same allocator and table machinery as `paged` (PagedRows)
 
 The host owns the lengths and the block tables (plain Python lists); the device gets small index tensors once
-per `reserve`, so decoding needs no device-to-host sync and the kernels run with validate=False.
+per `reserve`, so decoding needs no device-to-host sync and the kernels run with validate=False. A decode step's
+new tokens reach the cache inside a launch the step has anyway: the decode kernel's (`grouped_decode`'s k_new,
+wherever it reads the cache's own buffer) or MLA's input kernel (`attend_latent_inputs`); prefill and the rest go
+through `attention_kernels.write_tokens`.
 
 Static decode (a cache made with `static=True`, for a decode step that a CUDA graph replays): `static_view(b)` is
 rows 0 .. b-1, and its `reserve(1)` does no host work at all: each row's write position is read from the device

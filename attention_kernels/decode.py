@@ -23,7 +23,10 @@ Structure:
   fp16/bf16 with D 64 or 128 (no RoPE) run decode_sm90.py instead, whose loader warp copies whole pages by TMA so
   that no tile waits on a table load;
 - on sm_90 the decode launch is a programmatic dependent of the kernel before it (`_host.pdl`): its start overlaps
-  that kernel's end.
+  that kernel's end;
+- a decode step's new token may come with the call (k_new, v_new, as FlashAttention's kvcache call takes it): the
+  splits cut the seq_len - 1 cached tokens, the last split folds the new one in from registers, and one program per
+  KV head stores it at seq_len - 1, so the step's cache write needs no launch of its own.
 
 Layouts (as in reference.py):
     q (B, H_q, D)  k (B, H_kv, S_max, D)  v (B, H_kv, S_max, D_v)  seq_lens (B,) int32
