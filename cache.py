@@ -116,6 +116,11 @@ def _cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def _consecutive(rows: list[int]) -> bool:
+    """Are the rows a range (r0, r0 + 1, ...)? Then a slice of the storage is a view of them, not a gathered copy."""
+    return rows == list(range(rows[0], rows[0] + len(rows)))
+
+
 def check_page_size(page_size) -> None:
     """The paged decode kernels take pages of a power of two from 8 to 256 tokens."""
     if not isinstance(page_size, int) or not 8 <= page_size <= 256 or page_size & (page_size - 1):
@@ -190,14 +195,14 @@ class ContiguousRows:
 
     def prefix(self, buf, rows: list[int], rows_t, length: int):
         """(n, length, *feat): the first `length` tokens of these rows (a view when the rows are a range)."""
-        if self.decode_appends(rows):
+        if _consecutive(rows):
             return buf[rows[0] : rows[0] + len(rows), :length]
         return buf[rows_t, :length]
 
     def decode_appends(self, rows: list[int]) -> bool:
         """Can the decode kernel store the new tokens (`grouped_decode`'s k_new)? Into a view of the buffer, yes;
-        into the copy that gathers scattered rows, no."""
-        return rows == list(range(rows[0], rows[0] + len(rows)))
+        into the copy that `prefix` gathers for scattered rows, no."""
+        return _consecutive(rows)
 
     def release(self, row: int):
         self.lens[row] = 0
@@ -324,9 +329,8 @@ class PagedRows:
         return True
 
     def table(self, rows: list[int], rows_t) -> torch.Tensor:
-        r0 = rows[0]
-        if rows == list(range(r0, r0 + len(rows))):
-            return self.block_table[r0 : r0 + len(rows)]
+        if _consecutive(rows):
+            return self.block_table[rows[0] : rows[0] + len(rows)]
         return self.block_table.index_select(0, rows_t)
 
     def prefix(self, pool, rows: list[int], rows_t, length: int):
