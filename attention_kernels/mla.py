@@ -291,6 +291,102 @@ def _mla_decode_kernel(
         )
 
 
+@triton.jit
+def _combine_up_kernel(
+    PART_O,
+    PART_LSE,
+    W_UV,
+    OUT,
+    LSE,
+    B,
+    stride_pb,
+    stride_ph,
+    stride_ps,
+    stride_pd,
+    stride_plb,
+    stride_plh,
+    stride_pls,
+    stride_wh,
+    stride_wv,
+    stride_wc,
+    stride_ob,
+    stride_oh,
+    stride_od,
+    stride_lb,
+    stride_lh,
+    NUM_SPLITS: tl.constexpr,
+    D_C: tl.constexpr,
+    D_V: tl.constexpr,
+    BLOCK_B: tl.constexpr,
+    BLOCK_S: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
+    BLOCK_C: tl.constexpr,
+    BLOCK_V: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    WAIT: tl.constexpr,
+):
+    """The split combine with the value up-projection applied: out[b, h] = latent[b, h] W_UV[h]^T, the latent the
+    merge of the NUM_SPLITS partials (weights exp2(lse_s - max), as split_kv's combine), never stored. A program
+    takes BLOCK_B rows of one head and BLOCK_V of its value columns, and walks the latent in BLOCK_C-wide chunks;
+    16 rows or more make the product an MMA, so W_UV's tile is read once for all of them. With one split the
+    partial is the decode's final latent and lse (natural log), which the merge's weight of 1 passes through."""
+    h = tl.program_id(0)
+    rows = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+    cols = tl.program_id(2) * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask_b = rows < B
+    mask_v = cols < D_V
+    offs_c = tl.arange(0, BLOCK_C)
+    w_ptrs = W_UV + h * stride_wh + cols[:, None] * stride_wv + offs_c[None, :] * stride_wc
+    # No launch writes W_UV: its first chunk is read before the wait for the decode's partials.
+    w = tl.load(w_ptrs, mask=mask_v[:, None] & (offs_c[None, :] < D_C), other=0.0)  # (BLOCK_V, BLOCK_C)
+    if WAIT:
+        gdc_wait()
+    lse_row = PART_LSE + rows[:, None] * stride_plb + h * stride_plh
+    offs_s = tl.arange(0, BLOCK_S)
+    lse2 = tl.load(
+        lse_row + offs_s[None, :] * stride_pls,
+        mask=mask_b[:, None] & (offs_s[None, :] < NUM_SPLITS),
+        other=-float("inf"),
+    )  # (BLOCK_B, BLOCK_S)
+    m = tl.max(lse2, axis=1)
+    m = tl.where(m == -float("inf"), 0.0, m)  # padding rows only: split 0 of a sequence holds a token
+    denom = tl.sum(tl.math.exp2(lse2 - m[:, None]), axis=1)
+    inv = 1.0 / tl.where(denom > 0.0, denom, 1.0)
+    offs_k = tl.arange(0, SPLIT_CHUNK)
+    o_row = PART_O + rows[:, None, None] * stride_pb + h * stride_ph
+    acc = tl.zeros([BLOCK_B, BLOCK_V], tl.float32)
+    for c0 in tl.static_range(0, D_C, BLOCK_C):
+        if c0 > 0:
+            w = tl.load(w_ptrs + c0 * stride_wc, mask=mask_v[:, None] & ((c0 + offs_c)[None, :] < D_C), other=0.0)
+        mask_c = (c0 + offs_c) < D_C
+        latent = tl.zeros([BLOCK_B, BLOCK_C], tl.float32)
+        for s0 in range(0, NUM_SPLITS, SPLIT_CHUNK):
+            splits = s0 + offs_k
+            mask_s = splits < NUM_SPLITS
+            lse_k = tl.load(
+                lse_row + splits[None, :] * stride_pls, mask=mask_b[:, None] & mask_s[None, :], other=-float("inf")
+            )
+            o = tl.load(
+                o_row + splits[None, :, None] * stride_ps + (c0 + offs_c)[None, None, :] * stride_pd,
+                mask=mask_b[:, None, None] & mask_s[None, :, None] & mask_c[None, None, :],
+                other=0.0,
+            )  # (BLOCK_B, SPLIT_CHUNK, BLOCK_C)
+            latent += tl.sum(o.to(tl.float32) * tl.math.exp2(lse_k - m[:, None])[:, :, None], axis=1)
+        latent = latent * inv[:, None]
+        if BLOCK_B >= 16:  # the latent rounded to the weights' dtype for the MMA, as a separate matmul takes it
+            acc += tl.dot(latent.to(w.dtype), tl.trans(w), input_precision=DOT_PRECISION)
+        else:
+            acc += tl.sum(latent[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
+    out_ptrs = OUT + rows[:, None] * stride_ob + h * stride_oh + cols[None, :] * stride_od
+    tl.store(out_ptrs, acc.to(OUT.dtype.element_ty), mask=mask_b[:, None] & mask_v[None, :])
+    if NUM_SPLITS > 1:
+        if tl.program_id(2) == 0:
+            lse = tl.where(
+                denom > 0.0, (m + tl.math.log2(tl.where(denom > 0.0, denom, 1.0))) * 0.6931471805599453, -float("inf")
+            )
+            tl.store(LSE + rows * stride_lb + h * stride_lh, lse, mask=mask_b)
+
+
 # ---- Launch heuristics ------------------------------------------------------------------------------------------
 
 
@@ -433,6 +529,7 @@ def _launch_mla(
     paged: bool,
     page_size: int,
     capacity: int,
+    w_uv: torch.Tensor | None = None,
     config: dict | None = None,
 ):
     batch, h, d_c = q_absorbed.shape
@@ -463,10 +560,12 @@ def _launch_mla(
         num_splits = auto_num_splits(
             batch * head_tiles, n_tiles, tile_bytes, tile_time, batch * h * (d_c + 1) * 4, slots
         )
-    out = split_kv.new_empty((batch, h, d_c), q_absorbed.device, q_absorbed.dtype)
+    up = w_uv is not None  # the combine applies W_UV (`_combine_up`), after one split as after several
+    out = split_kv.new_empty((batch, h, w_uv.shape[1] if up else d_c), q_absorbed.device, q_absorbed.dtype)
     lse = split_kv.new_empty((batch, h), q_absorbed.device, torch.float32)
     if num_splits == 1:
-        part_o, part_lse = out[:, :, None], lse[:, :, None]
+        latent = split_kv.new_empty((batch, h, d_c), out.device, out.dtype) if up else out
+        part_o, part_lse = latent[:, :, None], lse[:, :, None]
     else:
         part_o = split_kv.new_empty((batch, h, num_splits, d_c), out.device, torch.float32)
         part_lse = split_kv.new_empty((batch, h, num_splits), out.device, torch.float32)
@@ -487,7 +586,7 @@ def _launch_mla(
                 heads=block_h,
             )
     else:
-        chunk = fused_combine_chunk(num_splits, min(h, block_h), d_c, batch * h, out.device)
+        chunk = 0 if up else fused_combine_chunk(num_splits, min(h, block_h), d_c, batch * h, out.device)
         counters = split_counters(out.device, batch * head_tiles) if chunk else None
         fused = counters is not None
         final_o, final_lse = (out, lse) if fused else (part_o[:, :, 0], part_lse[:, :, 0])
@@ -533,9 +632,57 @@ def _launch_mla(
             FUSE_CHUNK=chunk if fused else 0,
             **cfg,
         )
-    if num_splits > 1 and not fused:
+    if up:
+        _combine_up(part_o, part_lse, w_uv, out, lse)
+    elif num_splits > 1 and not fused:
         combine_splits(part_o, part_lse, out, lse)
     return out, lse
+
+
+UP_MMA_ROWS = 16  # batches from this size take the up-projection 16 rows a program, as one MMA
+
+
+def _combine_up(part_o: torch.Tensor, part_lse: torch.Tensor, w_uv: torch.Tensor, out: torch.Tensor, lse: torch.Tensor):
+    """part_o (B, H, splits, D_c) and part_lse (B, H, splits): the decode's partials (fp32, log2 units) or its one
+    split's final latent and lse; w_uv (H, D_v, D_c) -> out (B, H, D_v), and lse (B, H) from several splits. A batch
+    under UP_MMA_ROWS takes one row a program over 16 value columns, so a one-row step spreads a layer's W_UV over
+    H x D_v / 16 programs; larger ones take 16 rows a program. Launched as a programmatic dependent of the decode
+    launch where `pdl` says so."""
+    batch, heads, splits, d_c = part_o.shape
+    d_v = w_uv.shape[1]
+    block_b = 16 if batch >= UP_MMA_ROWS else 1
+    # registers: the weight tile (BLOCK_V x BLOCK_C) and a load of partials (BLOCK_B x SPLIT_CHUNK x BLOCK_C) of at
+    # most 8,192 and 4,096 values; a one-row program takes the whole latent in one chunk (up to 512 wide)
+    block_c = pow2(d_c) if block_b == 1 else 64
+    block_v = 16 if block_b == 1 else min(64, pow2(d_v))
+    split_chunk = max(1, min(next_power_of_2(splits), 4096 // (block_b * block_c)))
+    wait = pdl(out.device)
+    with device_guard(out):
+        launcher(_combine_up_kernel)[(heads, cdiv(batch, block_b), cdiv(d_v, block_v))](
+            part_o,
+            part_lse,
+            w_uv,
+            out,
+            lse,
+            batch,
+            *part_o.stride(),
+            *part_lse.stride(),
+            *w_uv.stride(),
+            *out.stride(),
+            *lse.stride(),
+            NUM_SPLITS=splits,
+            D_C=d_c,
+            D_V=d_v,
+            BLOCK_B=block_b,
+            BLOCK_S=next_power_of_2(splits),
+            SPLIT_CHUNK=split_chunk,
+            BLOCK_C=block_c,
+            BLOCK_V=block_v,
+            DOT_PRECISION=dot_precision(w_uv.dtype),
+            WAIT=wait,
+            num_warps=4,
+            launch_pdl=wait,
+        )
 
 
 # ---- Custom ops (torch.compile traces through them) --------------------------------------------------------------
@@ -550,6 +697,7 @@ def _mla_decode_op(
     seq_lens: torch.Tensor,
     scale: float,
     num_splits: int | None,
+    w_uv: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return _launch_mla(
         q_absorbed,
@@ -563,12 +711,19 @@ def _mla_decode_op(
         paged=False,
         page_size=1,
         capacity=c_kv.shape[1],
+        w_uv=w_uv,
     )
 
 
+def _fake_outputs(q_absorbed, w_uv):
+    batch, h, d_c = q_absorbed.shape
+    out = q_absorbed.new_empty(batch, h, d_c if w_uv is None else w_uv.shape[1])
+    return out, q_absorbed.new_empty(batch, h, dtype=torch.float32)
+
+
 @_mla_decode_op.register_fake
-def _(q_absorbed, q_rope, c_kv, k_rope, seq_lens, scale, num_splits):
-    return torch.empty_like(q_absorbed), q_absorbed.new_empty(q_absorbed.shape[:2], dtype=torch.float32)
+def _(q_absorbed, q_rope, c_kv, k_rope, seq_lens, scale, num_splits, w_uv):
+    return _fake_outputs(q_absorbed, w_uv)
 
 
 @torch.library.custom_op("zoo::paged_mla_decode", mutates_args=())
@@ -581,6 +736,7 @@ def _paged_mla_decode_op(
     seq_lens: torch.Tensor,
     scale: float,
     num_splits: int | None,
+    w_uv: torch.Tensor | None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     page_size = c_kv_pages.shape[1]
     return _launch_mla(
@@ -595,12 +751,13 @@ def _paged_mla_decode_op(
         paged=True,
         page_size=page_size,
         capacity=block_table.shape[1] * page_size,
+        w_uv=w_uv,
     )
 
 
 @_paged_mla_decode_op.register_fake
-def _(q_absorbed, q_rope, c_kv_pages, k_rope_pages, block_table, seq_lens, scale, num_splits):
-    return torch.empty_like(q_absorbed), q_absorbed.new_empty(q_absorbed.shape[:2], dtype=torch.float32)
+def _(q_absorbed, q_rope, c_kv_pages, k_rope_pages, block_table, seq_lens, scale, num_splits, w_uv):
+    return _fake_outputs(q_absorbed, w_uv)
 
 
 @torch.library.custom_op("zoo::mla_decode_inputs", mutates_args=("c_cache", "r_cache"))
@@ -709,6 +866,20 @@ def _check_mla(q_absorbed, q_rope, ckv, kr, seq_lens, scale, num_splits, *, ckv_
     _checks.check_scale(scale)
 
 
+def _check_w_uv(w_uv, q_absorbed):
+    if w_uv is None:
+        return
+    _checks.check_rank("w_uv", w_uv, 3, "(H, D_v, D_c)")
+    b, h, d_c = q_absorbed.shape
+    if w_uv.shape[0] != h or w_uv.shape[2] != d_c or not 1 <= w_uv.shape[1] <= 512:
+        _checks.fail(
+            "w_uv", f"shape {tuple(w_uv.shape)}", f"(H={h}, D_v, D_c={d_c}) from q_absorbed, D_v from 1 to 512"
+        )
+    # any float dtype, as W_UK's in mla_decode_inputs: fp32 weights under autocast are products in fp32
+    _checks.check_float("w_uv", w_uv)
+    _checks.check_same_device({"q_absorbed": q_absorbed, "w_uv": w_uv})
+
+
 def _check_inputs(q, kv, cos, sin, norm_weight, eps, w_uk, c_cache, r_cache, pages, slots):
     _checks.check_rank("q", q, 3, "(B, H, D_n + D_r)")
     _checks.check_rank("kv", kv, 2, "(B, D_c + D_r)")
@@ -782,18 +953,22 @@ def mla_decode(
     *,
     scale: float,
     num_splits: int | None = None,
+    w_uv: torch.Tensor | None = None,
     validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Absorbed MLA decode over a contiguous latent cache. q_absorbed (B, H, D_c), q_rope (B, H, D_r),
     c_kv (B, S_max, D_c), k_rope (B, S_max, D_r), seq_lens (B,) int32. D_c from 1 to 512, D_r from 1 to 128.
-    Returns latent out (B, H, D_c) in q_absorbed's dtype and lse (B, H) fp32. validate=False skips the
-    seq_lens value check (a device sync)."""
+    Returns latent out (B, H, D_c) in q_absorbed's dtype and lse (B, H) fp32. With w_uv (H, D_v, D_c), W_UV, the
+    value up-projection per head (any float dtype), out is the heads' values (B, H, D_v) = latent[b, h] W_UV[h]^T,
+    applied as the splits are combined, so the latent never goes to memory. validate=False skips the seq_lens value
+    check (a device sync)."""
     _check_mla(
         q_absorbed, q_rope, c_kv, k_rope, seq_lens, scale, num_splits, ckv_name="c_kv", kr_name="k_rope", paged=False
     )
+    _check_w_uv(w_uv, q_absorbed)
     if validate and _checks.can_read_values(seq_lens):
         _checks.check_seq_lens_values(seq_lens, c_kv.shape[1], f"S_max of c_kv is {c_kv.shape[1]}")
-    return torch.ops.zoo.mla_decode(q_absorbed, q_rope, c_kv, k_rope, seq_lens, float(scale), num_splits)
+    return torch.ops.zoo.mla_decode(q_absorbed, q_rope, c_kv, k_rope, seq_lens, float(scale), num_splits, w_uv)
 
 
 def paged_mla_decode(
@@ -806,11 +981,12 @@ def paged_mla_decode(
     *,
     scale: float,
     num_splits: int | None = None,
+    w_uv: torch.Tensor | None = None,
     validate: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """mla_decode over a paged latent cache: c_kv_pages (num_pages, page_size, D_c) and k_rope_pages
     (num_pages, page_size, D_r), one pool each shared by all heads, indexed by one block table (B, max_pages)
-    int32. page_size is a power of two from 8 to 256."""
+    int32. page_size is a power of two from 8 to 256. w_uv: as mla_decode's."""
     _check_mla(
         q_absorbed,
         q_rope,
@@ -823,6 +999,7 @@ def paged_mla_decode(
         kr_name="k_rope_pages",
         paged=True,
     )
+    _check_w_uv(w_uv, q_absorbed)
     _checks.check_page_size("c_kv_pages", c_kv_pages.shape[1])
     _checks.check_rank("block_table", block_table, 2, "(B, max_pages)")
     _checks.check_int32("block_table", block_table, (q_absorbed.shape[0], block_table.shape[1]), "(B, max_pages)")
@@ -831,7 +1008,7 @@ def paged_mla_decode(
         _checks.check_seq_lens_values(seq_lens, 2**31 - 1, "a positive length")
         _checks.check_block_table_values(block_table, seq_lens, c_kv_pages.shape[1], c_kv_pages.shape[0])
     return torch.ops.zoo.paged_mla_decode(
-        q_absorbed, q_rope, c_kv_pages, k_rope_pages, block_table, seq_lens, float(scale), num_splits
+        q_absorbed, q_rope, c_kv_pages, k_rope_pages, block_table, seq_lens, float(scale), num_splits, w_uv
     )
 
 

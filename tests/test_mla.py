@@ -144,6 +144,56 @@ def _poison_past_end(c_pages, r_pages, table, seq_lens):
     return [p.masked_fill(~used[..., None], float("nan")) for p in (c_pages, r_pages)]
 
 
+# (B, H, S_max, D_c, D_r, D_v, splits, paged): one row (a program per row and 16 value columns) and 17 or 20 rows
+# (16 a program, as one MMA, the last block masked); one split (the decode's final latent passes through), several,
+# and the automatic count; DeepSeek's 512 + 64 (the Gluon kernels on an H100/H200) and widths that are not powers
+# of two.
+UP_CASES = [
+    (1, 12, 70, 256, 32, 64, None, False),
+    (1, 16, 130, 512, 64, 128, 4, False),
+    (3, 5, 40, 80, 16, 24, 1, False),
+    (17, 4, 33, 64, 16, 48, 3, False),
+    (20, 16, 70, 512, 64, 128, None, True),
+    (2, 7, 60, 96, 32, 40, 2, True),
+]
+
+
+@pytest.mark.parametrize(
+    "case",
+    UP_CASES,
+    ids=[f"B{c[0]}-H{c[1]}-Dc{c[3]}-Dv{c[5]}-s{c[6]}-{'paged' if c[7] else 'contiguous'}" for c in UP_CASES],
+)
+@pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
+def test_mla_decode_applies_w_uv(dtype, case):
+    """With w_uv the decode returns the heads' values latent W_UV[h]^T, the up-projection applied as the splits are
+    combined, and the same lse as without it. W_UV is a strided view of one (H, D_n + D_v, D_c) weight, as the model
+    passes kv_b_proj's, in fp32 beside fp16/bf16 activations (autocast) and in the activations' dtype."""
+    b, h, s, d_c, d_r, d_v, splits, paged = case
+    q_abs, q_rope, c_kv, k_rope, scale = _inputs(b, h, s, d_c, d_r, dtype)
+    kv_b = d_c**-0.5 * torch.randn(h, 16 + d_v, d_c, device=DEVICE)
+    w_uv = kv_b[:, 16:]
+    seq_lens = ragged_lens(b, s)
+    latent, ref_lse = mla_decode_reference(q_abs, q_rope, c_kv, k_rope, seq_lens, scale=scale)
+    for w in (w_uv, w_uv.to(dtype)):
+        if paged:
+            c_pages, r_pages, table = _paged_latent(c_kv, k_rope, 16)
+            c_pages, r_pages = _poison_past_end(c_pages, r_pages, table, seq_lens)
+            call = lambda **kw: paged_mla_decode(q_abs, q_rope, c_pages, r_pages, table, seq_lens, **kw)  # noqa: E731
+        else:
+            past_end = torch.arange(s, device=DEVICE)[None, :, None] >= seq_lens[:, None, None]
+            c_nan, r_nan = c_kv.masked_fill(past_end, float("nan")), k_rope.masked_fill(past_end, float("nan"))
+            call = lambda **kw: mla_decode(q_abs, q_rope, c_nan, r_nan, seq_lens, **kw)  # noqa: E731
+        out, lse = call(scale=scale, num_splits=splits, w_uv=w)
+        assert out.shape == (b, h, d_v)
+        # The one-row programs keep the latent in fp32 for the product, the MMA rounds it to the weights' dtype (as
+        # a separate matmul would): over D_c terms of random sign that adds ~sqrt(D_c) * 2^-9 * |latent| * |w|, a
+        # few 1e-4 for bf16, well inside the kernel's own tolerance.
+        _check(out, lse, unabsorb_output(latent, w), ref_lse, dtype, f"w_uv {w.dtype}")
+        plain_out, plain_lse = call(scale=scale, num_splits=splits)
+        assert torch.equal(lse, plain_lse), "the lse does not depend on w_uv"
+        assert_close(out, unabsorb_output(plain_out, w), dtype, "the plain latent, up-projected")
+
+
 # On an H100/H200 paged 512 + 64 caches run the Gluon kernels (attention_kernels/mla_sm90.py), whose loader copies
 # 64 // page_size pages per 64-token block below 64 and a 64-row slice of larger pages: 5 or 16 heads the narrow
 # kernel in a tile of 16 heads, 32 heads in a tile of 32, 128 heads two 64-head tiles. "wide" runs 16 heads in a
@@ -217,6 +267,7 @@ def _bad_inputs():
             a["seq_lens"],
             scale=a["scale"],
             num_splits=a["num_splits"],
+            w_uv=a.get("w_uv"),
         )
 
     def paged(**kw):
@@ -232,6 +283,7 @@ def _bad_inputs():
             a["block_table"],
             a["seq_lens"],
             scale=a["scale"],
+            w_uv=a.get("w_uv"),
         )
 
     other = torch.bfloat16 if f["dtype"] != torch.bfloat16 else torch.float16
@@ -293,6 +345,13 @@ def _bad_inputs():
         ),
         "paged-device-mismatch": (paged(block_table=table.to("meta" if DEVICE == "cpu" else "cpu")), "block_table"),
         "paged-scale-none": (paged(scale=None), "scale"),
+        "w_uv-rank": (dense(w_uv=torch.randn(4, 64, **f)), "w_uv"),
+        "w_uv-heads": (dense(w_uv=torch.randn(3, 32, 64, **f)), "w_uv"),
+        "w_uv-latent-dim": (dense(w_uv=torch.randn(4, 32, 48, **f)), "w_uv"),
+        "w_uv-value-dim-too-large": (dense(w_uv=torch.randn(4, 513, 64, **f)), "w_uv"),
+        "w_uv-int": (dense(w_uv=torch.ones(4, 32, 64, dtype=torch.int32, device=DEVICE)), "w_uv"),
+        "w_uv-device": (dense(w_uv=torch.randn(4, 32, 64, dtype=f["dtype"], device="meta")), "w_uv"),
+        "paged-w_uv-heads": (paged(w_uv=torch.randn(5, 32, 64, **f)), "w_uv"),
     }
 
 
@@ -330,18 +389,24 @@ def test_compile_fullgraph():
     c_pages, r_pages, table = _paged_latent(c_kv, k_rope, 8)
     lens = torch.tensor([24, 5], dtype=torch.int32, device=DEVICE)
 
+    w_uv = d_c**-0.5 * torch.randn(h, 32, d_c, device=DEVICE)
+
     def step(q_abs, q_rope, c_kv, k_rope, c_pages, r_pages, table, lens):
         a, lse_a = mla_decode(q_abs, q_rope, c_kv, k_rope, lens, scale=scale)
         p, lse_p = paged_mla_decode(q_abs, q_rope, c_pages, r_pages, table, lens, scale=scale)
-        return a.float() + p.float(), lse_a + lse_p
+        values = paged_mla_decode(q_abs, q_rope, c_pages, r_pages, table, lens, scale=scale, w_uv=w_uv)[0]
+        values = values + mla_decode(q_abs, q_rope, c_kv, k_rope, lens, scale=scale, w_uv=w_uv)[0]
+        return a.float() + p.float(), lse_a + lse_p, values
 
     torch._dynamo.reset()
-    out, lse = torch.compile(step, fullgraph=True, backend="aot_eager")(
+    out, lse, values = torch.compile(step, fullgraph=True, backend="aot_eager")(
         q_abs, q_rope, c_kv, k_rope, c_pages, r_pages, table, lens
     )
     ref_out, ref_lse = mla_decode_reference(q_abs, q_rope, c_kv, k_rope, lens, scale=scale)
     assert_close(out, 2 * ref_out, dtype, "compiled out")
     assert_close(lse, 2 * ref_lse, dtype, "compiled lse")
+    assert values.shape == (b, h, 32)
+    assert_close(values, 2 * unabsorb_output(ref_out, w_uv), dtype, "compiled values")
 
 
 @pytest.mark.slow
@@ -532,24 +597,30 @@ def test_sm90_eligibility():
     assert not eligible(q[..., :512], q[..., 512:], odd[..., :512], cache[..., 512:]), "unaligned row stride"
 
 
-@pytest.mark.parametrize(
-    "h,splits", [(16, 1), (16, 4), (24, 2), (64, 2)], ids=["H16-splits1", "H16-splits4", "H24-splits2", "H64-splits2"]
-)
-def test_mla_decode_as_dependent_launch(h, splits, monkeypatch):
+DEPENDENT = [(16, 1, False), (16, 4, False), (24, 2, False), (64, 2, False), (16, 1, True), (16, 4, True)]
+
+
+@pytest.mark.parametrize("h,splits,up", DEPENDENT, ids=[f"H{h}-splits{s}" + "-w_uv" * u for h, s, u in DEPENDENT])
+def test_mla_decode_as_dependent_launch(h, splits, up, monkeypatch):
     """The narrow Hopper MLA program (up to 32 heads, on an H100/H200) launches as a programmatic dependent of the
     kernel before it where `decode.pdl` says so: its programs wait for that kernel before they read anything (the
-    64-head tile and the Triton kernel launch plainly). A chain of three decodes, each taking the previous one's
-    latent output as its absorbed query, eager and replayed from a CUDA graph: the reference's outputs, bit for
+    64-head tile and the Triton kernel launch plainly). So does the combine that applies W_UV, which reads W_UV
+    before it waits. A chain of three decodes, each taking the previous one's output (the latent, or the values of
+    a square W_UV) as its absorbed query, eager and replayed from a CUDA graph: the reference's outputs, bit for
     bit those of plain launches (ZOO_PDL=0)."""
     dtype = KERNEL_DTYPES[-1]  # bf16 on the GPU, fp16 on the interpreter (which computes bf16 wrong)
-    q_abs, q_rope, c_kv, k_rope, scale = _inputs(2, h, 200, 512, 64, dtype)
+    # The interpreter has no dependent launches to test; there a 64-wide latent keeps W_UV's chain quick.
+    d_c = 64 if up and DEVICE == "cpu" else 512
+    q_abs, q_rope, c_kv, k_rope, scale = _inputs(2, h, 200, d_c, 64, dtype)
     lens = torch.tensor([200, 61], device=DEVICE, dtype=torch.int32)
+    w_uv = (d_c**-0.5 * torch.randn(h, d_c, d_c, device=DEVICE)).to(dtype) if up else None
 
     def check(x, out, lse, name):
-        _check(out, lse, *mla_decode_reference(x, q_rope, c_kv, k_rope, lens, scale=scale), dtype, name)
+        latent, ref_lse = mla_decode_reference(x, q_rope, c_kv, k_rope, lens, scale=scale)
+        _check(out, lse, latent if w_uv is None else unabsorb_output(latent, w_uv), ref_lse, dtype, name)
 
     check_dependent_chain(
-        lambda x: mla_decode(x, q_rope, c_kv, k_rope, lens, scale=scale, num_splits=splits, validate=False),
+        lambda x: mla_decode(x, q_rope, c_kv, k_rope, lens, scale=scale, num_splits=splits, w_uv=w_uv, validate=False),
         q_abs,
         check,
         monkeypatch,
