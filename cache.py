@@ -767,7 +767,7 @@ class PagedMLACache(_LatentCache):
 
 def _up(latent: torch.Tensor, w_uv: torch.Tensor | None) -> torch.Tensor:
     """The PyTorch backend's value up-projection, where the kernels apply it in their combine."""
-    return latent if w_uv is None else reference.unabsorb_output(latent, w_uv).to(latent.dtype)
+    return latent if w_uv is None else reference.unabsorb_output(latent, w_uv)
 
 
 def layout_for(config) -> dict:

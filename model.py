@@ -425,7 +425,7 @@ class MultiHeadLatentAttention(nn.Module):
         and every head attends to the one shared latent cache, whose output W_UV[h] then maps to the head's values.
         Both up-projections are applied per head, in launches the step has anyway (W_UK in the one that prepares the
         decode kernel's inputs, W_UV in the split combine): their weights are D_n x D_c and D_v x D_c a head, where a
-        projection with one folded in reads D_c / D_n times the weights it replaces."""
+        projection with W_UK or W_UV folded in reads D_c / D_n or D_c / D_v times the weights it replaces."""
         B, H, d_n, d_c, d_r = x.shape[0], self.n_head, self.d_n, self.d_c, self.d_r
         # GPT.forward refreshed the decode weights before the blocks: the call that checks them stays out of any
         # compiled graph, and here it would split the block's graph (a kernel more a layer).

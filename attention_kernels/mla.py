@@ -1,7 +1,8 @@
 """Absorbed multi-head latent attention (DeepSeek-V2 MLA) decode over a latent cache, contiguous or paged.
 
 Math, per sequence b and head h, with the key up-projection absorbed into the query (q_absorbed = q_nope W_UK[h])
-and the value up-projection left to the caller (out = latent W_UV[h]^T, `attention_kernels.reference.unabsorb_output`):
+and the value up-projection applied after attention (out = latent W_UV[h]^T, `reference.unabsorb_output`), by the
+caller or, given w_uv, in the combine of the splits (`_combine_up_kernel`):
     s_n = scale * (q_absorbed_h . c_kv_n + q_rope_h . k_rope_n)     for n < seq_lens[b]
     latent_h = sum_n softmax(s)_n c_kv_n,   lse_h = log sum_n exp(s_n)
 Every head reads the same cache row, so this is grouped decode with one KV head, all H query heads in its group,
@@ -15,7 +16,8 @@ Layouts:
                 each, shared by all heads (a latent cache has no head axis); block_table (B, max_pages) int32
                 maps token n of sequence b to page block_table[b, n // page_size], slot n % page_size, and the
                 same (page, slot) indexes both pools.
-Outputs: latent (B, H, D_c) in q_absorbed's dtype, lse (B, H) fp32, natural log.
+Outputs: latent (B, H, D_c) in q_absorbed's dtype, or with w_uv (H, D_v, D_c) the values (B, H, D_v); lse (B, H)
+fp32, natural log.
 
 On Hopper, 512 + 64 in fp16/bf16 with up to 64 heads or heads in multiples of 64 run the warp-specialized Gluon
 kernels of mla_sm90.py instead, which measured 1.0-1.9x this kernel's speed on an H200 (benchmarks/RESULTS.md);
@@ -326,7 +328,7 @@ def _combine_up_kernel(
     WAIT: tl.constexpr,
 ):
     """The split combine with the value up-projection applied: out[b, h] = latent[b, h] W_UV[h]^T, the latent the
-    merge of the NUM_SPLITS partials (weights exp2(lse_s - max), as split_kv's combine), never stored. A program
+    merge of the NUM_SPLITS partials (weights exp2(lse_s - max), as split_kv's combine), kept in registers. A program
     takes BLOCK_B rows of one head and BLOCK_V of its value columns, and walks the latent in BLOCK_C-wide chunks;
     16 rows or more make the product an MMA, so W_UV's tile is read once for all of them. With one split the
     partial is the decode's final latent and lse (natural log), which the merge's weight of 1 passes through."""
@@ -337,7 +339,8 @@ def _combine_up_kernel(
     mask_v = cols < D_V
     offs_c = tl.arange(0, BLOCK_C)
     w_ptrs = W_UV + h * stride_wh + cols[:, None] * stride_wv + offs_c[None, :] * stride_wc
-    # No launch writes W_UV: its first chunk is read before the wait for the decode's partials.
+    # The grid that may still run is the decode launch, which does not write W_UV: its first chunk is read before
+    # the wait for the decode's partials, and callers need not order anything before the call.
     w = tl.load(w_ptrs, mask=mask_v[:, None] & (offs_c[None, :] < D_C), other=0.0)  # (BLOCK_V, BLOCK_C)
     if WAIT:
         gdc_wait()
@@ -373,8 +376,9 @@ def _combine_up_kernel(
             )  # (BLOCK_B, SPLIT_CHUNK, BLOCK_C)
             latent += tl.sum(o.to(tl.float32) * tl.math.exp2(lse_k - m[:, None])[:, :, None], axis=1)
         latent = latent * inv[:, None]
-        if BLOCK_B >= 16:  # the latent rounded to the weights' dtype for the MMA, as a separate matmul takes it
-            acc += tl.dot(latent.to(w.dtype), tl.trans(w), input_precision=DOT_PRECISION)
+        if BLOCK_B >= 16:  # both rounded to the output's half dtype for the MMA, as a matmul under autocast takes them
+            dt = OUT.dtype.element_ty
+            acc += tl.dot(latent.to(dt), tl.trans(w.to(dt)), input_precision=DOT_PRECISION)
         else:
             acc += tl.sum(latent[:, None, :] * w.to(tl.float32)[None, :, :], axis=2)
     out_ptrs = OUT + rows[:, None] * stride_ob + h * stride_oh + cols[None, :] * stride_od
@@ -646,19 +650,14 @@ def _combine_up(part_o: torch.Tensor, part_lse: torch.Tensor, w_uv: torch.Tensor
     """part_o (B, H, splits, D_c) and part_lse (B, H, splits): the decode's partials (fp32, log2 units) or its one
     split's final latent and lse; w_uv (H, D_v, D_c) -> out (B, H, D_v), and lse (B, H) from several splits. A batch
     under UP_MMA_ROWS takes one row a program over 16 value columns, so a one-row step spreads a layer's W_UV over
-    H x D_v / 16 programs; larger ones take 16 rows a program. Launched as a programmatic dependent of the decode
-    launch where `pdl` says so."""
+    H x D_v / 16 programs; larger ones in fp16/bf16 take 16 rows a program. Launched as a programmatic dependent of
+    the decode launch where `pdl` says so."""
     batch, heads, splits, d_c = part_o.shape
     d_v = w_uv.shape[1]
-    block_b = 16 if batch >= UP_MMA_ROWS else 1
-    # registers: the weight tile (BLOCK_V x BLOCK_C) and a load of partials (BLOCK_B x SPLIT_CHUNK x BLOCK_C) of at
-    # most 8,192 and 4,096 values; a one-row program takes the whole latent in one chunk (up to 512 wide)
-    block_c = pow2(d_c) if block_b == 1 else 64
-    block_v = 16 if block_b == 1 else min(64, pow2(d_v))
-    split_chunk = max(1, min(next_power_of_2(splits), 4096 // (block_b * block_c)))
+    cfg = up_config(batch, splits, d_c, d_v, out.dtype)
     wait = pdl(out.device)
     with device_guard(out):
-        launcher(_combine_up_kernel)[(heads, cdiv(batch, block_b), cdiv(d_v, block_v))](
+        launcher(_combine_up_kernel)[(heads, cdiv(batch, cfg["BLOCK_B"]), cdiv(d_v, cfg["BLOCK_V"]))](
             part_o,
             part_lse,
             w_uv,
@@ -670,19 +669,31 @@ def _combine_up(part_o: torch.Tensor, part_lse: torch.Tensor, w_uv: torch.Tensor
             *w_uv.stride(),
             *out.stride(),
             *lse.stride(),
-            NUM_SPLITS=splits,
-            D_C=d_c,
-            D_V=d_v,
-            BLOCK_B=block_b,
-            BLOCK_S=next_power_of_2(splits),
-            SPLIT_CHUNK=split_chunk,
-            BLOCK_C=block_c,
-            BLOCK_V=block_v,
-            DOT_PRECISION=dot_precision(w_uv.dtype),
             WAIT=wait,
-            num_warps=4,
             launch_pdl=wait,
+            **cfg,
         )
+
+
+def up_config(batch: int, splits: int, d_c: int, d_v: int, dtype: torch.dtype) -> dict:
+    """`_combine_up_kernel`'s constants. Registers: the weight tile (BLOCK_V x BLOCK_C) and a load of partials
+    (BLOCK_B x SPLIT_CHUNK x BLOCK_C) of at most 8,192 and 4,096 values; a one-row program takes the whole latent in
+    one chunk (up to 512 wide). fp32 outputs keep one row a program: an fp32 MMA tile with its operands spills
+    registers on sm_90."""
+    block_b = 16 if batch >= UP_MMA_ROWS and dtype != torch.float32 else 1
+    block_c = pow2(d_c) if block_b == 1 else 64
+    return dict(
+        NUM_SPLITS=splits,
+        D_C=d_c,
+        D_V=d_v,
+        BLOCK_B=block_b,
+        BLOCK_S=next_power_of_2(splits),
+        SPLIT_CHUNK=max(1, min(next_power_of_2(splits), 4096 // (block_b * block_c))),
+        BLOCK_C=block_c,
+        BLOCK_V=16 if block_b == 1 else min(64, pow2(d_v)),
+        DOT_PRECISION=dot_precision(dtype),
+        num_warps=4,
+    )
 
 
 # ---- Custom ops (torch.compile traces through them) --------------------------------------------------------------
@@ -960,7 +971,8 @@ def mla_decode(
     c_kv (B, S_max, D_c), k_rope (B, S_max, D_r), seq_lens (B,) int32. D_c from 1 to 512, D_r from 1 to 128.
     Returns latent out (B, H, D_c) in q_absorbed's dtype and lse (B, H) fp32. With w_uv (H, D_v, D_c), W_UV, the
     value up-projection per head (any float dtype), out is the heads' values (B, H, D_v) = latent[b, h] W_UV[h]^T,
-    applied as the splits are combined, so the latent never goes to memory. validate=False skips the seq_lens value
+    applied as the splits are combined (with several splits the merged latent is never stored). validate=False skips
+    the seq_lens value
     check (a device sync)."""
     _check_mla(
         q_absorbed, q_rope, c_kv, k_rope, seq_lens, scale, num_splits, ckv_name="c_kv", kr_name="k_rope", paged=False

@@ -145,16 +145,18 @@ def _poison_past_end(c_pages, r_pages, table, seq_lens):
 
 
 # (B, H, S_max, D_c, D_r, D_v, splits, paged): one row (a program per row and 16 value columns) and 17 or 20 rows
-# (16 a program, as one MMA, the last block masked); one split (the decode's final latent passes through), several,
-# and the automatic count; DeepSeek's 512 + 64 (the Gluon kernels on an H100/H200) and widths that are not powers
-# of two.
+# (16 a program, as one MMA in fp16/bf16, the last block masked); one split (the decode's final latent passes
+# through), several, and the automatic count; DeepSeek's 512 + 64 (on an H100/H200 the Gluon kernels: 16 heads the
+# narrow one, 64 and 128 the 64-head tile) and widths that are not powers of two.
 UP_CASES = [
     (1, 12, 70, 256, 32, 64, None, False),
     (1, 16, 130, 512, 64, 128, 4, False),
     (3, 5, 40, 80, 16, 24, 1, False),
     (17, 4, 33, 64, 16, 48, 3, False),
-    (20, 16, 70, 512, 64, 128, None, True),
+    (20, 16, 70, 512, 64, 64, None, True),
     (2, 7, 60, 96, 32, 40, 2, True),
+    (2, 128, 70, 512, 64, 32, 2, False),
+    (1, 64, 40, 512, 64, 64, 1, True),
 ]
 
 
@@ -845,3 +847,35 @@ def test_mla_decode_inputs_as_dependent_launch(monkeypatch):
 
     x0 = torch.randn(B, H, D_c, device=DEVICE, dtype=dtype)
     check_dependent_chain(step, x0, check, monkeypatch)
+
+
+# (batch, splits, D_c, D_v, activations, W_UV): the GPT-2-small MLA at one row and 64, DeepSeek's 512-wide latent
+# and 128 values a head at 16 rows (the MMA) with fp32 weights under autocast and with many splits, and fp32.
+UP_COMPILES = [
+    (1, 8, 256, 64, "bf16", "bf16"),
+    (64, 2, 256, 64, "bf16", "bf16"),
+    (16, 1, 512, 128, "bf16", "fp32"),
+    (16, 128, 512, 128, "bf16", "fp32"),
+    (1, 64, 512, 128, "bf16", "fp32"),
+    (64, 4, 512, 128, "fp32", "fp32"),
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", UP_COMPILES, ids=["-".join(map(str, c)) for c in UP_COMPILES])
+def test_combine_up_compiles_for_sm90_without_spills(case):
+    """The split combine that applies W_UV, with the constants the launch picks (`up_config`), compiled for sm_90
+    on any machine: ptxas spills nothing, and as a dependent launch the wait reaches the PTX."""
+    from attention_kernels.mla import up_config
+
+    batch, splits, d_c, d_v, act, weights = case
+    dtype = torch.float32 if act == "fp32" else torch.bfloat16
+    part = "*fp32" if splits > 1 else f"*{act}"
+    pointers = dict(PART_O=part, PART_LSE="*fp32", W_UV=f"*{weights}", OUT=f"*{act}", LSE="*fp32", B="i32")
+    cfg = up_config(batch, splits, d_c, d_v, dtype)
+    options = dict(num_warps=cfg.pop("num_warps"))
+    result = compile_gluon_sm90(
+        "attention_kernels.mla", "_combine_up_kernel", pointers, cfg | dict(WAIT=True), options, gluon=False
+    )
+    assert spill_bytes(result["ptxas"]) == [(0, 0)], result["ptxas"]
+    assert "griddepcontrol.wait" in result["ptx"], "WAIT did not reach the PTX"
