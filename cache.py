@@ -6,7 +6,7 @@ The model calls only the protocol below (see model.py); the cache keeps every pi
     k_all, v_all = cache.append(layer, k, v)              # prefill: (B, H_kv, S, D_*) every cached token
     y = cache.attend(layer, q, k, v, scale)               # decode: (B, H_q, 1, D_v)
     c_all, r_all = cache.append_latent(layer, c_kv, k_rope)                     # MLA prefill
-    o = cache.attend_latent(layer, q_absorbed, q_rope, c_kv, k_rope, scale, w_uv)  # MLA decode: (B, H, 1, D_v)
+    o = cache.attend_latent(layer, q_absorbed, q_rope, c_kv, k_rope, scale)     # MLA decode: (B, H, 1, D_c)
 
 A cache holds `batch_size` rows, one sequence each. `cache.view(rows)` is the same cache seen through some of
 its rows (a batch-1 view prefills one prompt of a ragged batch; a view of the active rows decodes them while
@@ -671,23 +671,21 @@ class _LatentCache(_Cache):
         )
 
     @torch.compiler.disable
-    def attend_latent(self, layer, q_absorbed, q_rope, c_kv, k_rope, scale: float, w_uv=None):
+    def attend_latent(self, layer, q_absorbed, q_rope, c_kv, k_rope, scale: float):
         """Decode: q_absorbed (B, H, 1, D_c), q_rope (B, H, 1, D_r), c_kv (B, 1, D_c), k_rope (B, 1, D_r)
-        -> latent out (B, H, 1, D_c), or with w_uv (H, D_v, D_c) the heads' values (B, H, 1, D_v) = latent W_UV[h]^T
-        (on the Triton backend applied as the decode's splits are combined, `attention_kernels.mla_decode`)."""
+        -> latent out (B, H, 1, D_c); the caller applies the value up-projection."""
         if q_absorbed.shape[2] != 1:
             raise ValueError(f"q_absorbed: got shape {tuple(q_absorbed.shape)}; valid: (B, H, 1, D_c)")
         self._write(layer, c_kv, k_rope)
         dt = self.store.dtype
-        out = self._decode(layer, q_absorbed[:, :, 0].to(dt), q_rope[:, :, 0].to(dt), scale, w_uv)
+        out = self._decode(layer, q_absorbed[:, :, 0].to(dt), q_rope[:, :, 0].to(dt), scale)
         return out.to(q_absorbed.dtype)[:, :, None]
 
     @torch.compiler.disable
-    def attend_latent_inputs(self, layer, q, kv, cos, sin, norm_weight, eps: float, w_uk, scale: float, w_uv=None):
+    def attend_latent_inputs(self, layer, q, kv, cos, sin, norm_weight, eps: float, w_uk, scale: float):
         """Decode from the step's projections as they come: q (B, H, D_n + D_r) the query heads, kv (B, D_c + D_r)
         the token's latent and RoPE key before their norm and rotation, cos / sin (B or 1, D_r/2) the token's angles,
-        w_uk (H, D_n, D_c) -> latent out (B, H, D_c), or with w_uv the heads' values (B, H, D_v) as `attend_latent`
-        gives them. With the Triton backend one launch
+        w_uk (H, D_n, D_c) -> latent out (B, H, D_c). With the Triton backend one launch
         (`attention_kernels.mla_decode_inputs`) absorbs W_UK into the query, rotates the RoPE parts, normalizes the
         latent and writes the token into the cache, which `attend_latent` needs three launches for."""
         self._new_tokens(kv[:, None], layer, "kv")
@@ -711,22 +709,20 @@ class _LatentCache(_Cache):
                 slots[:, 0],
                 validate=False,
             )
-        return self._decode(layer, q_abs.to(dt), q_rope.to(dt), scale, w_uv).to(q.dtype)
+        return self._decode(layer, q_abs.to(dt), q_rope.to(dt), scale).to(q.dtype)
 
 
 class MLACache(_LatentCache):
     def __init__(self, batch_size, max_len, n_layer, d_c, d_r, *, device, dtype, backend):
         super().__init__(ContiguousRows(batch_size, max_len, device, dtype), n_layer, d_c, d_r, backend)
 
-    def _decode(self, layer, q_abs, q_rope, scale, w_uv):
+    def _decode(self, layer, q_abs, q_rope, scale):
         n = self.store.capacity if self._static else max(self.lens)
         c = self.store.prefix(self.c[layer], self.rows, self._rows_t, n)
         r = self.store.prefix(self.r[layer], self.rows, self._rows_t, n)
         if self.backend == "torch":
-            return _up(reference.mla_decode_reference(q_abs, q_rope, c, r, self._step.seq_lens, scale=scale)[0], w_uv)
-        return attention_kernels.mla_decode(
-            q_abs, q_rope, c, r, self._step.seq_lens, scale=scale, w_uv=w_uv, validate=False
-        )[0]
+            return reference.mla_decode_reference(q_abs, q_rope, c, r, self._step.seq_lens, scale=scale)[0]
+        return attention_kernels.mla_decode(q_abs, q_rope, c, r, self._step.seq_lens, scale=scale, validate=False)[0]
 
 
 class PagedMLACache(_LatentCache):
@@ -748,26 +744,19 @@ class PagedMLACache(_LatentCache):
         store = PagedRows(batch_size, max_len, device, dtype, page_size, num_pages, scratch=static)
         super().__init__(store, n_layer, d_c, d_r, backend)
 
-    def _decode(self, layer, q_abs, q_rope, scale, w_uv):
+    def _decode(self, layer, q_abs, q_rope, scale):
         table = self.store.table(self.rows, self._rows_t)
-        lens = self._step.seq_lens
         if self.backend == "torch" and self._static:  # the reference reads max(seq_lens) on the host
             c = self.store.gather(self.c[layer], self._rows_t, self.batch_size)
             r = self.store.gather(self.r[layer], self._rows_t, self.batch_size)
-            return _up(reference.mla_decode_reference(q_abs, q_rope, c, r, lens, scale=scale)[0], w_uv)
+            return reference.mla_decode_reference(q_abs, q_rope, c, r, self._step.seq_lens, scale=scale)[0]
         if self.backend == "torch":
-            latent = reference.paged_mla_decode_reference(
-                q_abs, q_rope, self.c[layer], self.r[layer], table, lens, scale=scale
+            return reference.paged_mla_decode_reference(
+                q_abs, q_rope, self.c[layer], self.r[layer], table, self._step.seq_lens, scale=scale
             )[0]
-            return _up(latent, w_uv)
         return attention_kernels.paged_mla_decode(
-            q_abs, q_rope, self.c[layer], self.r[layer], table, lens, scale=scale, w_uv=w_uv, validate=False
+            q_abs, q_rope, self.c[layer], self.r[layer], table, self._step.seq_lens, scale=scale, validate=False
         )[0]
-
-
-def _up(latent: torch.Tensor, w_uv: torch.Tensor | None) -> torch.Tensor:
-    """The PyTorch backend's value up-projection, where the kernels apply it in their combine."""
-    return latent if w_uv is None else reference.unabsorb_output(latent, w_uv)
 
 
 def layout_for(config) -> dict:

@@ -39,8 +39,8 @@ decode kernel.
 MLA decodes in the absorbed form: q_absorbed = q_nope W_UK[h] attends to the latent cache, and the value
 up-projection W_UV[h] maps the latent output afterwards, so the cache holds only kv_lora_rank + qk_rope_head_dim
 numbers per token per layer. W_UK is applied to the query per head, in the launch that also writes the step's
-latent into the cache (`attention_kernels.mla_decode_inputs`), and W_UV per head as the decode kernel's splits are
-combined (`attention_kernels.mla_decode`'s w_uv), so the output projection is the model's own.
+latent into the cache (`attention_kernels.mla_decode_inputs`), and W_UV is folded into the output projection
+(`MultiHeadLatentAttention.absorbed_weights`).
 
 Dropout: applied to the embeddings and to each residual branch; there is no dropout on the attention
 probabilities (the flash kernel has none, and both paths must compute the same function).
@@ -423,25 +423,25 @@ class MultiHeadLatentAttention(nn.Module):
     def _decode_absorbed(self, x, rope, cache, backend: str, norm=None, residual=None):
         """Decode, x (B, 1, C): q_nope . k_nope = (q_nope W_UK[h]) . c_kv, so the query moves into the latent space
         and every head attends to the one shared latent cache, whose output W_UV[h] then maps to the head's values.
-        Both up-projections are applied per head, in launches the step has anyway (W_UK in the one that prepares the
-        decode kernel's inputs, W_UV in the split combine): their weights are D_n x D_c and D_v x D_c a head, where a
-        projection with W_UK or W_UV folded in reads D_c / D_n or D_c / D_v times the weights it replaces."""
+        W_UK is applied to the query per head (its weights are D_n x D_c a head, far fewer bytes than a projection
+        folded with it); W_UV is folded into the output projection (`absorbed_weights`), so one matmul takes the
+        heads' latent outputs to the residual stream."""
         B, H, d_n, d_c, d_r = x.shape[0], self.n_head, self.d_n, self.d_c, self.d_r
         # GPT.forward refreshed the decode weights before the blocks: the call that checks them stays out of any
         # compiled graph, and here it would split the block's graph (a kernel more a layer).
-        w_in, b_in = self._decode_w
+        w_in, b_in, w_out = self._absorbed
         if hasattr(self, "q_a_proj"):  # the query comes from its own compressed input; the latent from x
             q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x, norm=norm)))
             kv = self.kv_a_proj(x, norm=norm)
         else:
             q, kv = linear(x, w_in, b_in, norm=norm).split([H * (d_n + d_r), d_c + d_r], dim=-1)
-        w_uk, w_uv = self._up_weights()  # (H, D_n, D_c), (H, D_v, D_c)
+        w_uk = self._up_weights()[0]  # (H, D_n, D_c)
         if triton_runs(x, backend) and not torch.is_grad_enabled():
             # One launch absorbs W_UK into the query, rotates the RoPE parts, normalizes the latent and writes the
             # token into the cache: in PyTorch that is a dozen small kernels a layer and the cache's write.
             cos, sin = rope[0][:, 0], rope[1][:, 0]  # (B, D_r / 2): the row's one new position
             norm_kv = self.kv_a_norm
-            values = cache.attend_latent_inputs(
+            latent = cache.attend_latent_inputs(
                 self.layer_idx,
                 q.view(B, H, d_n + d_r),
                 kv.view(B, d_c + d_r),
@@ -451,8 +451,7 @@ class MultiHeadLatentAttention(nn.Module):
                 norm_kv.eps,
                 w_uk,
                 self.scale,
-                w_uv,
-            )  # (B, H, D_v)
+            )  # (B, H, D_c)
         else:
             q_nope, q_rope = q.view(B, 1, H, d_n + d_r).split([d_n, d_r], dim=-1)
             q_absorbed = torch.einsum("bthn,hnc->bhtc", q_nope, w_uk)  # (B, H, 1, D_c)
@@ -461,31 +460,53 @@ class MultiHeadLatentAttention(nn.Module):
             ropes = apply_rope(torch.cat([q_rope, k_rope[:, :, None]], dim=2), *rope)
             q_rope, k_rope = ropes[:, :, :H], ropes[:, :, H]
             c_kv = self.kv_a_norm(c_kv)
-            values = cache.attend_latent(
-                self.layer_idx, q_absorbed, q_rope.transpose(1, 2), c_kv, k_rope, self.scale, w_uv
-            )  # (B, H, 1, D_v)
+            latent = cache.attend_latent(self.layer_idx, q_absorbed, q_rope.transpose(1, 2), c_kv, k_rope, self.scale)
         # the dropout here, not in the caller: a compiled region of its own would copy its input to its output
-        return self.resid_dropout(self.c_proj(values.reshape(B, 1, H * self.d_v), residual=residual))
+        latent = latent.reshape(B, 1, H * d_c)
+        return self.resid_dropout(linear(latent, w_out, self.c_proj.bias, residual=residual))
+
+    def _absorb_sources(self) -> list[torch.Tensor]:
+        """The weights `absorbed_weights` is built from."""
+        sources = [self.kv_b_proj.weight, self.c_proj.weight]
+        if not hasattr(self, "q_a_proj"):
+            sources += [self.q_proj.weight, self.q_proj.bias, self.kv_a_proj.weight, self.kv_a_proj.bias]
+        return [t for t in sources if t is not None]
 
     @torch.compiler.disable
-    def decode_weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None]:
-        """The decode's input projection (w_in, b_in): without query compression, the rows of q_proj then of
-        kv_a_proj, so one matmul of x gives the query and the new token's latent and RoPE key; (None, None) with it.
-        They are kept beside the model's own weights, for decode only (no gradient flows through them), until a
-        source weight changes (its version counter, storage, dtype or device), so that a decode step reads them and
-        a CUDA graph replays them as they are. They are plain tensors even when first built under
-        torch.inference_mode, which would make them unusable in a later forward that autograd records."""
-        sources = [] if hasattr(self, "q_a_proj") else [self.q_proj, self.kv_a_proj]
-        tensors = [t for m in sources for t in (m.weight, m.bias) if t is not None]
-        key = tuple((t._version, t.data_ptr(), t.dtype, t.device) for t in tensors)
-        if getattr(self, "_decode_key", None) != key:
-            w_in = b_in = None
-            if sources:  # config.bias gives both projections a bias or neither
-                with torch.inference_mode(False), torch.no_grad():
-                    w_in = torch.cat([m.weight for m in sources])
-                    b_in = None if sources[0].bias is None else torch.cat([m.bias for m in sources])
-            self._decode_w, self._decode_key = (w_in, b_in), key
-        return self._decode_w
+    def absorbed_weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        """The decode's projections: (w_in, b_in, w_out).
+
+        w_out (C, H D_c) = per head W_O[h] W_UV[h] (DeepSeek-V2, section 2.1.2): the heads' latent outputs straight to
+        the residual stream, one matmul where the unfolded form takes a batched per-head matmul more. Its weights
+        are D_c / D_v times W_O's; the query side keeps its own weights, with W_UK applied per head after the
+        projection (`_decode_absorbed`), because folding W_UK in makes the query projection D_c / D_n times larger.
+        w_in, b_in: without query compression, the rows of q_proj then of kv_a_proj, so one matmul of x gives the
+        query and the new token's latent and RoPE key; None with it. They are kept beside the model's own weights,
+        for decode only: no gradient flows through them.
+
+        W_out is computed in fp32 and rounded once to the weights' dtype. Both are kept until a source weight
+        changes (its version counter, storage, dtype or device), so that a decode step reads them and a CUDA graph
+        replays them as they are. They are plain tensors even when first built under torch.inference_mode, which
+        would make them unusable in a later forward that autograd records."""
+        sources = self._absorb_sources()
+        key = tuple((t._version, t.data_ptr(), t.dtype, t.device) for t in sources)
+        if getattr(self, "_absorbed_key", None) != key:
+            with torch.inference_mode(False), torch.no_grad():
+                self._absorbed = self._decode_weights()
+            self._absorbed_key = key
+        return self._absorbed
+
+    def _decode_weights(self) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor]:
+        """(w_in, b_in, w_out) of `absorbed_weights`, built from the current weights."""
+        w_in = b_in = None
+        if not hasattr(self, "q_a_proj"):  # config.bias gives both projections a bias or neither
+            w_in = torch.cat([self.q_proj.weight, self.kv_a_proj.weight])
+            if self.q_proj.bias is not None:
+                b_in = torch.cat([self.q_proj.bias, self.kv_a_proj.bias])
+        w_uv = self._up_weights()[1].float()  # (H, D_v, D_c)
+        w_o = self.c_proj.weight.float().view(-1, self.n_head, self.d_v)  # (C, H, D_v)
+        w_out = torch.einsum("ohv,hvc->ohc", w_o, w_uv).reshape(w_o.shape[0], self.n_head * self.d_c)
+        return w_in, b_in, w_out.to(self.c_proj.weight.dtype)
 
 
 class MLP(nn.Module):
@@ -576,7 +597,7 @@ class GPT(nn.Module):
             # embedding: a fused projection reads its weights before it waits for the kernel before it
             # (decode_linear), so that kernel must not be the one that writes them.
             for block in self.transformer.h:
-                block.attn.decode_weights()
+                block.attn.absorbed_weights()
         x, rope = self.embed(idx, positions)
         backend = self.attn_backend_for(idx.device)
         fused = self.fused_rows(B, T, cache, backend)

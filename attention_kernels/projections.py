@@ -16,7 +16,7 @@ of each:
 rounded once to x's dtype. The weights, bias and norm parameters are read before the program waits for the kernel
 before it (a programmatic dependent launch on sm_90, `_host.pdl`), so their reads overlap that kernel's end; x and
 the residual are read after the wait. So the kernel launched right before must not write the weights (GPT.forward
-rebuilds MLA's joined input projection, `decode_weights`, before the embedding's kernels for this reason).
+refolds MLA's decode weights before the embedding's kernels for this reason).
 
 Layouts: x (M, K), weight (N, K) with unit stride along K, bias (N,), norm_weight / norm_bias (K,), residual and
 y (M, N); M at most MAX_ROWS (a larger batch is a GEMM's work: cuBLAS's). The model uses it at one row

@@ -178,7 +178,7 @@ def _fold_query(attn) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     """The peer's MLA decode weights (w_in, b_in, w_out): both up-projections folded into the projections around
     attention (DeepSeek-V2, section 2.1.2), which in plain PyTorch beats applying W_UK per head, a batched matmul
     more a layer (benchmarks/RESULTS.md). w_in: per head the rows of W_UK[h]^T W_q_nope[h] then of W_q_rope[h],
-    and without query compression the latent projection's rows; w_out (C, H D_c): per head W_O[h] W_UV[h]."""
+    and without query compression the latent projection's rows; w_out: the model's own (W_O W_UV folded)."""
     H, d_n, d_r, d_c = attn.n_head, attn.d_n, attn.d_r, attn.d_c
     q = attn.q_b_proj if hasattr(attn, "q_a_proj") else attn.q_proj
     w_uk = attn._up_weights()[0].float()  # (H, D_n, D_c)
@@ -191,10 +191,8 @@ def _fold_query(attn) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
     if not hasattr(attn, "q_a_proj"):
         w_in = torch.cat([w_in, attn.kv_a_proj.weight.float()])
         b_in = None if b_in is None else torch.cat([b_in, attn.kv_a_proj.bias.float()])
-    w_o = attn.c_proj.weight.float().view(-1, H, attn.d_v)  # (C, H, D_v)
-    w_out = torch.einsum("ohv,hvc->ohc", w_o, attn._up_weights()[1].float()).reshape(w_o.shape[0], H * d_c)
     dtype = q.weight.dtype
-    return w_in.to(dtype), None if b_in is None else b_in.to(dtype), w_out.to(dtype)
+    return w_in.to(dtype), None if b_in is None else b_in.to(dtype), attn.absorbed_weights()[2]
 
 
 @torch.no_grad()

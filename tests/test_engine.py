@@ -92,8 +92,8 @@ def test_compiled_blocks_equal_the_uncompiled_engine(variant, kind):
     and logits equal the uncompiled engine's on ragged prompts with waiting prompts and padded buckets (the graphs
     on a GPU, the static step on the CPU), and one compile serves every layer: ten blocks stay within dynamo's
     recompile limit of 8, which a compile specialized per layer would pass (and fail here). The cache call is the
-    only graph break (MLA's joined input projection is checked before the blocks, not inside them, where a break
-    would split the block's graph), and a weight changed between two generations reaches the compiled step."""
+    only graph break (MLA's folded weights are checked before the blocks, not inside them, where a break would
+    split the block's graph), and a weight changed between two generations reaches the compiled step."""
     from torch._dynamo.utils import counters
 
     engine = "graphs" if GPU else "static"

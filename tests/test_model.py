@@ -172,23 +172,19 @@ class ReferenceCache:
         assert c_kv.ndim == 3 and k_rope.ndim == 3, "the latent and the rope key have no head axis"
         return self._grow(layer, c_kv, k_rope, 1)
 
-    def attend_latent(self, layer, q_absorbed, q_rope, c_kv, k_rope, scale, w_uv=None):
+    def attend_latent(self, layer, q_absorbed, q_rope, c_kv, k_rope, scale):
         self.calls.append(("attend_latent", layer, scale))
         c_all, r_all = self._grow(layer, c_kv, k_rope, 1)
         seq_lens = torch.full((self.batch_size,), self.length, dtype=torch.int32, device=self.device)
         out, _ = reference.mla_decode_reference(
             q_absorbed[:, :, 0], q_rope[:, :, 0], c_all, r_all, seq_lens, scale=scale
         )
-        if w_uv is not None:
-            out = reference.unabsorb_output(out, w_uv)
         return out.to(q_absorbed.dtype)[:, :, None]
 
-    def attend_latent_inputs(self, layer, q, kv, cos, sin, norm_weight, eps, w_uk, scale, w_uv=None):
+    def attend_latent_inputs(self, layer, q, kv, cos, sin, norm_weight, eps, w_uk, scale):
         """The step's raw projections (the Triton backend's decode): the reference math, then attend_latent's."""
         q_abs, q_rope, c_kv, k_rope = reference.mla_decode_inputs_reference(q, kv, cos, sin, norm_weight, eps, w_uk)
-        out = self.attend_latent(
-            layer, q_abs[:, :, None], q_rope[:, :, None], c_kv[:, None], k_rope[:, None], scale, w_uv
-        )
+        out = self.attend_latent(layer, q_abs[:, :, None], q_rope[:, :, None], c_kv[:, None], k_rope[:, None], scale)
         self.calls[-1] = ("attend_latent_inputs", layer, scale)
         return out[:, :, 0].to(q.dtype)
 
@@ -229,11 +225,11 @@ def test_cached_forward_matches_full_forward(variant, pos, backend):
 
 
 @pytest.mark.parametrize("variant", ["mla", "mla-qlora"])
-def test_mla_decode_weights_follow_the_model(variant):
-    """MLA's decode step applies both up-projections per head and, without query compression, joins the query and
-    latent projections into one (decode_weights). With every bias nonzero (the init zeroes them), a decode step gives
-    the full forward's logits; the joined weights are kept while the model's stay the same, and rebuilt once one
-    changes in place (an optimizer step, a load_state_dict), so a later decode sees the new weights."""
+def test_mla_decode_folds_the_up_projections(variant):
+    """MLA's decode step runs through absorbed_weights (W_UV folded into the output projection; without query
+    compression the query and latent projections joined). With every bias nonzero (the init zeroes them), a decode
+    step gives the full forward's logits; the decode weights are kept while the model's stay the same, and rebuilt
+    once one changes in place (an optimizer step, a load_state_dict), so a later decode sees the new weights."""
     model = GPT(make_config(variant, "rope")).to(DEVICE).eval()
     attn = model.transformer.h[0].attn
     with torch.no_grad():
@@ -251,18 +247,16 @@ def test_mla_decode_weights_follow_the_model(variant):
 
     with torch.no_grad():
         full = model(idx)[0][:, 8:]
-    assert_scaled_close(decode_logits(), full, 1e-4, "decode logits")
-    kept = attn.decode_weights()
-    assert all(a is b for a, b in zip(kept, attn.decode_weights())), "the joined weights were rebuilt unchanged"
+    assert_scaled_close(decode_logits(), full, 1e-4, "decode logits with the folded weights")
+    kept = attn.absorbed_weights()
+    assert all(a is b for a, b in zip(kept, attn.absorbed_weights())), "the folded weights were rebuilt unchanged"
     with torch.no_grad():
-        attn.kv_b_proj.weight.mul_(1.5)  # the up-projections are read as they are at every step
-        attn.c_proj.weight.mul_(0.5)
-        changed = attn.q_b_proj if variant == "mla-qlora" else attn.q_proj
-        changed.weight.mul_(1.25)  # in place: the version counter moves, the storage stays
+        attn.kv_b_proj.weight.mul_(1.5)  # in place: the version counter moves, the storage stays
         full = model(idx)[0][:, 8:]
-    assert_scaled_close(decode_logits(), full, 1e-4, "decode logits after weights changed in place")
-    if variant == "mla":
-        assert attn.decode_weights()[0] is not kept[0]
+    assert_scaled_close(decode_logits(), full, 1e-4, "decode logits after a weight changed in place")
+    assert attn.absorbed_weights()[2] is not kept[2]
+    with torch.no_grad():
+        attn.c_proj.weight.mul_(0.5)
     with torch.inference_mode():  # built here, they must still serve a decode that autograd records
         decode_logits()
     cache = ReferenceCache(2)
