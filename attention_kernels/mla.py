@@ -881,7 +881,7 @@ def _check_w_uv(w_uv, q_absorbed):
     if w_uv is None:
         return
     _checks.check_rank("w_uv", w_uv, 3, "(H, D_v, D_c)")
-    b, h, d_c = q_absorbed.shape
+    _, h, d_c = q_absorbed.shape
     if w_uv.shape[0] != h or w_uv.shape[2] != d_c or not 1 <= w_uv.shape[1] <= 512:
         _checks.fail(
             "w_uv", f"shape {tuple(w_uv.shape)}", f"(H={h}, D_v, D_c={d_c}) from q_absorbed, D_v from 1 to 512"
@@ -972,8 +972,7 @@ def mla_decode(
     Returns latent out (B, H, D_c) in q_absorbed's dtype and lse (B, H) fp32. With w_uv (H, D_v, D_c), W_UV, the
     value up-projection per head (any float dtype), out is the heads' values (B, H, D_v) = latent[b, h] W_UV[h]^T,
     applied as the splits are combined (with several splits the merged latent is never stored). validate=False skips
-    the seq_lens value
-    check (a device sync)."""
+    the seq_lens value check (a device sync)."""
     _check_mla(
         q_absorbed, q_rope, c_kv, k_rope, seq_lens, scale, num_splits, ckv_name="c_kv", kr_name="k_rope", paged=False
     )

@@ -168,30 +168,30 @@ UP_CASES = [
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
 def test_mla_decode_applies_w_uv(dtype, case):
     """With w_uv the decode returns the heads' values latent W_UV[h]^T, the up-projection applied as the splits are
-    combined, and the same lse as without it. W_UV is a strided view of one (H, D_n + D_v, D_c) weight, as the model
-    passes kv_b_proj's, in fp32 beside fp16/bf16 activations (autocast) and in the activations' dtype."""
+    combined, and the same lse as without it. W_UV is a strided view of one (H, D_n + D_v, D_c) weight, as a model's
+    kv_b_proj holds it, in fp32 beside fp16/bf16 activations (autocast) and in the activations' dtype."""
     b, h, s, d_c, d_r, d_v, splits, paged = case
     q_abs, q_rope, c_kv, k_rope, scale = _inputs(b, h, s, d_c, d_r, dtype)
     kv_b = d_c**-0.5 * torch.randn(h, 16 + d_v, d_c, device=DEVICE)
     w_uv = kv_b[:, 16:]
     seq_lens = ragged_lens(b, s)
     latent, ref_lse = mla_decode_reference(q_abs, q_rope, c_kv, k_rope, seq_lens, scale=scale)
+    if paged:
+        c_pages, r_pages, table = _paged_latent(c_kv, k_rope, 16)
+        c_pages, r_pages = _poison_past_end(c_pages, r_pages, table, seq_lens)
+        call = lambda **kw: paged_mla_decode(q_abs, q_rope, c_pages, r_pages, table, seq_lens, **kw)  # noqa: E731
+    else:
+        past_end = torch.arange(s, device=DEVICE)[None, :, None] >= seq_lens[:, None, None]
+        c_nan, r_nan = c_kv.masked_fill(past_end, float("nan")), k_rope.masked_fill(past_end, float("nan"))
+        call = lambda **kw: mla_decode(q_abs, q_rope, c_nan, r_nan, seq_lens, **kw)  # noqa: E731
+    plain_out, plain_lse = call(scale=scale, num_splits=splits)
     for w in (w_uv, w_uv.to(dtype)):
-        if paged:
-            c_pages, r_pages, table = _paged_latent(c_kv, k_rope, 16)
-            c_pages, r_pages = _poison_past_end(c_pages, r_pages, table, seq_lens)
-            call = lambda **kw: paged_mla_decode(q_abs, q_rope, c_pages, r_pages, table, seq_lens, **kw)  # noqa: E731
-        else:
-            past_end = torch.arange(s, device=DEVICE)[None, :, None] >= seq_lens[:, None, None]
-            c_nan, r_nan = c_kv.masked_fill(past_end, float("nan")), k_rope.masked_fill(past_end, float("nan"))
-            call = lambda **kw: mla_decode(q_abs, q_rope, c_nan, r_nan, seq_lens, **kw)  # noqa: E731
         out, lse = call(scale=scale, num_splits=splits, w_uv=w)
         assert out.shape == (b, h, d_v)
-        # The one-row programs keep the latent in fp32 for the product, the MMA rounds it to the weights' dtype (as
-        # a separate matmul would): over D_c terms of random sign that adds ~sqrt(D_c) * 2^-9 * |latent| * |w|, a
-        # few 1e-4 for bf16, well inside the kernel's own tolerance.
+        # The one-row programs keep the latent in fp32 for the product, the MMA rounds it and W_UV to the output's
+        # half dtype (as a matmul under autocast would): over D_c terms of random sign that adds ~sqrt(D_c) * 2^-9 *
+        # |latent| * |w|, a few 1e-4 for bf16, well inside the kernel's own tolerance.
         _check(out, lse, unabsorb_output(latent, w), ref_lse, dtype, f"w_uv {w.dtype}")
-        plain_out, plain_lse = call(scale=scale, num_splits=splits)
         assert torch.equal(lse, plain_lse), "the lse does not depend on w_uv"
         assert_close(out, unabsorb_output(plain_out, w), dtype, "the plain latent, up-projected")
 
