@@ -458,13 +458,10 @@ def _inputs_kernel(
     BLOCK_LATENT: tl.constexpr,
     BLOCK_HALF: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
-    WAIT: tl.constexpr,
 ):
     # grid (cdiv(B, BLOCK_B), H + 1, cdiv(D_c, BLOCK_C)). Head h < H: BLOCK_C columns of q_nope W_UK[h] for BLOCK_B
     # rows as one MMA (the weight tile is read once for all of them), and at column block 0 the head's RoPE part.
     # "Head" H, column block 0: the latent's norm and the RoPE key, stored at each row's (page, slot) in the cache.
-    # WAIT: a programmatic dependent launch (`_host.pdl`): each program reads its weights, which no kernel of the
-    # step writes, while the projection before it finishes, and waits for it before anything else.
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     h = tl.program_id(1)
     j = tl.program_id(2)
@@ -479,8 +476,6 @@ def _inputs_kernel(
         q_ok = row_ok[:, None] & (n < D_N)[None, :]
         w_ok = (n < D_N)[:, None] & (c < D_C)[None, :]
         w = tl.load(W_UK + h * stride_wh + n[:, None] * stride_wn + c[None, :], mask=w_ok, other=0.0)
-        if WAIT:
-            gdc_wait()
         q_nope = tl.load(Q + rows[:, None] * stride_qb + h * stride_qh + n[None, :], mask=q_ok, other=0.0)
         q_abs = tl.dot(q_nope, w.to(q_nope.dtype), input_precision=DOT_PRECISION)
         q_abs_ptr = Q_ABS + rows[:, None] * stride_ab + h * D_C + c[None, :]
@@ -493,8 +488,6 @@ def _inputs_kernel(
         c = tl.arange(0, BLOCK_LATENT)
         latent_ok = row_ok[:, None] & (c < D_C)[None, :]
         gain = tl.load(NORM_W + c, mask=c < D_C, other=0.0).to(tl.float32)
-        if WAIT:
-            gdc_wait()
         latent = tl.load(KV + rows[:, None] * stride_kvb + c[None, :], mask=latent_ok, other=0.0).to(tl.float32)
         rms = tl.rsqrt(tl.sum(latent * latent, axis=1) / D_C + eps)
         page = tl.load(PAGES + rows * stride_pb, mask=row_ok, other=0).to(tl.int64)
@@ -790,7 +783,6 @@ def _inputs_op(
     d_r = width - d_n
     q_absorbed, q_rope = q.new_empty(B, H, d_c), q.new_empty(B, H, d_r)
     columns = input_columns(d_n, q.element_size())
-    wait = pdl(q.device)
     with device_guard(q):
         launcher(_inputs_kernel)[(cdiv(B, INPUT_ROWS), H + 1, cdiv(d_c, columns))](
             q,
@@ -830,9 +822,7 @@ def _inputs_op(
             BLOCK_LATENT=pow2(d_c),
             BLOCK_HALF=next_power_of_2(d_r // 2),
             DOT_PRECISION=dot_precision(q.dtype),
-            WAIT=wait,
             num_warps=4,
-            launch_pdl=wait,
         )
     return q_absorbed, q_rope
 
@@ -1050,9 +1040,8 @@ def mla_decode_inputs(
     (B or 1, D_r/2) fp32 are the token's angles (rotate-half pairing, as rope_qkv's); the norm is the model's RMSNorm
     (fp32, eps). No gradient. validate=False skips the check that reads pages and slots (a device sync).
 
-    On sm_90 the launch is a programmatic dependent of the kernel before it: w_uk and norm_weight are read before the
-    program waits for that kernel (everything else after), so that kernel must not be the one that writes them (a
-    cast of the weights right before the call, say), as with decode_linear."""
+    A plain launch, not a programmatic dependent of the projection before it: as a dependent, MLA's batch-1 step
+    measured slower (docs/kernel-notes.md)."""
     _check_inputs(q, kv, cos, sin, norm_weight, eps, w_uk, c_cache, r_cache, pages, slots)
     if validate and _checks.can_read_values(pages):
         _checks.check_write_index_values(c_cache, pages, slots)

@@ -810,43 +810,9 @@ def test_mla_decode_inputs_compiles_for_sm90_without_spills(dims, dtype):
     pointers |= dict(PAGES="*i64", SLOTS="*i64", B="i32", eps="fp32")
     columns = input_columns(d_n, 4 if dtype == "fp32" else 2)
     const = dict(H=H, D_N=d_n, D_C=d_c, HALF=d_r // 2, BLOCK_B=16, BLOCK_N=d_n, BLOCK_C=columns, BLOCK_LATENT=d_c)
-    const |= dict(BLOCK_HALF=d_r // 2, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", WAIT=True)
+    const |= dict(BLOCK_HALF=d_r // 2, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32")
     result = compile_gluon_sm90("attention_kernels.mla", "_inputs_kernel", pointers, const, gluon=False)
     assert spill_bytes(result["ptxas"]) == [(0, 0)], result["ptxas"]
-    # as a dependent launch: a wait in each of the two branches that read the projection's outputs
-    assert result["ptx"].count("griddepcontrol.wait") == 2, "WAIT did not reach the PTX"
-
-
-def test_mla_decode_inputs_as_dependent_launch(monkeypatch):
-    """On an H100/H200 the input launch is a programmatic dependent of the projection before it (`decode.pdl`): it
-    reads W_UK and the norm's gain early and waits before it reads q and kv. A chain of three launches, each taking
-    its query and its latent and RoPE key from the previous one's absorbed query, so that both branches read what
-    the launch before wrote: the reference's outputs and cache rows, eager and replayed from a CUDA graph, bit for
-    bit those of plain launches (ZOO_PDL=0)."""
-    dtype = KERNEL_DTYPES[-1]
-    B, H, D_n, D_r, D_c = INPUT_SHAPES["gpt2-small"]
-    args = _step_inputs(B, H, D_n, D_r, D_c, dtype, together=False)
-    keys = ("cos", "sin", "norm_weight", "eps", "w_uk", "c_cache", "r_cache", "pages", "slots")
-    pages, slots = args["pages"], args["slots"]
-
-    def split(x):  # x (B, H, D_c) -> the next query (B, H, D_n + D_r) and latent + RoPE key (B, D_c + D_r)
-        return x[..., : D_n + D_r], torch.cat([x[:, 1], x[:, 2, :D_r]], dim=-1)
-
-    def step(x):  # -> (q_absorbed, [q_rope | the cache rows written]): the chain compares both bit for bit
-        q_abs, q_rope = mla_decode_inputs(*split(x), *(args[k] for k in keys), validate=False)
-        rows = torch.cat([args["c_cache"][pages, slots], args["r_cache"][pages, slots]], dim=-1)
-        return q_abs, torch.cat([q_rope.flatten(1), rows], dim=-1)
-
-    def check(x, q_abs, rest, name):
-        ref = mla_decode_inputs_reference(*split(x), *(args[k] for k in keys[:5]))
-        assert_close(q_abs, ref[0], dtype, f"{name} q_absorbed")
-        q_rope, c_rows, r_rows = rest.split([H * D_r, D_c, D_r], dim=-1)
-        assert_close(q_rope.view(B, H, D_r), ref[1], dtype, f"{name} q_rope")
-        assert_close(c_rows, ref[2], dtype, f"{name} the cached latent")
-        assert_close(r_rows, ref[3], dtype, f"{name} the cached RoPE key")
-
-    x0 = torch.randn(B, H, D_c, device=DEVICE, dtype=dtype)
-    check_dependent_chain(step, x0, check, monkeypatch)
 
 
 # (batch, splits, D_c, D_v, activations, W_UV): the GPT-2-small MLA at one row and 64, DeepSeek's 512-wide latent
