@@ -108,8 +108,8 @@ class Linear(nn.Linear):
 
 ATTENTIONS = ("mha", "gqa", "mqa", "mla")
 # Decode steps of at most this many rows run their projections through decode_linear (`GPT.fused_rows`). The kernel
-# takes up to 8, but its tiles are tuned for one: at 8 rows a GPT-2-small compiled step took 0.76 ms against the
-# gpt-fast-style peer's 0.54 in the same run, at one row 0.32 against its 0.44 (benchmarks/RESULTS.md).
+# takes up to 8, but its tiles are tuned for one: at 8 rows a compiled step with it was slower than one with cuBLAS's
+# projections, at one row faster (docs/kernel-notes.md, "Few-row projections").
 FUSED_MAX_ROWS = 1
 POS_EMBEDDINGS = ("learned", "rope")
 ATTN_BACKENDS = ("triton", "torch", "auto")
