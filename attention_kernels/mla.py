@@ -462,51 +462,50 @@ def _inputs_kernel(
     # grid (cdiv(B, BLOCK_B), H + 1, cdiv(D_c, BLOCK_C)). Head h < H: BLOCK_C columns of q_nope W_UK[h] for BLOCK_B
     # rows as one MMA (the weight tile is read once for all of them), and at column block 0 the head's RoPE part.
     # "Head" H, column block 0: the latent's norm and the RoPE key, stored at each row's (page, slot) in the cache.
-    # Each branch issues all its loads before it computes or stores anything: at one row the launch is a few
-    # dependent memory round trips long, and a load after a store must wait for it (the compiler cannot tell that
-    # they do not overlap).
     rows = tl.program_id(0) * BLOCK_B + tl.arange(0, BLOCK_B)
     h = tl.program_id(1)
     j = tl.program_id(2)
     row_ok = rows < B
     rows = rows.to(tl.int64)
     i = tl.arange(0, BLOCK_HALF)
-    half_ok = row_ok[:, None] & (i < HALF)[None, :] & (j == 0)
-    cos = tl.load(COS + rows[:, None] * stride_angle + i[None, :], mask=half_ok, other=0.0)
-    sin = tl.load(SIN + rows[:, None] * stride_angle + i[None, :], mask=half_ok, other=0.0)
+    half_ok = row_ok[:, None] & (i < HALF)[None, :]
+    cos_row, sin_row = COS + rows[:, None] * stride_angle, SIN + rows[:, None] * stride_angle
     if h < H:
         n = tl.arange(0, BLOCK_N)
         c = j * BLOCK_C + tl.arange(0, BLOCK_C)
         q_ok = row_ok[:, None] & (n < D_N)[None, :]
         w_ok = (n < D_N)[:, None] & (c < D_C)[None, :]
         w = tl.load(W_UK + h * stride_wh + n[:, None] * stride_wn + c[None, :], mask=w_ok, other=0.0)
-        q_row = Q + rows[:, None] * stride_qb + h * stride_qh
-        q_nope = tl.load(q_row + n[None, :], mask=q_ok, other=0.0)
-        x1 = tl.load(q_row + D_N + i[None, :], mask=half_ok, other=0.0).to(tl.float32)  # RoPE: column block 0 only
-        x2 = tl.load(q_row + D_N + HALF + i[None, :], mask=half_ok, other=0.0).to(tl.float32)
+        q_nope = tl.load(Q + rows[:, None] * stride_qb + h * stride_qh + n[None, :], mask=q_ok, other=0.0)
         q_abs = tl.dot(q_nope, w.to(q_nope.dtype), input_precision=DOT_PRECISION)
         q_abs_ptr = Q_ABS + rows[:, None] * stride_ab + h * D_C + c[None, :]
         tl.store(q_abs_ptr, q_abs.to(Q_ABS.dtype.element_ty), mask=row_ok[:, None] & (c < D_C)[None, :])
-        _store_rotated(Q_ROPE + (rows[:, None] * H + h) * 2 * HALF + i[None, :], x1, x2, cos, sin, half_ok, HALF)
+        if j == 0:
+            q_rope_src = Q + rows[:, None] * stride_qb + h * stride_qh + D_N + i[None, :]
+            q_rope_dst = Q_ROPE + (rows[:, None] * H + h) * 2 * HALF + i[None, :]
+            _rotate_into(q_rope_src, q_rope_dst, cos_row, sin_row, i, half_ok, HALF)
     elif j == 0:
         c = tl.arange(0, BLOCK_LATENT)
         latent_ok = row_ok[:, None] & (c < D_C)[None, :]
         gain = tl.load(NORM_W + c, mask=c < D_C, other=0.0).to(tl.float32)
         latent = tl.load(KV + rows[:, None] * stride_kvb + c[None, :], mask=latent_ok, other=0.0).to(tl.float32)
-        x1 = tl.load(KV + rows[:, None] * stride_kvb + D_C + i[None, :], mask=half_ok, other=0.0).to(tl.float32)
-        x2 = tl.load(KV + rows[:, None] * stride_kvb + D_C + HALF + i[None, :], mask=half_ok, other=0.0).to(tl.float32)
+        rms = tl.rsqrt(tl.sum(latent * latent, axis=1) / D_C + eps)
         page = tl.load(PAGES + rows * stride_pb, mask=row_ok, other=0).to(tl.int64)
         slot = tl.load(SLOTS + rows * stride_sb, mask=row_ok, other=0).to(tl.int64)
-        rms = tl.rsqrt(tl.sum(latent * latent, axis=1) / D_C + eps)
         c_dst = C_CACHE + page[:, None] * stride_cp + slot[:, None] * stride_cs + c[None, :]
         tl.store(c_dst, (latent * rms[:, None] * gain[None, :]).to(C_CACHE.dtype.element_ty), mask=latent_ok)
+        k_rope_src = KV + rows[:, None] * stride_kvb + D_C + i[None, :]
         k_rope_dst = R_CACHE + page[:, None] * stride_rp + slot[:, None] * stride_rs + i[None, :]
-        _store_rotated(k_rope_dst, x1, x2, cos, sin, half_ok, HALF)
+        _rotate_into(k_rope_src, k_rope_dst, cos_row, sin_row, i, half_ok, HALF)
 
 
 @triton.jit
-def _store_rotated(dst, x1, x2, cos, sin, mask, HALF: tl.constexpr):
-    """dst = RoPE of the pairs (x1[i], x2[i]) at the angles (cos[i], sin[i]) (rotate-half, as rope.py's), in fp32."""
+def _rotate_into(src, dst, cos_row, sin_row, i, mask, HALF: tl.constexpr):
+    """dst = RoPE of the pairs (src[i], src[i + HALF]) at each row's angles (rotate-half, as rope.py's), in fp32."""
+    cos = tl.load(cos_row + i[None, :], mask=mask, other=0.0)
+    sin = tl.load(sin_row + i[None, :], mask=mask, other=0.0)
+    x1 = tl.load(src, mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(src + HALF, mask=mask, other=0.0).to(tl.float32)
     tl.store(dst, (x1 * cos - x2 * sin).to(dst.dtype.element_ty), mask=mask)
     tl.store(dst + HALF, (x2 * cos + x1 * sin).to(dst.dtype.element_ty), mask=mask)
 
