@@ -46,7 +46,8 @@ says what differs.
 
 The plots (compare.png, `--plot`; needs matplotlib: pip install -e ".[plot]") are val loss against training tokens
 for every run on one chart, and best val loss against KV-cache bytes per token (the Pareto view: lower left is
-better). Progress and notes go to standard error, the table alone to standard output.
+better). Progress and notes go to standard error, the table alone to standard output. Exit status: 2 for a bad
+option or value, 1 for runs that cannot be read, 130 on Ctrl-C (as train.py's).
 """
 
 from __future__ import annotations
@@ -813,7 +814,10 @@ if __name__ == "__main__":
         sys.exit(0)
     try:
         main(sys.argv[1:])
-    except (CompareError, ConfigError, CheckpointError) as e:  # a message, not a traceback
+    except ConfigError as e:  # a usage error: 2, as train.py's and argparse's
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    except (CompareError, CheckpointError) as e:  # a message, not a traceback
         raise SystemExit(f"error: {e}") from None
     except KeyboardInterrupt:  # the runs are only read; 130, as a shell loop expects
         print("\nstopped (Ctrl-C)", file=sys.stderr)

@@ -24,7 +24,8 @@ Two nodes of 8 GPUs (node 0 at 10.0.0.1; every node needs the prepared data; glo
 NCCL_IB_DISABLE=1 where there is no InfiniBand), on node 0 (and the same with --node_rank=1 on node 1):
     torchrun --nproc_per_node=8 --nnodes=2 --node_rank=0 --master_addr=10.0.0.1 --master_port=29500 \\
         train.py configs/gpt2_small_gqa.py
-On CPUs, torchrun runs DDP over gloo (`--nproc_per_node=2 train.py` works on a laptop).
+On CPUs, torchrun runs DDP over gloo; the micro-steps must divide among the ranks, so on a laptop:
+    torchrun --standalone --nproc_per_node=2 train.py --gradient_accumulation_steps=2
 
 Every eval appends a line to out_dir/metrics.jsonl and writes out_dir/last.pt (and best.pt when val loss
 improves) atomically. An out_dir that already holds this run, finished, with the same config is kept and the
@@ -657,18 +658,23 @@ def print_setup(config: dict, model: GPT, d: Dist) -> None:
     if mc.attention == "mla":  # what MLA caches: one latent and one shared RoPE key per token and layer
         heads = f"{mc.n_head} heads, latent cache {mc.kv_lora_rank} + {mc.qk_rope_head_dim} per token and layer"
     else:
-        heads = f"{mc.n_head} heads / {mc.n_kv_head} KV heads"
+        heads = f"{plural(mc.n_head, 'head')} / {plural(mc.n_kv_head, 'KV head')}"
     kv_bytes = model.kv_cache_bytes_per_token(PTDTYPES[config["dtype"]])
     say(
-        f"model: {mc.attention}, {mc.n_layer} layers, {heads}, {mc.n_embd} wide, {model.num_params() / 1e6:.2f}M "
-        f"params, KV cache {kv_bytes:,} bytes/token in {config['dtype']}, attention via "
-        f"{model.attn_backend_for(config['device'])}"
+        f"model: {mc.attention}, {plural(mc.n_layer, 'layer')}, {heads}, {mc.n_embd} wide, "
+        f"{model.num_params() / 1e6:.2f}M params, KV cache {kv_bytes:,} bytes/token in {config['dtype']}, "
+        f"attention via {model.attn_backend_for(config['device'])}"
     )
     accum, batch, block = config["gradient_accumulation_steps"], config["batch_size"], config["block_size"]
     say(
-        f"tokens per iteration: {accum * batch * block:,} ({accum} micro-steps x {batch} sequences x {block} "
-        f"tokens, over {d.world_size} process(es)); device {config['device']}, {config['dtype']}"
+        f"tokens per iteration: {accum * batch * block:,} ({plural(accum, 'micro-step')} x {batch} sequences x "
+        f"{block} tokens, over {plural(d.world_size, 'process', 'processes')}); device {config['device']}, "
+        f"{config['dtype']}"
     )
+
+
+def plural(n: int, one: str, many: str | None = None) -> str:
+    return f"{n} {one if n == 1 else many or one + 's'}"
 
 
 def run_facts(config: dict, model: GPT) -> dict:
@@ -1072,7 +1078,9 @@ def say_where_it_went(out_dir: str, iter_num: int, best_val_loss: float) -> None
     if os.path.exists(best):
         saved += f" and {best} (val loss {best_val_loss:.4f})"
     say(saved)
-    say(f"next: `python sample.py --out_dir={out_dir}` generates from it, `python compare.py` compares the runs here")
+    here = not os.path.relpath(os.path.abspath(out_dir)).startswith("..")  # compare.py alone reads the runs here
+    runs = "`python compare.py` compares the runs here" if here else f"`python compare.py {out_dir}` tabulates it"
+    say(f"next: `python sample.py --out_dir={out_dir}` generates from it, {runs}")
 
 
 def check_window(window_loss: torch.Tensor, window_iters: int, iter_num: int, d: Dist) -> float:

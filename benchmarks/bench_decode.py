@@ -459,7 +459,7 @@ def tune_paged(shapes=PAGED_TUNE_SHAPES, configs=((64, 3), (64, 4), (64, 2)), pa
 
 
 def main():
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument(
         "--quick", action="store_true", help="a small grid (under 2 minutes); with --tune, fewer shapes"
     )

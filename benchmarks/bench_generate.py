@@ -402,7 +402,7 @@ def median_run(runs: list[dict]) -> dict:
 
 
 def parse_args(argv):
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--dtype", default=None, help="bfloat16 (the default on a GPU) | float16 | float32 (CPU default)")
     p.add_argument("--variants", default="gqa,mla", help=f"comma-separated, from {', '.join(VARIANTS)}")

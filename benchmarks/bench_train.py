@@ -92,7 +92,7 @@ def main(argv: list[str] | None = None):
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     p.add_argument("--tiny", action="store_true", help="a 2-layer, 64-wide model, context 64 (the CPU smoke run)")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, from {', '.join(VARIANTS)}")
@@ -153,7 +153,7 @@ def print_budget(args) -> None:
     print(
         f"plan: {cells} cells ({len(args.modes)} modes x {len(args.contexts)} contexts x {len(args.variants)} "
         f"variants) x {len(BACKENDS)} backends: {compiles} compiles, {iters} iterations of {args.accum} x "
-        f"{args.tokens:,} tokens; on an H200 about {estimate / 60:.1f} minutes"
+        f"{args.tokens:,} tokens" + (f"; on an H200 about {estimate / 60:.1f} minutes" if args.device == "cuda" else "")
     )
 
 

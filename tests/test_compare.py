@@ -367,6 +367,11 @@ def test_help_and_errors_on_the_command_line(tmp_path):
     )
     assert proc.returncode == 1 and proc.stderr.startswith("error: 'nowhere': no such directory"), proc.stderr
     assert "Traceback" not in proc.stderr
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "compare.py"), "--fromat=csv"], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert proc.returncode == 2 and proc.stderr.startswith("error: ") and "format" in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
 
 
 def test_wandb_summary_run_offline(tmp_path, monkeypatch):

@@ -301,19 +301,24 @@ def test_seed_sets_the_initial_weights_and_the_data_order(data_dir, tmp_path):
     assert torch.equal(draws[1], train.BatchSampler(10_000, dict(config, seed=1), train.Dist()).next())
 
 
-def test_a_run_names_its_cache_dtype_and_says_where_it_went(data_dir, tmp_path, capsys):
+def test_a_run_names_its_cache_dtype_and_says_where_it_went(data_dir, tmp_path, capsys, monkeypatch):
     """The model line gives the KV cache in the run's dtype and, for MLA, what it caches instead of K/V heads; the
-    end of a run names its checkpoints and the commands to run next."""
+    end of a run names its checkpoints and the commands to run next (compare.py with the run's folder where
+    compare.py alone, which reads the folders of the current one, would not find it)."""
     run_inprocess(data_dir, tmp_path / "out-mla", "--max_iters=2", "--eval_interval=2", config="mla")
     out = capsys.readouterr().out
-    assert "model: mla, 1 layers, 8 heads, latent cache 32 + 4 per token and layer, 64 wide, " in out
+    assert "model: mla, 1 layer, 8 heads, latent cache 32 + 4 per token and layer, 64 wide, " in out
     assert "KV cache 144 bytes/token in float32, attention via torch" in out  # 1 layer x (32 + 4) x 4 bytes
     last, best = tmp_path / "out-mla" / "last.pt", tmp_path / "out-mla" / "best.pt"
     assert f"saved: {last} (iteration 2) and {best} (val loss " in out
-    assert f"next: `python sample.py --out_dir={tmp_path / 'out-mla'}` generates from it, `python compare.py`" in out
+    run = tmp_path / "out-mla"
+    assert f"next: `python sample.py --out_dir={run}` generates from it, `python compare.py {run}` tabulates it" in out
+    monkeypatch.chdir(tmp_path)
+    train.say_where_it_went("out-mla", 2, 1.0)
+    assert "generates from it, `python compare.py` compares the runs here" in capsys.readouterr().out
     run_inprocess(data_dir, tmp_path / "out-gqa", "--max_iters=0", config="gqa")
     out = capsys.readouterr().out
-    assert "model: gqa, 1 layers, 8 heads / 2 KV heads, 64 wide, " in out
+    assert "model: gqa, 1 layer, 8 heads / 2 KV heads, 64 wide, " in out
     assert "KV cache 128 bytes/token in float32" in out  # 2 (K, V) x 1 layer x 2 heads x 8 dims x 4 bytes
     assert "saved:" not in out, "nothing trained, nothing saved"
 
@@ -403,7 +408,7 @@ def test_ddp_two_gloo_processes_match_one_process(data_dir, tmp_path):
     proc = run_with_stacks_on_hang(cmd, subprocess_env(), tmp_path, timeout=240)  # about 10 s on 2 cores
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert proc.stdout.count("eval 4:") == 1, "only rank 0 prints"
-    assert "over 2 process(es)" in proc.stdout
+    assert "over 2 processes" in proc.stdout
     train.main([*args, f"--out_dir={tmp_path / 'one'}"])
 
     ddp, one = load_checkpoint(tmp_path / "ddp" / "last.pt"), load_checkpoint(tmp_path / "one" / "last.pt")
