@@ -25,7 +25,7 @@ NCCL_IB_DISABLE=1 where there is no InfiniBand), on node 0 (and the same with --
     torchrun --nproc_per_node=8 --nnodes=2 --node_rank=0 --master_addr=10.0.0.1 --master_port=29500 \\
         train.py configs/gpt2_small_gqa.py
 On CPUs, torchrun runs DDP over gloo; the micro-steps must divide among the ranks, so on a laptop:
-    torchrun --standalone --nproc_per_node=2 train.py --gradient_accumulation_steps=2
+    torchrun --standalone --nproc_per_node=2 train.py --gradient_accumulation_steps=2 --out_dir=out-ddp
 
 Every eval appends a line to out_dir/metrics.jsonl and writes out_dir/last.pt (and best.pt when val loss
 improves) atomically. An out_dir that already holds this run, finished, with the same config is kept and the
