@@ -76,7 +76,8 @@ def compile_model(model):
     the cache call itself runs as it is (cache.py keeps it out of the graphs). One compile serves every layer, batch
     size and cache view, and the CUDA graphs of the graphs engine replay the fused kernels. The model is marked
     `decode_compiled`, which compiles the static step's bookkeeping too (`StaticDecoder`). Prefill stays eager (see
-    _DecodeCompiled)."""
+    _DecodeCompiled). The compiling happens in the first calls, inside generate: its seconds are kept out of the
+    prefill, decode and capture times and said on stderr (`_report_compile`)."""
     # layer_idx is an int attribute of each block that reaches the cache call: left specialized, every layer would
     # compile a graph of its own and a 12-layer model would pass dynamo's recompile limit.
     torch._dynamo.config.allow_unspec_int_on_nn_module = True
@@ -102,10 +103,46 @@ class _DecodeCompiled:
     region's first argument is (B, T, ...)."""
 
     def __init__(self, forward):
-        self.eager, self.compiled = forward, torch.compile(forward, dynamic=True, options=DECODE_INDUCTOR_OPTIONS)
+        self.eager, self.compiled = forward, _Compiled(forward, dynamic=True, options=DECODE_INDUCTOR_OPTIONS)
 
     def __call__(self, x, *args):
         return (self.compiled if x.shape[1] == 1 else self.eager)(x, *args)
+
+
+@dataclass
+class _CompileClock:
+    """Seconds spent in the calls of compiled functions that compiled (a first call, or a recompile for a new
+    shape or guard), and the graphs they compiled: such a call compiles on the host inside whatever prefill or
+    decode step makes it, so `_Timer` leaves its seconds out and generate reports them (`_report_compile`)."""
+
+    seconds: float = 0.0
+    graphs: int = 0
+
+
+COMPILING = _CompileClock()
+
+
+def _graphs_compiled() -> int:
+    from torch._dynamo.utils import counters
+
+    return counters["stats"]["unique_graphs"]
+
+
+class _Compiled:
+    """torch.compile(fn, **options), whose calls that compile are timed on COMPILING (dynamo's count of graphs
+    rose during the call; the call's one run of the new graph counts with it, a small part of it)."""
+
+    def __init__(self, fn, **options):
+        self.fn = torch.compile(fn, **options)
+
+    def __call__(self, *args):
+        graphs, t0 = _graphs_compiled(), time.perf_counter()
+        out = self.fn(*args)
+        new = _graphs_compiled() - graphs
+        if new > 0:
+            COMPILING.seconds += time.perf_counter() - t0
+            COMPILING.graphs += new
+        return out
 
 
 def per_prompt(max_new_tokens, n: int) -> list[int]:
@@ -116,15 +153,18 @@ def per_prompt(max_new_tokens, n: int) -> list[int]:
     return values
 
 
-def check_length(config, prompt_lens: list[int], max_new_tokens, allow_past_block_size: bool):
-    """Positions run up to prompt + max_new_tokens - 2 (the last sampled token is never fed back)."""
+def check_length(config, prompt_lens: list[int], max_new_tokens, allow_past_block_size: bool, prefix: str = ""):
+    """Positions run up to prompt + max_new_tokens - 2 (the last sampled token is never fed back). `prefix` goes
+    before each option's name in the message ("--" for a command line); without it, the message names generate's
+    keyword and sample.py's flag both."""
     if not prompt_lens:
         raise ValueError("prompts: got none; valid: at least one prompt")
     max_new = per_prompt(max_new_tokens, len(prompt_lens))
     if min(prompt_lens) < 1:
         raise ValueError("start: got an empty prompt; valid: at least one token")
+    allow = f"{prefix}allow_past_block_size=True" + ("" if prefix else " (sample.py: --allow_past_block_size=True)")
     if max(prompt_lens) > config.block_size and (config.pos_embedding == "learned" or not allow_past_block_size):
-        rope = "" if config.pos_embedding == "learned" else ", or allow_past_block_size=True (a RoPE model)"
+        rope = "" if config.pos_embedding == "learned" else f", or {allow} for this RoPE model"
         raise ValueError(
             f"prompt: got {max(prompt_lens)} tokens, longer than the model's block_size={config.block_size}; "
             f"valid: at most {config.block_size} tokens (shorten the prompt){rope}"
@@ -137,12 +177,12 @@ def check_length(config, prompt_lens: list[int], max_new_tokens, allow_past_bloc
     if config.pos_embedding == "learned":
         raise ValueError(
             f"{how}; valid: at most block_size={config.block_size} for learned position embeddings "
-            "(shorten the prompt or lower --max_new_tokens)"
+            f"(shorten the prompt or lower {prefix}max_new_tokens)"
         )
     if not allow_past_block_size:
         raise ValueError(
             f"{how} > block_size={config.block_size}; this RoPE model may go past what it was trained "
-            "on with --allow_past_block_size=True, or lower --max_new_tokens"
+            f"on with {allow}, or lower {prefix}max_new_tokens"
         )
 
 
@@ -207,7 +247,8 @@ class GenerationStats:
     cache_bytes_allocated: int = 0
     cache_bytes_peak: int = 0
     cache_bytes_per_token: int = 0
-    extra: dict = field(default_factory=dict)  # engine; static engines: buckets, reads, steps_per_bucket, capture_s
+    # engine; static engines: buckets, reads, steps_per_bucket, capture_s; a compiled model: compile_s, compiled_graphs
+    extra: dict = field(default_factory=dict)
 
     def summary(self) -> dict:
         return {
@@ -225,19 +266,22 @@ class GenerationStats:
 
 
 class _Timer:
+    """The seconds of a prefill or decode region, less what compiling took inside it (COMPILING), so that a first
+    call of the compiled step never reads as a slow prefill or decode."""
+
     def __init__(self, device):
         self.cuda = torch.device(device).type == "cuda"
 
     def __enter__(self):
         if self.cuda:
             torch.cuda.synchronize()
-        self.t0 = time.perf_counter()
+        self.t0, self.compiling = time.perf_counter(), COMPILING.seconds
         return self
 
     def __exit__(self, *exc):
         if self.cuda:
             torch.cuda.synchronize()
-        self.seconds = time.perf_counter() - self.t0
+        self.seconds = time.perf_counter() - self.t0 - (COMPILING.seconds - self.compiling)
 
 
 class _Sequences:
@@ -322,12 +366,14 @@ def generate(
     engine = resolve_engine(engine, kind, device)
     seqs = _Sequences(prompts, max_new, eot_token, on_token)
     stats = GenerationStats(extra={"engine": engine})
+    compiled_before = (COMPILING.seconds, COMPILING.graphs)
     if temperature == 0 and getattr(model, "decode_compiled", False):
         pick = _compiled_greedy()
     else:
         pick = lambda logits: sample_next(logits, temperature, top_k, top_p, generator)  # noqa: E731
     if kind == "none":
         _generate_uncached(model, seqs, pick, on_logits, stats)
+        _report_compile(model, stats, compiled_before)
         return seqs.out, stats
     rows = min(len(prompts), max_batch or len(prompts))
     max_len = max(len(p) + m - 1 for p, m in zip(prompts, max_new))
@@ -357,7 +403,23 @@ def generate(
             stats.extra["capture_s"] = decoder.capture_s
         stats.extra["buckets"] = decoder.buckets
         _generate_static(model, sched, decoder, pick, on_logits, stats)
+    _report_compile(model, stats, compiled_before)
     return seqs.out, stats
+
+
+def _report_compile(model, stats: GenerationStats, before: tuple[float, int]):
+    """A compiled model's compile time in this generation, in the stats and on stderr as the capture's is: those
+    seconds are in neither the prefill's nor the decode's tokens/s (`_Timer`), nor in the capture's time."""
+    if not getattr(model, "decode_compiled", False):
+        return
+    seconds, graphs = COMPILING.seconds - before[0], COMPILING.graphs - before[1]
+    stats.extra.update(compile_s=seconds, compiled_graphs=graphs)
+    if graphs:
+        print(
+            f"torch.compile: compiled the decode step ({graphs} graph{'s' * (graphs > 1)}) in {seconds:.2f} s, "
+            "outside the prefill and decode tokens/s",
+            file=sys.stderr,
+        )
 
 
 def default_admit_batch(rows: int) -> int:
@@ -650,7 +712,7 @@ class StaticDecoder:
         stream before its capture; nothing is live yet, so those runs write only to free rows and scratch."""
         if self.live.any():
             raise RuntimeError("capture: rows are live; valid: capture before any prompt is admitted")
-        t0 = time.perf_counter()
+        t0, compiling = time.perf_counter(), COMPILING.seconds  # a compiled step compiles in its warm-up here
         pool, stream = torch.cuda.graph_pool_handle(), torch.cuda.Stream()
         for b in reversed(self.buckets):
             stream.wait_stream(torch.cuda.current_stream())
@@ -665,7 +727,7 @@ class StaticDecoder:
                 self.step(b)
             self.graphs[b] = graph
         torch.cuda.synchronize()
-        self.capture_s = time.perf_counter() - t0
+        self.capture_s = time.perf_counter() - t0 - (COMPILING.seconds - compiling)
         kind = type(self.cache).__name__
         print(
             f"cuda graphs: captured the decode step for {len(self.buckets)} batch sizes "
@@ -693,13 +755,13 @@ def advance_rows(new, tokens, remaining, live, next_pos, history, step_index, eo
 def _compiled_greedy():
     """Greedy sampling of a compiled model: Inductor splits the argmax over the vocabulary across many programs,
     where ATen's reduction of one row of logits runs in one block (RESULTS.md, "Generation")."""
-    return torch.compile(lambda logits: logits.argmax(dim=-1), dynamic=True)
+    return _Compiled(lambda logits: logits.argmax(dim=-1), dynamic=True)
 
 
 @functools.cache
 def _compiled_advance():
     """advance_rows compiled once per process: every decoder and batch size shares its graph."""
-    return torch.compile(advance_rows, dynamic=True)
+    return _Compiled(advance_rows, dynamic=True)
 
 
 def _generate_static(model, sched: _Scheduler, decoder: StaticDecoder, pick, on_logits, stats: GenerationStats):

@@ -37,12 +37,16 @@ normalizes the latent and writes it into the cache), compiled or not.
 (generate.compile_model: norms, projections, residual adds and MLP fused; prefill stays eager; either loop, the
 graphs then replay the fused kernels; the capture waits for it). It pays most where small kernels remain between
 the projections, at batches above 1 (benchmarks/RESULTS.md has the numbers; GQA at batch 1 gains 7%), and over long
-generations: a short run spends more on the compile than it saves.
+generations: a short run spends more on the compile than it saves. The compiling happens in the first steps; stderr
+says how long it took, and the prefill and decode tokens/s leave it out.
 
 Standard output gets the samples alone (the first one streamed as it is generated, then the others, separated by
 a line of dashes), so `> out.txt` captures just the text; progress and statistics (prefill and decode tokens/s,
 cache memory) go to standard error, and to the checkpoint's wandb project with --wandb_log=True. Ctrl-C stops the
 generation and prints every sample as far as it got (exit status 130).
+
+Exit status: 0, 2 for a usage error (a bad option or value, named with the valid ones), 1 for a failure with its
+message (a checkpoint that does not load, a page pool that runs dry, GPT-2 offline), 130 after Ctrl-C.
 
 Past block_size: a model with learned positions cannot go there, so prompt + max_new_tokens beyond block_size is
 an error at start. A RoPE model goes on, with a one-line warning on stderr (positions beyond what it was trained
@@ -54,11 +58,13 @@ from __future__ import annotations
 
 import os
 import sys
+from contextlib import contextmanager
 
 import torch
 
 from cache import CacheFullError, check_page_size
 from checkpoint import CheckpointError, checkpoint_beside, load_checkpoint, model_from_checkpoint, run_checkpoints
+from configurator import ConfigError
 from generate import (
     available_bytes,
     check_length,
@@ -71,8 +77,8 @@ from generate import (
 
 DEFAULTS = dict(
     init_from="resume",  # "resume" (--out_dir), a run directory or checkpoint file, or gpt2 / gpt2-medium / ...
-    # --out_dir: a run directory (best.pt, else last.pt) or a checkpoint file; not given: the newest checkpoint here
-    out_dir="out",
+    # --out_dir: a run directory (best.pt, else last.pt) or a checkpoint file; '': the newest checkpoint's run here
+    out_dir="",
     cache="auto",  # auto | grouped | paged | mla | paged_mla | none
     start="\n",  # the prompt, or FILE:path to read it from a file
     num_samples=1,
@@ -85,7 +91,7 @@ DEFAULTS = dict(
     num_pages=0,  # 0 = enough for every sample at full length
     wait_for_pages=False,
     allow_past_block_size=True,  # a RoPE model goes past block_size with a warning (False: an error)
-    device="cuda" if torch.cuda.is_available() else "cpu",
+    device="auto",  # auto (cuda where this torch sees a GPU, else cpu) | cpu | cuda | cuda:N
     dtype="auto",  # auto (bfloat16 on a GPU that has it, else float32) | float32 | bfloat16 | float16
     # speed ("Speed" above): decode steps replayed from CUDA graphs on a GPU (False: the eager loop; a CPU has none),
     # and --compile=True for torch.compile of every block around its cache call (with or without the graphs)
@@ -114,7 +120,7 @@ def check_options(cfg: dict):
     if cfg["num_pages"] < 0:
         raise ValueError(f"--num_pages: got {cfg['num_pages']}; valid: 0 (enough for every sample) or an int >= 1")
     check_device(cfg["device"])
-    resolve_dtype(cfg["dtype"], cfg["device"])
+    resolve_dtype(cfg["dtype"], resolve_device(cfg["device"]))
 
 
 HOST_BYTES_PER_TOKEN = 40  # a generated token on the host: a Python int (28 bytes) and its list slot (8), rounded up
@@ -134,26 +140,38 @@ def check_host_memory(num_samples: int, max_new_tokens: int):
 
 
 def check_device(name: str):
+    if name == "auto":
+        return
     try:
         device = torch.device(name)
     except RuntimeError:
         device = None
     if device is None or device.type not in ("cpu", "cuda"):
-        raise ValueError(f"--device: got {name!r}; valid: cpu, cuda, cuda:N")
+        raise ValueError(f"--device: got {name!r}; valid: cpu, cuda, cuda:N, or auto")
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device: got {name!r} but this torch sees no CUDA device; valid: cpu")
+        raise ValueError(f"--device: got {name!r} but this torch sees no CUDA device; valid: cpu or auto")
     if device.type == "cuda" and (device.index or 0) >= torch.cuda.device_count():
         raise ValueError(f"--device: got {name!r}; valid: cpu, cuda:0 .. cuda:{torch.cuda.device_count() - 1}")
+
+
+def resolve_device(name: str) -> str:
+    """--device=auto: cuda where this torch sees a GPU, else cpu; any other (checked) name as it is."""
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return name
 
 
 def check_pool(kind: str, prompt_len: int, cfg: dict):
     """--num_pages and --wait_for_pages act on a paged cache only. A pool too small for one sample at full length,
     or (without waiting) for all the samples at once, could not finish: both fail here, at start."""
     if kind not in ("paged", "paged_mla"):
-        if cfg["num_pages"] or cfg["wait_for_pages"]:
+        # Their defaults (0, False) mean "not given": the message names only what the command line set.
+        given = [f"--num_pages={cfg['num_pages']}"] * bool(cfg["num_pages"])
+        given += ["--wait_for_pages=True"] * bool(cfg["wait_for_pages"])
+        if given:
             raise ValueError(
-                f"--num_pages={cfg['num_pages']} / --wait_for_pages={cfg['wait_for_pages']}: given with "
-                f"--cache={kind}, which has no page pool; valid: --cache=paged, or 0 / False"
+                f"{' and '.join(given)}: given with --cache={kind}, which has no page pool; valid: --cache=paged, "
+                f"or no {' and no '.join(g.split('=')[0] for g in given)}"
             )
         return
     if not cfg["num_pages"]:
@@ -179,6 +197,16 @@ def check_pool(kind: str, prompt_len: int, cfg: dict):
 # ----------------------------------------------------------------------------------------------- the CLI
 
 
+@contextmanager
+def usage_errors():
+    """A ValueError from checking the command line's options (a bad value, or one this model or folder cannot take)
+    is a usage error: ConfigError, exit status 2 (`cli`), as train.py's."""
+    try:
+        yield
+    except ValueError as e:
+        raise ConfigError(str(e)) from None
+
+
 def load_model(cfg: dict, out_dir_given: bool = True):
     """(model, tokenizer meta, checkpoint config, checkpoint path or None) from --init_from: resume (--out_dir, or
     without it the newest checkpoint here), a run directory or checkpoint file, or gpt2*."""
@@ -188,7 +216,8 @@ def load_model(cfg: dict, out_dir_given: bool = True):
         from data import tiktoken_meta
 
         return GPT.from_pretrained(cfg["init_from"]), tiktoken_meta("gpt2"), {}, None
-    path = checkpoint_path(cfg, out_dir_given)
+    with usage_errors():
+        path = checkpoint_path(cfg, out_dir_given)
     ckpt, model = _load(path, "--out_dir" if cfg["init_from"] == "resume" else "--init_from")
     print(f"loaded {path} (iter {ckpt.get('iter_num', '?')})", file=sys.stderr)
     return model, ckpt["tokenizer"], ckpt.get("config", {}), path
@@ -320,21 +349,24 @@ def main(argv: list[str]) -> dict:
 
     cfg = parse_config(DEFAULTS, argv)
     given = parse_config({**DEFAULTS, "out_dir": None, "cuda_graphs": None}, argv)  # None: left at the default
-    check_options(cfg)
-    engine = resolve_engine(cfg, explicit=given["cuda_graphs"] is not None)
+    with usage_errors():
+        check_options(cfg)
+        cfg["device"] = resolve_device(cfg["device"])
+        engine = resolve_engine(cfg, explicit=given["cuda_graphs"] is not None)
     torch.manual_seed(cfg["seed"])
     dtype = resolve_dtype(cfg["dtype"], cfg["device"])
     model, meta, train_cfg, path = load_model(cfg, out_dir_given=given["out_dir"] is not None)
     model.eval().to(cfg["device"], dtype)
-    kind = resolve_cache_kind(model.config, cfg["cache"])  # fails at start with the valid choices
+    tokenizer = get_tokenizer(meta)
+    with usage_errors():  # the options against this model: its caches, its block_size, its tokenizer
+        kind = resolve_cache_kind(model.config, cfg["cache"])
+        start_ids = tokenizer.encode(read_start(cfg["start"]))
+        check_length(model.config, [len(start_ids)], cfg["max_new_tokens"], cfg["allow_past_block_size"], "--")
+        check_pool(kind, len(start_ids), cfg)
+    warn_past_block_size(model.config, len(start_ids), cfg["max_new_tokens"])
     if cfg["compile"]:
         compile_model(model)
-    tokenizer = get_tokenizer(meta)
-    start_ids = tokenizer.encode(read_start(cfg["start"]))
     prompts = [start_ids] * cfg["num_samples"]
-    check_length(model.config, [len(start_ids)], cfg["max_new_tokens"], cfg["allow_past_block_size"])
-    warn_past_block_size(model.config, len(start_ids), cfg["max_new_tokens"])
-    check_pool(kind, len(start_ids), cfg)
     generator = torch.Generator(device=cfg["device"]).manual_seed(cfg["seed"])
     stream = _Streamer(tokenizer)
     sys.stdout.write(tokenizer.decode(start_ids))
@@ -342,7 +374,7 @@ def main(argv: list[str]) -> dict:
     print(
         f"sampling {cfg['num_samples']} x {cfg['max_new_tokens']} tokens, cache={kind}, "
         f"attention={model.config.attention}, backend={model.attn_backend_for(cfg['device'])}, dtype={dtype}, "
-        f"decode={'CUDA graphs' if engine == 'graphs' else 'eager loop'}",
+        f"decode={'CUDA graphs' if engine == 'graphs' else 'eager loop'}{', compiled' if cfg['compile'] else ''}",
         file=sys.stderr,
     )
     try:
@@ -364,7 +396,7 @@ def main(argv: list[str]) -> dict:
             engine=engine,
             on_token=stream,
         )
-    except KeyboardInterrupt:  # Ctrl-C: the samples as far as they got, then the exit (130) in __main__
+    except KeyboardInterrupt:  # Ctrl-C: the samples as far as they got, then the exit (130) in cli
         write_samples(stream, tokenizer, start_ids, [stream.so_far.get(i, []) for i in range(len(prompts))])
         print(
             f"interrupted: the samples stop where generation was ({sum(map(len, stream.so_far.values())):,} new "
@@ -463,15 +495,25 @@ def log_wandb(summary: dict, train_cfg: dict, cfg: dict, path: str | None):
     run.finish()
 
 
-if __name__ == "__main__":
+def cli(argv: list[str]) -> int:
+    """The command line: its exit status (2: a usage error, 1: a failure with its message, 130: Ctrl-C)."""
     from configurator import help_text, wants_help
 
-    if wants_help(sys.argv[1:], DEFAULTS):
+    if wants_help(argv, DEFAULTS):
         print(help_text(__doc__, DEFAULTS, __file__))
-        sys.exit(0)
+        return 0
     try:
-        main(sys.argv[1:])
-    except (ValueError, CacheFullError, OSError) as e:  # bad options, lengths, checkpoints, pools, GPT-2 offline
-        raise SystemExit(f"error: {e}") from None
+        main(argv)
+    except ConfigError as e:  # a bad option or value: 2, as train.py's and argparse's, so `... || break` stops a loop
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except (ValueError, CacheFullError, OSError) as e:  # a checkpoint that does not load, a pool, GPT-2 offline
+        print(f"error: {e}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:  # main printed the samples so far; 130, as a shell loop expects of Ctrl-C
-        sys.exit(130)
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(cli(sys.argv[1:]))

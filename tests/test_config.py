@@ -140,17 +140,18 @@ def test_bad_arguments_fail_with_clear_message(argv, needle):
 
 
 @pytest.mark.parametrize(
-    "script, first_line, note",
+    "script, first_line, note, out_dir",
     [
         (
             "train.py",
             "Train a GPT with MHA, GQA, MQA or MLA attention",
             "\n# I/O\n  --out_dir=out\n  --eval_interval=250  # every this many iterations",
+            "out",
         ),
-        ("sample.py", "Sample from a trained model (or GPT-2)", "\n  --top_k=200  # 0 = off\n"),
+        ("sample.py", "Sample from a trained model (or GPT-2)", "\n  --top_k=200  # 0 = off\n", "''"),
     ],
 )
-def test_help_lists_the_keys_and_their_defaults(script, first_line, note):
+def test_help_lists_the_keys_and_their_defaults(script, first_line, note, out_dir):
     """`--help` / `-h`: the script's docstring (its commands), then every key as it is written on the command line,
     with the headings and notes of the script's DEFAULTS block."""
     for flag in ("--help", "-h"):
@@ -164,7 +165,7 @@ def test_help_lists_the_keys_and_their_defaults(script, first_line, note):
         assert run.returncode == 0 and run.stderr == "", run.stderr
         assert run.stdout.startswith(first_line)
         assert "\nConfig keys and their defaults" in run.stdout and "\n  --compile=False\n" in run.stdout
-        assert "\n  --device=" in run.stdout and "\n  --out_dir=out\n" in run.stdout and note in run.stdout
+        assert "\n  --device=auto" in run.stdout and f"\n  --out_dir={out_dir}\n" in run.stdout and note in run.stdout
         keys = [
             line.split("=")[0].strip()
             for line in run.stdout.split("Config keys")[1].splitlines()[1:]

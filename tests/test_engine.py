@@ -128,6 +128,57 @@ def test_compiled_blocks_equal_the_uncompiled_engine(variant, kind):
     assert changed == expected and changed != ref[:3], "the compiled step decoded with the weights before the change"
 
 
+SLOW_COMPILE_S = 0.1
+
+
+def _slow_compile(monkeypatch):
+    """torch.compile through a backend that takes SLOW_COMPILE_S a graph and runs it as traced: compiling is then
+    long against a tiny model's steps, at no Inductor cost, and the numbers stay the eager ones."""
+    import time
+
+    real = torch.compile
+
+    def backend(gm, example_inputs):
+        time.sleep(SLOW_COMPILE_S)
+        return gm.forward
+
+    monkeypatch.setattr(
+        torch, "compile", lambda fn, dynamic=None, options=None: real(fn, dynamic=dynamic, backend=backend)
+    )
+
+
+def test_compile_time_stays_out_of_the_prefill_and_decode_rates(monkeypatch, capsys, tmp_path):
+    """A compiled model compiles in its first calls, inside the prefill and decode steps that make them: those
+    seconds are in compile_s and on stderr, not in prefill_s or decode_s; the tokens are the uncompiled model's, and
+    a second generation compiles nothing and says nothing. sample.py's line says the decode is compiled."""
+    net = model("gqa", n_layer=1)
+    ps = [[5]]  # one token: its prefill runs the compiled step (sample.py's default prompt)
+    common = dict(max_new_tokens=4, temperature=0.8, engine="eager")
+    ref, _ = generate(net, ps, "paged", generator=torch.Generator(DEVICE).manual_seed(0), **common)
+    _slow_compile(monkeypatch)
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(allow_unspec_int_on_nn_module=False):
+        try:
+            compile_model(net)
+            out, stats = generate(net, ps, "paged", generator=torch.Generator(DEVICE).manual_seed(0), **common)
+            err = capsys.readouterr().err
+            _, again = generate(net, ps, "paged", generator=torch.Generator(DEVICE).manual_seed(0), **common)
+            assert capsys.readouterr().err == "" and again.extra["compiled_graphs"] == 0
+            _checkpoint(tmp_path, "gqa")
+            sample.main(
+                [f"--init_from={tmp_path}", "--device=cpu", "--compile=True", "--start=HI", "--max_new_tokens=3"]
+            )
+            sample_err = capsys.readouterr().err
+        finally:
+            torch._dynamo.reset()
+    assert out == ref
+    graphs, compile_s = stats.extra["compiled_graphs"], stats.extra["compile_s"]
+    assert graphs >= 2 and compile_s >= graphs * SLOW_COMPILE_S, stats.extra
+    assert stats.prefill_s < SLOW_COMPILE_S and stats.decode_s < SLOW_COMPILE_S, stats
+    assert f"torch.compile: compiled the decode step ({graphs} graphs) in {compile_s:.2f} s, outside the" in err
+    assert "decode=eager loop, compiled" in sample_err and "torch.compile: compiled the decode step" in sample_err
+
+
 def _perturb_attention(net):
     """Attention output weights large enough to change the greedy tokens, written in place (the version counter
     moves, the storage stays), as an optimizer step writes them."""

@@ -292,6 +292,30 @@ def test_choices_and_lengths_fail_at_start():
         check_length(rope, [], 8, False)
 
 
+def test_length_errors_name_the_option_as_the_caller_writes_it():
+    """The README's library call past a RoPE model's block_size names generate's keyword (and sample.py's flag);
+    sample.py's check (prefix "--") names its flags alone."""
+    model = tiny_model("gqa", block_size=16)
+    keyword = "allow_past_block_size=True (sample.py: --allow_past_block_size=True)"
+    with pytest.raises(ValueError) as e:
+        generate(model, prompts((3,)), "paged", max_new_tokens=16, page_size=8)
+    assert str(e.value) == (
+        "prompt of 3 tokens + max_new_tokens=16 - 1 = 18 tokens > block_size=16; this RoPE model may go past what "
+        f"it was trained on with {keyword}, or lower max_new_tokens"
+    )
+    with pytest.raises(ValueError, match=r"on with --allow_past_block_size=True, or lower --max_new_tokens$"):
+        check_length(model.config, [3], 16, False, prefix="--")
+    with pytest.raises(ValueError, match=r"\(shorten the prompt\), or allow_past_block_size=True \(sample.py: --allow"):
+        check_length(model.config, [20], 1, False)
+    with pytest.raises(
+        ValueError, match=r"\(shorten the prompt\), or --allow_past_block_size=True for this RoPE model$"
+    ):
+        check_length(model.config, [20], 1, False, prefix="--")
+    learned = tiny_model("mha", block_size=16).config
+    with pytest.raises(ValueError, match=r"\(shorten the prompt or lower --max_new_tokens\)$"):
+        check_length(learned, [10], 8, True, prefix="--")
+
+
 def test_rope_model_generates_past_block_size_when_asked():
     model = tiny_model("gqa", block_size=8)
     ps = prompts((6,))
@@ -507,8 +531,16 @@ BAD_OPTIONS = [
         "--max_new_tokens=70 --allow_past_block_size=False",
         r"block_size=64; this RoPE model may go past .* --allow_past_block_size=True",
     ),
-    ("--cache=mla --num_pages=4", r"--num_pages=4 / --wait_for_pages=False: given with --cache=mla.*--cache=paged"),
-    ("--cache=mla --wait_for_pages=True", r"given with --cache=mla, which has no page pool"),
+    # only the options given are named (their defaults, 0 and False, are not)
+    (
+        "--cache=mla --num_pages=4",
+        r"^--num_pages=4: given with --cache=mla, which has no page pool; valid: --cache=paged, or no --num_pages$",
+    ),
+    ("--cache=mla --wait_for_pages=True", r"^--wait_for_pages=True: given with --cache=mla, which has no page pool"),
+    (
+        "--cache=mla --num_pages=4 --wait_for_pages=True",
+        r"^--num_pages=4 and --wait_for_pages=True: given .* or no --num_pages and no --wait_for_pages$",
+    ),
     (
         "--cache=paged --page_size=8 --num_samples=3 --num_pages=5",  # 2 pages each at full length
         r"--num_pages: got 5; the pool must hold 6 pages .* 3 samples at once.*>= 6, "
@@ -663,8 +695,59 @@ def test_sample_py_error_is_a_message_not_a_traceback(tmp_path):
         timeout=120,
         env={**os.environ, "PYTHONPATH": REPO},
     )
-    assert run.returncode == 1 and run.stdout == ""
+    assert run.returncode == 2 and run.stdout == ""  # a usage error, as train.py's
     assert "Traceback" not in run.stderr
     assert run.stderr.strip().endswith(
         "error: --cache: got 'grouped' for a model with attention='mla'; valid: auto, mla, paged, paged_mla, none"
     )
+
+
+def test_sample_py_exit_statuses(tmp_path, monkeypatch, capsys):
+    """sample.cli, as train.py's: 2 for a usage error (an unknown key, a bad value, an option this model or folder
+    cannot take), 1 for a failure with its message (a checkpoint that does not load, a pool run dry), 0 for help;
+    "error: ..." on stderr, never a traceback."""
+    from cache import CacheFullError
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out-mla").mkdir()
+    _checkpoint(tmp_path / "out-mla")
+    (tmp_path / "out-bad").mkdir()
+    (tmp_path / "out-bad" / "last.pt").write_bytes(b"not a checkpoint")
+    run = ["--out_dir=out-mla", "--device=cpu", "--start=HELLO, ", "--max_new_tokens=2"]
+    usage = [
+        (["--bogus=1"], "error: override '--bogus=1': unknown config key 'bogus'"),
+        ([*run, "--num_samples=0"], "error: --num_samples: got 0; valid: an int >= 1"),
+        ([*run, "--cache=grouped"], "error: --cache: got 'grouped' for a model with attention='mla'"),
+        ([*run, "--max_new_tokens=70", "--allow_past_block_size=False"], "error: prompt of 7 tokens"),
+        (["--out_dir=out-gqa", "--device=cpu"], "error: --out_dir: got 'out-gqa', which is not a directory"),
+    ]
+    for argv, message in usage:
+        assert sample.cli(argv) == 2, argv
+        assert capsys.readouterr().err.splitlines()[-1].startswith(message), argv
+    assert sample.cli(["--out_dir=out-bad", "--device=cpu"]) == 1
+    assert "error: checkpoint 'out-bad/last.pt'" in capsys.readouterr().err
+
+    def dry(*args, **kwargs):
+        raise CacheFullError("the page pool ran dry")
+
+    monkeypatch.setattr(sample, "generate", dry)
+    assert sample.cli(run) == 1
+    assert capsys.readouterr().err.endswith("error: the page pool ran dry\n")
+    assert sample.cli(["--help"]) == 0
+
+
+def test_sample_py_help_shows_what_the_defaults_do(tmp_path, monkeypatch, capsys):
+    """--help shows --out_dir='' (none given: the newest checkpoint here) and --device=auto, and a run with neither
+    does what they say."""
+    from configurator import help_text
+
+    text = help_text(sample.__doc__, sample.DEFAULTS, sample.__file__)
+    assert "\n  --out_dir=''\n" in text and "'': the newest checkpoint's run here" in text
+    assert "\n  --device=auto  # auto (cuda where this torch sees a GPU, else cpu)" in text
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "out-gqa").mkdir()
+    _checkpoint(tmp_path / "out-gqa", "gqa")
+    summary = sample.main(["--start=HELLO, ", "--max_new_tokens=2", "--cuda_graphs=False"])
+    err = capsys.readouterr().err
+    assert "no --out_dir given: sampling from out-gqa" in err and summary["attention"] == "gqa"
+    assert f"backend={'triton' if torch.cuda.is_available() else 'torch'}" in err  # auto: the GPU where there is one
