@@ -46,7 +46,8 @@ cache memory) go to standard error, and to the checkpoint's wandb project with -
 generation and prints every sample as far as it got (exit status 130).
 
 Exit status: 0, 2 for a usage error (a bad option or value, named with the valid ones), 1 for a failure with its
-message (a checkpoint that does not load, a page pool that runs dry, GPT-2 offline), 130 after Ctrl-C.
+message (a checkpoint that does not load, a page pool that runs dry, GPT-2 offline or without transformers),
+130 after Ctrl-C.
 
 Past block_size: a model with learned positions cannot go there, so prompt + max_new_tokens beyond block_size is
 an error at start. A RoPE model goes on, with a one-line warning on stderr (positions beyond what it was trained
@@ -507,7 +508,7 @@ def cli(argv: list[str]) -> int:
     except ConfigError as e:  # a bad option or value: 2, as train.py's and argparse's, so `... || break` stops a loop
         print(f"error: {e}", file=sys.stderr)
         return 2
-    except (ValueError, CacheFullError, OSError) as e:  # a checkpoint that does not load, a pool, GPT-2 offline
+    except (ValueError, CacheFullError, OSError, ImportError) as e:  # a checkpoint, a pool, GPT-2 offline or absent
         print(f"error: {e}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # main printed the samples so far; 130, as a shell loop expects of Ctrl-C

@@ -443,7 +443,7 @@ def build_model(config: dict, vocab_size: int, ckpt: dict | None, source: tuple[
         else:
             try:
                 model = GPT.from_pretrained(config["init_from"], overrides)
-            except (OSError, ValueError) as e:  # no network, not a GPT-2 directory: the model's message
+            except (OSError, ValueError, ImportError) as e:  # no network or transformers, not a GPT-2 directory
                 raise ConfigError(f"init_from: {e}") from None
         if config["block_size"] > model.config.block_size:
             raise ConfigError(

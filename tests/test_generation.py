@@ -704,8 +704,10 @@ def test_sample_py_error_is_a_message_not_a_traceback(tmp_path):
 
 def test_sample_py_exit_statuses(tmp_path, monkeypatch, capsys):
     """sample.cli, as train.py's: 2 for a usage error (an unknown key, a bad value, an option this model or folder
-    cannot take), 1 for a failure with its message (a checkpoint that does not load, a pool run dry), 0 for help;
+    cannot take), 1 for a failure with its message (a checkpoint that does not load, a pool run dry, GPT-2 without
+    transformers), 0 for help;
     "error: ..." on stderr, never a traceback."""
+    import model as model_module
     from cache import CacheFullError
 
     monkeypatch.chdir(tmp_path)
@@ -734,6 +736,13 @@ def test_sample_py_exit_statuses(tmp_path, monkeypatch, capsys):
     assert sample.cli(run) == 1
     assert capsys.readouterr().err.endswith("error: the page pool ran dry\n")
     assert sample.cli(["--help"]) == 0
+
+    def no_transformers(*args, **kwargs):
+        raise ImportError("GPT.from_pretrained needs transformers: pip install transformers")
+
+    monkeypatch.setattr(model_module.GPT, "from_pretrained", no_transformers)
+    assert sample.cli(["--init_from=gpt2", "--device=cpu"]) == 1
+    assert capsys.readouterr().err.endswith("error: GPT.from_pretrained needs transformers: pip install transformers\n")
 
 
 def test_sample_py_help_shows_what_the_defaults_do(tmp_path, monkeypatch, capsys):

@@ -301,6 +301,15 @@ def test_seed_sets_the_initial_weights_and_the_data_order(data_dir, tmp_path):
     assert torch.equal(draws[1], train.BatchSampler(10_000, dict(config, seed=1), train.Dist()).next())
 
 
+def test_init_from_gpt2_without_transformers_is_a_message(data_dir, tmp_path, monkeypatch):
+    def no_transformers(*args, **kwargs):
+        raise ImportError("GPT.from_pretrained needs transformers: pip install transformers")
+
+    monkeypatch.setattr(train.GPT, "from_pretrained", no_transformers)
+    with pytest.raises(train.ConfigError, match="init_from: GPT.from_pretrained needs transformers"):
+        run_inprocess(data_dir, tmp_path / "out", "--init_from=gpt2", "--max_iters=1")
+
+
 def test_a_run_names_its_cache_dtype_and_says_where_it_went(data_dir, tmp_path, capsys, monkeypatch):
     """The model line gives the KV cache in the run's dtype and, for MLA, what it caches instead of K/V heads; the
     end of a run names its checkpoints and the commands to run next (compare.py with the run's folder where
