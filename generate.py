@@ -122,23 +122,19 @@ class _CompileClock:
 COMPILING = _CompileClock()
 
 
-def _graphs_compiled() -> int:
-    from torch._dynamo.utils import counters
-
-    return counters["stats"]["unique_graphs"]
-
-
 class _Compiled:
     """torch.compile(fn, **options), whose calls that compile are timed on COMPILING (dynamo's count of graphs
     rose during the call; the call's one run of the new graph counts with it, a small part of it)."""
 
     def __init__(self, fn, **options):
-        self.fn = torch.compile(fn, **options)
+        from torch._dynamo.utils import counters  # dynamo's own tallies (torch._dynamo.reset clears, not replaces)
+
+        self.fn, self.counters = torch.compile(fn, **options), counters
 
     def __call__(self, *args):
-        graphs, t0 = _graphs_compiled(), time.perf_counter()
+        graphs, t0 = self.counters["stats"]["unique_graphs"], time.perf_counter()
         out = self.fn(*args)
-        new = _graphs_compiled() - graphs
+        new = self.counters["stats"]["unique_graphs"] - graphs
         if new > 0:
             COMPILING.seconds += time.perf_counter() - t0
             COMPILING.graphs += new

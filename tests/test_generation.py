@@ -705,8 +705,7 @@ def test_sample_py_error_is_a_message_not_a_traceback(tmp_path):
 def test_sample_py_exit_statuses(tmp_path, monkeypatch, capsys):
     """sample.cli, as train.py's: 2 for a usage error (an unknown key, a bad value, an option this model or folder
     cannot take), 1 for a failure with its message (a checkpoint that does not load, a pool run dry, GPT-2 without
-    transformers), 0 for help;
-    "error: ..." on stderr, never a traceback."""
+    transformers), 0 for help; "error: ..." on stderr, never a traceback."""
     import model as model_module
     from cache import CacheFullError
 
