@@ -327,12 +327,12 @@ def test_rope_model_generates_past_block_size_when_asked():
 CHARS = "".join(chr(c) for c in range(32, 97))  # 65 printable characters = the tiny model's vocabulary
 
 
-def _checkpoint(directory, variant="mla"):
+def _checkpoint(directory, variant="mla", backend="torch"):
     """A tiny checkpoint written by checkpoint.save_checkpoint, with a character-level tokenizer; returns the model."""
     from checkpoint import save_checkpoint
     from data import char_meta
 
-    model = tiny_model(variant, dtype=torch.float32).cpu()
+    model = tiny_model(variant, backend, dtype=torch.float32).cpu()
     save_checkpoint(
         directory / "last.pt",
         {
@@ -754,7 +754,7 @@ def test_sample_py_help_shows_what_the_defaults_do(tmp_path, monkeypatch, capsys
     assert "\n  --device=auto  # auto (cuda where this torch sees a GPU, else cpu)" in text
     monkeypatch.chdir(tmp_path)
     (tmp_path / "out-gqa").mkdir()
-    _checkpoint(tmp_path / "out-gqa", "gqa")
+    _checkpoint(tmp_path / "out-gqa", "gqa", backend="auto")  # "auto" says in the status line which device ran
     summary = sample.main(["--start=HELLO, ", "--max_new_tokens=2", "--cuda_graphs=False"])
     err = capsys.readouterr().err
     assert "no --out_dir given: sampling from out-gqa" in err and summary["attention"] == "gqa"
