@@ -286,6 +286,8 @@ def _check_qkv(q, k, v, causal: bool, scale):
     _checks.check_float("k", k, q, "q")
     _checks.check_float("v", v, q, "q")
     _checks.check_same_device({"q": q, "k": k, "v": v})
+    if not isinstance(causal, bool):
+        _checks.fail("causal", repr(causal), "True or False")
     b, h_q, s_q, d_qk = q.shape
     _, h_kv, s_kv, _ = k.shape
     d_v = v.shape[3]
@@ -818,6 +820,8 @@ def flash_gqa_forward(
     if torch.compiler.is_compiling():
         _check_qkv(q, k, v, causal, scale)
         return _flash_fwd_op(q, k, v, _scale(scale, q.shape[-1]), causal)
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+        _check_qkv(q, k, v, causal, scale)  # names the argument that is no tensor, before anything reads it
     if not (torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)):
         # Nothing to differentiate (inference, a generation's prefill): the launcher alone, without the autograd
         # Function around it, which doubled a small call's host time. It checks a signature's first call (its route).

@@ -152,8 +152,8 @@ def _check(x, weight, targets, ignore_index):
     _checks.check_rank("weight", weight, 2, "(V, C)")
     _checks.check_float("x", x)
     _checks.check_float("weight", weight, x, "x")
-    if weight.shape[1] != x.shape[1]:
-        _checks.fail("weight", f"shape {tuple(weight.shape)}", f"(V, C={x.shape[1]}) as x's C")
+    if weight.shape[1] != x.shape[1] or weight.shape[0] == 0:
+        _checks.fail("weight", f"shape {tuple(weight.shape)}", f"(V >= 1, C={x.shape[1]}) as x's C")
     if not isinstance(targets, torch.Tensor) or targets.dtype != torch.int64 or tuple(targets.shape) != x.shape[:1]:
         got = f"{targets.dtype} of shape {tuple(targets.shape)}" if isinstance(targets, torch.Tensor) else targets
         _checks.fail("targets", got, f"an int64 tensor of shape ({x.shape[0]},)")

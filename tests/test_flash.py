@@ -435,6 +435,8 @@ BAD_FORWARD = {
     "nan-scale": (lambda: (_t(*Q), _t(*K), _t(*V)), {"scale": float("nan")}, "scale: got nan"),
     "inf-scale": (lambda: (_t(*Q), _t(*K), _t(*V)), {"scale": float("inf")}, "scale: got inf"),
     "str-scale": (lambda: (_t(*Q), _t(*K), _t(*V)), {"scale": "0.1"}, "scale: got '0.1'"),
+    "str-causal": (lambda: (_t(*Q), _t(*K), _t(*V)), {"causal": "yes"}, "causal: got 'yes'; valid: True or False"),
+    "numpy-q": (lambda: (_t(*Q).cpu().float().numpy(), _t(*K), _t(*V)), {}, "q: got ndarray"),
 }
 
 

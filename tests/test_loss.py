@@ -133,7 +133,8 @@ def test_bad_inputs_fail_clearly():
     x, weight = x.detach(), weight.detach()
     cases = [
         (dict(x=x[None]), "x: got shape (1, 4, 8); valid: a 2-d tensor (N, C)"),
-        (dict(weight=weight[:, :6]), "weight: got shape (30, 6); valid: (V, C=8) as x's C"),
+        (dict(weight=weight[:, :6]), "weight: got shape (30, 6); valid: (V >= 1, C=8) as x's C"),
+        (dict(weight=weight[:0]), "weight: got shape (0, 8); valid: (V >= 1, C=8) as x's C"),
         (dict(weight=weight.half()), "weight: got dtype torch.float16; valid: the dtype of x, torch.float32"),
         (dict(targets=targets.int()), "targets: got torch.int32 of shape (4,); valid: an int64 tensor of shape (4,)"),
         (dict(targets=targets[:3]), "targets: got torch.int64 of shape (3,); valid: an int64 tensor of shape (4,)"),
