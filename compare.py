@@ -763,8 +763,11 @@ def log_wandb(rows: list[Row], cfg: dict, device: str, plot_path: str | None) ->
 
 def load_runs(dirs: list[str], attn_backend: str) -> list[Run]:
     """The runs named, or with none every run directory here (those that cannot be read skipped with a note)."""
-    if dirs:
-        return [load_run(d, attn_backend) for d in dirs]
+    if dirs:  # a run named twice (out-gqa and ./out-gqa/) is one row, not two
+        unique: dict[str, str] = {}
+        for d in dirs:
+            unique.setdefault(os.path.realpath(d), d)
+        return [load_run(d, attn_backend) for d in unique.values()]
     runs = []
     for d in discover():
         try:

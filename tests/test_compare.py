@@ -157,6 +157,13 @@ def test_table_numbers_come_from_the_files(tmp_path, capsys):
     assert "decode tok/s: not measured (--decode=False)" in text
 
 
+def test_a_run_named_twice_is_one_row(tmp_path):
+    make_run(tmp_path / "out-mha", "mha")
+    make_run(tmp_path / "out-gqa", "gqa")
+    dirs = [str(tmp_path / "out-gqa"), str(tmp_path / "out-mha"), str(tmp_path / "out-gqa") + "/"]
+    assert [r["attention"] for r in as_json([*dirs, *NO_DECODE])["rows"]] == ["gqa-kv2", "mha"]
+
+
 def test_train_peak_memory_is_the_largest_logged(tmp_path):
     """The peak column is the largest peak_memory_bytes over the eval lines (a resumed run's allocator starts its
     peak again, so the last line may hold less), in GiB in the table; seeds share a row as mean ± std."""
