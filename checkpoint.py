@@ -7,8 +7,9 @@ truncated or corrupt file (the archive's CRCs are checked: torch.load does not) 
 which file and what is wrong with it. A save that was killed leaves a hidden temporary file; the next save of the
 same checkpoint removes it.
 
-Training checkpoints (`out_dir/last.pt`, `out_dir/best.pt`) are dicts with the keys of `TRAIN_KEYS`; their
-contents are plain tensors, numbers, strings and containers, so they load with `torch.load(weights_only=True)`.
+Training checkpoints (`out_dir/last.pt`, `out_dir/best.pt`) are dicts with the keys of `TRAIN_KEYS` (and `tokens`,
+the training tokens seen so far over every resume, which checkpoints from before it was kept lack); their contents
+are plain tensors, numbers, strings and containers, so they load with `torch.load(weights_only=True)`.
 """
 
 from __future__ import annotations
@@ -120,6 +121,19 @@ def checkpoint_beside(path: str) -> str | None:
     return next((p for p in run_checkpoints(os.path.dirname(path)) if os.path.basename(p) != name), None)
 
 
+def intact_checkpoint_beside(path: str, required_keys: tuple[str, ...] = ()) -> str | None:
+    """checkpoint_beside(path) where that one is intact (its CRCs pass, it loads as a dict with `required_keys`; the
+    tensors stay on disk), else None: a message about a damaged checkpoint offers only one that works."""
+    other = checkpoint_beside(path)
+    if other is None or _failed_crc(other):
+        return None
+    try:
+        obj = torch.load(other, map_location="cpu", mmap=True, weights_only=True)
+    except Exception:  # whatever the damage: not one to offer
+        return None
+    return other if isinstance(obj, dict) and all(k in obj for k in required_keys) else None
+
+
 def _failed_crc(path: str) -> str | None:
     """The first entry of a torch.save zip archive whose bytes fail their CRC-32, else None. torch.load itself reads
     the tensors without checking, so flipped bits would load as wrong weights. Not a zip archive: None (torch.load
@@ -138,12 +152,43 @@ def model_from_checkpoint(ckpt: dict, path: str, **overrides):
 
     try:
         model = GPT(GPTConfig(**dict(ckpt["model_args"], **overrides)))
-        model.load_state_dict(clean_state_dict(ckpt["model"]))
-    except (TypeError, ValueError, RuntimeError, KeyError) as e:
+        weights = clean_state_dict(ckpt["model"])
+        mismatch = weights_mismatch(model.state_dict(), weights)
+        if mismatch is None:
+            model.load_state_dict(weights)
+    except (TypeError, ValueError, RuntimeError, KeyError, AttributeError) as e:
         raise CheckpointError(
             f"checkpoint {path!r}: its model_args and weights do not make a model ({type(e).__name__}: {first_line(e)})"
         ) from None
+    if mismatch is not None:  # load_state_dict's message has these on lines that a one-line error would drop
+        raise CheckpointError(
+            f"checkpoint {path!r}: its model_args and weights do not make a model (its weights do not fit the "
+            f"model its model_args describe: {mismatch})"
+        )
     return model
+
+
+def weights_mismatch(expected: dict, weights: dict, shown: int = 3) -> str | None:
+    """Where a state dict does not fit a model's (`expected`, the model's own state_dict), in one line: its missing,
+    unexpected and mis-sized keys, the first `shown` of each and how many in all; None where it fits."""
+    missing = [k for k in expected if k not in weights]
+    unexpected = [k for k in weights if k not in expected]
+    resized = [
+        f"{k} ({_shape(weights[k])} in the checkpoint, {_shape(v)} in the model)"
+        for k, v in expected.items()
+        if k in weights and getattr(weights[k], "shape", None) != v.shape
+    ]
+    parts = []
+    for what, keys in (("missing", missing), ("unexpected", unexpected), ("mis-sized", resized)):
+        if keys:
+            more = f", ... ({len(keys) - shown} more)" if len(keys) > shown else ""
+            parts.append(f"{len(keys)} {what} key{'s' if len(keys) > 1 else ''}: {', '.join(keys[:shown])}{more}")
+    return "; ".join(parts) or None
+
+
+def _shape(tensor) -> str:
+    shape = getattr(tensor, "shape", None)
+    return str(list(shape)) if shape is not None else f"(a {type(tensor).__name__})"
 
 
 def first_line(e: Exception) -> str:

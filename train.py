@@ -27,16 +27,18 @@ NCCL_IB_DISABLE=1 where there is no InfiniBand), on node 0 (and the same with --
 On CPUs, torchrun runs DDP over gloo; the micro-steps must divide among the ranks, so on a laptop:
     torchrun --standalone --nproc_per_node=2 train.py --gradient_accumulation_steps=2 --out_dir=out-ddp
 
-Every eval appends a line to out_dir/metrics.jsonl and writes out_dir/last.pt (and best.pt when val loss
-improves) atomically. An out_dir that already holds this run, finished, with the same config is kept and the
-command succeeds doing nothing (so a loop over the variant files trains only what is missing); one that holds
-another or an unfinished run is refused before anything starts, with exit status 2 and what to do (resume it, pick
-another out_dir, or --overwrite=True). Ctrl-C (or SIGTERM) finishes the current iteration, saves last.pt and exits
-with status 130 (143), so a shell loop over runs stops too, whatever became of stdout (`| tee log`); a NaN/inf loss
-stops the run with a message and leaves the last good checkpoint untouched. `seed` sets the initial weights, the
-data order and dropout; the eval batches are the same for every seed, so runs that differ only in seed compare on
-the same data. The data order depends only on `seed` and the iteration, so `--init_from=resume` reproduces an
-uninterrupted run exactly; on resume the model is the checkpoint's, and a model setting it does not take is named.
+Every eval appends a line to out_dir/metrics.jsonl (`tokens`: the training tokens so far, counted across resumes
+that change the batch; a last line a crash cut short is dropped on resume) and writes out_dir/last.pt (and best.pt
+when val loss improves) atomically. An out_dir that already holds this run, finished, with the same config and data
+directory is kept and the command succeeds doing nothing (so a loop over the variant files trains only what is
+missing); one that holds another or an unfinished run is refused before anything starts, with exit status 2 and what
+to do (resume it when its last.pt is readable, pick another out_dir, or --overwrite=True). Ctrl-C (or SIGTERM)
+finishes the current iteration, saves last.pt and exits with status 130 (143), so a shell loop over runs stops too,
+whatever became of stdout (`| tee log`); a NaN/inf loss stops the run with a message and leaves the last good
+checkpoint untouched. `seed` sets the initial weights, the data order and dropout; the eval batches are the same for
+every seed, so runs that differ only in seed compare on the same data. The data order depends only on `seed` and the
+iteration, so `--init_from=resume` reproduces an uninterrupted run exactly; on resume the model is the checkpoint's,
+and a model setting it does not take is named.
 """
 
 from __future__ import annotations
@@ -62,16 +64,16 @@ from attention_kernels.flash import MAX_HEAD_DIM, MIN_HEAD_DIM
 from checkpoint import (
     TRAIN_KEYS,
     CheckpointError,
-    checkpoint_beside,
     clean_state_dict,
     first_line,
+    intact_checkpoint_beside,
     load_checkpoint,
     model_from_checkpoint,
     run_checkpoints,
     save_checkpoint,
 )
 from configurator import ConfigError, help_text, parse_config, wants_help
-from data import DataError, ensure_dataset
+from data import DataError, dataset_dir, ensure_dataset
 from model import GPT, GPT2_NAMES, GPTConfig
 from train_step import PTDTYPES, TrainStep, autocast_context, compile_model
 from wandb_run import open_wandb_run
@@ -82,7 +84,7 @@ DEFAULTS = dict(
     eval_interval=250,  # every this many iterations: eval, a metrics.jsonl line, last.pt (and best.pt)
     log_interval=10,  # progress line every this many iterations (also the NaN check and the stop sync)
     eval_iters=20,  # batches per split per eval (always the same batches: curves are comparable)
-    eval_only=False,
+    eval_only=False,  # evaluate the init_from model (resume, a run or checkpoint, GPT-2) once; no training
     init_from="scratch",  # "scratch", "resume" (out_dir/last.pt), a run dir or .pt (its model), a GPT-2 name or HF dir
     overwrite=False,  # a run that does not resume refuses an out_dir holding another run's files, unless True
     seed=1337,  # initial weights, data order and dropout (the eval batches are the same for every seed)
@@ -216,9 +218,20 @@ def check_config(config: dict, d: Dist) -> None:
     ):
         if config[key] < 1:
             raise ConfigError(f"{key}: got {config[key]}; valid: a positive int")
-    for key in ("max_iters", "warmup_iters", "lr_decay_iters", "learning_rate", "min_lr", "weight_decay", "grad_clip"):
+    if config["max_iters"] < 1:  # 0 would only evaluate the starting model, and leave a run dir with no checkpoint
+        raise ConfigError(
+            f"max_iters: got {config['max_iters']}; valid: an int >= 1 (--eval_only=True evaluates a model "
+            "without training it)"
+        )
+    for key in ("warmup_iters", "lr_decay_iters", "learning_rate", "min_lr", "weight_decay", "grad_clip"):
         if not 0 <= config[key] < math.inf:  # also refuses NaN and inf (1e400 parses as inf)
             raise ConfigError(f"{key}: got {config[key]}; valid: a finite number >= 0")
+    if config["decay_lr"] and config["min_lr"] > config["learning_rate"]:  # the "decay" would raise the rate
+        raise ConfigError(f"min_lr: got {config['min_lr']}; valid: <= learning_rate ({config['learning_rate']})")
+    # torch takes seeds in [-2**63, 2**64 - 1], but a negative one is another name for seed + 2**64 (two seeds
+    # recorded for one run), and each rank seeds with seed + rank: non-negative int64s leave room for any rank.
+    if not 0 <= config["seed"] <= 2**63 - 1:
+        raise ConfigError(f"seed: got {config['seed']}; valid: an int in [0, 2**63 - 1]")
     if not 0 < config["rope_theta"] < math.inf:
         raise ConfigError(f"rope_theta: got {config['rope_theta']}; valid: a finite number > 0")
     for key in ("beta1", "beta2"):
@@ -242,6 +255,11 @@ def check_config(config: dict, d: Dist) -> None:
         f"wrote, {', '.join(GPT2_NAMES)}, or a directory saved by GPT2LMHeadModel.save_pretrained"
     )
     named = init in INIT_NAMES  # a directory of the same name does not count
+    if config["eval_only"] and init == "scratch":
+        raise ConfigError(
+            "eval_only: got True with --init_from=scratch, which would evaluate random weights; valid: "
+            "--eval_only=True with --init_from=resume or a checkpoint (a run directory or .pt file, or GPT-2 weights)"
+        )
     if not named and not os.path.exists(init):
         raise ConfigError(f"init_from: got {init!r}, which is not a file or directory; {valid_init}")
     if not named and os.path.isdir(init) and not run_checkpoints(init) and not os.path.isfile(f"{init}/config.json"):
@@ -258,10 +276,21 @@ def check_config(config: dict, d: Dist) -> None:
         config["init_from"] = init = one_spelling(init)
     source = init_checkpoint_path(init)
     if source is not None and os.path.realpath(os.path.dirname(os.path.abspath(source))) == os.path.realpath(out_dir):
+        resume = "--init_from=resume to continue that run, or " if resumable(resume_path(config)) else ""
         raise ConfigError(
             f"init_from: got {init!r}, a checkpoint of the run in this out_dir ({out_dir!r}); valid: "
-            "--init_from=resume to continue that run, or another --out_dir for a new run from its model"
+            f"{resume}another --out_dir for a new run from its model"
         )
+
+
+def resumable(path: str) -> bool:
+    """Whether --init_from=resume could start from this last.pt: it loads, with every key a resume reads (only its
+    structure is read: mmap leaves the tensors on disk). A refusal suggests resuming only then."""
+    try:
+        saved = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception:  # missing, truncated, not a checkpoint: whatever it is, a resume would fail on it
+        return False
+    return isinstance(saved, dict) and all(k in saved for k in TRAIN_KEYS)
 
 
 def one_spelling(path: str) -> str:
@@ -294,7 +323,6 @@ NOT_THE_RUN = (
     "wandb_run_name",
     "wandb_group",
     "log_interval",
-    "data_dir",
     "device",
     "compile",
     "cuda_graphs",
@@ -327,21 +355,20 @@ def held_run(config: dict, device: str) -> tuple[str, int] | None:
     held = [f for f in RUN_FILES if os.path.exists(os.path.join(out_dir, f))]
     if config["init_from"] == "resume" or not held or config["overwrite"]:
         return None
-    valid = (
-        "valid: --init_from=resume to continue it, another --out_dir, or --overwrite=True to start over there "
-        "(its checkpoints and metrics are deleted)"
-    )
+    elsewhere = "another --out_dir, or --overwrite=True to start over there (its checkpoints and metrics are deleted)"
+    valid = f"valid: --init_from=resume to continue it, {elsewhere}"
     try:  # only the config and the iteration are read: mmap leaves the tensors on disk
         saved = torch.load(resume_path(config), map_location="cpu", mmap=True, weights_only=True)
         old, iter_num = dict(saved["config"]), int(saved["iter_num"])
         differ = config_differences(config, old, saved["model_args"], device)
     except Exception as e:  # no last.pt, or one this code cannot read: the generic refusal, with the reason
         reason = f"its last.pt cannot be read: {type(e).__name__}: {first_line(e)}"
+        valid = valid if resumable(resume_path(config)) else f"valid: {elsewhere}"  # a resume would fail
         raise ConfigError(f"out_dir: {out_dir!r} already holds a run ({', '.join(held)}); {valid} ({reason})") from None
     if differ:
         raise ConfigError(
             f"out_dir: {out_dir!r} already holds a run ({', '.join(held)}); {valid}. That run differs from this "
-            "one in " + ", ".join(f"{k} ({old.get(k)!r} there, {v!r} here)" for k, v in differ.items())
+            "one in " + ", ".join(f"{k} ({there!r} there, {here!r} here)" for k, (there, here) in differ.items())
         )
     if iter_num < config["max_iters"]:
         raise ConfigError(
@@ -357,9 +384,11 @@ def held_run(config: dict, device: str) -> tuple[str, int] | None:
 
 def config_differences(config: dict, old: dict, old_model_args: dict, device: str) -> dict:
     """The keys (outside NOT_THE_RUN) where this config, resolved as setup() resolves it, differs from a saved run's
-    config: key -> this run's value. A run started from a model (a checkpoint, GPT-2) has that model's architecture
-    whatever the config says, so there the source itself is compared instead."""
-    mine = dict(config, dtype=resolve_dtype(config["dtype"], device))
+    config: key -> (the saved run's value, this run's). A run started from a model (a checkpoint, GPT-2) has that
+    model's architecture whatever the config says, so there the source itself is compared instead. data_dir is
+    compared as the directory it selects ("" and data/<dataset> are one place)."""
+    mine = dict(config, dtype=resolve_dtype(config["dtype"], device), data_dir=data_location(config))
+    old = dict(old, data_dir=data_location(old))
     skip = set(NOT_THE_RUN)
     if config["init_from"] == "scratch":
         try:  # the model fields as the model resolves them (vocab_size 0: the dataset's, which the saved run has)
@@ -368,10 +397,16 @@ def config_differences(config: dict, old: dict, old_model_args: dict, device: st
             pass
     else:
         skip |= set(MODEL_KEYS) - {"block_size", "dropout"}
-    differ = {k: v for k, v in mine.items() if k not in skip and old.get(k) != v}
+    differ = {k: (old.get(k), v) for k, v in mine.items() if k not in skip and old.get(k) != v}
     if old.get("init_from", "scratch") not in ("resume", config["init_from"]):  # a resumed run's source is unknown
-        differ["init_from"] = config["init_from"]
+        differ["init_from"] = (old.get("init_from", "scratch"), config["init_from"])
     return differ
+
+
+def data_location(config: dict) -> str:
+    """The dataset directory a config trains on (data_dir, else data/<dataset>), spelt as one_spelling spells it, so
+    that two spellings of one directory compare equal."""
+    return one_spelling(dataset_dir(str(config.get("dataset", "")), str(config.get("data_dir") or "")))
 
 
 def model_config(config: dict, vocab_size: int) -> GPTConfig:
@@ -582,15 +617,40 @@ def resume_path(config: dict) -> str:
 
 
 def load_resume_checkpoint(config: dict) -> dict:
-    ckpt = load_checkpoint(resume_path(config), map_location="cpu", required_keys=TRAIN_KEYS)
+    """out_dir/last.pt, its changes of batch or data named. A damaged one names the intact checkpoint beside it (a
+    resume cannot take best.pt, so as the start of a new run)."""
+    path = resume_path(config)
+    try:
+        ckpt = load_checkpoint(path, map_location="cpu", required_keys=TRAIN_KEYS)
+    except CheckpointError as e:
+        other = intact_checkpoint_beside(path, ("model", "model_args", "tokenizer"))
+        if other is None:
+            raise
+        raise CheckpointError(
+            f"{e}; valid: a new run from the intact checkpoint beside it, --init_from={other} with another --out_dir"
+        ) from None
     old = ckpt["config"] if isinstance(ckpt["config"], dict) else {}
-    changed = [k for k in ("batch_size", "gradient_accumulation_steps", "seed", "dataset") if old.get(k) != config[k]]
+    changes = [(k, old.get(k), config[k]) for k in ("batch_size", "gradient_accumulation_steps", "seed", "dataset")]
+    changes.append(("data_dir", data_location(old), data_location(config)))  # the directory, however spelt
+    changed = [(k, there, here) for k, there, here in changes if there != here]
     if changed:  # allowed (e.g. a larger batch for the rest of the run), but then it is no longer the same run
         say(
-            f"resume: {', '.join(f'{k} {old.get(k)!r} -> {config[k]!r}' for k in changed)} changed since the "
+            f"resume: {', '.join(f'{k} {there!r} -> {here!r}' for k, there, here in changed)} changed since the "
             "checkpoint; the run will not match an uninterrupted one"
         )
     return ckpt
+
+
+def tokens_trained(ckpt: dict, iter_num: int, config: dict) -> int:
+    """The training tokens of a checkpoint's iterations: its running count; a checkpoint from before that count was
+    kept counts its iterations at its own config's tokens per iteration (what its metrics lines said), else at
+    this config's."""
+    if "tokens" in ckpt:
+        return int(ckpt["tokens"])
+    try:
+        return iter_num * tokens_per_iter(ckpt["config"])
+    except (KeyError, TypeError):  # a config without the batch keys
+        return iter_num * tokens_per_iter(config)
 
 
 def run_origin(config: dict, ckpt: dict | None) -> str:
@@ -607,10 +667,11 @@ def load_init_checkpoint(config: dict) -> tuple[str, dict] | None:
     path = init_checkpoint_path(config["init_from"])
     if path is None:
         return None
+    needed = ("model", "model_args", "tokenizer")
     try:
-        return path, load_checkpoint(path, map_location="cpu", required_keys=("model", "model_args", "tokenizer"))
+        return path, load_checkpoint(path, map_location="cpu", required_keys=needed)
     except CheckpointError as e:
-        other = checkpoint_beside(path)
+        other = intact_checkpoint_beside(path, needed)
         if other is None:
             raise
         raise CheckpointError(f"{e}; valid: the other checkpoint beside it, --init_from={other}") from None
@@ -677,9 +738,10 @@ def plural(n: int, one: str, many: str | None = None) -> str:
     return f"{n} {one if n == 1 else many or one + 's'}"
 
 
-def run_facts(config: dict, model: GPT) -> dict:
+def run_facts(config: dict, model: GPT, iter_num: int = 0, tokens: int = 0) -> dict:
     """What every metrics line carries besides the numbers of the moment, so that compare.py builds its table from a
-    run directory alone (older lines lack these keys; compare.py reads them from the checkpoint then)."""
+    run directory alone (older lines lack these keys; compare.py reads them from the checkpoint then). iter_num and
+    tokens: where the run starts (a resume), so that the token budget counts what came before at its own batch."""
     mc = model.config
     mla = mc.attention == "mla"
     return dict(
@@ -692,7 +754,7 @@ def run_facts(config: dict, model: GPT) -> dict:
         dataset=config["dataset"],
         seed=config["seed"],
         size=size_name(config),
-        token_budget=config["max_iters"] * tokens_per_iter(config),
+        token_budget=tokens + max(0, config["max_iters"] - iter_num) * tokens_per_iter(config),
     )
 
 
@@ -730,6 +792,36 @@ def init_wandb(config: dict, model: GPT, facts: dict):
             run.define_metric(name, step_metric="tokens")
         run.summary.update(facts)
     return run
+
+
+def end_metrics_with_a_whole_line(path: str) -> None:
+    """Before a resume appends to metrics.jsonl: a last line without its newline (a run killed while writing it) would
+    have the next record glued onto it. A whole JSON record gets its newline; a partial one is dropped, said on
+    stderr."""
+    try:
+        with open(path, "rb") as f:
+            text = f.read()
+    except FileNotFoundError:
+        return
+    if not text or text.endswith(b"\n"):
+        return
+    start = text.rfind(b"\n") + 1
+    try:
+        whole = isinstance(json.loads(text[start:]), dict)
+    except ValueError:  # JSONDecodeError, UnicodeDecodeError
+        whole = False
+    with open(path, "r+b") as f:
+        if whole:
+            f.seek(0, os.SEEK_END)
+            f.write(b"\n")
+            return
+        f.truncate(start)
+    partial = text[start:].decode("utf-8", errors="replace")
+    shown = partial if len(partial) <= 40 else partial[:40] + "..."
+    sys.stderr.write(
+        f"note: {path}: its last line was cut short (a run killed while writing it): {shown!r}; dropped before "
+        "appending\n"
+    )
 
 
 def log_eval(config: dict, run, record: dict) -> None:
@@ -809,6 +901,7 @@ class Setup:
     ctx: object  # autocast context (or nullcontext for float32)
     step: TrainStep  # one optimizer step over the global batch, through train_model
     iter_num: int
+    tokens: int  # training tokens of the iter_num iterations (over every resume)
     best_val_loss: float
     resumed: bool
     origin: str  # how the run began: scratch, a GPT-2 name, or the run or checkpoint it started from
@@ -890,7 +983,7 @@ def setup(config: dict, d: Dist, device: str) -> Setup:
     )
     scaler = torch.amp.GradScaler(device_type, enabled=config["dtype"] == "float16")
     sampler = BatchSampler(len(data.train), config, d)
-    iter_num, best_val_loss = 0, float("inf")
+    iter_num, best_val_loss, tokens_seen = 0, float("inf"), 0
     if ckpt is not None:
         try:
             impl = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in optimizer.param_groups]
@@ -900,6 +993,7 @@ def setup(config: dict, d: Dist, device: str) -> Setup:
             scaler.load_state_dict(ckpt["scaler"])
             sampler.load_state_dict(ckpt["data_state"])
             iter_num, best_val_loss = int(ckpt["iter_num"]), float(ckpt["best_val_loss"])
+            tokens_seen = tokens_trained(ckpt, iter_num, config)
             if len(ckpt["rng"]) == d.world_size:
                 set_rng_states(ckpt["rng"][d.rank])
         except (TypeError, ValueError, RuntimeError, KeyError, IndexError) as e:
@@ -941,9 +1035,11 @@ def setup(config: dict, d: Dist, device: str) -> Setup:
         print_setup(config, raw_model, d)
         if ckpt is not None:
             say(f"resumed from iteration {iter_num} ({resume_path(config)})")
+            end_metrics_with_a_whole_line(os.path.join(config["out_dir"], "metrics.jsonl"))
         if source is not None:
             say(f"init_from: the model of {source[0]} (its iteration {source[1].get('iter_num', '?')}); a new run")
-        run = init_wandb(config, raw_model, run_facts(config, raw_model)) if config["wandb_log"] else None
+        facts = run_facts(config, raw_model, iter_num, tokens_seen)
+        run = init_wandb(config, raw_model, facts) if config["wandb_log"] else None
     return Setup(
         data,
         raw_model,
@@ -955,6 +1051,7 @@ def setup(config: dict, d: Dist, device: str) -> Setup:
         ctx,
         step,
         iter_num,
+        tokens_seen,
         best_val_loss,
         ckpt is not None,
         run_origin(config, ckpt),
@@ -967,11 +1064,11 @@ def train(config: dict, d: Dist, device: str, s: Setup, stop_requested: dict) ->
     """The training loop. Invariant at the top of each pass: iter_num iterations are complete, and the sampler,
     optimizer and RNG states are exactly those after them (what a checkpoint written there holds)."""
     data, raw_model, model, optimizer, scaler, sampler = s.data, s.raw_model, s.model, s.optimizer, s.scaler, s.sampler
-    iter_num, best_val_loss, start_iter = s.iter_num, s.best_val_loss, s.iter_num
+    iter_num, best_val_loss, start_iter, tokens = s.iter_num, s.best_val_loss, s.iter_num, s.tokens
     saved_config = dict(config, init_from=s.origin)  # what checkpoints record
     local_accum = config["gradient_accumulation_steps"] // d.world_size
     iter_tokens = tokens_per_iter(config)
-    facts = run_facts(config, raw_model)
+    facts = run_facts(config, raw_model, s.iter_num, s.tokens)
     window_loss, window_iters = torch.zeros((), device=device), 0  # summed on the device: no sync until a log
     t_window, tok_s, mfu, losses = time.perf_counter(), None, None, {}
     interrupted = None  # the signal that stopped the run early
@@ -999,7 +1096,7 @@ def train(config: dict, d: Dist, device: str, s: Setup, stop_requested: dict) ->
                 say(f"eval {iter_num}: train loss {losses['train']:.4f}, val loss {losses['val']:.4f}")
                 record = dict(
                     iter=iter_num,
-                    tokens=iter_num * iter_tokens,
+                    tokens=tokens,
                     train_loss=losses["train"],
                     val_loss=losses["val"],
                     lr=lr,
@@ -1020,6 +1117,7 @@ def train(config: dict, d: Dist, device: str, s: Setup, stop_requested: dict) ->
                         min(best_val_loss, losses["val"]),
                         rng,
                         data.meta,
+                        tokens,
                     )
                     save_checkpoint(os.path.join(config["out_dir"], "last.pt"), state)
                     if losses["val"] < best_val_loss:
@@ -1030,7 +1128,9 @@ def train(config: dict, d: Dist, device: str, s: Setup, stop_requested: dict) ->
             break
         if should_stop(stop_requested, d, s.stop_group):
             check_window(window_loss, window_iters, iter_num, d)
-            save_interrupted(raw_model, optimizer, scaler, sampler, saved_config, iter_num, best_val_loss, data, d)
+            save_interrupted(
+                raw_model, optimizer, scaler, sampler, saved_config, iter_num, best_val_loss, data, tokens, d
+            )
             interrupted = stop_requested.get("signal", signal.SIGINT)  # another rank's signal: as Ctrl-C
             break
 
@@ -1038,6 +1138,7 @@ def train(config: dict, d: Dist, device: str, s: Setup, stop_requested: dict) ->
         # DDP all-reducing the gradients on the last one, then the clip and AdamW.
         loss_iter = s.step(micro_batches(data.train, sampler.next(), config["block_size"], device))
         iter_num += 1
+        tokens += iter_tokens  # a running count: a resume may change the tokens per iteration
         window_loss += loss_iter
         window_iters += 1
 
@@ -1051,7 +1152,7 @@ def train(config: dict, d: Dist, device: str, s: Setup, stop_requested: dict) ->
                 say(format_progress(iter_num, config, loss_mean, lr, dt, tok_s, mfu, peak))
                 if s.run is not None:
                     numbers = {
-                        "tokens": iter_num * iter_tokens,
+                        "tokens": tokens,
                         "train/running_loss": loss_mean,
                         "lr": lr,
                         "tokens_per_sec": tok_s,
@@ -1072,7 +1173,7 @@ def train(config: dict, d: Dist, device: str, s: Setup, stop_requested: dict) ->
 def say_where_it_went(out_dir: str, iter_num: int, best_val_loss: float) -> None:
     """The end of a run: where its checkpoints are and what to run next."""
     last, best = os.path.join(out_dir, "last.pt"), os.path.join(out_dir, "best.pt")
-    if not os.path.exists(last):  # eval_only, or max_iters=0: nothing was trained
+    if not os.path.exists(last):  # eval_only: nothing was trained
         return
     saved = f"saved: {last} (iteration {iter_num})"
     if os.path.exists(best):
@@ -1096,19 +1197,22 @@ def check_window(window_loss: torch.Tensor, window_iters: int, iter_num: int, d:
     return mean
 
 
-def save_interrupted(raw_model, optimizer, scaler, sampler, config, iter_num, best_val_loss, data, d: Dist):
+def save_interrupted(raw_model, optimizer, scaler, sampler, config, iter_num, best_val_loss, data, tokens, d: Dist):
     """On Ctrl-C / SIGTERM: last.pt of the last completed iteration."""
     rng = gather_rng_states(d)
     if d.master:
         path = os.path.join(config["out_dir"], "last.pt")
-        save_checkpoint(
-            path, training_state(raw_model, optimizer, scaler, sampler, config, iter_num, best_val_loss, rng, data.meta)
+        state = training_state(
+            raw_model, optimizer, scaler, sampler, config, iter_num, best_val_loss, rng, data.meta, tokens
         )
+        save_checkpoint(path, state)
         say(f"interrupted: saved {path} at iteration {iter_num}; continue with --init_from=resume")
 
 
-def training_state(raw_model, optimizer, scaler, sampler, config, iter_num, best_val_loss, rng, meta) -> dict:
-    """The checkpoint dict (keys: checkpoint.TRAIN_KEYS)."""
+def training_state(
+    raw_model, optimizer, scaler, sampler, config, iter_num, best_val_loss, rng, meta, tokens: int
+) -> dict:
+    """The checkpoint dict (keys: checkpoint.TRAIN_KEYS, and tokens)."""
     return dict(
         model=clean_state_dict(raw_model.state_dict()),
         model_args=asdict(raw_model.config),
@@ -1120,6 +1224,7 @@ def training_state(raw_model, optimizer, scaler, sampler, config, iter_num, best
         rng=rng,
         data_state=sampler.state_dict(),
         tokenizer=meta["tokenizer"],
+        tokens=tokens,
     )
 
 

@@ -325,11 +325,14 @@ def test_a_run_names_its_cache_dtype_and_says_where_it_went(data_dir, tmp_path, 
     monkeypatch.chdir(tmp_path)
     train.say_where_it_went("out-mla", 2, 1.0)
     assert "generates from it, `python compare.py` compares the runs here" in capsys.readouterr().out
-    run_inprocess(data_dir, tmp_path / "out-gqa", "--max_iters=0", config="gqa")
+    run_inprocess(data_dir, tmp_path / "eval", "--eval_only=True", f"--init_from={tmp_path / 'out-mla'}")
+    out = capsys.readouterr().out
+    assert "model: mla, 1 layer, 8 heads, latent cache 32 + 4 per token and layer, 64 wide, " in out
+    assert "saved:" not in out, "nothing trained, nothing saved"
+    run_inprocess(data_dir, tmp_path / "out-gqa", "--max_iters=1", config="gqa")
     out = capsys.readouterr().out
     assert "model: gqa, 1 layer, 8 heads / 2 KV heads, 64 wide, " in out
     assert "KV cache 128 bytes/token in float32" in out  # 2 (K, V) x 1 layer x 2 heads x 8 dims x 4 bytes
-    assert "saved:" not in out, "nothing trained, nothing saved"
 
 
 def test_get_batch_gathers_windows_and_their_next_tokens(tmp_path):
@@ -520,6 +523,11 @@ def test_unknown_key_stops_the_entry_point_with_the_valid_keys(tmp_path):
         (["--backend=mpi"], "backend: got 'mpi'; valid: 'auto', 'nccl', 'gloo'"),
         (["--device=cuda:99"], "device: got 'cuda:99'"),
         (["--cuda_graphs=True"], "cuda_graphs: got True on device 'cpu'; valid: True on a CUDA device, else False"),
+        (["--min_lr=0.5"], "min_lr: got 0.5; valid: <= learning_rate (0.003)"),
+        (["--max_iters=0"], "max_iters: got 0; valid: an int >= 1 (--eval_only=True evaluates a model"),
+        (["--eval_only=True"], "eval_only: got True with --init_from=scratch, which would evaluate random weights"),
+        (["--seed=99999999999999999999"], "seed: got 99999999999999999999; valid: an int in [0, 2**63 - 1]"),
+        (["--seed=-1"], "seed: got -1; valid: an int in [0, 2**63 - 1]"),
     ],
     ids=[
         "type",
@@ -535,12 +543,26 @@ def test_unknown_key_stops_the_entry_point_with_the_valid_keys(tmp_path):
         "backend",
         "cuda-index",
         "cuda-graphs-on-cpu",
+        "min-lr-above-lr",
+        "max-iters-0",
+        "eval-only-from-scratch",
+        "seed-overflow",
+        "seed-negative",
     ],
 )
 def test_bad_values_fail_with_clear_message(data_dir, tmp_path, argv, needle):
     with pytest.raises(ConfigError) as e:
         run_inprocess(data_dir, tmp_path, *argv)
     assert needle in str(e.value)
+    assert not os.listdir(tmp_path), "nothing written for a refused run"
+
+
+def test_values_only_refused_where_they_act():
+    """min_lr above learning_rate is refused only where the schedule decays to it; the largest valid seed runs."""
+    config = dict(train.DEFAULTS, min_lr=0.5, decay_lr=False, seed=2**63 - 1)
+    train.check_config(config, train.Dist())
+    assert train.get_lr(10**6, config) == config["learning_rate"]
+    torch.manual_seed(config["seed"] + 1)  # what a second rank seeds with
 
 
 def test_cuda_graphs_refuse_several_processes():
@@ -740,7 +762,17 @@ def test_triton_backend_limits_fail_before_training(data_dir, tmp_path, monkeypa
 @pytest.mark.parametrize(
     "damage, needle",
     [
-        ("n_layer", r"its model_args and weights do not make a model \(RuntimeError: Error\(s\) in loading"),
+        (
+            "n_layer",
+            r"its model_args and weights do not make a model \(its weights do not fit the model its model_args "
+            r"describe: 6 missing keys: transformer\.h\.1\.ln_1\.weight, .*, \.\.\. \(3 more\)\)$",
+        ),
+        (  # weights of a layer more than model_args says (and one tensor of another shape): named, not a first line
+            "extra_layer",
+            r"its model_args and weights do not make a model \(its weights do not fit the model its model_args "
+            r"describe: 6 unexpected keys: transformer\.h\.1\.ln_1\.weight, .*, \.\.\. \(3 more\); 1 mis-sized "
+            r"key: transformer\.h\.0\.ln_1\.weight \(\[3\] in the checkpoint, \[64\] in the model\)\)$",
+        ),
         ("new_field", r"its model_args and weights do not make a model \(TypeError: .*new_field"),
         ("rng", r"its training state \(optimizer, scaler, sampler, RNG\) does not fit this model \(KeyError"),
     ],
@@ -752,6 +784,9 @@ def test_checkpoint_that_does_not_fit_its_model_fails_clearly(data_dir, tmp_path
     ckpt = load_checkpoint(tmp_path / "last.pt")
     if damage == "n_layer":
         ckpt["model_args"]["n_layer"] = 2
+    elif damage == "extra_layer":
+        ckpt["model"].update({k.replace(".h.0.", ".h.1."): v for k, v in ckpt["model"].items() if ".h.0." in k})
+        ckpt["model"]["transformer.h.0.ln_1.weight"] = torch.ones(3)
     elif damage == "new_field":
         ckpt["model_args"]["new_field"] = 1
     else:
@@ -862,3 +897,81 @@ def test_finetune_from_gpt2_weights_in_a_local_directory(data_dir, tmp_path):
     assert again.get("kept") and again["iter_num"] == 6
     with pytest.raises(ConfigError, match=r"block_size: got 128; valid: at most 64, the learned positions of"):
         run_inprocess(data_dir, tmp_path / "longer", f"--init_from={tmp_path / 'hf'}", "--block_size=128")
+
+
+def test_a_finished_run_on_other_data_is_refused_not_kept(data_dir, tmp_path):
+    """The kept-run check compares the data directory a run trains on: the same run on a copy of its data elsewhere
+    is another run (refused, the key named), while another spelling of the same directory is the same run."""
+    args = ["--max_iters=2", "--eval_interval=2"]
+    run_inprocess(data_dir, tmp_path / "out", *args)
+    copy = shutil.copytree(data_dir, tmp_path / "copy")
+    with pytest.raises(
+        ConfigError, match=r"That run differs from this one in data_dir \('.*pydoc' there, '.*copy' here\)"
+    ):
+        run_inprocess(copy, tmp_path / "out", *args)
+    assert run_inprocess(f"{data_dir}/./", tmp_path / "out", *args).get("kept")
+
+
+def test_tokens_count_across_resumes_that_change_the_batch(data_dir, tmp_path):
+    """metrics.jsonl's tokens are the training tokens seen, kept in the checkpoint across a resume with another batch
+    size; a checkpoint from before that count counts its iterations at its own config's batch."""
+    run_inprocess(data_dir, tmp_path, "--max_iters=2", "--eval_interval=2")  # 128 tokens per iteration
+    run_inprocess(data_dir, tmp_path, "--max_iters=4", "--eval_interval=2", "--init_from=resume", "--batch_size=2")
+    assert [(m["iter"], m["tokens"]) for m in metrics(tmp_path)] == [(0, 0), (2, 256), (4, 256 + 2 * 64)]
+    assert metrics(tmp_path)[-1]["token_budget"] == 384 and load_checkpoint(tmp_path / "last.pt")["tokens"] == 384
+    ckpt = load_checkpoint(tmp_path / "last.pt")
+    del ckpt["tokens"]  # as written before the count was kept: 4 iterations at its batch of 2 x 32 tokens
+    save_checkpoint(tmp_path / "last.pt", ckpt)
+    run_inprocess(data_dir, tmp_path, "--max_iters=6", "--eval_interval=2", "--init_from=resume", "--batch_size=8")
+    assert metrics(tmp_path)[-1]["tokens"] == metrics(tmp_path)[-1]["token_budget"] == 4 * 64 + 2 * 256
+
+
+def test_refusals_suggest_resume_only_where_last_pt_can_resume(data_dir, tmp_path):
+    """An out_dir left with metrics.jsonl alone (or a damaged last.pt) is refused without suggesting
+    --init_from=resume, which would fail there; eval_only evaluates a run's checkpoint without training."""
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "metrics.jsonl").write_text('{"iter": 0}\n')
+    with pytest.raises(ConfigError) as e:
+        run_inprocess(data_dir, tmp_path / "out", "--max_iters=2")
+    assert "already holds a run (metrics.jsonl); valid: another --out_dir, or --overwrite=True" in str(e.value)
+    assert "--init_from=resume" not in str(e.value)
+
+    run_inprocess(data_dir, tmp_path / "a", "--max_iters=2", "--eval_interval=2")
+    result = run_inprocess(data_dir, tmp_path / "eval", "--eval_only=True", f"--init_from={tmp_path / 'a'}")
+    assert result["iter_num"] == 0 and not os.path.exists(tmp_path / "eval" / "last.pt")
+    (tmp_path / "a" / "last.pt").write_bytes(b"")
+    with pytest.raises(ConfigError) as e:
+        run_inprocess(data_dir, tmp_path / "a", f"--init_from={tmp_path / 'a' / 'best.pt'}")
+    assert str(e.value).endswith("valid: another --out_dir for a new run from its model")
+
+
+def test_resume_from_a_damaged_last_pt_names_the_intact_best_pt(data_dir, tmp_path):
+    run_inprocess(data_dir, tmp_path, "--max_iters=2", "--eval_interval=2")
+    (tmp_path / "last.pt").write_bytes((tmp_path / "last.pt").read_bytes()[:-1000])
+    with pytest.raises(
+        CheckpointError,
+        match=r"last\.pt' \(\d+ bytes\) is truncated or corrupt .*; valid: a new run from the intact checkpoint "
+        r"beside it, --init_from=.*best\.pt with another --out_dir$",
+    ):
+        run_inprocess(data_dir, tmp_path, "--max_iters=4", "--init_from=resume")
+    (tmp_path / "best.pt").write_bytes(b"")  # no intact one to offer: none offered
+    with pytest.raises(CheckpointError) as e:
+        run_inprocess(data_dir, tmp_path, "--max_iters=4", "--init_from=resume")
+    assert "truncated or corrupt" in str(e.value) and "valid:" not in str(e.value)
+
+
+def test_resume_drops_a_metrics_line_cut_short(data_dir, tmp_path, capsys):
+    """A crash mid-write leaves metrics.jsonl's last line without its newline: a resume drops a partial line (one
+    line on stderr) and ends a whole one, so every line stays one JSON record."""
+    run_inprocess(data_dir, tmp_path, "--max_iters=2", "--eval_interval=2")
+    path = tmp_path / "metrics.jsonl"
+    path.write_text(path.read_text() + '{"iter": 12, "tok')
+    capsys.readouterr()
+    run_inprocess(data_dir, tmp_path, "--max_iters=4", "--eval_interval=2", "--init_from=resume")
+    err = capsys.readouterr().err
+    assert f"note: {path}: its last line was cut short (a run killed while writing it): " in err
+    assert """'{"iter": 12, "tok'; dropped before appending\n""" in err
+    assert [m["iter"] for m in metrics(tmp_path)] == [0, 2, 4]
+    path.write_text(path.read_text()[:-1])  # a whole record without its newline: kept
+    run_inprocess(data_dir, tmp_path, "--max_iters=6", "--eval_interval=2", "--init_from=resume")
+    assert [m["iter"] for m in metrics(tmp_path)] == [0, 2, 4, 6] and "cut short" not in capsys.readouterr().err
