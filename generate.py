@@ -26,6 +26,7 @@ engines:
 from __future__ import annotations
 
 import functools
+import numbers
 import sys
 import time
 from collections import deque
@@ -36,6 +37,7 @@ import torch
 from cache import CacheFullError, make_cache
 
 ENGINES = ("auto", "eager", "static", "graphs")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # by name, as sample.py's
 
 
 # ---------------------------------------------------------------------------------------------- choices
@@ -157,7 +159,7 @@ def check_length(config, prompt_lens: list[int], max_new_tokens, allow_past_bloc
         raise ValueError("prompts: got none; valid: at least one prompt")
     max_new = per_prompt(max_new_tokens, len(prompt_lens))
     if min(prompt_lens) < 1:
-        raise ValueError("start: got an empty prompt; valid: at least one token")
+        raise ValueError(f"{prefix}start: got an empty prompt; valid: at least one token")
     allow = f"{prefix}allow_past_block_size=True" + ("" if prefix else " (sample.py: --allow_past_block_size=True)")
     if max(prompt_lens) > config.block_size and (config.pos_embedding == "learned" or not allow_past_block_size):
         rope = "" if config.pos_embedding == "learned" else f", or {allow} for this RoPE model"
@@ -182,18 +184,96 @@ def check_length(config, prompt_lens: list[int], max_new_tokens, allow_past_bloc
         )
 
 
+def _a(value) -> str:
+    """'a list', 'an int': the type of a value as a message names it."""
+    name = type(value).__name__
+    return f"{'an' if name[0].lower() in 'aeiou' else 'a'} {name}"
+
+
+def check_prompts(prompts, vocab_size: int) -> list[list[int]]:
+    """The prompts as lists of Python ints, each a token id in [0, vocab_size): a list (or tuple) of non-empty lists
+    of ints. Checked on the host, where they are (no device sync): an id out of range would otherwise be an
+    IndexError of the embedding on a CPU and a device-side assert that kills the process on a GPU."""
+    valid = "a list of token-id lists (one per prompt)"
+    if not isinstance(prompts, (list, tuple)):
+        hint = ": a (B, T) tensor's .tolist()" if isinstance(prompts, torch.Tensor) else ""
+        raise TypeError(f"prompts: got {_a(prompts)}; valid: {valid}{hint}")
+    if not prompts:
+        raise ValueError(f"prompts: got none; valid: {valid}, at least one")
+    checked = []
+    for i, prompt in enumerate(prompts):
+        if not isinstance(prompt, (list, tuple)):
+            flat = " ([[1, 2, 3]] for one prompt)" if isinstance(prompt, numbers.Integral) else ""
+            raise TypeError(f"prompts[{i}]: got {_a(prompt)}; valid: a list of token ids{flat}")
+        if not prompt:
+            raise ValueError(f"prompts[{i}]: got an empty list; valid: at least one token id")
+        for j, token in enumerate(prompt):
+            if not isinstance(token, numbers.Integral) or isinstance(token, bool):
+                raise TypeError(
+                    f"prompts[{i}][{j}]: got {token!r} ({_a(token)}); valid: int token ids in [0, {vocab_size})"
+                )
+            if not 0 <= token < vocab_size:
+                raise ValueError(f"prompts[{i}][{j}]: got {token}; valid: token ids in [0, {vocab_size})")
+        checked.append([int(t) for t in prompt])  # numpy ints too; a list, which the engines extend
+    return checked
+
+
+def cache_dtype(dtype, model_dtype: torch.dtype) -> torch.dtype:
+    """The cache's dtype: None (the model's), a floating-point torch.dtype, or its name as sample.py's --dtype
+    takes it."""
+    if dtype is None:
+        return model_dtype
+    if isinstance(dtype, str) and dtype in DTYPES:
+        return DTYPES[dtype]
+    if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+        return dtype
+    raise (ValueError if isinstance(dtype, (str, torch.dtype)) else TypeError)(
+        f"dtype: got {dtype!r}; valid: None (the model's), a floating-point torch.dtype, or {', '.join(DTYPES)}"
+    )
+
+
+def check_eot(eot_token, vocab_size: int):
+    if eot_token is None:
+        return
+    if not isinstance(eot_token, numbers.Integral) or isinstance(eot_token, bool):
+        raise TypeError(f"eot_token: got {eot_token!r}; valid: None or a token id in [0, {vocab_size})")
+    if not 0 <= eot_token < vocab_size:
+        raise ValueError(f"eot_token: got {eot_token}; valid: None or a token id in [0, {vocab_size})")
+
+
+def check_pool_options(kind: str, num_pages, wait_for_pages: bool):
+    """num_pages and wait_for_pages act on a paged cache only: given with another cache, they would be ignored in
+    silence (as sample.py's check_pool refuses them). num_pages 0 means None, as sample.py passes it."""
+    if kind in ("paged", "paged_mla"):
+        return
+    given = [f"num_pages={num_pages!r}"] * (num_pages not in (None, 0)) + ["wait_for_pages=True"] * bool(wait_for_pages)
+    if given:
+        raise ValueError(
+            f"{' and '.join(given)}: given with cache {kind!r}, which has no page pool; valid: cache 'paged', or "
+            f"no {' and no '.join(g.split('=')[0] for g in given)}"
+        )
+
+
 # --------------------------------------------------------------------------------------------- sampling
 
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None, prefix: str = ""):
     """temperature >= 0 (0: greedy), top_k >= 0 (0 or None: off), top_p in (0, 1] (1 or None: off). `prefix`
-    goes before each name in the message ("--" for a command line)."""
+    goes before each name in the message ("--" for a command line). A value of the wrong type is a TypeError."""
+    if not _is_number(temperature):
+        raise TypeError(f"{prefix}temperature: got {temperature!r}; valid: a number >= 0 (0 = greedy)")
     if not temperature >= 0:  # also refuses NaN
         raise ValueError(f"{prefix}temperature: got {temperature!r}; valid: a number >= 0 (0 = greedy)")
     if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0):
         raise ValueError(f"{prefix}top_k: got {top_k!r}; valid: an int >= 0 (0 = off)")
+    if top_p is not None and not _is_number(top_p):
+        raise TypeError(f"{prefix}top_p: got {top_p!r}; valid: a number in (0, 1] (1 = off)")
     if top_p is not None and not 0 < top_p <= 1:
         raise ValueError(f"{prefix}top_p: got {top_p!r}; valid: a number in (0, 1] (1 = off)")
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 def sample_next(
@@ -325,14 +405,14 @@ def generate(
     max_batch: int | None = None,
     admit_batch: int | None = None,
     allow_past_block_size: bool = False,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
     engine: str = "auto",
     sync_every: int = 16,
     on_token=None,
     on_logits=None,
 ):
     """Generate up to max_new_tokens (an int, or one per prompt) after each prompt; returns (new tokens per prompt,
-    GenerationStats).
+    GenerationStats). prompts: a list of token-id lists, each id in [0, vocab_size) (`check_prompts`).
 
     cache_kind: as resolve_cache_kind takes it ("none" recomputes the full context every step). engine: one of
     ENGINES (the module docstring). max_batch caps the rows decoded together (default: all prompts; the others wait
@@ -343,11 +423,16 @@ def generate(
     prompt admitted, at the next read). on_token(i, tok) sees every emitted token, in order per sequence
     (streaming; the static engines deliver them at each read); on_logits(i, logits (V,)) sees the logits each new
     token of sequence i was sampled from (the tests compare them with the full forward; it makes the static engines
-    read back every step).
+    read back every step). dtype: the cache's, None for the model's, or a name (DTYPES). num_pages and
+    wait_for_pages take a paged cache only. Every argument is checked before anything runs.
     """
     config = model.config
+    prompts = check_prompts(prompts, config.vocab_size)
     kind = resolve_cache_kind(config, cache_kind)
     check_sampling(temperature, top_k, top_p)
+    check_eot(eot_token, config.vocab_size)
+    check_pool_options(kind, num_pages, wait_for_pages)
+    dtype = cache_dtype(dtype, next(model.parameters()).dtype)
     if max_batch is not None and (not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1):
         raise ValueError(f"max_batch: got {max_batch!r}; valid: None (all prompts together) or an int >= 1")
     if admit_batch is not None and (
@@ -375,7 +460,6 @@ def generate(
     max_len = max(len(p) + m - 1 for p, m in zip(prompts, max_new))
     if kind in ("paged", "paged_mla") and num_pages:
         _check_pages(prompts, max_new, page_size, num_pages, wait_for_pages, rows)
-    dtype = dtype or next(model.parameters()).dtype
     _check_fits(model, kind, rows, max_len, page_size, num_pages, dtype, device)
     cache = make_cache(
         kind,

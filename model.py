@@ -583,6 +583,7 @@ class GPT(nn.Module):
         last (B,) int64 on idx's device: only the logits at those positions of each row, (B, 1, vocab_size), as a
         prefill needs them (the full logits of a long prompt batch take gigabytes). With targets the logits are
         detached and the loss carries the gradient (`logits_and_loss`)."""
+        self._check_inputs(idx, targets)
         B, T = idx.shape
         if last is not None and (targets is not None or last.shape != (B,)):  # before reserve changes the cache
             raise ValueError(f"last: got shape {tuple(last.shape)}; valid: (B={B},) positions, without targets")
@@ -656,6 +657,20 @@ class GPT(nn.Module):
             loss = F.cross_entropy(logits.view(-1, logits.size(-1)), targets.reshape(-1), ignore_index=-1)
             logits = logits.detach()
         return logits, loss
+
+    @staticmethod
+    def _check_inputs(idx, targets):
+        """idx's type, rank and dtype, and targets' shape: host-side metadata only. The token values are not checked
+        here: reading them from a GPU would sync every step (generate checks its prompts on the host)."""
+        if not isinstance(idx, torch.Tensor):
+            raise TypeError(f"idx: got {type(idx).__name__} {idx!r:.40}; valid: a (B, T) tensor of token ids")
+        if idx.dim() != 2:
+            raise ValueError(f"idx: got shape {tuple(idx.shape)}; valid: (B, T) token ids")
+        if idx.dtype not in (torch.int64, torch.int32):  # what the embedding takes
+            raise TypeError(f"idx: got dtype {idx.dtype}; valid: (B, T) token ids of dtype torch.int64 (or int32)")
+        if targets is not None and (not isinstance(targets, torch.Tensor) or targets.shape != idx.shape):
+            got = f"shape {tuple(targets.shape)}" if isinstance(targets, torch.Tensor) else type(targets).__name__
+            raise ValueError(f"targets: got {got}; valid: None or token ids of idx's shape {tuple(idx.shape)}")
 
     def _check_cache(self, cache, B: int, T: int):
         """A cache made for another model or batch, or a step past learned positions, is refused before

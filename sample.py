@@ -13,7 +13,8 @@ then one token per step through the grouped, paged or MLA decode kernels, replay
     python sample.py --out_dir=out-try --device=cpu --max_new_tokens=50  # CPU: plain PyTorch attention
 
 Which checkpoint: --out_dir (or --init_from) takes a run directory (its best.pt, else last.pt) or a checkpoint
-file; without either, the run directory here with the most recently written checkpoint, named on stderr.
+file; without either, the run directory here with the most recently written checkpoint, named on stderr. Both given
+must name the same checkpoint (two different ones are a usage error).
 
 --cache: auto (grouped for MHA/GQA/MQA, mla for MLA), grouped, paged, mla, none. On an MLA model "paged" means the
 paged latent cache (paged_mla, also accepted by name); grouped on an MLA model and mla on a GQA model are refused
@@ -42,12 +43,13 @@ says how long it took, and the prefill and decode tokens/s leave it out.
 
 Standard output gets the samples alone (the first one streamed as it is generated, then the others, separated by
 a line of dashes), so `> out.txt` captures just the text; progress and statistics (prefill and decode tokens/s,
-cache memory) go to standard error, and to the checkpoint's wandb project with --wandb_log=True. Ctrl-C stops the
-generation and prints every sample as far as it got (exit status 130).
+cache memory) go to standard error, and to the checkpoint's wandb project with --wandb_log=True. Ctrl-C (or
+SIGTERM) stops the generation and prints every sample as far as it got (exit status 130, or 143 for SIGTERM). A
+reader that closes standard output (`| head`) ends the run quietly (exit status 141, as a Unix tool's).
 
 Exit status: 0, 2 for a usage error (a bad option or value, named with the valid ones), 1 for a failure with its
 message (a checkpoint that does not load, a page pool that runs dry, GPT-2 offline or without transformers),
-130 after Ctrl-C.
+130 after Ctrl-C, 143 after SIGTERM, 141 when standard output's reader has gone.
 
 Past block_size: a model with learned positions cannot go there, so prompt + max_new_tokens beyond block_size is
 an error at start. A RoPE model goes on, with a one-line warning on stderr (positions beyond what it was trained
@@ -58,7 +60,9 @@ block_size has a message of its own. Nothing is ever cropped silently.
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 from contextlib import contextmanager
 
 import torch
@@ -67,6 +71,7 @@ from cache import CacheFullError, check_page_size
 from checkpoint import CheckpointError, checkpoint_beside, load_checkpoint, model_from_checkpoint, run_checkpoints
 from configurator import ConfigError
 from generate import (
+    DTYPES,
     available_bytes,
     check_length,
     check_sampling,
@@ -101,8 +106,10 @@ DEFAULTS = dict(
     wandb_log=False,
 )
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 CACHE_CHOICES = ("auto", "grouped", "paged", "mla", "paged_mla", "none")
+# What torch.Generator.manual_seed takes (a uint64; a negative seed wraps around): past it, an OverflowError that
+# does not say which option.
+SEEDS = (-(2**63), 2**64 - 1)
 
 
 # ---------------------------------------------------------------------------------------------- choices
@@ -122,6 +129,8 @@ def check_options(cfg: dict):
         raise ValueError(f"--num_pages: got {cfg['num_pages']}; valid: 0 (enough for every sample) or an int >= 1")
     check_device(cfg["device"])
     resolve_dtype(cfg["dtype"], resolve_device(cfg["device"]))
+    if not SEEDS[0] <= cfg["seed"] <= SEEDS[1]:
+        raise ValueError(f"--seed: got {cfg['seed']}; valid: an int in [-2**63, 2**64 - 1]")
 
 
 HOST_BYTES_PER_TOKEN = 40  # a generated token on the host: a Python int (28 bytes) and its list slot (8), rounded up
@@ -213,6 +222,9 @@ def load_model(cfg: dict, out_dir_given: bool = True):
     without it the newest checkpoint here), a run directory or checkpoint file, or gpt2*."""
     from model import GPT, GPT2_NAMES
 
+    if out_dir_given and cfg["init_from"] != "resume":
+        with usage_errors():
+            check_one_source(cfg["out_dir"], cfg["init_from"])
     if cfg["init_from"] in GPT2_NAMES:
         from data import tiktoken_meta
 
@@ -222,6 +234,23 @@ def load_model(cfg: dict, out_dir_given: bool = True):
     ckpt, model = _load(path, "--out_dir" if cfg["init_from"] == "resume" else "--init_from")
     print(f"loaded {path} (iter {ckpt.get('iter_num', '?')})", file=sys.stderr)
     return model, ckpt["tokenizer"], ckpt.get("config", {}), path
+
+
+def check_one_source(out_dir: str, init_from: str):
+    """--out_dir and --init_from both name what to sample (init_from is not an override of out_dir): given both,
+    they must name the same checkpoint, else which one was meant is the user's to say."""
+    from model import GPT2_NAMES
+
+    def resolved(target: str) -> str:
+        found = run_checkpoints(target) if os.path.isdir(target) else []
+        return os.path.realpath(found[0] if found else target)
+
+    if init_from in GPT2_NAMES or resolved(out_dir) != resolved(init_from):
+        raise ValueError(
+            f"--init_from: got {init_from!r} with --out_dir={out_dir!r}, which names another model; valid: one of "
+            "the two (each takes a run directory or a checkpoint file, --init_from a GPT-2 name too), or both naming "
+            "the same checkpoint"
+        )
 
 
 def checkpoint_path(cfg: dict, out_dir_given: bool) -> str:
@@ -310,6 +339,41 @@ def read_start(start: str) -> str:
         ) from None
 
 
+def encode_start(tokenizer, start: str) -> list[int]:
+    """--start's text as token ids. A character-level model knows only the characters of its training text: one
+    outside them names --start and the characters it knows (in ranges), not the tokenizer's `text`."""
+    from data import CharTokenizer
+
+    text = read_start(start)
+    if isinstance(tokenizer, CharTokenizer):
+        missing = list(dict.fromkeys(c for c in text if c not in tokenizer.stoi))
+        if missing:
+            shown = ", ".join(map(repr, missing[:5])) + (f" and {len(missing) - 5} more" if len(missing) > 5 else "")
+            whose = f"whose character {shown} is" if len(missing) == 1 else f"whose characters {shown} are"
+            raise ValueError(
+                f"--start: got {_short(start)}, {whose} not in this character-level model's vocabulary; valid: text "
+                f"in the {len(tokenizer.chars)} characters of its training text: {_char_ranges(tokenizer.chars)}"
+            )
+    return tokenizer.encode(text)
+
+
+def _short(text: str, most: int = 40) -> str:
+    return repr(text) if len(text) <= most else repr(text[:most]) + f"... ({len(text)} characters)"
+
+
+def _char_ranges(chars: str, most: int = 40) -> str:
+    """Sorted characters as runs ('a'..'z' for three or more in a row), the first `most` runs of them."""
+    runs: list[list[str]] = []
+    for c in sorted(chars):
+        if runs and ord(c) == ord(runs[-1][-1]) + 1:
+            runs[-1].append(c)
+        else:
+            runs.append([c])
+    parts = [f"{r[0]!r}..{r[-1]!r}" if len(r) > 2 else ", ".join(map(repr, r)) for r in runs]
+    more = f", ... ({len(parts) - most} more runs)" if len(parts) > most else ""
+    return ", ".join(parts[:most]) + more
+
+
 def resolve_dtype(name: str, device: str) -> torch.dtype:
     if name == "auto":
         cuda = torch.device(device).type == "cuda"
@@ -361,7 +425,7 @@ def main(argv: list[str]) -> dict:
     tokenizer = get_tokenizer(meta)
     with usage_errors():  # the options against this model: its caches, its block_size, its tokenizer
         kind = resolve_cache_kind(model.config, cfg["cache"])
-        start_ids = tokenizer.encode(read_start(cfg["start"]))
+        start_ids = encode_start(tokenizer, cfg["start"])
         check_length(model.config, [len(start_ids)], cfg["max_new_tokens"], cfg["allow_past_block_size"], "--")
         check_pool(kind, len(start_ids), cfg)
     warn_past_block_size(model.config, len(start_ids), cfg["max_new_tokens"])
@@ -397,11 +461,11 @@ def main(argv: list[str]) -> dict:
             engine=engine,
             on_token=stream,
         )
-    except KeyboardInterrupt:  # Ctrl-C: the samples as far as they got, then the exit (130) in cli
+    except KeyboardInterrupt as e:  # Ctrl-C or SIGTERM: the samples as far as they got, then the exit in cli
         write_samples(stream, tokenizer, start_ids, [stream.so_far.get(i, []) for i in range(len(prompts))])
         print(
-            f"interrupted: the samples stop where generation was ({sum(map(len, stream.so_far.values())):,} new "
-            "tokens in all)",
+            f"{'terminated (SIGTERM)' if isinstance(e, Terminated) else 'interrupted'}: the samples stop where "
+            f"generation was ({sum(map(len, stream.so_far.values())):,} new tokens in all)",
             file=sys.stderr,
         )
         raise
@@ -496,21 +560,65 @@ def log_wandb(summary: dict, train_cfg: dict, cfg: dict, path: str | None):
     run.finish()
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Python raises KeyboardInterrupt for Ctrl-C, so that it ends a run as Ctrl-C does."""
+
+
+@contextmanager
+def sigterm_as_interrupt():
+    """SIGTERM (`timeout`, `kill`, a job scheduler) stops sampling as Ctrl-C does: the samples so far are printed
+    (train.py's stop_on_signal takes both signals alike too). Without it, Python dies of the signal, printing none."""
+    if threading.current_thread() is not threading.main_thread():  # signal.signal works in the main thread only
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Terminated
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _stdout_to_devnull():
+    """Point stdout's file descriptor at devnull (Python's docs, "Note on SIGPIPE"): the buffered text left in
+    sys.stdout then goes nowhere at exit instead of failing again with a second BrokenPipeError."""
+    try:
+        fd = sys.stdout.fileno()
+    except (AttributeError, OSError, ValueError):  # not a file (a test's capture): nothing flushes at exit
+        return
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, fd)
+    os.close(devnull)
+
+
 def cli(argv: list[str]) -> int:
-    """The command line: its exit status (2: a usage error, 1: a failure with its message, 130: Ctrl-C)."""
+    """The command line: its exit status (2: a usage error, 1: a failure with its message, 130: Ctrl-C, 143:
+    SIGTERM, 141: stdout's reader gone)."""
     from configurator import help_text, wants_help
 
     if wants_help(argv, DEFAULTS):
         print(help_text(__doc__, DEFAULTS, __file__))
         return 0
     try:
-        main(argv)
+        with sigterm_as_interrupt():
+            main(argv)
+    except BrokenPipeError:
+        # `sample.py | head`: the reader took what it wanted. 141 (128 + SIGPIPE) is what a Unix tool killed by
+        # SIGPIPE returns (`yes | head`), so PIPESTATUS and `set -o pipefail` see sample.py as they see any such
+        # tool; 0 would claim every sample was written. No message: the reader closing is not an error to report.
+        _stdout_to_devnull()
+        return 128 + signal.SIGPIPE
     except ConfigError as e:  # a bad option or value: 2, as train.py's and argparse's, so `... || break` stops a loop
         print(f"error: {e}", file=sys.stderr)
         return 2
     except (ValueError, CacheFullError, OSError, ImportError) as e:  # a checkpoint, a pool, GPT-2 offline or absent
         print(f"error: {e}", file=sys.stderr)
         return 1
+    except Terminated:  # main printed the samples so far; 143 = 128 + SIGTERM, what dying of the signal would give
+        return 128 + signal.SIGTERM
     except KeyboardInterrupt:  # main printed the samples so far; 130, as a shell loop expects of Ctrl-C
         return 130
     return 0

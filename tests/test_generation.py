@@ -434,6 +434,84 @@ def test_sample_py_exits_130_on_ctrl_c(tmp_path):
     assert "interrupted: the samples stop where generation was" in err and "Traceback" not in err
 
 
+def _sample_py_streaming(tmp_path, *args):
+    """sample.py from a tiny RoPE checkpoint, run until stopped, once its first generated character is out."""
+    _checkpoint(tmp_path, "gqa")
+    cmd = [sys.executable, os.path.join(REPO, "sample.py"), f"--init_from={tmp_path}", "--device=cpu", "--start=HI"]
+    proc = subprocess.Popen(
+        [*cmd, "--max_new_tokens=1000000", *args],  # far past block_size (RoPE): runs until stopped
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": REPO},
+        cwd=tmp_path,
+    )
+    head = proc.stdout.read(3)  # blocks until the prompt and the first generated character are out
+    assert head.startswith("HI") and len(head) == 3, head
+    return proc, head
+
+
+def test_sample_py_sigterm_prints_the_samples_and_exits_143(tmp_path):
+    """SIGTERM (`timeout`, `kill`) as Ctrl-C: every sample as far as it got, in the usual layout, and 143."""
+    proc, head = _sample_py_streaming(tmp_path, "--num_samples=2")
+    try:
+        os.kill(proc.pid, signal.SIGTERM)
+        rest, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 143, err
+    first, second = (head + rest).split("\n---------------\n")  # both samples, the second too
+    assert first.startswith("HI") and second.startswith("HI") and rest.endswith("\n")
+    assert "terminated (SIGTERM): the samples stop where generation was" in err and "Traceback" not in err
+
+
+def test_sample_py_ends_quietly_when_stdout_closes(tmp_path):
+    """`sample.py | head -c 3`: the reader closing stdout ends the run with 141 (128 + SIGPIPE, as a Unix tool
+    killed by SIGPIPE), no error message and nothing printed at the interpreter's exit."""
+    proc, _ = _sample_py_streaming(tmp_path)
+    try:
+        proc.stdout.close()
+        err = proc.stderr.read()
+        proc.wait(timeout=60)
+    finally:
+        proc.kill()
+    assert proc.returncode == 141, err
+    assert "error" not in err and "Traceback" not in err and "Exception ignored" not in err, err
+
+
+def test_sample_py_start_outside_a_char_vocabulary_names_start(tmp_path, monkeypatch, capsys):
+    """A --start character that a character-level model never saw: the message names --start and the characters it
+    knows (CHARS: the one run ' '..'`'), and it is a usage error (2)."""
+    _checkpoint(tmp_path)
+    monkeypatch.chdir(tmp_path)
+    argv = [f"--init_from={tmp_path}", "--device=cpu", "--max_new_tokens=2"]
+    with pytest.raises(
+        ValueError,
+        match=r"^--start: got 'HI there', whose characters 't', 'h', 'e', 'r' are not in this character-level "
+        r"model's vocabulary; valid: text in the 65 characters of its training text: ' '..'`'$",
+    ):
+        sample.main([*argv, "--start=HI there"])
+    assert sample.cli([*argv, "--start=HIé"]) == 2
+    assert "--start: got 'HIé', whose character 'é' is not in" in capsys.readouterr().err
+    assert sample._char_ranges("abcxz\n") == "'\\n', 'a'..'c', 'x', 'z'"
+
+
+def test_sample_py_out_dir_and_init_from_must_agree(tmp_path, monkeypatch, capsys):
+    """--out_dir and --init_from naming two models is a usage error naming both; naming the same checkpoint (a run
+    directory and its file) is fine."""
+    monkeypatch.chdir(tmp_path)
+    for name, variant in (("out-gqa", "gqa"), ("out-mla", "mla")):
+        (tmp_path / name).mkdir()
+        _checkpoint(tmp_path / name, variant)
+    message = r"^--init_from: got '{}' with --out_dir='out-gqa', which names another model; valid: one of the two"
+    for other in ("out-mla", "gpt2"):
+        with pytest.raises(ValueError, match=message.format(other)):
+            sample.main(["--out_dir=out-gqa", f"--init_from={other}", *SHORT])
+    assert sample.cli(["--out_dir=out-gqa", "--init_from=out-mla", *SHORT]) == 2
+    assert sample.main(["--out_dir=out-gqa", "--init_from=out-gqa/last.pt", *SHORT])["attention"] == "gqa"
+    assert capsys.readouterr().out.count("HELLO, ") == 1  # the run that agreed, nothing from the refused ones
+
+
 def test_sample_py_wandb_run_lands_beside_the_checkpoint(tmp_path):
     """--wandb_log (a bool key alone) without credentials: an offline run in the checkpoint's directory, where
     train.py's runs are (`wandb sync out-*/wandb/offline-run-*` takes both), with the decode statistics; stdout stays
@@ -526,6 +604,7 @@ BAD_OPTIONS = [
     ("--device=tpu0", r"--device: got 'tpu0'; valid: cpu, cuda"),
     ("--device=meta", r"--device: got 'meta'; valid: cpu, cuda"),
     ("--dtype=float64", r"--dtype: got 'float64'; valid"),
+    ("--seed=99999999999999999999", r"^--seed: got 99999999999999999999; valid: an int in \[-2\*\*63, 2\*\*64 - 1\]$"),
     ("--start=FILE:missing.txt", r"--start: got 'FILE:missing.txt', which cannot be read"),
     (
         "--max_new_tokens=70 --allow_past_block_size=False",
@@ -579,6 +658,76 @@ def test_generate_refuses_sizes_that_cannot_work_at_start(monkeypatch):
         generate(model, [[1]], "grouped", max_new_tokens=2, temperature=1.0, top_k=True)
     with pytest.raises(ValueError, match=r"max_batch: got 0; valid: None \(all prompts together\) or an int >= 1"):
         generate(model, [[1]], "grouped", max_new_tokens=2, max_batch=0)
+
+
+BAD_GENERATE_CALLS = [
+    (dict(prompts=[[500, 1]]), ValueError, r"^prompts\[0\]\[0\]: got 500; valid: token ids in \[0, 65\)$"),
+    (dict(prompts=[[1], [2, -1]], cache="paged"), ValueError, r"^prompts\[1\]\[1\]: got -1; valid: token ids in"),
+    (dict(prompts=torch.tensor([[1, 2]])), TypeError, r"^prompts: got a Tensor; valid: a list of token-id lists"),
+    (dict(prompts="HELLO"), TypeError, r"^prompts: got a str; valid: a list of token-id lists \(one per prompt\)$"),
+    (dict(prompts=[1, 2, 3]), TypeError, r"^prompts\[0\]: got an int; valid: a list of token ids \(\[\[1, 2, 3\]\]"),
+    (
+        dict(prompts=[[1.0, 2]]),
+        TypeError,
+        r"^prompts\[0\]\[0\]: got 1.0 \(a float\); valid: int token ids in \[0, 65\)$",
+    ),
+    (dict(prompts=[[1], []]), ValueError, r"^prompts\[1\]: got an empty list; valid: at least one token id$"),
+    (dict(temperature="hot"), TypeError, r"^temperature: got 'hot'; valid: a number >= 0"),
+    (dict(dtype="fp16"), ValueError, r"^dtype: got 'fp16'; valid: None \(the model's\), a floating-point torch.dtype"),
+    (dict(eot_token=65), ValueError, r"^eot_token: got 65; valid: None or a token id in \[0, 65\)$"),
+    (dict(num_pages=4), ValueError, r"^num_pages=4: given with cache 'grouped', which has no page pool; valid: cache"),
+    (dict(wait_for_pages=True, cache="none"), ValueError, r"^wait_for_pages=True: given with cache 'none'"),
+]
+
+
+@pytest.mark.parametrize(
+    "call,error,match",
+    BAD_GENERATE_CALLS,
+    ids=[
+        "id-500",
+        "id-neg-paged",
+        "tensor",
+        "str",
+        "flat",
+        "float-id",
+        "empty",
+        "temperature-str",
+        "dtype-name",
+        "eot",
+        "num_pages-grouped",
+        "wait-none",
+    ],
+)
+def test_generate_refuses_bad_prompts_and_options_on_the_host(call, error, match):
+    """generate checks its prompts (token ids in the vocabulary, in lists) and options up front on the host, with
+    the argument's name and what is valid, where PyTorch would raise from deep inside (or a GPU assert)."""
+    model = tiny_model("gqa")
+    call = {"prompts": [[1, 2]], "cache": "grouped", **call}
+    with pytest.raises(error, match=match):
+        generate(model, call.pop("prompts"), call.pop("cache"), max_new_tokens=3, **call)
+
+
+def test_generate_takes_dtype_names_and_tuples_of_ints():
+    """dtype by name (as sample.py's --dtype writes it) is the torch.dtype; prompts as tuples of ints do as lists."""
+    model = tiny_model("gqa")
+    ref, _ = generate(model, [[1, 2]], "grouped", max_new_tokens=3, dtype=torch.float32)
+    assert generate(model, [[1, 2]], "grouped", max_new_tokens=3, dtype="float32")[0] == ref
+    assert generate(model, ((1, 2),), "none", max_new_tokens=3)[0] == ref
+
+
+def test_forward_refuses_bad_idx_and_targets_shapes():
+    """GPT.forward checks idx's rank and dtype and targets' shape (metadata only, no device sync)."""
+    model = tiny_model("gqa")
+    idx = torch.zeros(4, 4, dtype=torch.long, device=DEVICE)
+    with pytest.raises(ValueError, match=r"^idx: got shape \(5,\); valid: \(B, T\) token ids$"):
+        model(torch.zeros(5, dtype=torch.long, device=DEVICE))
+    with pytest.raises(TypeError, match=r"^idx: got dtype torch.float32; valid: \(B, T\) token ids of dtype"):
+        model(idx.float())
+    with pytest.raises(
+        ValueError, match=r"^targets: got shape \(16,\); valid: None or token ids of idx's shape \(4, 4\)$"
+    ):
+        model(idx, idx.view(-1))
+    assert model(idx.int(), idx)[1] is not None  # int32 ids go through the embedding as int64 do
 
 
 def test_sample_py_bad_checkpoint_and_prompt_sources(tmp_path, monkeypatch):
@@ -718,6 +867,7 @@ def test_sample_py_exit_statuses(tmp_path, monkeypatch, capsys):
     usage = [
         (["--bogus=1"], "error: override '--bogus=1': unknown config key 'bogus'"),
         ([*run, "--num_samples=0"], "error: --num_samples: got 0; valid: an int >= 1"),
+        ([*run, "--seed=99999999999999999999"], "error: --seed: got 99999999999999999999; valid: an int in "),
         ([*run, "--cache=grouped"], "error: --cache: got 'grouped' for a model with attention='mla'"),
         ([*run, "--max_new_tokens=70", "--allow_past_block_size=False"], "error: prompt of 7 tokens"),
         (["--out_dir=out-gqa", "--device=cpu"], "error: --out_dir: got 'out-gqa', which is not a directory"),
