@@ -74,7 +74,7 @@ from checkpoint import (
 )
 from configurator import ConfigError, help_text, parse_config, wants_help
 from data import DataError, dataset_dir, ensure_dataset
-from model import GPT, GPT2_NAMES, GPTConfig
+from model import GPT, GPT2_NAMES, Block, GPTConfig
 from train_step import PTDTYPES, TrainStep, autocast_context, compile_model
 from wandb_run import open_wandb_run
 
@@ -460,6 +460,34 @@ def tokens_per_iter(config: dict) -> int:
     return config["gradient_accumulation_steps"] * config["batch_size"] * config["block_size"]
 
 
+TRAIN_BYTES_PER_PARAM = 16  # fp32 weights, their gradients and AdamW's two moments
+
+
+def check_model_fits(mc: GPTConfig, device: str) -> None:
+    """A model whose weights alone would not fit is refused before it is built: built, it would take the host's
+    memory until the kernel killed the process, with no message. Counted on the meta device (nothing allocated;
+    the final norm left out): the host holds its fp32 weights while they are initialized, the device its weights,
+    gradients and AdamW states; activations come on top, so this catches sizes off by orders of magnitude, not a
+    batch a little large."""
+    from generate import available_bytes
+
+    with torch.device("meta"):  # one block, times n_layer: a million layers are not built to be counted
+        n = mc.n_layer * sum(p.numel() for p in Block(mc, 0).parameters())
+    positions = mc.block_size if mc.pos_embedding == "learned" else 0
+    n += (mc.vocab_size + positions) * mc.n_embd  # the (tied) token embedding and the learned positions
+    needs = [("the host", torch.device("cpu"), 4 * n)]
+    if torch.device(device).type == "cuda":
+        needs.append((device, torch.device(device), TRAIN_BYTES_PER_PARAM * n))
+    for where, dev, need in needs:
+        free = available_bytes(dev)
+        if free is not None and need > free:
+            raise ConfigError(
+                f"model size: got {n:,} parameters (n_layer={mc.n_layer}, n_embd={mc.n_embd}, vocab_size="
+                f"{mc.vocab_size}), which need {need / 2**30:,.1f} GiB on {where} before any activation; valid: a "
+                f"model that fits its {free / 2**30:,.1f} GiB free (a smaller n_layer or n_embd)"
+            )
+
+
 def build_model(config: dict, vocab_size: int, ckpt: dict | None, source: tuple[str, dict] | None) -> GPT:
     """A fresh model; the resumed run's (ckpt); or, at this run's block_size, another run's (source: its checkpoint's
     path and dict) or OpenAI's GPT-2. A checkpoint's architecture wins over the config."""
@@ -467,7 +495,9 @@ def build_model(config: dict, vocab_size: int, ckpt: dict | None, source: tuple[
     if ckpt is not None:
         model = model_from_checkpoint(ckpt, resume_path(config), **overrides)
     elif config["init_from"] == "scratch":
-        model = GPT(model_config(config, vocab_size))
+        mc = model_config(config, vocab_size)
+        check_model_fits(mc, config["device"])
+        model = GPT(mc)
     else:
         if source is not None:
             path, saved = source

@@ -528,6 +528,7 @@ def test_unknown_key_stops_the_entry_point_with_the_valid_keys(tmp_path):
         (["--eval_only=True"], "eval_only: got True with --init_from=scratch, which would evaluate random weights"),
         (["--seed=99999999999999999999"], "seed: got 99999999999999999999; valid: an int in [0, 2**63 - 1]"),
         (["--seed=-1"], "seed: got -1; valid: an int in [0, 2**63 - 1]"),
+        (["--n_layer=100000000"], "before any activation; valid: a model that fits its"),
     ],
     ids=[
         "type",
@@ -548,6 +549,7 @@ def test_unknown_key_stops_the_entry_point_with_the_valid_keys(tmp_path):
         "eval-only-from-scratch",
         "seed-overflow",
         "seed-negative",
+        "model-too-large",
     ],
 )
 def test_bad_values_fail_with_clear_message(data_dir, tmp_path, argv, needle):
