@@ -207,6 +207,9 @@ def check_prompts(prompts, vocab_size: int) -> list[list[int]]:
             raise TypeError(f"prompts[{i}]: got {_a(prompt)}; valid: a list of token ids{flat}")
         if not prompt:
             raise ValueError(f"prompts[{i}]: got an empty list; valid: at least one token id")
+        if all(type(t) is int for t in prompt) and 0 <= min(prompt) and max(prompt) < vocab_size:
+            checked.append(list(prompt))  # the common case at C speed: 256 prompts of 512 tokens in milliseconds
+            continue
         for j, token in enumerate(prompt):
             if not isinstance(token, numbers.Integral) or isinstance(token, bool):
                 raise TypeError(
@@ -241,16 +244,22 @@ def check_eot(eot_token, vocab_size: int):
         raise ValueError(f"eot_token: got {eot_token}; valid: None or a token id in [0, {vocab_size})")
 
 
-def check_pool_options(kind: str, num_pages, wait_for_pages: bool):
+def check_pool_options(kind: str, num_pages, wait_for_pages: bool, prefix: str = ""):
     """num_pages and wait_for_pages act on a paged cache only: given with another cache, they would be ignored in
-    silence (as sample.py's check_pool refuses them). num_pages 0 means None, as sample.py passes it."""
+    silence. Their defaults (None or 0, False) mean "not given", so the message names only what was set; `prefix`
+    ("--" for a command line) as check_sampling's."""
     if kind in ("paged", "paged_mla"):
         return
-    given = [f"num_pages={num_pages!r}"] * (num_pages not in (None, 0)) + ["wait_for_pages=True"] * bool(wait_for_pages)
+    given = [(f"{prefix}num_pages", num_pages)] if num_pages not in (None, 0) else []
+    if wait_for_pages:
+        given.append((f"{prefix}wait_for_pages", True))
     if given:
+        cache, paged = (
+            (f"{prefix}cache={kind}", f"{prefix}cache=paged") if prefix else (f"cache {kind!r}", "cache 'paged'")
+        )
         raise ValueError(
-            f"{' and '.join(given)}: given with cache {kind!r}, which has no page pool; valid: cache 'paged', or "
-            f"no {' and no '.join(g.split('=')[0] for g in given)}"
+            f"{' and '.join(f'{name}={value!r}' for name, value in given)}: given with {cache}, which has no page "
+            f"pool; valid: {paged}, or no {' and no '.join(name for name, _ in given)}"
         )
 
 

@@ -74,6 +74,7 @@ from generate import (
     DTYPES,
     available_bytes,
     check_length,
+    check_pool_options,
     check_sampling,
     compile_model,
     generate,
@@ -174,17 +175,8 @@ def resolve_device(name: str) -> str:
 def check_pool(kind: str, prompt_len: int, cfg: dict):
     """--num_pages and --wait_for_pages act on a paged cache only. A pool too small for one sample at full length,
     or (without waiting) for all the samples at once, could not finish: both fail here, at start."""
-    if kind not in ("paged", "paged_mla"):
-        # Their defaults (0, False) mean "not given": the message names only what the command line set.
-        given = [f"--num_pages={cfg['num_pages']}"] * bool(cfg["num_pages"])
-        given += ["--wait_for_pages=True"] * bool(cfg["wait_for_pages"])
-        if given:
-            raise ValueError(
-                f"{' and '.join(given)}: given with --cache={kind}, which has no page pool; valid: --cache=paged, "
-                f"or no {' and no '.join(g.split('=')[0] for g in given)}"
-            )
-        return
-    if not cfg["num_pages"]:
+    check_pool_options(kind, cfg["num_pages"], cfg["wait_for_pages"], "--")
+    if kind not in ("paged", "paged_mla") or not cfg["num_pages"]:
         return
     tokens = prompt_len + cfg["max_new_tokens"] - 1
     need, per_sample = pages_needed(
