@@ -28,18 +28,18 @@ On CPUs, torchrun runs DDP over gloo; the micro-steps must divide among the rank
     torchrun --standalone --nproc_per_node=2 train.py --gradient_accumulation_steps=2 --out_dir=out-ddp
 
 Every eval appends a line to out_dir/metrics.jsonl (`tokens`: the training tokens so far, counted across resumes
-that change the batch; a last line a crash cut short is dropped on resume) and writes out_dir/last.pt (and best.pt
-when val loss improves) atomically. An out_dir that already holds this run, finished, with the same config and data
-directory is kept and the command succeeds doing nothing (so a loop over the variant files trains only what is
-missing); one that holds another or an unfinished run is refused before anything starts, with exit status 2 and what
-to do (resume it when its last.pt is readable, pick another out_dir, or --overwrite=True). Ctrl-C (or SIGTERM)
-finishes the current iteration, saves last.pt and exits with status 130 (143), so a shell loop over runs stops too,
-whatever became of stdout (`| tee log`); a NaN/inf loss stops the run with a message and leaves the last good
-checkpoint untouched. `seed` sets the initial weights, the data order and dropout; the eval batches are the same for
-every seed, so runs that differ only in seed compare on the same data. The data order depends only on `seed` and the
-iteration, so `--init_from=resume` reproduces an uninterrupted run exactly; on resume the model is the checkpoint's,
-and a model setting it does not take is named.
-"""
+that change the batch; on resume, a last line a crash cut short and the lines after the checkpoint are dropped, so
+each iteration keeps one line) and writes out_dir/last.pt (and best.pt when val loss improves) atomically. An
+out_dir that already holds this run, finished, with the same config and data directory is kept and the command
+succeeds doing nothing (so a loop over the variant files trains only what is missing); one that holds another or
+an unfinished run is refused before anything starts, with exit status 2 and what to do (resume it when its last.pt
+is readable, pick another out_dir, or --overwrite=True). Ctrl-C (or SIGTERM) finishes the current iteration, saves
+last.pt and exits with status 130 (143), so a shell loop over runs stops too, whatever became of stdout
+(`| tee log`); a NaN/inf loss stops the run with a message and leaves the last good checkpoint untouched. `seed`
+sets the initial weights, the data order and dropout; the eval batches are the same for every seed, so runs that
+differ only in seed compare on the same data. The data order depends only on `seed` and the iteration, so
+`--init_from=resume` reproduces an uninterrupted run exactly; on resume the model is the checkpoint's, and a model
+setting it does not take is named. """
 
 from __future__ import annotations
 
@@ -824,34 +824,59 @@ def init_wandb(config: dict, model: GPT, facts: dict):
     return run
 
 
-def end_metrics_with_a_whole_line(path: str) -> None:
-    """Before a resume appends to metrics.jsonl: a last line without its newline (a run killed while writing it) would
-    have the next record glued onto it. A whole JSON record gets its newline; a partial one is dropped, said on
-    stderr."""
+def metrics_for_resume(path: str, iter_num: int) -> set[int]:
+    """Before a resume from iteration iter_num appends to metrics.jsonl, the file says no more than the checkpoint:
+    a last line cut short (a run killed while writing it) is dropped, and so are the lines after iter_num (a run that
+    died between an eval's line and its checkpoint), which the resumed run writes again. Each drop is one line on
+    stderr. Returns the iterations the file keeps, so an eval of the resumed checkpoint is not appended twice."""
     try:
         with open(path, "rb") as f:
             text = f.read()
     except FileNotFoundError:
-        return
-    if not text or text.endswith(b"\n"):
-        return
-    start = text.rfind(b"\n") + 1
-    try:
-        whole = isinstance(json.loads(text[start:]), dict)
-    except ValueError:  # JSONDecodeError, UnicodeDecodeError
-        whole = False
-    with open(path, "r+b") as f:
-        if whole:
-            f.seek(0, os.SEEK_END)
-            f.write(b"\n")
-            return
-        f.truncate(start)
-    partial = text[start:].decode("utf-8", errors="replace")
-    shown = partial if len(partial) <= 40 else partial[:40] + "..."
-    sys.stderr.write(
-        f"note: {path}: its last line was cut short (a run killed while writing it): {shown!r}; dropped before "
-        "appending\n"
-    )
+        return set()
+    kept, iters, later, partial = [], set(), 0, None
+    lines = text.split(b"\n")  # the last is b"" when the file ends with its newline
+    for i, line in enumerate(lines):
+        if not line:
+            continue
+        try:
+            record = json.loads(line)
+        except ValueError:  # JSONDecodeError, UnicodeDecodeError
+            record = None
+        if not isinstance(record, dict):
+            if i == len(lines) - 1:  # the last line, without its newline: cut short
+                partial = line.decode("utf-8", errors="replace")
+            else:  # a line no run of ours wrote: kept as it is
+                kept.append(line + b"\n")
+            continue
+        it = record.get("iter")
+        if isinstance(it, int) and it > iter_num:
+            later += 1
+            continue
+        kept.append(line + b"\n")
+        if isinstance(it, int):
+            iters.add(it)
+    if partial is None and not later:
+        if text and not text.endswith(b"\n"):
+            with open(path, "ab") as f:
+                f.write(b"\n")
+    else:
+        tmp = path + ".tmp"
+        with open(tmp, "wb") as f:
+            f.write(b"".join(kept))
+        os.replace(tmp, path)
+    if partial is not None:
+        shown = partial if len(partial) <= 40 else partial[:40] + "..."
+        sys.stderr.write(
+            f"note: {path}: its last line was cut short (a run killed while writing it): {shown!r}; dropped before "
+            "appending\n"
+        )
+    if later:
+        sys.stderr.write(
+            f"note: {path}: {later} line(s) after iteration {iter_num} (written after the checkpoint the run resumes "
+            "from) dropped; the resumed run writes them again\n"
+        )
+    return iters
 
 
 def log_eval(config: dict, run, record: dict) -> None:
@@ -937,6 +962,7 @@ class Setup:
     origin: str  # how the run began: scratch, a GPT-2 name, or the run or checkpoint it started from
     stop_group: object  # process group of the stop flag (gloo), None = the default group
     run: object  # wandb run or None
+    logged_iters: set  # the iterations metrics.jsonl has lines for when a resume starts (on the master)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -1050,7 +1076,7 @@ def setup(config: dict, d: Dist, device: str) -> Setup:
         grad_clip=config["grad_clip"],
         cuda_graphs=config["cuda_graphs"],
     )
-    run = None
+    run, logged = None, set()
     if d.master:
         try:
             os.makedirs(config["out_dir"], exist_ok=True)
@@ -1065,7 +1091,7 @@ def setup(config: dict, d: Dist, device: str) -> Setup:
         print_setup(config, raw_model, d)
         if ckpt is not None:
             say(f"resumed from iteration {iter_num} ({resume_path(config)})")
-            end_metrics_with_a_whole_line(os.path.join(config["out_dir"], "metrics.jsonl"))
+            logged = metrics_for_resume(os.path.join(config["out_dir"], "metrics.jsonl"), iter_num)
         if source is not None:
             say(f"init_from: the model of {source[0]} (its iteration {source[1].get('iter_num', '?')}); a new run")
         facts = run_facts(config, raw_model, iter_num, tokens_seen)
@@ -1087,6 +1113,7 @@ def setup(config: dict, d: Dist, device: str) -> Setup:
         run_origin(config, ckpt),
         stop_group,
         run,
+        logged,
     )
 
 
@@ -1135,7 +1162,10 @@ def train(config: dict, d: Dist, device: str, s: Setup, stop_requested: dict) ->
                     peak_memory_bytes=peak_memory_bytes(device),
                     time=time.time(),
                 )
-                log_eval(config, s.run, dict(record, **facts))
+                if iter_num in s.logged_iters:  # eval_only on the checkpoint a resume starts from
+                    say(f"eval {iter_num}: metrics.jsonl has this iteration's line already; not appended again")
+                else:
+                    log_eval(config, s.run, dict(record, **facts))
                 if iter_num > start_iter:
                     state = training_state(
                         raw_model,

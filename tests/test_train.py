@@ -962,6 +962,30 @@ def test_resume_from_a_damaged_last_pt_names_the_intact_best_pt(data_dir, tmp_pa
     assert "truncated or corrupt" in str(e.value) and "valid:" not in str(e.value)
 
 
+def test_resume_drops_metrics_lines_after_its_checkpoint(data_dir, tmp_path, capsys):
+    """A run that died between an eval's metrics line and its checkpoint left a line the resumed run writes again:
+    the resume drops it (one line on stderr), so each iteration has one line. eval_only on the resumed checkpoint
+    appends nothing: that iteration's line is there."""
+    run_inprocess(data_dir, tmp_path, "--max_iters=2", "--eval_interval=2")
+    path = tmp_path / "metrics.jsonl"
+    lines = path.read_text().splitlines()
+    late = json.dumps(dict(json.loads(lines[-1]), iter=4))  # written at iteration 4; last.pt stayed at 2
+    path.write_text("\n".join([*lines, late, "not json, kept"]) + "\n")
+    capsys.readouterr()
+    run_inprocess(data_dir, tmp_path, "--max_iters=4", "--eval_interval=2", "--init_from=resume")
+    out, err = capsys.readouterr()
+    assert (
+        f"note: {path}: 1 line(s) after iteration 2 (written after the checkpoint the run resumes from) dropped" in err
+    )
+    assert path.read_text().count("not json, kept") == 1
+    path.write_text("".join(line for line in path.open() if "not json" not in line))
+    assert [m["iter"] for m in metrics(tmp_path)] == [0, 2, 4]
+    result = run_inprocess(data_dir, tmp_path, "--eval_only=True", "--init_from=resume")
+    out, err = capsys.readouterr()
+    assert result["iter_num"] == 4 and "eval 4: metrics.jsonl has this iteration's line already" in out
+    assert [m["iter"] for m in metrics(tmp_path)] == [0, 2, 4] and "dropped" not in err
+
+
 def test_resume_drops_a_metrics_line_cut_short(data_dir, tmp_path, capsys):
     """A crash mid-write leaves metrics.jsonl's last line without its newline: a resume drops a partial line (one
     line on stderr) and ends a whole one, so every line stays one JSON record."""
