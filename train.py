@@ -1225,7 +1225,7 @@ def train(config: dict, d: Dist, device: str, s: Setup, stop_requested: dict) ->
 
     if s.run is not None:
         s.run.summary["best_val_loss"] = best_val_loss
-    if d.master and interrupted is None:
+    if d.master and interrupted is None and not config["eval_only"]:  # eval_only saves nothing: its eval line says all
         say_where_it_went(config["out_dir"], iter_num, best_val_loss)
     return dict(iter_num=iter_num, losses=losses, best_val_loss=best_val_loss, interrupted=interrupted)
 
@@ -1233,8 +1233,6 @@ def train(config: dict, d: Dist, device: str, s: Setup, stop_requested: dict) ->
 def say_where_it_went(out_dir: str, iter_num: int, best_val_loss: float) -> None:
     """The end of a run: where its checkpoints are and what to run next."""
     last, best = os.path.join(out_dir, "last.pt"), os.path.join(out_dir, "best.pt")
-    if not os.path.exists(last):  # eval_only: nothing was trained
-        return
     saved = f"saved: {last} (iteration {iter_num})"
     if os.path.exists(best):
         saved += f" and {best} (val loss {best_val_loss:.4f})"

@@ -329,6 +329,8 @@ def test_a_run_names_its_cache_dtype_and_says_where_it_went(data_dir, tmp_path, 
     out = capsys.readouterr().out
     assert "model: mla, 1 layer, 8 heads, latent cache 32 + 4 per token and layer, 64 wide, " in out
     assert "saved:" not in out, "nothing trained, nothing saved"
+    run_inprocess(data_dir, tmp_path / "out-mla", "--eval_only=True", "--init_from=resume")
+    assert "saved:" not in capsys.readouterr().out, "an eval of a resumed run's checkpoint saves nothing either"
     run_inprocess(data_dir, tmp_path / "out-gqa", "--max_iters=1", config="gqa")
     out = capsys.readouterr().out
     assert "model: gqa, 1 layer, 8 heads / 2 KV heads, 64 wide, " in out
