@@ -211,12 +211,7 @@ def check_prompts(prompts, vocab_size: int) -> list[list[int]]:
             checked.append(list(prompt))  # the common case at C speed: 256 prompts of 512 tokens in milliseconds
             continue
         for j, token in enumerate(prompt):
-            if not isinstance(token, numbers.Integral) or isinstance(token, bool):
-                raise TypeError(
-                    f"prompts[{i}][{j}]: got {token!r} ({_a(token)}); valid: int token ids in [0, {vocab_size})"
-                )
-            if not 0 <= token < vocab_size:
-                raise ValueError(f"prompts[{i}][{j}]: got {token}; valid: token ids in [0, {vocab_size})")
+            check_token(f"prompts[{i}][{j}]", token, vocab_size)
         checked.append([int(t) for t in prompt])  # numpy ints too; a list, which the engines extend
     return checked
 
@@ -235,13 +230,17 @@ def cache_dtype(dtype, model_dtype: torch.dtype) -> torch.dtype:
     )
 
 
+def check_token(name: str, token, vocab_size: int, valid: str = "an int token id"):
+    """One token id: an int (numpy's too, not a bool) in [0, vocab_size); TypeError or ValueError naming it."""
+    if not isinstance(token, numbers.Integral) or isinstance(token, bool):
+        raise TypeError(f"{name}: got {token!r} ({_a(token)}); valid: {valid} in [0, {vocab_size})")
+    if not 0 <= token < vocab_size:
+        raise ValueError(f"{name}: got {token}; valid: {valid} in [0, {vocab_size})")
+
+
 def check_eot(eot_token, vocab_size: int):
-    if eot_token is None:
-        return
-    if not isinstance(eot_token, numbers.Integral) or isinstance(eot_token, bool):
-        raise TypeError(f"eot_token: got {eot_token!r}; valid: None or a token id in [0, {vocab_size})")
-    if not 0 <= eot_token < vocab_size:
-        raise ValueError(f"eot_token: got {eot_token}; valid: None or a token id in [0, {vocab_size})")
+    if eot_token is not None:
+        check_token("eot_token", eot_token, vocab_size, "None or an int token id")
 
 
 def check_pool_options(kind: str, num_pages, wait_for_pages: bool, prefix: str = ""):

@@ -661,20 +661,20 @@ def test_generate_refuses_sizes_that_cannot_work_at_start(monkeypatch):
 
 
 BAD_GENERATE_CALLS = [
-    (dict(prompts=[[500, 1]]), ValueError, r"^prompts\[0\]\[0\]: got 500; valid: token ids in \[0, 65\)$"),
-    (dict(prompts=[[1], [2, -1]], cache="paged"), ValueError, r"^prompts\[1\]\[1\]: got -1; valid: token ids in"),
+    (dict(prompts=[[500, 1]]), ValueError, r"^prompts\[0\]\[0\]: got 500; valid: an int token id in \[0, 65\)$"),
+    (dict(prompts=[[1], [2, -1]], cache="paged"), ValueError, r"^prompts\[1\]\[1\]: got -1; valid: an int token id in"),
     (dict(prompts=torch.tensor([[1, 2]])), TypeError, r"^prompts: got a Tensor; valid: a list of token-id lists"),
     (dict(prompts="HELLO"), TypeError, r"^prompts: got a str; valid: a list of token-id lists \(one per prompt\)$"),
     (dict(prompts=[1, 2, 3]), TypeError, r"^prompts\[0\]: got an int; valid: a list of token ids \(\[\[1, 2, 3\]\]"),
     (
         dict(prompts=[[1.0, 2]]),
         TypeError,
-        r"^prompts\[0\]\[0\]: got 1.0 \(a float\); valid: int token ids in \[0, 65\)$",
+        r"^prompts\[0\]\[0\]: got 1.0 \(a float\); valid: an int token id in \[0, 65\)$",
     ),
     (dict(prompts=[[1], []]), ValueError, r"^prompts\[1\]: got an empty list; valid: at least one token id$"),
     (dict(temperature="hot"), TypeError, r"^temperature: got 'hot'; valid: a number >= 0"),
     (dict(dtype="fp16"), ValueError, r"^dtype: got 'fp16'; valid: None \(the model's\), a floating-point torch.dtype"),
-    (dict(eot_token=65), ValueError, r"^eot_token: got 65; valid: None or a token id in \[0, 65\)$"),
+    (dict(eot_token=65), ValueError, r"^eot_token: got 65; valid: None or an int token id in \[0, 65\)$"),
     (dict(num_pages=4), ValueError, r"^num_pages=4: given with cache 'grouped', which has no page pool; valid: cache"),
     (dict(wait_for_pages=True, cache="none"), ValueError, r"^wait_for_pages=True: given with cache 'none'"),
 ]
