@@ -642,6 +642,14 @@ def gather_rng_states(d: Dist) -> list[dict]:
     return states
 
 
+def describe_tokenizer(tok) -> str:
+    """A tokenizer's meta in a few words, for messages: its kind, encoding and vocabulary size."""
+    if not isinstance(tok, dict):
+        return repr(tok)
+    name = tok.get("encoding") if tok.get("kind") == "tiktoken" else tok.get("kind")
+    return f"{name} tokens, vocabulary {tok.get('vocab_size')}"
+
+
 def resume_path(config: dict) -> str:
     return os.path.join(config["out_dir"], "last.pt")
 
@@ -1022,9 +1030,13 @@ def setup(config: dict, d: Dist, device: str) -> Setup:
     source = load_init_checkpoint(config)  # a new run from another run's model
     for saved in (ckpt, source[1] if source else None):
         if saved and saved["tokenizer"] != data.meta["tokenizer"]:
+            theirs = saved["config"].get("dataset") if isinstance(saved["config"], dict) else None
+            here, there = describe_tokenizer(data.meta["tokenizer"]), describe_tokenizer(saved["tokenizer"])
+            there += " with other symbols" if there == here else ""
             raise ConfigError(
-                f"dataset: {config['dataset']!r} is tokenized differently from the checkpoint's data; valid: a "
-                "dataset prepared with the checkpoint's tokenizer"
+                f"dataset: {config['dataset']!r} is tokenized differently from the checkpoint's data (here {here}; "
+                f"the checkpoint's {there}{f', dataset {theirs!r}' if theirs else ''}); valid: a dataset prepared "
+                "with the checkpoint's tokenizer"
             )
     if d.master and ckpt is not None:
         note_ignored_model_args(config, ckpt, data.vocab_size, ("attn_backend", "dropout"), "resume")

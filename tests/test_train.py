@@ -664,7 +664,12 @@ def test_init_from_a_run_refuses_what_would_lose_or_misread_it(data_dir, tmp_pat
         run_inprocess(data_dir, tmp_path / "b", f"--init_from={tmp_path / 'a'}", "--block_size=64")
     ckpt = load_checkpoint(tmp_path / "a" / "best.pt")
     save_checkpoint(tmp_path / "a" / "best.pt", dict(ckpt, tokenizer=dict(ckpt["tokenizer"], chars="xyz")))
-    with pytest.raises(ConfigError, match="dataset: 'pydoc' is tokenized differently from the checkpoint's data"):
+    with pytest.raises(
+        ConfigError,
+        match=r"^dataset: 'pydoc' is tokenized differently from the checkpoint's data \(here char tokens, vocabulary "
+        r"\d+; the checkpoint's char tokens, vocabulary \d+ with other symbols, dataset 'pydoc'\); valid: a dataset "
+        r"prepared with",
+    ):
         run_inprocess(data_dir, tmp_path / "b", f"--init_from={tmp_path / 'a'}")
     (tmp_path / "a" / "best.pt").write_bytes((tmp_path / "a" / "best.pt").read_bytes()[:-1000])
     with pytest.raises(
