@@ -7,6 +7,7 @@ The model calls only the protocol below (see model.py); the cache keeps every pi
     y = cache.attend(layer, q, k, v, scale)               # decode: (B, H_q, 1, D_v)
     c_all, r_all = cache.append_latent(layer, c_kv, k_rope)                     # MLA prefill
     o = cache.attend_latent(layer, q_absorbed, q_rope, c_kv, k_rope, scale)     # MLA decode: (B, H, 1, D_c)
+    o = cache.attend_latent_inputs(layer, q, kv, cos, sin, norm_weight, eps, w_uk, scale)  # MLA decode: (B, H, D_c)
 
 A cache holds `batch_size` rows, one sequence each. `cache.view(rows)` is the same cache seen through some of
 its rows (a batch-1 view prefills one prompt of a ragged batch; a view of the active rows decodes them while
@@ -33,13 +34,14 @@ tensor `next_pos` (B,), which the caller advances in place (generate.py does it 
 decode reads every row's whole capacity (S_max, or the whole block table) with the lengths next_pos + 1, so
 nothing in the step depends on a host value that changes between replays. A row that is not decoding keeps
 next_pos = 0 and writes its token at position 0 of its own (finished or free) row; in a paged cache a free row's
-first table entry points at a scratch page that belongs to no sequence. The host catches up afterwards:
-`ensure_capacity` gives rows the pages of several steps ahead, `set_len` records what the steps wrote,
-`move_rows` packs the live sequences into rows 0 .. n-1 (so a smaller step covers them).
+first table entry points at a scratch page that belongs to no sequence. The host works around a run of steps:
+before it, `ensure_capacity` gives rows the pages of all its steps; after it, `set_len` records what the steps
+wrote and `move_rows` packs the live sequences into rows 0 .. n-1 (so a smaller step covers them).
 
-Under torch.compile (generate.compile_model) the four methods the model calls run outside the compiled graphs
-(`torch.compiler.disable`): a compiled block breaks its graph at the cache call, so the host bookkeeping (rows,
-lengths, the static flag) never becomes guards that would recompile the blocks for every view and batch size.
+Under torch.compile (generate.compile_model) the five methods a block calls (append, attend, append_latent,
+attend_latent, attend_latent_inputs) run outside the compiled graphs (`torch.compiler.disable`): a compiled block
+breaks its graph at the cache call, so the host bookkeeping (rows, lengths, the static flag) never becomes guards
+that would recompile the blocks for every view and batch size.
 """
 
 from __future__ import annotations
@@ -49,7 +51,7 @@ import torch
 import attention_kernels
 from attention_kernels import reference
 
-CACHE_KINDS = ("grouped", "paged", "mla", "paged_mla")
+PAGED_KINDS = ("paged", "paged_mla")  # the kinds with a page pool
 
 
 class CacheFullError(RuntimeError):
@@ -112,7 +114,7 @@ class BlockAllocator:
         assert free | self._owned == set(range(self.num_pages)), "a page is neither free nor owned (leak)"
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
@@ -128,8 +130,9 @@ def check_page_size(page_size) -> None:
 
 
 class _Step:
-    """Where the tokens of the last `reserve` go: rows (n,), positions (n, T), and for a paged cache the
-    page ids and in-page offsets of every new token (n, T). All on the device."""
+    """Where the tokens of the last `reserve` go: rows (n,), positions (n, T), seq_lens (n,) int32 (each row's
+    length with the new tokens, what the decode reads), and for a paged cache the page ids and in-page offsets of
+    every new token (n, T). All on the device."""
 
     def __init__(self, rows_t, positions, seq_lens, pages=None, offsets=None):
         self.rows_t, self.positions, self.seq_lens = rows_t, positions, seq_lens
@@ -146,7 +149,7 @@ class ContiguousRows:
     def __init__(self, batch_size: int, max_len: int, device, dtype):
         self.batch_size, self.max_len, self.device, self.dtype = batch_size, max_len, device, dtype
         self.lens = [0] * batch_size
-        self.buffers: list[torch.Tensor] = []  # token-major views, for memory accounting and compaction
+        self.buffers: list[torch.Tensor] = []  # token-major views, for memory accounting and `move`
         self.next_pos = torch.zeros(batch_size, dtype=torch.int64, device=device)  # static decode: see the top
         self.capacity = max_len  # the tokens a static decode step may read in each row
 
@@ -210,18 +213,6 @@ class ContiguousRows:
     def trim(self, row: int, length: int):
         self.lens[row] = length
 
-    def compact(self, rows: list[int]) -> list[int]:
-        """Move the sequences of `rows` (ascending) to rows 0 .. n-1, so that a decode view is a narrow slice.
-        Copies only the rows that move; rows not listed are released. Returns the new row of each."""
-        if rows != sorted(set(rows)):
-            raise ValueError(f"rows: got {rows}; valid: distinct rows in ascending order")
-        for j, r in enumerate(rows):  # rows[j] >= j, so a source row is never overwritten before it is read
-            if r != j:
-                for buf in self.buffers:
-                    buf[j, : self.lens[r]] = buf[r, : self.lens[r]]
-        self.lens = [self.lens[r] for r in rows] + [0] * (self.batch_size - len(rows))
-        return list(range(len(rows)))
-
     def tokens_held(self) -> int:
         return sum(self.lens)
 
@@ -246,7 +237,7 @@ class PagedRows:
         check_page_size(page_size)
         self.batch_size, self.max_len, self.device, self.dtype = batch_size, max_len, device, dtype
         self.page_size = page_size
-        self.max_pages = _cdiv(max_len, page_size)
+        self.max_pages = cdiv(max_len, page_size)
         self.capacity = self.max_pages * page_size
         num_pages = batch_size * self.max_pages if num_pages is None else num_pages
         self.allocator = BlockAllocator(num_pages)
@@ -263,9 +254,6 @@ class PagedRows:
         self.buffers.append(pool)
         return pool
 
-    def pages_needed(self, rows: list[int], T: int) -> int:
-        return sum(max(0, _cdiv(self.lens[r] + T, self.page_size) - len(self.pages[r])) for r in rows)
-
     def grow(self, rows: list[int], T: int):
         for r in rows:
             if self.lens[r] + T > self.max_len:
@@ -280,11 +268,11 @@ class PagedRows:
     def _allocate(self, rows: list[int], lengths: list[int]):
         """Pages so that each row holds `lengths` tokens: all or nothing, one host-to-device copy."""
         fresh = self.allocator.allocate(
-            sum(max(0, _cdiv(n, self.page_size) - len(self.pages[r])) for r, n in zip(rows, lengths))
+            sum(max(0, cdiv(n, self.page_size) - len(self.pages[r])) for r, n in zip(rows, lengths))
         )
         entries = []
         for r, n in zip(rows, lengths):
-            for _ in range(_cdiv(n, self.page_size) - len(self.pages[r])):
+            for _ in range(cdiv(n, self.page_size) - len(self.pages[r])):
                 entries.append((r, len(self.pages[r]), fresh[len(entries)]))
                 self.pages[r].append(entries[-1][2])
         if entries:
@@ -316,8 +304,7 @@ class PagedRows:
         self.block_table[dst, :n] = self.block_table[src, :n]
         self.pages[dst], self.pages[src] = self.pages[src], []
         self.lens[dst], self.lens[src] = self.lens[src], 0
-        if self.scratch is not None:
-            self.block_table[src, 0] = self.scratch
+        self._to_scratch(src)
 
     def where(self, step: _Step) -> tuple[torch.Tensor, torch.Tensor]:
         """(page, slot) of every new token, (n, T) each: pool[where] = x scatters x (n, T, *feat) into the pool
@@ -335,7 +322,7 @@ class PagedRows:
 
     def prefix(self, pool, rows: list[int], rows_t, length: int):
         """(n, length, *feat): the first `length` tokens of these rows, gathered from their pages (a copy)."""
-        n_pages = _cdiv(length, self.page_size)
+        n_pages = cdiv(length, self.page_size)
         table = self.table(rows, rows_t)[:, :n_pages].long()
         x = pool[table]  # (n, n_pages, page_size, *feat)
         return x.reshape(len(rows), n_pages * self.page_size, *pool.shape[2:])[:, :length]
@@ -344,24 +331,22 @@ class PagedRows:
         self.allocator.free(self.pages[row])
         self.pages[row] = []
         self.lens[row] = 0
-        if self.scratch is not None:  # a padding row of a static step writes here, not into a reused page
-            self.block_table[row, 0] = self.scratch
+        self._to_scratch(row)
 
     def trim(self, row: int, length: int):
         """Keep the first `length` tokens of row and give back the pages past them."""
-        keep = _cdiv(length, self.page_size)
+        keep = cdiv(length, self.page_size)
         self.allocator.free(self.pages[row][keep:])
         del self.pages[row][keep:]
         self.lens[row] = length
-        if keep == 0 and self.scratch is not None:
-            self.block_table[row, 0] = self.scratch
+        if keep == 0:
+            self._to_scratch(row)
 
-    def compact(self, rows: list[int]) -> list[int]:
-        """Release every row not listed; the kept ones stay where they are (a paged view of any rows is cheap)."""
-        for r in range(self.batch_size):
-            if r not in rows and self.pages[r]:
-                self.release(r)
-        return list(rows)
+    def _to_scratch(self, row: int):
+        """A row left without pages points its first table entry at the scratch page (if any), so that a padding
+        row of a static step writes there, not into a page handed out again."""
+        if self.scratch is not None:
+            self.block_table[row, 0] = self.scratch
 
     def tokens_held(self) -> int:
         return self.allocator.num_used * self.page_size
@@ -471,17 +456,11 @@ class _Cache:
     def set_len(self, row: int, length: int):
         """The host learns that static steps left `length` tokens in `row` (within the capacity ensured)."""
         self._check_row(row, "row")
-        if self.store.paged and _cdiv(length, self.store.page_size) > len(self.store.pages[row]):
+        if self.store.paged and cdiv(length, self.store.page_size) > len(self.store.pages[row]):
             raise ValueError(f"length: got {length} for row {row}; valid: at most the pages it holds")
         if length > self.store.max_len:
             raise ValueError(f"length: got {length} for row {row}; valid: at most max_len={self.store.max_len}")
         self.store.lens[row] = length
-
-    def compact(self, rows: list[int]) -> list[int]:
-        """Keep only the sequences of `rows`; returns the row each now lives in (see the store's compact)."""
-        for row in rows:
-            self._check_row(row, "rows")
-        return self.store.compact(sorted(rows))
 
     def check_model(self, config):
         """Refuse to serve a model of GPTConfig `config` whose K/V (or latent) this cache was not made for."""

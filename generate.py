@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cache import CacheFullError, make_cache
+from cache import PAGED_KINDS, CacheFullError, cdiv, make_cache
 
 ENGINES = ("auto", "eager", "static", "graphs")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # by name, as sample.py's
@@ -146,7 +146,7 @@ class _Compiled:
 def per_prompt(max_new_tokens, n: int) -> list[int]:
     """max_new_tokens as one int per prompt (an int applies to all)."""
     values = [max_new_tokens] * n if not isinstance(max_new_tokens, (list, tuple)) else list(max_new_tokens)
-    if len(values) != n or any(not isinstance(m, int) or isinstance(m, bool) or m < 1 for m in values):
+    if len(values) != n or any(not _is_int(m) or m < 1 for m in values):
         raise ValueError(f"max_new_tokens: got {max_new_tokens!r}; valid: an int >= 1, or one per prompt ({n})")
     return values
 
@@ -247,7 +247,7 @@ def check_pool_options(kind: str, num_pages, wait_for_pages: bool, prefix: str =
     """num_pages and wait_for_pages act on a paged cache only: given with another cache, they would be ignored in
     silence. Their defaults (None or 0, False) mean "not given", so the message names only what was set; `prefix`
     ("--" for a command line) as check_sampling's."""
-    if kind in ("paged", "paged_mla"):
+    if kind in PAGED_KINDS:
         return
     given = [(f"{prefix}num_pages", num_pages)] if num_pages not in (None, 0) else []
     if wait_for_pages:
@@ -267,12 +267,13 @@ def check_pool_options(kind: str, num_pages, wait_for_pages: bool, prefix: str =
 
 def check_sampling(temperature: float, top_k: int | None, top_p: float | None, prefix: str = ""):
     """temperature >= 0 (0: greedy), top_k >= 0 (0 or None: off), top_p in (0, 1] (1 or None: off). `prefix`
-    goes before each name in the message ("--" for a command line). A value of the wrong type is a TypeError."""
+    goes before each name in the message ("--" for a command line). A temperature or top_p that is not a number is a
+    TypeError; a top_k that is not an int (a bool included) is a ValueError, as a negative one is."""
     if not _is_number(temperature):
         raise TypeError(f"{prefix}temperature: got {temperature!r}; valid: a number >= 0 (0 = greedy)")
     if not temperature >= 0:  # also refuses NaN
         raise ValueError(f"{prefix}temperature: got {temperature!r}; valid: a number >= 0 (0 = greedy)")
-    if top_k is not None and (not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 0):
+    if top_k is not None and (not _is_int(top_k) or top_k < 0):
         raise ValueError(f"{prefix}top_k: got {top_k!r}; valid: an int >= 0 (0 = off)")
     if top_p is not None and not _is_number(top_p):
         raise TypeError(f"{prefix}top_p: got {top_p!r}; valid: a number in (0, 1] (1 = off)")
@@ -282,6 +283,10 @@ def check_sampling(temperature: float, top_k: int | None, top_p: float | None, p
 
 def _is_number(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def sample_next(
@@ -331,7 +336,8 @@ class GenerationStats:
     cache_bytes_allocated: int = 0
     cache_bytes_peak: int = 0
     cache_bytes_per_token: int = 0
-    # engine; static engines: buckets, reads, steps_per_bucket, capture_s; a compiled model: compile_s, compiled_graphs
+    # engine; static and graphs engines: buckets, reads, steps_per_bucket; graphs only: capture_s;
+    # a compiled model: compile_s, compiled_graphs
     extra: dict = field(default_factory=dict)
 
     def summary(self) -> dict:
@@ -441,13 +447,11 @@ def generate(
     check_eot(eot_token, config.vocab_size)
     check_pool_options(kind, num_pages, wait_for_pages)
     dtype = cache_dtype(dtype, next(model.parameters()).dtype)
-    if max_batch is not None and (not isinstance(max_batch, int) or isinstance(max_batch, bool) or max_batch < 1):
+    if max_batch is not None and (not _is_int(max_batch) or max_batch < 1):
         raise ValueError(f"max_batch: got {max_batch!r}; valid: None (all prompts together) or an int >= 1")
-    if admit_batch is not None and (
-        not isinstance(admit_batch, int) or isinstance(admit_batch, bool) or admit_batch < 1
-    ):
+    if admit_batch is not None and (not _is_int(admit_batch) or admit_batch < 1):
         raise ValueError(f"admit_batch: got {admit_batch!r}; valid: None (a quarter of the rows) or an int >= 1")
-    if not isinstance(sync_every, int) or isinstance(sync_every, bool) or sync_every < 1:
+    if not _is_int(sync_every) or sync_every < 1:
         raise ValueError(f"sync_every: got {sync_every!r}; valid: an int >= 1")
     check_length(config, [len(p) for p in prompts], max_new_tokens, allow_past_block_size)
     max_new = per_prompt(max_new_tokens, len(prompts))
@@ -466,7 +470,7 @@ def generate(
         return seqs.out, stats
     rows = min(len(prompts), max_batch or len(prompts))
     max_len = max(len(p) + m - 1 for p, m in zip(prompts, max_new))
-    if kind in ("paged", "paged_mla") and num_pages:
+    if kind in PAGED_KINDS and num_pages:
         _check_pages(prompts, max_new, page_size, num_pages, wait_for_pages, rows)
     _check_fits(model, kind, rows, max_len, page_size, num_pages, dtype, device)
     cache = make_cache(
@@ -544,31 +548,30 @@ def _generate_uncached(model, seqs: _Sequences, pick, on_logits, stats: Generati
 
 
 class _Scheduler:
-    """Which prompt goes into which cache row, and when. Waiting prompts are admitted once `batch` rows are free
-    (or as many as prompts wait, or when nothing runs): at this repository's model sizes a prefill of a few prompts
-    is bound by its launches, and so is a decode step of a few rows more or less, so admitting prompts in batches
-    prefills them together at the cost of a few rows idle for a few steps (docs/kernel-notes.md). Without waiting
-    for pages a row is all a prompt needs (a pool too small raises CacheFullError). With waiting (paged caches) a
+    """Which prompt goes into which cache row, and when. Waiting prompts are admitted once `admit_batch` rows are
+    free (or as many as prompts wait, or when nothing runs): at this repository's model sizes a prefill of a few
+    prompts is bound by its launches, and so is a decode step of a few rows more or less, so admitting prompts in
+    batches prefills them together at the cost of a few rows idle for a few steps (docs/kernel-notes.md). Without
+    `wait_for_pages` a row is all a prompt needs (a pool too small raises CacheFullError). With it (paged caches) a
     prompt is admitted only when the free pages cover its whole life (prompt + max_new_tokens - 1 tokens) on top of
     what the running sequences may still claim, so a running sequence never meets an empty pool. `pack` keeps the
     running sequences in rows 0 .. n-1, so that a decode step over the first rows covers them."""
 
-    def __init__(self, cache, seqs: _Sequences, wait: bool, batch: int = 1):
-        self.cache, self.seqs, self.batch = cache, seqs, batch
-        self.wait = wait and cache.store.paged
+    def __init__(self, cache, seqs: _Sequences, wait_for_pages: bool, admit_batch: int = 1):
+        self.cache, self.seqs, self.admit_batch = cache, seqs, admit_batch
+        self.wait_for_pages = wait_for_pages and cache.store.paged
         self.waiting = deque(range(len(seqs.prompts)))
         self.active: dict[int, int] = {}  # cache row -> sequence id
 
     def pages_for_life(self, i: int) -> int:
-        ps = self.cache.store.page_size
-        return -(-(len(self.seqs.prompts[i]) + self.seqs.max_new[i] - 1) // ps)
+        return cdiv(len(self.seqs.prompts[i]) + self.seqs.max_new[i] - 1, self.cache.store.page_size)
 
     def free_rows(self) -> list[int]:
         return [r for r in range(self.cache.store.batch_size) if r not in self.active]
 
     def rows_wanted(self) -> int:
-        """Free rows that admit the waiting prompts while others run: `batch`, or as many as prompts wait."""
-        return min(self.batch, len(self.waiting))
+        """Free rows that admit the waiting prompts while others run: `admit_batch`, or as many as prompts wait."""
+        return min(self.admit_batch, len(self.waiting))
 
     def rows_to_free(self) -> int:
         """How many more rows must free before waiting prompts are admitted (at least 1: the next to finish may
@@ -583,7 +586,7 @@ class _Scheduler:
         admitted = []
         while self.waiting and free_rows:
             i = self.waiting[0]
-            if self.wait:
+            if self.wait_for_pages:
                 store = self.cache.store
                 claimed = sum(self.pages_for_life(s) - len(store.pages[r]) for r, s in self.active.items())
                 if self.pages_for_life(i) > store.allocator.num_pages:
@@ -655,10 +658,6 @@ def _prefill_groups(cache, prompts, admitted) -> list[list[tuple[int, int]]]:
     free pages cover every row of the forward at its longest length (they come back at `trim`)."""
     store = cache.store
     free = store.allocator.num_free if store.paged else None  # None: no pages to count
-
-    def pages(n: int) -> int:
-        return -(-n // store.page_size)
-
     groups: list[list[tuple[int, int]]] = []
     tokens = 0
     for r, i in sorted(admitted, key=lambda pair: -len(prompts[pair[1]])):
@@ -667,12 +666,12 @@ def _prefill_groups(cache, prompts, admitted) -> list[list[tuple[int, int]]]:
             group = groups[-1]
             longest = len(prompts[group[0][1]])
             rows = len(group) + 1
-            if rows * longest <= 2 * (tokens + n) and (free is None or rows * pages(longest) <= free):
+            if rows * longest <= 2 * (tokens + n) and (free is None or rows * cdiv(longest, store.page_size) <= free):
                 group.append((r, i))
                 tokens += n
                 continue
             if free is not None:  # what the finished forward keeps after its trim
-                free -= sum(pages(len(prompts[j])) for _, j in group)
+                free -= sum(cdiv(len(prompts[j]), store.page_size) for _, j in group)
         groups.append([(r, i)])
         tokens = n
     return groups
@@ -842,7 +841,7 @@ def advance_rows(new, tokens, remaining, live, next_pos, history, step_index, eo
 @functools.cache
 def _compiled_greedy():
     """Greedy sampling of a compiled model: Inductor splits the argmax over the vocabulary across many programs,
-    where ATen's reduction of one row of logits runs in one block (RESULTS.md, "Generation")."""
+    where ATen's reduction of one row of logits runs in one block (benchmarks/RESULTS.md, "Generation")."""
     return _Compiled(lambda logits: logits.argmax(dim=-1), dynamic=True)
 
 
@@ -910,8 +909,8 @@ def _check_fits(model, kind: str, rows: int, max_len: int, page_size: int, num_p
     """The cache's bytes against the memory its device has available, so that a size that cannot fit is refused
     at start with the numbers, not a failed allocation (or the process killed by the OS) after the prompt."""
     per_token = model.kv_cache_bytes_per_token(dtype)
-    if kind in ("paged", "paged_mla"):
-        tokens = (num_pages or rows * -(-max_len // page_size)) * page_size
+    if kind in PAGED_KINDS:
+        tokens = (num_pages or rows * cdiv(max_len, page_size)) * page_size
     else:
         tokens = rows * max_len
     need, free = per_token * tokens, available_bytes(device)
@@ -939,7 +938,7 @@ def pages_needed(prompt_lens: list[int], max_new_tokens, page_size: int, wait: b
     """(pages a pool must hold so that generation cannot run out partway, pages of the longest sequence): one
     sequence at full length when waiting for pages, else the `rows` largest together."""
     max_new = per_prompt(max_new_tokens, len(prompt_lens))
-    per_sample = sorted((-(-(n + m - 1) // page_size) for n, m in zip(prompt_lens, max_new)), reverse=True)
+    per_sample = sorted((cdiv(n + m - 1, page_size) for n, m in zip(prompt_lens, max_new)), reverse=True)
     return (per_sample[0] if wait else sum(per_sample[:rows])), per_sample[0]
 
 

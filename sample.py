@@ -67,7 +67,7 @@ from contextlib import contextmanager
 
 import torch
 
-from cache import CacheFullError, check_page_size
+from cache import PAGED_KINDS, CacheFullError, check_page_size
 from checkpoint import CheckpointError, checkpoint_beside, load_checkpoint, model_from_checkpoint, run_checkpoints
 from configurator import ConfigError
 from generate import (
@@ -176,7 +176,7 @@ def check_pool(kind: str, prompt_len: int, cfg: dict):
     """--num_pages and --wait_for_pages act on a paged cache only. A pool too small for one sample at full length,
     or (without waiting) for all the samples at once, could not finish: both fail here, at start."""
     check_pool_options(kind, cfg["num_pages"], cfg["wait_for_pages"], "--")
-    if kind not in ("paged", "paged_mla") or not cfg["num_pages"]:
+    if kind not in PAGED_KINDS or not cfg["num_pages"]:
         return
     tokens = prompt_len + cfg["max_new_tokens"] - 1
     need, per_sample = pages_needed(

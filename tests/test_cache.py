@@ -281,7 +281,8 @@ def _step(cache, shadow, rows, T, dtype, check, view=None, checked=None):
 @pytest.mark.parametrize("kind", ["grouped", "paged", "mla", "paged_mla"])
 def test_decode_matches_reference_through_ragged_release_and_reuse(kind, backend, dtype):
     """Ragged prefill (rows of 7, 1 and 15 tokens, one at a time), decode steps over the ragged batch, a finished
-    row released (its pages reused by a new prompt), decode over the remaining rows, then over all again."""
+    row released, the last row's sequence moved into it (move_rows, as the engine packs), decode over the rows
+    kept, a new prompt in the freed last row (the released pages reused), then decode over all again."""
     config = MLA if kind.endswith("mla") else GQA
     cache = make_cache(kind, config, 3, 24, device=DEVICE, dtype=dtype, backend=backend, page_size=8)
     shadow = _Shadow(3, config.n_layer)
@@ -296,15 +297,11 @@ def test_decode_matches_reference_through_ragged_release_and_reuse(kind, backend
     assert pos.tolist() == [[7], [1], [15]]
     cache.release(1)
     shadow.clear(1)
-    rows = cache.compact([0, 2])
-    if kind in ("grouped", "mla"):  # the contiguous caches move the survivors down: a decode view is a slice
-        assert rows == [0, 1]
-        shadow.tok = {((1 if r == 2 else r), layer): t for (r, layer), t in shadow.tok.items() if r != 1}
-        shadow.tok.update({(2, layer): [] for layer in range(config.n_layer)})
-        free_row = 2
-    else:
-        assert rows == [0, 2]
-        free_row = 1
+    cache.move_rows([(2, 1)])  # as the engine packs: the survivor moves down into the hole, a decode view a slice
+    assert cache.lens == [8, 16, 0]
+    shadow.tok = {((1 if r == 2 else r), layer): t for (r, layer), t in shadow.tok.items() if r != 1}
+    shadow.tok.update({(2, layer): [] for layer in range(config.n_layer)})
+    rows, free_row = [0, 1], 2
     _step(cache, shadow, rows, 1, dtype, check)
     _step(cache, shadow, [free_row], 6, dtype, check)  # a new prompt in the freed row (paged: freed pages)
     all_rows = sorted(rows + [free_row])
@@ -508,8 +505,10 @@ def test_bad_rows_steps_and_dtypes_change_nothing(kind):
     for row in (-1, 2, 1.0):
         with pytest.raises(ValueError, match=r"row: got .*; valid: a row in \[0, 2\)"):
             cache.release(row)
-    with pytest.raises(ValueError, match=r"rows: got 5; valid: a row in \[0, 2\)"):
-        cache.compact([0, 5])
+    with pytest.raises(ValueError, match=r"src: got -1; valid: a row in \[0, 2\)"):
+        cache.move_rows([(-1, 0)])
+    with pytest.raises(ValueError, match=r"dst: got 5; valid: a row in \[0, 2\)"):
+        cache.move_rows([(1, 5)])
     assert cache.lens == [8, 8]
     if kind == "paged":
         assert cache.store.allocator.num_free == free
