@@ -66,6 +66,8 @@ import torch
 
 from checkpoint import CheckpointError, first_line, load_checkpoint, model_from_checkpoint, run_checkpoints
 from configurator import ConfigError, help_text, parse_config, wants_help
+from model import ATTENTIONS
+from train_step import PTDTYPES
 
 DEFAULTS = dict(
     # output
@@ -83,8 +85,6 @@ DEFAULTS = dict(
 )
 
 FORMATS = ("table", "markdown", "csv", "json")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-ATTENTION_ORDER = ("mha", "gqa", "mqa", "mla")  # rows of discovered runs: this order, then by name
 PROMPT_LEN = 16
 # Settings that do not change what a run learns (where it ran and wrote, how often it printed): runs equal in
 # everything else but the seed share a row. init_from counts: a run started from another run's model is another
@@ -184,7 +184,6 @@ class Run:
     """One run directory, read: what its table row, plots and decode measurement need."""
 
     directory: str
-    checkpoint: str
     model: torch.nn.Module  # on the CPU, float32, attention backend for the decode device
     config: dict  # the checkpoint's train config
     attention: str
@@ -214,7 +213,7 @@ class Run:
 
 def load_run(directory: str, attn_backend: str = "torch") -> Run:
     """Read a run directory (checkpoint and metrics.jsonl); CompareError naming it when it cannot be compared."""
-    path, ckpt, model = _read_checkpoint(directory, attn_backend)
+    ckpt, model = _read_checkpoint(directory, attn_backend)
     lines = _read_metrics(directory)
     cfg, last = ckpt["config"], lines[-1]
     try:
@@ -228,13 +227,13 @@ def load_run(directory: str, attn_backend: str = "torch") -> Run:
             f"run directory {directory!r}: its metrics.jsonl and checkpoint config lack what the table needs "
             f"({type(e).__name__}: {first_line(e)}); valid: a run directory written by train.py"
         ) from None
-    if kv_dtype not in DTYPES:
+    if kv_dtype not in PTDTYPES:
         raise CompareError(
-            f"run directory {directory!r}: training dtype {kv_dtype!r}; valid: {', '.join(DTYPES)} (train.py saves "
+            f"run directory {directory!r}: training dtype {kv_dtype!r}; valid: {', '.join(PTDTYPES)} (train.py saves "
             "the dtype it resolved)"
         )
-    kv_bytes = model.kv_cache_bytes_per_token(DTYPES[kv_dtype])
-    formula_bytes, formula = kv_formula(model.config, DTYPES[kv_dtype])
+    kv_bytes = model.kv_cache_bytes_per_token(PTDTYPES[kv_dtype])
+    formula_bytes, formula = kv_formula(model.config, PTDTYPES[kv_dtype])
     if kv_bytes != formula_bytes:
         raise CompareError(
             f"run directory {directory!r}: model.py gives {kv_bytes} KV-cache bytes per token, the formula "
@@ -244,7 +243,6 @@ def load_run(directory: str, attn_backend: str = "torch") -> Run:
     losses = [loss for _, loss in curve]
     return Run(
         directory=directory,
-        checkpoint=path,
         model=model,
         config=cfg,
         attention=attention_label(mc),
@@ -269,7 +267,7 @@ def load_run(directory: str, attn_backend: str = "torch") -> Run:
 
 
 def _read_checkpoint(directory: str, attn_backend: str):
-    """(path, checkpoint, model) of best.pt, else last.pt; a damaged best.pt beside a good last.pt is noted."""
+    """(checkpoint, model) of best.pt, else last.pt; a damaged best.pt beside a good last.pt is noted."""
     present = run_checkpoints(directory)
     if not present:
         raise CompareError(
@@ -286,7 +284,7 @@ def _read_checkpoint(directory: str, attn_backend: str):
             continue
         if errors:
             note(f"note: {errors[0]}; using {path}")
-        return path, ckpt, model.eval()
+        return ckpt, model.eval()
     raise CompareError(f"run directory {directory!r}: {'; and '.join(errors)}")
 
 
@@ -360,17 +358,13 @@ def kv_formula(config, dtype: torch.dtype) -> tuple[int, str]:
     return 2 * L * kv * head_dim * size, f"2*{L}*{kv}*{head_dim}*{size}"
 
 
-def discover(root: str = ".") -> list[str]:
-    """The directories directly under `root` that hold a checkpoint, sorted."""
+def discover() -> list[str]:
+    """The directories directly under the current one that hold a checkpoint, sorted."""
     try:
-        names = sorted(os.listdir(root))
+        names = sorted(os.listdir("."))
     except OSError:
         return []
-    return [
-        os.path.join(root, d) if root != "." else d
-        for d in names
-        if not d.startswith(".") and os.path.isdir(os.path.join(root, d)) and run_checkpoints(os.path.join(root, d))
-    ]
+    return [d for d in names if not d.startswith(".") and os.path.isdir(d) and run_checkpoints(d)]
 
 
 def _found_here() -> str:
@@ -391,7 +385,7 @@ def decode_backend(device: str) -> str:
 
 def decode_dtype(device: str, run: Run) -> torch.dtype:
     """The run's training dtype on a GPU; float32 on a CPU (where bfloat16 matmuls are emulated and slow)."""
-    return DTYPES[run.kv_dtype] if device.startswith("cuda") else torch.float32
+    return PTDTYPES[run.kv_dtype] if device.startswith("cuda") else torch.float32
 
 
 def check_decode_length(runs: list[Run], decode_tokens: int) -> None:
@@ -502,9 +496,11 @@ def flag_rows(rows: list[Row]) -> None:
     stopped before their token budget (Row.flags: what differs, in words)."""
     for key, name in COMPARED:
         values = [getattr(row.first, key) for row in rows]
-        counts = Counter(values)
-        common, count = counts.most_common(1)[0]  # a tie: the first row's value
-        who = "most runs have" if count > len(rows) / 2 else "the first row has"
+        common, count = Counter(values).most_common(1)[0]
+        if count > len(rows) / 2:
+            who = "most runs have"
+        else:  # no majority: the rows that differ from the first
+            common, who = values[0], "the first row has"
         for row, value in zip(rows, values):
             if value != common:
                 row.flags.append(f"{name} {_show(key, value)} where {who} {_show(key, common)}")
@@ -779,7 +775,7 @@ def load_runs(dirs: list[str], attn_backend: str) -> list[Run]:
             "no run directories here (directories holding metrics.jsonl and best.pt or last.pt); train some first: "
             "for v in mha gqa mqa mla; do python train.py configs/$v.py || break; done"
         )
-    order = {a: i for i, a in enumerate(ATTENTION_ORDER)}
+    order = {a: i for i, a in enumerate(ATTENTIONS)}  # discovered runs: model.py's order of the variants, then names
     return sorted(runs, key=lambda r: (order.get(r.model.config.attention, len(order)), r.name))
 
 

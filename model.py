@@ -33,9 +33,10 @@ needs position-free nope keys; for MLA pos_embedding="learned" additionally adds
 Generation: `forward(idx, cache=cache)` appends idx to every sequence held by `cache` and returns their logits.
 Before anything changes it checks the cache's `batch_size` (and, where the cache has them, `check_model` and
 `lens`: cache.py's caches do); then it calls only `cache.reserve(T)` (positions of the new tokens), then per layer
-`cache.append` / `cache.attend` (GQA family) or `cache.append_latent` / `cache.attend_latent` (MLA); prefill
-(T > 1) runs the flash kernel over the cached prefix (bottom-right causal), decode (T == 1) lets the cache run its
-decode kernel.
+`cache.append` / `cache.attend` (GQA family) or `cache.append_latent` / `cache.attend_latent` (MLA, whose decode
+calls `cache.attend_latent_inputs` instead wherever `triton_runs` and no gradient is wanted). Prefill (T > 1) runs
+`causal_attention` over the cached prefix (bottom-right causal: the flash kernel on the triton backend, SDPA on the
+torch one); decode (T == 1) leaves the attention to the cache.
 MLA decodes in the absorbed form: q_absorbed = q_nope W_UK[h] attends to the latent cache, and the value
 up-projection W_UV[h] maps the latent output afterwards, so the cache holds only kv_lora_rank + qk_rope_head_dim
 numbers per token per layer. W_UK is applied to the query per head, in the launch that also writes the step's
@@ -102,8 +103,15 @@ def linear(
 class Linear(nn.Linear):
     """nn.Linear through `linear` (the same parameters and state dict)."""
 
-    def forward(self, x: torch.Tensor, **fused) -> torch.Tensor:
-        return linear(x, self.weight, self.bias, **fused)
+    def forward(
+        self,
+        x: torch.Tensor,
+        *,
+        norm: LayerNorm | None = None,
+        gelu: bool = False,
+        residual: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        return linear(x, self.weight, self.bias, norm=norm, gelu=gelu, residual=residual)
 
 
 ATTENTIONS = ("mha", "gqa", "mqa", "mla")
@@ -193,8 +201,8 @@ class GPTConfig:
     def _check_gqa_family(self):
         if self.n_embd % self.n_head:
             _invalid("n_embd", self.n_embd, f"a multiple of n_head={self.n_head}")
-        if self.pos_embedding == "rope" and (self.n_embd // self.n_head) % 2:
-            _invalid("n_embd", self.n_embd, f"n_embd // n_head even for RoPE (head_dim {self.n_embd // self.n_head})")
+        if self.pos_embedding == "rope" and self.head_dim % 2:
+            _invalid("n_embd", self.n_embd, f"n_embd // n_head even for RoPE (head_dim {self.head_dim})")
         derived = {"mha": self.n_head, "mqa": 1}.get(self.attention)
         if derived is not None:  # mha / mqa fix the head count: None means "derive it"
             if self.n_kv_head not in (None, 0, derived):
@@ -208,7 +216,7 @@ class GPTConfig:
             _invalid("n_kv_head", n_kv, f"an int in [1, n_head={self.n_head}] that divides n_head for attention='gqa'")
 
     def _check_mla(self):
-        h = self.n_embd // self.n_head
+        h = self.head_dim
         natural = dict(kv_lora_rank=4 * h, qk_nope_head_dim=h, qk_rope_head_dim=max(2, h // 4 * 2), v_head_dim=h)
         for field, value in natural.items():
             if getattr(self, field) == 0:  # DeepSeek-V2's ratio to the head dim
@@ -227,25 +235,31 @@ class GPTConfig:
         self.n_kv_head = self.n_head
 
     @property
+    def head_dim(self) -> int:
+        """h = n_embd // n_head: the GQA family's per-head dim, and what MLA's dims left at 0 are ratios of."""
+        return self.n_embd // self.n_head
+
+    @property
     def qk_head_dim(self) -> int:
         """D_qk of the attention kernels: head_dim, or MLA's nope + rope."""
-        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.attention == "mla" else self.n_embd // self.n_head
+        return self.qk_nope_head_dim + self.qk_rope_head_dim if self.attention == "mla" else self.head_dim
 
     @property
     def v_dim(self) -> int:
         """D_v of the attention kernels: head_dim, or MLA's v_head_dim."""
-        return self.v_head_dim if self.attention == "mla" else self.n_embd // self.n_head
+        return self.v_head_dim if self.attention == "mla" else self.head_dim
 
     @property
     def rope_dim(self) -> int:
         """How many dims of each query/key head RoPE rotates (0: no RoPE)."""
         if self.attention == "mla":
             return self.qk_rope_head_dim
-        return self.n_embd // self.n_head if self.pos_embedding == "rope" else 0
+        return self.head_dim if self.pos_embedding == "rope" else 0
 
 
 def triton_runs(t: torch.Tensor, backend: str) -> bool:
-    """Do our RoPE and loss-head kernels run on t? On CUDA in the kernels' dtypes (fp16, bf16, fp32), whatever the
+    """Do our RoPE, loss-head and MLA decode-input (`attention_kernels.mla_decode_inputs`, through
+    cache.attend_latent_inputs) kernels run on t? On CUDA in the kernels' dtypes (fp16, bf16, fp32), whatever the
     attention backend, so the two backends differ in attention alone; on the CPU under the interpreter, which the
     triton backend there implies."""
     return (t.is_cuda and t.dtype != torch.float64) or backend == "triton"
@@ -322,7 +336,7 @@ class CausalSelfAttention(nn.Module):
         super().__init__()
         self.layer_idx = layer_idx
         self.n_head, self.n_kv_head = config.n_head, config.n_kv_head
-        self.head_dim = config.n_embd // config.n_head
+        self.head_dim = config.head_dim
         self.scale = 1.0 / math.sqrt(self.head_dim)
         # Rows [q | k | v]; for MHA this is exactly GPT-2's c_attn.
         self.c_attn = Linear(config.n_embd, (self.n_head + 2 * self.n_kv_head) * self.head_dim, bias=config.bias)
@@ -408,9 +422,9 @@ class MultiHeadLatentAttention(nn.Module):
         return w.split([self.d_n, self.d_v], dim=1)
 
     def _attend_unabsorbed(self, q_nope, q_rope, c_kv, k_rope, backend):
-        """Training and prefill: materialize per-head K (D_n + D_r) and V (D_v) and run the flash kernel.
+        """Training and prefill: materialize per-head K (D_n + D_r) and V (D_v) and run `causal_attention`.
         q_nope, q_rope (B, T, H, D_n | D_r). Q, K and V are built in (B, S, H, D) memory and passed as (B, H, S, D)
-        views, as the other attention passes them: the kernel's output and gradients follow that order, so no
+        views, as the other attention passes them: the flash kernel's output and gradients follow that order, so no
         reshape around it copies."""
         B, S, _ = c_kv.shape
         H = self.n_head
@@ -697,9 +711,10 @@ class GPT(nn.Module):
         limit = self.config.block_size
         if cache is None and T > limit:
             raise ValueError(f"idx: got a sequence of {T} tokens; valid: at most block_size={limit}")
-        # With a cache the positions live on the device: reading them on a GPU would sync every decode step,
-        # so the check runs on the CPU only (sample.py stops at block_size; on a GPU an out-of-range position
-        # still fails loudly, as the embedding's device-side index assert).
+        # cache.py's caches were checked before reserve, from their host-side lens (_check_cache). This is for a cache
+        # without them (tests' ReferenceCache), whose positions live on the device: reading them on a GPU would sync
+        # every decode step, so the check runs on the CPU only (generate checks prompt and new tokens up front; on a
+        # GPU an out-of-range position still fails loudly, as the embedding's device-side index assert).
         if cache is not None and T > 0 and positions.device.type == "cpu":
             last = int(positions.max())
             if last >= limit:
@@ -762,7 +777,7 @@ class GPT(nn.Module):
         size = torch.empty((), dtype=dtype).element_size()
         if cfg.attention == "mla":
             return cfg.n_layer * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) * size
-        return 2 * cfg.n_layer * cfg.n_kv_head * (cfg.n_embd // cfg.n_head) * size
+        return 2 * cfg.n_layer * cfg.n_kv_head * cfg.head_dim * size
 
     @classmethod
     def from_pretrained(cls, name_or_path: str, override_args: dict | None = None) -> "GPT":

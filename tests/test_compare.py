@@ -237,6 +237,19 @@ def test_differing_datasets_sizes_and_budgets_are_flagged(tmp_path):
     assert "| c\\* | 1 | mqa |" in md and "- \\* c: dataset tinystories where most runs have pydoc" in md
 
 
+def test_without_a_majority_rows_are_compared_with_the_first(tmp_path):
+    """No value held by most rows: the note names the first row's value, not the most frequent one."""
+    datasets = ("pydoc", "shakespeare", "shakespeare", "tinystories", "openwebtext")
+    for name, dataset in zip("abcde", datasets):
+        make_run(tmp_path / name, "mha", dataset=dataset)
+    result = compare.main([str(tmp_path / d) for d in "abcde"] + NO_DECODE)
+    flags = {r["run"]: r["flags"] for r in result["rows"]}
+    assert flags["a"] == []
+    for name, dataset in zip("bcde", datasets[1:]):
+        assert flags[name] == [f"dataset {dataset} where the first row has pydoc"]
+    assert "* b: dataset shakespeare where the first row has pydoc" in result["text"].splitlines()
+
+
 def test_runs_differing_only_in_seed_share_a_row(tmp_path):
     best = {0: 2.0, 1: 2.2, 2: 2.4}
     for s, loss in best.items():
