@@ -82,7 +82,7 @@ DEFAULTS = dict(
     # I/O
     out_dir="out",
     eval_interval=250,  # every this many iterations: eval, a metrics.jsonl line, last.pt (and best.pt)
-    log_interval=10,  # progress line every this many iterations (also the NaN check and the stop sync)
+    log_interval=10,  # progress line and NaN check (a device sync) every this many iterations
     eval_iters=20,  # batches per split per eval (always the same batches: curves are comparable)
     eval_only=False,  # evaluate the init_from model (resume, a run or checkpoint, GPT-2) once; no training
     init_from="scratch",  # "scratch", "resume" (out_dir/last.pt), a run dir or .pt (its model), a GPT-2 name or HF dir
@@ -680,9 +680,8 @@ def load_resume_checkpoint(config: dict) -> dict:
 
 
 def tokens_trained(ckpt: dict, iter_num: int, config: dict) -> int:
-    """The training tokens of a checkpoint's iterations: its running count; a checkpoint from before that count was
-    kept counts its iterations at its own config's tokens per iteration (what its metrics lines said), else at
-    this config's."""
+    """The training tokens of a checkpoint's iterations: its running count ("tokens"); a checkpoint without that key
+    counts its iterations at its own config's tokens per iteration, else (no batch keys there) at this config's."""
     if "tokens" in ckpt:
         return int(ckpt["tokens"])
     try:
@@ -766,7 +765,7 @@ def print_setup(config: dict, model: GPT, d: Dist) -> None:
     )
     accum, batch, block = config["gradient_accumulation_steps"], config["batch_size"], config["block_size"]
     say(
-        f"tokens per iteration: {accum * batch * block:,} ({plural(accum, 'micro-step')} x {batch} sequences x "
+        f"tokens per iteration: {tokens_per_iter(config):,} ({plural(accum, 'micro-step')} x {batch} sequences x "
         f"{block} tokens, over {plural(d.world_size, 'process', 'processes')}); device {config['device']}, "
         f"{config['dtype']}"
     )
@@ -776,10 +775,10 @@ def plural(n: int, one: str, many: str | None = None) -> str:
     return f"{n} {one if n == 1 else many or one + 's'}"
 
 
-def run_facts(config: dict, model: GPT, iter_num: int = 0, tokens: int = 0) -> dict:
+def run_facts(config: dict, model: GPT, iter_num: int, tokens: int) -> dict:
     """What every metrics line carries besides the numbers of the moment, so that compare.py builds its table from a
-    run directory alone (older lines lack these keys; compare.py reads them from the checkpoint then). iter_num and
-    tokens: where the run starts (a resume), so that the token budget counts what came before at its own batch."""
+    run directory alone (for a line without them compare.py falls back to the checkpoint). iter_num and tokens:
+    where the run starts (a resume), so that the token budget counts what came before at its own batch."""
     mc = model.config
     mla = mc.attention == "mla"
     return dict(
@@ -898,7 +897,7 @@ def log_eval(config: dict, run, record: dict) -> None:
 
 
 def format_progress(
-    it: int, config: dict, loss: float, lr: float, dt: float, tok_s: float, mfu, peak_bytes: int | None = None
+    it: int, config: dict, loss: float, lr: float, dt: float, tok_s: float, mfu, peak_bytes: int | None
 ) -> str:
     """The progress line: loss, learning rate, time per iteration, throughput, MFU and (on CUDA) peak memory."""
     mfu_text = f"{100 * mfu:.1f}%" if mfu is not None else "n/a"
@@ -955,19 +954,18 @@ class Setup:
     """Everything the loop needs, built by `setup` (the loop itself stays flat and visible in `train`)."""
 
     data: object  # data.TokenData
-    raw_model: GPT  # the plain module: checkpoints, MFU, KV bytes
-    model: torch.nn.Module  # raw_model (compiled in place if asked): eval runs through it
-    train_model: torch.nn.Module  # model, DDP-wrapped when distributed: training runs through it
+    raw_model: GPT  # not DDP-wrapped (its blocks compiled in place when compile=True): eval, checkpoints, MFU
     optimizer: torch.optim.Optimizer
     scaler: torch.amp.GradScaler
     sampler: BatchSampler
     ctx: object  # autocast context (or nullcontext for float32)
-    step: TrainStep  # one optimizer step over the global batch, through train_model
+    step: TrainStep  # one optimizer step over the global batch, through raw_model (DDP-wrapped when distributed)
     iter_num: int
     tokens: int  # training tokens of the iter_num iterations (over every resume)
     best_val_loss: float
     resumed: bool
     origin: str  # how the run began: scratch, a GPT-2 name, or the run or checkpoint it started from
+    facts: dict  # run_facts: what every metrics line carries besides the numbers of the moment
     stop_group: object  # process group of the stop flag (gloo), None = the default group
     run: object  # wandb run or None
     logged_iters: set  # the iterations metrics.jsonl has lines for when a resume starts (on the master)
@@ -1074,8 +1072,9 @@ def setup(config: dict, d: Dist, device: str) -> Setup:
                 f"resume: the checkpoint has RNG states of {len(ckpt['rng'])} processes, this run has "
                 f"{d.world_size}; RNGs stay seeded (only dropout is affected)"
             )
-    model = compile_model(raw_model) if config["compile"] else raw_model  # in place, region by region
-    train_model = DDP(model, device_ids=[d.local_rank] if device_type == "cuda" else None) if d.ddp else model
+    if config["compile"]:
+        compile_model(raw_model)  # in place, region by region
+    train_model = DDP(raw_model, device_ids=[d.local_rank] if device_type == "cuda" else None) if d.ddp else raw_model
     stop_group = dist.new_group(backend="gloo") if d.ddp and dist.get_backend() != "gloo" else None
     if d.ddp:
         UNTIL_EXIT.extend([train_model, stop_group])
@@ -1088,6 +1087,7 @@ def setup(config: dict, d: Dist, device: str) -> Setup:
         grad_clip=config["grad_clip"],
         cuda_graphs=config["cuda_graphs"],
     )
+    facts = run_facts(config, raw_model, iter_num, tokens_seen)
     run, logged = None, set()
     if d.master:
         try:
@@ -1106,13 +1106,10 @@ def setup(config: dict, d: Dist, device: str) -> Setup:
             logged = metrics_for_resume(os.path.join(config["out_dir"], "metrics.jsonl"), iter_num)
         if source is not None:
             say(f"init_from: the model of {source[0]} (its iteration {source[1].get('iter_num', '?')}); a new run")
-        facts = run_facts(config, raw_model, iter_num, tokens_seen)
         run = init_wandb(config, raw_model, facts) if config["wandb_log"] else None
     return Setup(
         data,
         raw_model,
-        model,
-        train_model,
         optimizer,
         scaler,
         sampler,
@@ -1123,6 +1120,7 @@ def setup(config: dict, d: Dist, device: str) -> Setup:
         best_val_loss,
         ckpt is not None,
         run_origin(config, ckpt),
+        facts,
         stop_group,
         run,
         logged,
@@ -1132,12 +1130,11 @@ def setup(config: dict, d: Dist, device: str) -> Setup:
 def train(config: dict, d: Dist, device: str, s: Setup, stop_requested: dict) -> dict:
     """The training loop. Invariant at the top of each pass: iter_num iterations are complete, and the sampler,
     optimizer and RNG states are exactly those after them (what a checkpoint written there holds)."""
-    data, raw_model, model, optimizer, scaler, sampler = s.data, s.raw_model, s.model, s.optimizer, s.scaler, s.sampler
+    data, raw_model, optimizer, scaler, sampler = s.data, s.raw_model, s.optimizer, s.scaler, s.sampler
     iter_num, best_val_loss, start_iter, tokens = s.iter_num, s.best_val_loss, s.iter_num, s.tokens
     saved_config = dict(config, init_from=s.origin)  # what checkpoints record
     local_accum = config["gradient_accumulation_steps"] // d.world_size
     iter_tokens = tokens_per_iter(config)
-    facts = run_facts(config, raw_model, s.iter_num, s.tokens)
     window_loss, window_iters = torch.zeros((), device=device), 0  # summed on the device: no sync until a log
     t_window, tok_s, mfu, losses = time.perf_counter(), None, None, {}
     interrupted = None  # the signal that stopped the run early
@@ -1157,7 +1154,7 @@ def train(config: dict, d: Dist, device: str, s: Setup, stop_requested: dict) ->
         final = iter_num >= config["max_iters"] or config["eval_only"]
         if (iter_num % config["eval_interval"] == 0 and (iter_num > start_iter or not s.resumed)) or final:
             check_window(window_loss, window_iters, iter_num, d)  # never checkpoint a model whose loss went NaN
-            losses = estimate_loss(model, data, config, d, s.ctx, device)
+            losses = estimate_loss(raw_model, data, config, d, s.ctx, device)
             if not all(math.isfinite(v) for v in losses.values()):
                 raise NonFiniteLoss(f"eval loss at iteration {iter_num} is {losses}; the last checkpoint is kept")
             rng = gather_rng_states(d)
@@ -1177,7 +1174,7 @@ def train(config: dict, d: Dist, device: str, s: Setup, stop_requested: dict) ->
                 if iter_num in s.logged_iters:  # eval_only on the checkpoint a resume starts from
                     say(f"eval {iter_num}: metrics.jsonl has this iteration's line already; not appended again")
                 else:
-                    log_eval(config, s.run, dict(record, **facts))
+                    log_eval(config, s.run, dict(record, **s.facts))
                 if iter_num > start_iter:
                     state = training_state(
                         raw_model,
@@ -1191,7 +1188,7 @@ def train(config: dict, d: Dist, device: str, s: Setup, stop_requested: dict) ->
                         data.meta,
                         tokens,
                     )
-                    save_checkpoint(os.path.join(config["out_dir"], "last.pt"), state)
+                    save_checkpoint(resume_path(config), state)
                     if losses["val"] < best_val_loss:
                         save_checkpoint(os.path.join(config["out_dir"], "best.pt"), state)
             best_val_loss = min(best_val_loss, losses["val"])
@@ -1271,7 +1268,7 @@ def save_interrupted(raw_model, optimizer, scaler, sampler, config, iter_num, be
     """On Ctrl-C / SIGTERM: last.pt of the last completed iteration."""
     rng = gather_rng_states(d)
     if d.master:
-        path = os.path.join(config["out_dir"], "last.pt")
+        path = resume_path(config)
         state = training_state(
             raw_model, optimizer, scaler, sampler, config, iter_num, best_val_loss, rng, data.meta, tokens
         )
@@ -1320,8 +1317,8 @@ if __name__ == "__main__":
         sys.exit(cli())
     # Under torchrun: main() has synced the ranks (or one failed) and closed the process groups, and every file is
     # written. What holds the groups (UNTIL_EXIT) is never freed: a gloo group's destructor joins its worker threads
-    # while holding the GIL, and a worker that is still releasing a finished collective's tensors waits for that GIL
-    # (pytorch/pytorch#190489): a deadlock, seen as an occasional hang at the end of runs on a loaded CPU.
+    # while holding the GIL (pytorch/pytorch#56297), and a worker that is still releasing a finished collective's
+    # tensors waits for that GIL: a deadlock, seen as an occasional hang at the end of runs on a loaded CPU.
     try:
         code = cli()
     except BaseException:  # what Python would print before exiting with 1

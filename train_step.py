@@ -48,7 +48,7 @@ class TrainStep:
     """One optimizer step over a global batch: each micro-step's loss is divided by accum_steps and its scaled
     backward adds into .grad (DDP all-reduces the gradients on the last micro-step only), then the gradients are
     unscaled and clipped (grad_clip > 0), the optimizer steps and the gradients are zeroed. The learning rate is the
-    caller's to set beforehand. Calling it returns the sum of the micro-steps' losses, on the device (no sync)."""
+    caller's to set beforehand. It returns the mean of this rank's micro-step losses, on the device (no sync)."""
 
     def __init__(
         self,
@@ -68,16 +68,16 @@ class TrainStep:
         self.graphed: GraphedMicroStep | None = None  # built at the first micro-step when cuda_graphs=True
 
     def __call__(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-        loss_sum = torch.zeros((), device=self.device)
+        mean_loss = torch.zeros((), device=self.device)
         for micro_step, (x, y) in enumerate(batches):
-            loss_sum += self._micro_step(x, y, sync=micro_step == self.accum_steps - 1)
+            mean_loss += self._micro_step(x, y, sync=micro_step == self.accum_steps - 1)
         if self.grad_clip > 0:
             self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
         self.scaler.step(self.optimizer)
         self.scaler.update()
         self.optimizer.zero_grad(set_to_none=not self.cuda_graphs)  # a captured backward keeps its .grad tensors
-        return loss_sum
+        return mean_loss
 
     def _micro_step(self, x: torch.Tensor, y: torch.Tensor, sync: bool) -> torch.Tensor:
         if self.cuda_graphs:  # the same micro-step, replayed from a CUDA graph (one process, no DDP)
