@@ -514,6 +514,7 @@ def test_unknown_key_stops_the_entry_point_with_the_valid_keys(tmp_path):
     [
         (["--batch_size=big"], "batch_size='big' has type str, but batch_size takes type int"),
         (["--device=tpu"], "device: got 'tpu'"),
+        (["--device=mps"], "device: got 'mps'; valid: 'auto', 'cpu', 'cuda', 'cuda:N' (Apple's MPS is not supported"),
         (["--dtype=float8"], "dtype: got 'float8'"),
         (["--attention=linear"], "GPTConfig.attention: got 'linear'"),
         (["--attention=gqa", "--n_kv_head=3"], "GPTConfig.n_kv_head: got 3"),
@@ -535,6 +536,7 @@ def test_unknown_key_stops_the_entry_point_with_the_valid_keys(tmp_path):
     ids=[
         "type",
         "device",
+        "device-mps",
         "dtype",
         "attention",
         "n_kv_head",
