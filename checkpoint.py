@@ -35,6 +35,8 @@ TRAIN_KEYS = (
 )
 
 
+MODEL_KEYS_NEEDED = ("model", "model_args", "tokenizer")  # what building a model (and its tokenizer) from one reads
+
 RUN_CHECKPOINTS = ("best.pt", "last.pt")  # a run directory's checkpoints, in the order its model is taken from
 
 
@@ -127,11 +129,17 @@ def intact_checkpoint_beside(path: str, required_keys: tuple[str, ...] = ()) -> 
     other = checkpoint_beside(path)
     if other is None or _failed_crc(other):
         return None
+    return other if loads_with_keys(other, required_keys) else None
+
+
+def loads_with_keys(path: str, keys: tuple[str, ...]) -> bool:
+    """Whether `path` loads as a dict holding every one of `keys`; only its structure is read (mmap leaves the
+    tensors on disk). Missing, truncated, not a checkpoint: False, whatever the error."""
     try:
-        obj = torch.load(other, map_location="cpu", mmap=True, weights_only=True)
-    except Exception:  # whatever the damage: not one to offer
-        return None
-    return other if isinstance(obj, dict) and all(k in obj for k in required_keys) else None
+        obj = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
+    except Exception:
+        return False
+    return isinstance(obj, dict) and all(k in obj for k in keys)
 
 
 def _failed_crc(path: str) -> str | None:

@@ -35,9 +35,9 @@ from dataclasses import dataclass, field
 import torch
 
 from cache import PAGED_KINDS, CacheFullError, cdiv, make_cache
+from train_step import PTDTYPES as DTYPES  # the dtypes by name, as train.py's and sample.py's --dtype take them
 
 ENGINES = ("auto", "eager", "static", "graphs")
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}  # by name, as sample.py's
 
 
 # ---------------------------------------------------------------------------------------------- choices

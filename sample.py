@@ -68,7 +68,14 @@ from contextlib import contextmanager
 import torch
 
 from cache import PAGED_KINDS, CacheFullError, check_page_size
-from checkpoint import CheckpointError, checkpoint_beside, load_checkpoint, model_from_checkpoint, run_checkpoints
+from checkpoint import (
+    MODEL_KEYS_NEEDED,
+    CheckpointError,
+    checkpoint_beside,
+    load_checkpoint,
+    model_from_checkpoint,
+    run_checkpoints,
+)
 from configurator import ConfigError
 from generate import (
     DTYPES,
@@ -290,7 +297,7 @@ def _in_directory(directory: str, option: str) -> str:
 def _load(path: str, option: str):
     """(checkpoint, model) of a checkpoint file; a file that does not load names the other checkpoint beside it."""
     try:
-        ckpt = load_checkpoint(path, map_location="cpu", required_keys=("model", "model_args", "tokenizer"))
+        ckpt = load_checkpoint(path, map_location="cpu", required_keys=MODEL_KEYS_NEEDED)
         return ckpt, model_from_checkpoint(ckpt, path)
     except CheckpointError as e:
         other = checkpoint_beside(path)

@@ -62,12 +62,14 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 
 from attention_kernels.flash import MAX_HEAD_DIM, MIN_HEAD_DIM
 from checkpoint import (
+    MODEL_KEYS_NEEDED,
     TRAIN_KEYS,
     CheckpointError,
     clean_state_dict,
     first_line,
     intact_checkpoint_beside,
     load_checkpoint,
+    loads_with_keys,
     model_from_checkpoint,
     run_checkpoints,
     save_checkpoint,
@@ -283,13 +285,9 @@ def check_config(config: dict, d: Dist) -> None:
 
 
 def resumable(path: str) -> bool:
-    """Whether --init_from=resume could start from this last.pt: it loads, with every key a resume reads (only its
-    structure is read: mmap leaves the tensors on disk). A refusal suggests resuming only then."""
-    try:
-        saved = torch.load(path, map_location="cpu", mmap=True, weights_only=True)
-    except Exception:  # missing, truncated, not a checkpoint: whatever it is, a resume would fail on it
-        return False
-    return isinstance(saved, dict) and all(k in saved for k in TRAIN_KEYS)
+    """Whether --init_from=resume could start from this last.pt: it loads, with every key a resume reads. A refusal
+    suggests resuming only then."""
+    return loads_with_keys(path, TRAIN_KEYS)
 
 
 def one_spelling(path: str) -> str:
@@ -660,7 +658,7 @@ def load_resume_checkpoint(config: dict) -> dict:
     try:
         ckpt = load_checkpoint(path, map_location="cpu", required_keys=TRAIN_KEYS)
     except CheckpointError as e:
-        other = intact_checkpoint_beside(path, ("model", "model_args", "tokenizer"))
+        other = intact_checkpoint_beside(path, MODEL_KEYS_NEEDED)
         if other is None:
             raise
         raise CheckpointError(
@@ -703,11 +701,10 @@ def load_init_checkpoint(config: dict) -> tuple[str, dict] | None:
     path = init_checkpoint_path(config["init_from"])
     if path is None:
         return None
-    needed = ("model", "model_args", "tokenizer")
     try:
-        return path, load_checkpoint(path, map_location="cpu", required_keys=needed)
+        return path, load_checkpoint(path, map_location="cpu", required_keys=MODEL_KEYS_NEEDED)
     except CheckpointError as e:
-        other = intact_checkpoint_beside(path, needed)
+        other = intact_checkpoint_beside(path, MODEL_KEYS_NEEDED)
         if other is None:
             raise
         raise CheckpointError(f"{e}; valid: the other checkpoint beside it, --init_from={other}") from None
@@ -862,11 +859,7 @@ def metrics_for_resume(path: str, iter_num: int) -> set[int]:
         kept.append(line + b"\n")
         if isinstance(it, int):
             iters.add(it)
-    if partial is None and not later:
-        if text and not text.endswith(b"\n"):
-            with open(path, "ab") as f:
-                f.write(b"\n")
-    else:
+    if b"".join(kept) != text:  # a line dropped or a last newline missing: written whole, then renamed into place
         tmp = path + ".tmp"
         with open(tmp, "wb") as f:
             f.write(b"".join(kept))
