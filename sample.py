@@ -71,7 +71,7 @@ from cache import PAGED_KINDS, CacheFullError, check_page_size
 from checkpoint import (
     MODEL_KEYS_NEEDED,
     CheckpointError,
-    checkpoint_beside,
+    intact_checkpoint_beside,
     load_checkpoint,
     model_from_checkpoint,
     run_checkpoints,
@@ -295,12 +295,13 @@ def _in_directory(directory: str, option: str) -> str:
 
 
 def _load(path: str, option: str):
-    """(checkpoint, model) of a checkpoint file; a file that does not load names the other checkpoint beside it."""
+    """(checkpoint, model) of a checkpoint file; a file that does not load names the other checkpoint beside it,
+    when that one loads."""
     try:
         ckpt = load_checkpoint(path, map_location="cpu", required_keys=MODEL_KEYS_NEEDED)
         return ckpt, model_from_checkpoint(ckpt, path)
     except CheckpointError as e:
-        other = checkpoint_beside(path)
+        other = intact_checkpoint_beside(path, MODEL_KEYS_NEEDED)
         if other is None:
             raise
         raise CheckpointError(f"{e}; valid: the other checkpoint beside it, {option}={other}") from None

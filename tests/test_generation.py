@@ -785,7 +785,8 @@ def test_sample_py_takes_the_newest_checkpoint_here(tmp_path, monkeypatch, capsy
 
 def test_sample_py_takes_a_checkpoint_file_and_names_the_other_when_one_is_corrupt(tmp_path, monkeypatch, capsys):
     """--out_dir=out-gqa/last.pt and --init_from=.../last.pt load that file; a corrupt best.pt (taken first from the
-    directory) fails with the message that names last.pt beside it, and the other way round."""
+    directory) fails with the message that names last.pt beside it, and the other way round; with both damaged,
+    the message offers neither."""
     from checkpoint import CheckpointError
 
     monkeypatch.chdir(tmp_path)
@@ -807,6 +808,10 @@ def test_sample_py_takes_a_checkpoint_file_and_names_the_other_when_one_is_corru
     (run / "last.pt").write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=r"valid: the other checkpoint beside it, --init_from=.*out-gqa/best.pt$"):
         sample.main([f"--init_from={run / 'last.pt'}", *SHORT])
+    (run / "best.pt").write_bytes(bytes(data))  # both damaged: the message offers neither
+    with pytest.raises(CheckpointError, match=r"last.pt.*is corrupt") as failed:
+        sample.main([f"--init_from={run / 'last.pt'}", *SHORT])
+    assert "beside" not in str(failed.value)
     assert capsys.readouterr().out.count("HELLO, ") == 2  # the two runs that loaded, nothing from the failed ones
 
 
