@@ -796,10 +796,18 @@ def peak_memory_bytes(device: str) -> int | None:
     return torch.cuda.max_memory_allocated(device) if device.startswith("cuda") else None
 
 
-# wandb names of the numbers logged over the run; each is charted against `tokens` (training tokens seen), so runs
+# The numbers logged to wandb over the run, by their names here (metrics.jsonl's, and running_loss for the progress
+# line's) and the names wandb charts them under; each is charted against `tokens` (training tokens seen), so runs
 # with different batch sizes line up on one x-axis.
-WANDB_NAMES = {"train_loss": "train/loss", "val_loss": "val/loss"}
-WANDB_SERIES = ("train/loss", "val/loss", "train/running_loss", "lr", "tokens_per_sec", "mfu", "peak_memory_bytes")
+WANDB_SERIES = {
+    "train_loss": "train/loss",
+    "val_loss": "val/loss",
+    "running_loss": "train/running_loss",
+    "lr": "lr",
+    "tokens_per_sec": "tokens_per_sec",
+    "mfu": "mfu",
+    "peak_memory_bytes": "peak_memory_bytes",
+}
 
 
 def init_wandb(config: dict, model: GPT, facts: dict):
@@ -821,10 +829,18 @@ def init_wandb(config: dict, model: GPT, facts: dict):
     run = open_wandb_run(wandb, kwargs, "metrics go to metrics.jsonl only", log=say)
     if run is not None:
         run.define_metric("tokens")
-        for name in WANDB_SERIES:
+        for name in WANDB_SERIES.values():
             run.define_metric(name, step_metric="tokens")
         run.summary.update(facts)
     return run
+
+
+def log_wandb(run, numbers: dict, step: int) -> None:
+    """`tokens` and the WANDB_SERIES in numbers, under their wandb names, at step (run None: wandb is off). Other keys
+    (iter, time, the run's facts) are left out, and so is a None (no MFU or peak memory off CUDA): not charted as 0."""
+    if run is not None:
+        names = {"tokens": "tokens", **WANDB_SERIES}
+        run.log({name: numbers[k] for k, name in names.items() if numbers.get(k) is not None}, step=step)
 
 
 def metrics_for_resume(path: str, iter_num: int) -> set[int]:
@@ -883,9 +899,7 @@ def log_eval(config: dict, run, record: dict) -> None:
     summary already)."""
     with open(os.path.join(config["out_dir"], "metrics.jsonl"), "a", encoding="utf-8") as f:
         f.write(json.dumps(record) + "\n")
-    if run is not None:
-        numbers = ("tokens", "train_loss", "val_loss", "lr", "tokens_per_sec", "mfu", "peak_memory_bytes")
-        run.log({WANDB_NAMES.get(k, k): record[k] for k in numbers if record[k] is not None}, step=record["iter"])
+    log_wandb(run, record, step=record["iter"])
 
 
 def format_progress(
@@ -1211,16 +1225,10 @@ def train(config: dict, d: Dist, device: str, s: Setup, stop_requested: dict) ->
             peak = peak_memory_bytes(device)
             if d.master:
                 say(format_progress(iter_num, config, loss_mean, lr, dt, tok_s, mfu, peak))
-                if s.run is not None:
-                    numbers = {
-                        "tokens": tokens,
-                        "train/running_loss": loss_mean,
-                        "lr": lr,
-                        "tokens_per_sec": tok_s,
-                        "mfu": mfu,
-                        "peak_memory_bytes": peak,
-                    }
-                    s.run.log({k: v for k, v in numbers.items() if v is not None}, step=iter_num)
+                running = dict(
+                    tokens=tokens, running_loss=loss_mean, lr=lr, tokens_per_sec=tok_s, mfu=mfu, peak_memory_bytes=peak
+                )
+                log_wandb(s.run, running, step=iter_num)
             window_loss.zero_()
             window_iters, t_window = 0, time.perf_counter()
 

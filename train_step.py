@@ -84,18 +84,34 @@ class TrainStep:
             if self.graphed is None:
                 self.graphed = GraphedMicroStep(self.model, self.dtype, self.scaler, self.accum_steps, x, y)
             return self.graphed(x, y)
-        no_sync = isinstance(self.model, DDP) and not sync
-        with self.model.no_sync() if no_sync else nullcontext():
-            with self.ctx:
-                _, loss = self.model(x, y)
-                loss = loss / self.accum_steps  # DDP averages over ranks: together the mean over the global batch
-            self.scaler.scale(loss).backward()
-        return loss.detach()
+        return micro_step(self.model, x, y, self.ctx, self.scaler, self.accum_steps, sync=sync)
+
+
+def micro_step(
+    model: torch.nn.Module,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    ctx,
+    scaler: torch.amp.GradScaler,
+    accum_steps: int,
+    *,
+    sync: bool = True,
+) -> torch.Tensor:
+    """One micro-step, run eagerly and captured by GraphedMicroStep alike: the forward under ctx, loss / accum_steps
+    and the scaled backward, which adds into .grad. sync=False on a DDP model skips the gradients' all-reduce (the
+    last micro-step's does it); on any other model no_sync is never entered. Returns the divided loss, detached."""
+    no_sync = isinstance(model, DDP) and not sync
+    with model.no_sync() if no_sync else nullcontext():
+        with ctx:
+            _, loss = model(x, y)
+            loss = loss / accum_steps  # DDP averages over ranks: together the mean over the global batch
+        scaler.scale(loss).backward()
+    return loss.detach()
 
 
 class GraphedMicroStep:
-    """One training micro-step captured in a CUDA graph (cuda_graphs=True): the forward, loss / accum_steps and the
-    scaled backward, which adds into the parameters' .grad tensors, recorded once and replayed on the graph's own
+    """One training micro-step captured in a CUDA graph (cuda_graphs=True): micro_step's forward, loss / accum_steps
+    and scaled backward, which adds into the parameters' .grad tensors, recorded once and replayed on the graph's own
     input buffers. An eager micro-step of a GPT-2-small-sized model spends most of its time in the host's kernel
     launches (benchmarks/RESULTS.md); a replay launches the whole step at once.
 
@@ -132,11 +148,8 @@ class GraphedMicroStep:
             self.loss = self._step()
 
     def _step(self) -> torch.Tensor:
-        with self.ctx:
-            _, loss = self.model(self.x, self.y)
-            loss = loss / self.accum_steps
-        self.scaler.scale(loss).backward()
-        return loss.detach()
+        # on the graph's own input buffers; sync=True keeps no_sync out of the capture (cuda_graphs runs without DDP)
+        return micro_step(self.model, self.x, self.y, self.ctx, self.scaler, self.accum_steps)
 
     def __call__(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
         self.x.copy_(x)
