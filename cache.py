@@ -118,6 +118,11 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
+def pool_pages(batch_size: int, max_len: int, page_size: int, num_pages: int | None = None) -> int:
+    """The pages of a paged cache's pool: num_pages, or by default every row's max_len (a scratch page apart)."""
+    return batch_size * cdiv(max_len, page_size) if num_pages is None else num_pages
+
+
 def _consecutive(rows: list[int]) -> bool:
     """Are the rows a range (r0, r0 + 1, ...)? Then a slice of the storage is a view of them, not a gathered copy."""
     return rows == list(range(rows[0], rows[0] + len(rows)))
@@ -139,19 +144,59 @@ class _Step:
         self.pages, self.offsets = pages, offsets
 
 
-class ContiguousRows:
-    """Per-row token storage (B, S_max, ...): row r holds its sequence's tokens 0 .. lens[r] - 1.
-    Buffers are handled through token-major views (B, S_max, *feat); a (H, D) feature is stored head-major,
-    (B, H, S_max, D), as the grouped decode kernel reads it."""
+class _Rows:
+    """What both per-row token storages keep: each row's length on the host (row r holds its sequence's tokens
+    0 .. lens[r] - 1), the buffers every layer writes, and `next_pos` for static decode. A subclass says where a
+    row's tokens live (`new_buffer`, `step`, `where`, `prefix`) and, by `_make_room`, how a row gets room for them."""
+
+    paged: bool
+
+    def __init__(self, batch_size: int, max_len: int, device, dtype, capacity: int):
+        self.batch_size, self.max_len, self.device, self.dtype = batch_size, max_len, device, dtype
+        self.capacity = capacity  # the tokens a static decode step may read in each row
+        self.lens = [0] * batch_size
+        self.buffers: list[torch.Tensor] = []  # token-major views or pools, for memory accounting and `move`
+        self.next_pos = torch.zeros(batch_size, dtype=torch.int64, device=device)  # static decode: see the top
+
+    def grow(self, rows: list[int], T: int):
+        for r in rows:
+            if self.lens[r] + T > self.max_len:
+                raise ValueError(
+                    f"T: got {T} new tokens for row {r} holding {self.lens[r]}; valid: at most "
+                    f"max_len - {self.lens[r]} = {self.max_len - self.lens[r]} (the cache's max_len)"
+                )
+        self._make_room(rows, [self.lens[r] + T for r in rows])
+        for r in rows:
+            self.lens[r] += T
+
+    def ensure_capacity(self, rows: list[int], lengths: list[int]):
+        """Room ahead for static decode steps: row r can then hold lengths[i] tokens (raises as grow does)."""
+        for r, n in zip(rows, lengths):
+            if n > self.max_len:
+                raise ValueError(f"lengths: got {n} tokens for row {r}; valid: at most max_len={self.max_len}")
+        self._make_room(rows, lengths)
+
+    def _make_room(self, rows: list[int], lengths: list[int]):
+        """Room for each row to hold `lengths` tokens, all or nothing: a contiguous row has max_len from the start."""
+
+    def move(self, src: int, dst: int):
+        self.lens[dst], self.lens[src] = self.lens[src], 0
+
+    def release(self, row: int):
+        self.lens[row] = 0
+
+    def trim(self, row: int, length: int):
+        self.lens[row] = length
+
+
+class ContiguousRows(_Rows):
+    """Per-row token storage (B, S_max, ...). Buffers are handled through token-major views (B, S_max, *feat); a
+    (H, D) feature is stored head-major, (B, H, S_max, D), as the grouped decode kernel reads it."""
 
     paged = False
 
     def __init__(self, batch_size: int, max_len: int, device, dtype):
-        self.batch_size, self.max_len, self.device, self.dtype = batch_size, max_len, device, dtype
-        self.lens = [0] * batch_size
-        self.buffers: list[torch.Tensor] = []  # token-major views, for memory accounting and `move`
-        self.next_pos = torch.zeros(batch_size, dtype=torch.int64, device=device)  # static decode: see the top
-        self.capacity = max_len  # the tokens a static decode step may read in each row
+        super().__init__(batch_size, max_len, device, dtype, capacity=max_len)
 
     def new_buffer(self, feat: tuple[int, ...]) -> torch.Tensor:
         if len(feat) == 2:  # (H, D): head-major storage, token-major view
@@ -162,16 +207,6 @@ class ContiguousRows:
         self.buffers.append(buf)
         return buf
 
-    def grow(self, rows: list[int], T: int):
-        for r in rows:
-            if self.lens[r] + T > self.max_len:
-                raise ValueError(
-                    f"T: got {T} new tokens for row {r} holding {self.lens[r]}; valid: at most "
-                    f"max_len - {self.lens[r]} = {self.max_len - self.lens[r]} (the cache's max_len)"
-                )
-        for r in rows:
-            self.lens[r] += T
-
     def step(self, rows_t, starts_t, T) -> _Step:
         positions = starts_t[:, None] + torch.arange(T, device=self.device)
         return _Step(rows_t, positions, (starts_t + T).int())
@@ -181,15 +216,10 @@ class ContiguousRows:
         pos = self.next_pos[: rows_t.shape[0]]
         return _Step(rows_t, pos[:, None], (pos + 1).int())
 
-    def ensure_capacity(self, rows: list[int], lengths: list[int]):
-        for r, n in zip(rows, lengths):
-            if n > self.max_len:
-                raise ValueError(f"lengths: got {n} tokens for row {r}; valid: at most max_len={self.max_len}")
-
     def move(self, src: int, dst: int):
         for buf in self.buffers:
             buf[dst, : self.lens[src]] = buf[src, : self.lens[src]]
-        self.lens[dst], self.lens[src] = self.lens[src], 0
+        super().move(src, dst)
 
     def where(self, step: _Step) -> tuple[torch.Tensor, torch.Tensor]:
         """(row, position) of every new token, (n, T) each: buf[where] = x scatters x (n, T, *feat) into the
@@ -207,17 +237,11 @@ class ContiguousRows:
         into the copy that `prefix` gathers for scattered rows, no."""
         return _consecutive(rows)
 
-    def release(self, row: int):
-        self.lens[row] = 0
-
-    def trim(self, row: int, length: int):
-        self.lens[row] = length
-
     def tokens_held(self) -> int:
         return sum(self.lens)
 
 
-class PagedRows:
+class PagedRows(_Rows):
     """Per-row token storage in pages: pools (num_pages, page_size, *feat) shared by every row and one
     BlockAllocator and block table shared by every buffer (every layer, K and V alike).
 
@@ -235,18 +259,13 @@ class PagedRows:
         self, batch_size: int, max_len: int, device, dtype, page_size: int, num_pages: int | None, scratch=False
     ):
         check_page_size(page_size)
-        self.batch_size, self.max_len, self.device, self.dtype = batch_size, max_len, device, dtype
         self.page_size = page_size
         self.max_pages = cdiv(max_len, page_size)
-        self.capacity = self.max_pages * page_size
-        num_pages = batch_size * self.max_pages if num_pages is None else num_pages
-        self.allocator = BlockAllocator(num_pages)
-        self.scratch = num_pages if scratch else None
-        self.lens = [0] * batch_size
+        self.allocator = BlockAllocator(pool_pages(batch_size, max_len, page_size, num_pages))
+        self.scratch = self.allocator.num_pages if scratch else None
         self.pages: list[list[int]] = [[] for _ in range(batch_size)]
         self.block_table = torch.full((batch_size, self.max_pages), self.scratch or 0, dtype=torch.int32, device=device)
-        self.buffers: list[torch.Tensor] = []
-        self.next_pos = torch.zeros(batch_size, dtype=torch.int64, device=device)
+        super().__init__(batch_size, max_len, device, dtype, capacity=self.max_pages * page_size)
 
     def new_buffer(self, feat: tuple[int, ...]) -> torch.Tensor:
         pages = self.allocator.num_pages + (self.scratch is not None)
@@ -254,18 +273,7 @@ class PagedRows:
         self.buffers.append(pool)
         return pool
 
-    def grow(self, rows: list[int], T: int):
-        for r in rows:
-            if self.lens[r] + T > self.max_len:
-                raise ValueError(
-                    f"T: got {T} new tokens for row {r} holding {self.lens[r]}; valid: at most "
-                    f"max_len - {self.lens[r]} = {self.max_len - self.lens[r]} (the cache's max_len)"
-                )
-        self._allocate(rows, [self.lens[r] + T for r in rows])
-        for r in rows:
-            self.lens[r] += T
-
-    def _allocate(self, rows: list[int], lengths: list[int]):
+    def _make_room(self, rows: list[int], lengths: list[int]):
         """Pages so that each row holds `lengths` tokens: all or nothing, one host-to-device copy."""
         fresh = self.allocator.allocate(
             sum(max(0, cdiv(n, self.page_size) - len(self.pages[r])) for r, n in zip(rows, lengths))
@@ -278,13 +286,6 @@ class PagedRows:
         if entries:
             idx = torch.tensor(entries, dtype=torch.int64).t().to(self.device)
             self.block_table[idx[0], idx[1]] = idx[2].int()
-
-    def ensure_capacity(self, rows: list[int], lengths: list[int]):
-        """Pages ahead for static decode steps: row r can then hold lengths[i] tokens (raises as grow does)."""
-        for r, n in zip(rows, lengths):
-            if n > self.max_len:
-                raise ValueError(f"lengths: got {n} tokens for row {r}; valid: at most max_len={self.max_len}")
-        self._allocate(rows, lengths)
 
     def step(self, rows_t, starts_t, T) -> _Step:
         positions = starts_t[:, None] + torch.arange(T, device=self.device)
@@ -303,7 +304,7 @@ class PagedRows:
         n = len(self.pages[src])
         self.block_table[dst, :n] = self.block_table[src, :n]
         self.pages[dst], self.pages[src] = self.pages[src], []
-        self.lens[dst], self.lens[src] = self.lens[src], 0
+        super().move(src, dst)
         self._to_scratch(src)
 
     def where(self, step: _Step) -> tuple[torch.Tensor, torch.Tensor]:
@@ -330,7 +331,7 @@ class PagedRows:
     def release(self, row: int):
         self.allocator.free(self.pages[row])
         self.pages[row] = []
-        self.lens[row] = 0
+        super().release(row)
         self._to_scratch(row)
 
     def trim(self, row: int, length: int):
@@ -338,7 +339,7 @@ class PagedRows:
         keep = cdiv(length, self.page_size)
         self.allocator.free(self.pages[row][keep:])
         del self.pages[row][keep:]
-        self.lens[row] = length
+        super().trim(row, length)
         if keep == 0:
             self._to_scratch(row)
 

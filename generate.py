@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from cache import PAGED_KINDS, CacheFullError, cdiv, make_cache
+from cache import PAGED_KINDS, CacheFullError, cdiv, make_cache, pool_pages
 from train_step import PTDTYPES as DTYPES  # the dtypes by name, as train.py's and sample.py's --dtype take them
 
 ENGINES = ("auto", "eager", "static", "graphs")
@@ -485,6 +485,8 @@ def generate(
         num_pages=num_pages or None,
         static=engine != "eager",
     )
+    mem = cache.memory()
+    stats.cache_bytes_allocated, stats.cache_bytes_per_token = mem["bytes_allocated"], mem["bytes_per_token"]
     sched = _Scheduler(cache, seqs, wait_for_pages, admit_batch or default_admit_batch(rows))
     if engine == "eager":
         _generate_eager(model, sched, pick, on_logits, stats)
@@ -683,16 +685,20 @@ def _admit(model, sched: _Scheduler, pick, on_logits, stats, device) -> list[tup
     if not admitted and not sched.active:
         raise CacheFullError("no prompt can be admitted into an empty cache; raise --num_pages")
     running = _prefill(model, sched, admitted, pick, on_logits, stats, device)
-    stats.cache_bytes_peak = max(stats.cache_bytes_peak, sched.cache.memory()["bytes_in_use"])
+    _note_cache_peak(stats, sched.cache)
     return running
+
+
+def _note_cache_peak(stats: GenerationStats, cache):
+    """The cache's bytes in use into the peak, taken wherever they may have grown: after a prefill, after an eager
+    decode step, and in the static engines once a run's pages are given (its steps take no more)."""
+    stats.cache_bytes_peak = max(stats.cache_bytes_peak, cache.memory()["bytes_in_use"])
 
 
 def _generate_eager(model, sched: _Scheduler, pick, on_logits, stats: GenerationStats):
     """One forward per decode step through a view of the running rows; the next tokens read back every step."""
     cache, seqs = sched.cache, sched.seqs
     device = next(model.parameters()).device
-    mem = cache.memory()
-    stats.cache_bytes_allocated, stats.cache_bytes_per_token = mem["bytes_allocated"], mem["bytes_per_token"]
     while sched.waiting or sched.active:
         _admit(model, sched, pick, on_logits, stats, device)
         sched.pack()  # the running rows are 0 .. n-1: the view's caches are slices, not gathered copies
@@ -706,7 +712,7 @@ def _generate_eager(model, sched: _Scheduler, pick, on_logits, stats: Generation
         stats.decode_tokens += len(rows)
         stats.decode_s += t.seconds
         stats.decode_steps += 1
-        stats.cache_bytes_peak = max(stats.cache_bytes_peak, cache.memory()["bytes_in_use"])
+        _note_cache_peak(stats, cache)
         done = []
         for j, r in enumerate(rows):
             if on_logits is not None:
@@ -856,8 +862,6 @@ def _generate_static(model, sched: _Scheduler, decoder: StaticDecoder, pick, on_
     run, queue the steps, read their tokens back once, then emit and finish on the host."""
     cache, seqs = sched.cache, sched.seqs
     device = next(model.parameters()).device
-    mem = cache.memory()
-    stats.cache_bytes_allocated, stats.cache_bytes_per_token = mem["bytes_allocated"], mem["bytes_per_token"]
     most = decoder.history.shape[0] if on_logits is None else 1
     stats.extra.update(reads=0, steps_per_bucket={})  # host reads of the sampled tokens; steps run per bucket
     while sched.waiting or sched.active:
@@ -877,7 +881,7 @@ def _generate_static(model, sched: _Scheduler, decoder: StaticDecoder, pick, on_
         if sched.waiting:  # the run ends when enough rows reach their length for the waiting prompts' admission
             steps = min(steps, sorted(left)[min(sched.rows_to_free(), len(left)) - 1])
         cache.ensure_capacity(rows, [seqs.cached(sched.active[r]) + min(steps, m) for r, m in zip(rows, left)])
-        stats.cache_bytes_peak = max(stats.cache_bytes_peak, cache.memory()["bytes_in_use"])
+        _note_cache_peak(stats, cache)
         bucket = decoder.bucket(len(rows))
         with _Timer(device) as t:
             decoder.run(bucket, steps)
@@ -910,7 +914,7 @@ def _check_fits(model, kind: str, rows: int, max_len: int, page_size: int, num_p
     at start with the numbers, not a failed allocation (or the process killed by the OS) after the prompt."""
     per_token = model.kv_cache_bytes_per_token(dtype)
     if kind in PAGED_KINDS:
-        tokens = (num_pages or rows * cdiv(max_len, page_size)) * page_size
+        tokens = pool_pages(rows, max_len, page_size, num_pages or None) * page_size
     else:
         tokens = rows * max_len
     need, free = per_token * tokens, available_bytes(device)
