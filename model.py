@@ -404,9 +404,9 @@ class MultiHeadLatentAttention(nn.Module):
         H = self.n_head
         if cache is not None and T == 1:
             return self._decode_absorbed(x, rope, cache, backend, norm, residual)
-        q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x))) if hasattr(self, "q_a_proj") else self.q_proj(x)
-        q_nope, q_rope = q.view(B, T, H, self.d_n + self.d_r).split([self.d_n, self.d_r], dim=-1)
-        c_kv, k_rope = self.kv_a_proj(x).split([self.d_c, self.d_r], dim=-1)
+        q, kv = self._query_and_latent(x)
+        q_nope, q_rope = q.split([self.d_n, self.d_r], dim=-1)
+        c_kv, k_rope = kv.split([self.d_c, self.d_r], dim=-1)
         c_kv = self.kv_a_norm(c_kv)  # (B, T, D_c)
         q_rope, k_rope = apply_rope(q_rope, *rope), apply_rope(k_rope, *rope)  # k_rope (B, T, D_r), no head axis
         if cache is not None:
@@ -415,6 +415,20 @@ class MultiHeadLatentAttention(nn.Module):
         y = self._attend_unabsorbed(q_nope, q_rope, c_kv, k_rope, backend)
         y = y.transpose(1, 2).reshape(B, T, H * self.d_v)  # y (B, H, T, D_v)
         return self.resid_dropout(self.c_proj(y))
+
+    def _query_and_latent(self, x, norm=None, w_in=None, b_in=None):
+        """x (B, T, C) -> the query q (B, T, H, D_n + D_r) and kv (B, T, D_c + D_r), the latent and the shared RoPE
+        key before kv_a_norm and RoPE. norm: the block's norm, run in each projection's launch (decode only).
+        w_in, b_in: `absorbed_weights`' rows of q_proj then kv_a_proj (decode without query compression), so one
+        matmul gives q and kv."""
+        H, d_qk, d_kv = self.n_head, self.d_n + self.d_r, self.d_c + self.d_r
+        if w_in is not None:
+            q, kv = linear(x, w_in, b_in, norm=norm).split([H * d_qk, d_kv], dim=-1)
+        elif hasattr(self, "q_a_proj"):
+            q, kv = self.q_b_proj(self.q_a_norm(self.q_a_proj(x, norm=norm))), self.kv_a_proj(x, norm=norm)
+        else:
+            q, kv = self.q_proj(x, norm=norm), self.kv_a_proj(x, norm=norm)
+        return q.view(*x.shape[:-1], H, d_qk), kv
 
     def _up_weights(self):
         """W_UK (H, D_n, D_c) and W_UV (H, D_v, D_c), views of kv_b_proj.weight."""
@@ -444,11 +458,7 @@ class MultiHeadLatentAttention(nn.Module):
         # GPT.forward refreshed the decode weights before the blocks: the call that checks them stays out of any
         # compiled graph, and here it would split the block's graph (a kernel more a layer).
         w_in, b_in, w_out = self._absorbed
-        if hasattr(self, "q_a_proj"):  # the query comes from its own compressed input; the latent from x
-            q = self.q_b_proj(self.q_a_norm(self.q_a_proj(x, norm=norm)))
-            kv = self.kv_a_proj(x, norm=norm)
-        else:
-            q, kv = linear(x, w_in, b_in, norm=norm).split([H * (d_n + d_r), d_c + d_r], dim=-1)
+        q, kv = self._query_and_latent(x, norm, w_in, b_in)  # (B, 1, H, D_n + D_r), (B, 1, D_c + D_r)
         w_uk = self._up_weights()[0]  # (H, D_n, D_c)
         if triton_runs(x, backend) and not torch.is_grad_enabled():
             # One launch absorbs W_UK into the query, rotates the RoPE parts, normalizes the latent and writes the
@@ -467,7 +477,7 @@ class MultiHeadLatentAttention(nn.Module):
                 self.scale,
             )  # (B, H, D_c)
         else:
-            q_nope, q_rope = q.view(B, 1, H, d_n + d_r).split([d_n, d_r], dim=-1)
+            q_nope, q_rope = q.split([d_n, d_r], dim=-1)
             q_absorbed = torch.einsum("bthn,hnc->bhtc", q_nope, w_uk)  # (B, H, 1, D_c)
             c_kv, k_rope = kv.split([d_c, d_r], dim=-1)
             # the query heads' RoPE parts and the shared RoPE key rotate together, as one more head (one kernel)
@@ -498,7 +508,7 @@ class MultiHeadLatentAttention(nn.Module):
         query and the new token's latent and RoPE key; None with it. They are kept beside the model's own weights,
         for decode only: no gradient flows through them.
 
-        W_out is computed in fp32 and rounded once to the weights' dtype. Both are kept until a source weight
+        W_out is computed in fp32 and rounded once to the weights' dtype. All three are kept until a source weight
         changes (its version counter, storage, dtype or device), so that a decode step reads them and a CUDA graph
         replays them as they are. They are plain tensors even when first built under torch.inference_mode, which
         would make them unusable in a later forward that autograd records."""
