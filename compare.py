@@ -245,7 +245,7 @@ def load_run(directory: str, attn_backend: str = "torch") -> Run:
         directory=directory,
         model=model,
         config=cfg,
-        attention=attention_label(mc),
+        attention=mc.label,
         params=int(last.get("params", model.num_params())),
         tokens=curve[-1][0],
         val_loss_best=min(losses),
@@ -336,14 +336,6 @@ def _largest(values) -> float | None:
     # a resumed run starts the allocator's peak again, so the run's peak is the largest of its lines'
     values = _numbers(values)
     return max(values) if values else None
-
-
-def attention_label(config) -> str:
-    if config.attention == "gqa":
-        return f"gqa-kv{config.n_kv_head}"
-    if config.attention == "mla":
-        return f"mla-r{config.kv_lora_rank}"
-    return config.attention
 
 
 def kv_formula(config, dtype: torch.dtype) -> tuple[int, str]:

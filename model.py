@@ -240,6 +240,15 @@ class GPTConfig:
         return self.n_embd // self.n_head
 
     @property
+    def label(self) -> str:
+        """The variant with the number that tells its runs apart: "mha", "gqa-kv4", "mqa", "mla-r256"."""
+        if self.attention == "gqa":
+            return f"gqa-kv{self.n_kv_head}"
+        if self.attention == "mla":
+            return f"mla-r{self.kv_lora_rank}"
+        return self.attention
+
+    @property
     def qk_head_dim(self) -> int:
         """D_qk of the attention kernels: head_dim, or MLA's nope + rope."""
         return self.qk_nope_head_dim + self.qk_rope_head_dim if self.attention == "mla" else self.head_dim

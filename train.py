@@ -93,7 +93,7 @@ DEFAULTS = dict(
     # wandb (offline automatically without credentials or network)
     wandb_log=False,
     wandb_project="attention-zoo",
-    wandb_run_name="",  # "": the attention variant ("gqa-kv2")
+    wandb_run_name="",  # "": the attention variant ("gqa-kv2", "mla-r64")
     wandb_group="",  # runs of one comparison share a group (one chart); "": dataset and size ("pydoc-L4-E128-H8-T128")
     # data
     dataset="pydoc",  # data/<dataset>/ (see data/__init__.py); pydoc is embedded and prepared on first use
@@ -439,12 +439,12 @@ def check_backend(model: GPT, device: str) -> None:
             )
 
 
-def run_names(config: dict) -> tuple[str, str]:
+def run_names(config: dict, mc: GPTConfig) -> tuple[str, str]:
     """The wandb group and run name, where the config leaves them empty: the group from the data and the size,
-    which the four variant files leave alike (so their runs land on one chart), the name from the attention."""
+    which the four variant files leave alike (so their runs land on one chart), the name the model's variant, as
+    compare.py labels its rows ("gqa-kv4", "mla-r256")."""
     group = config["wandb_group"] or f"{config['dataset']}-{size_name(config)}"
-    kv = f"-kv{config['n_kv_head']}" if config["attention"] == "gqa" else ""
-    return group, config["wandb_run_name"] or f"{config['attention']}{kv}"
+    return group, config["wandb_run_name"] or mc.label
 
 
 def size_name(config: dict) -> str:
@@ -1048,7 +1048,8 @@ def setup(config: dict, d: Dist, device: str) -> Setup:
         taken = ("attn_backend", "dropout", "block_size")
         note_ignored_model_args(config, source[1], data.vocab_size, taken, "init_from")
     raw_model = build_model(config, data.vocab_size, ckpt, source).to(device)
-    config["wandb_group"], config["wandb_run_name"] = run_names(config)  # from the final values (a resume's model)
+    # from the final values: a resume's model, MLA's dims derived from the width
+    config["wandb_group"], config["wandb_run_name"] = run_names(config, raw_model.config)
     check_backend(raw_model, device)
     optimizer = raw_model.configure_optimizers(
         config["weight_decay"], config["learning_rate"], (config["beta1"], config["beta2"]), device_type

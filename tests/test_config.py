@@ -241,8 +241,10 @@ def test_shipped_configs_parse_and_build_a_model(files):
     from model import GPTConfig
 
     config = parse_config(train.DEFAULTS, [os.path.join(ROOT, f) for f in files])
-    assert train.run_names(config)[0], "every run has a wandb group, so that a comparison lands on one chart"
     gpt_config = train.model_config(config, vocab_size=50257)  # raises ConfigError if the fields disagree
+    assert train.run_names(config, gpt_config)[0], (
+        "every run has a wandb group, so that a comparison lands on one chart"
+    )
     assert isinstance(gpt_config, GPTConfig)
     if config["attention"] == "gqa":
         assert 1 < gpt_config.n_kv_head < gpt_config.n_head
@@ -270,9 +272,9 @@ def test_variant_configs_share_size_and_budget():
     for v, c in configs.items():
         assert {k: c[k] for k in keys} == {k: first[k] for k in keys}, v
         assert c["attention"] == v and c["out_dir"] == f"out-{v}"
-    names = {v: train.run_names(dict(c, n_kv_head=2 if v == "gqa" else c["n_kv_head"])) for v, c in configs.items()}
+    names = {v: train.run_names(c, train.model_config(c, vocab_size=256)) for v, c in configs.items()}
     assert {group for group, _ in names.values()} == {"pydoc-L4-E128-H8-T128"}, "one chart for the four runs"
-    assert [name for _, name in names.values()] == ["mha", "gqa-kv2", "mqa", "mla"]
+    assert [name for _, name in names.values()] == ["mha", "gqa-kv2", "mqa", "mla-r64"], "as compare.py's rows"
 
 
 @pytest.mark.parametrize(
