@@ -379,15 +379,26 @@ def test_static_view_decodes_live_rows_and_pads_into_free_storage(kind, backend,
     before = _snapshot(cache)
     positions = _step(cache, shadow, [0, 1, 2, 3], 1, dtype, check, view=cache.static_view(4), checked=[0, 1])
     assert positions.tolist() == [[7], [12], [0], [0]]
-    for b0, b1 in zip(before, _snapshot(cache)):
+    # Where each live row's new token goes: (page, slot) when paged (row 1's position 12 is slot 4 of its second
+    # page), else (row, position).
+    if cache.store.paged:
+        new_slots = {0: (cache.store.pages[0][0], 7), 1: (cache.store.pages[1][1], 4)}
+    else:
+        new_slots = {0: (0, 7), 1: (1, 12)}
+    for j, (b0, b1) in enumerate(zip(before, _snapshot(cache))):
         changed = (b0 != b1).reshape(b0.shape[0], b0.shape[1], -1).any(-1)  # (rows or pages, positions or slots)
+        changed_at = {tuple(x) for x in changed.nonzero().tolist()}
         if cache.store.paged:  # (pages, page_size): only the live rows' new slots and the scratch page's slot 0
-            allowed = {(p, o) for p, o in ((cache.store.pages[0][0], 7), (cache.store.pages[1][1], 4))}
-            allowed.add((cache.store.scratch, 0))
-            assert {tuple(x) for x in changed.nonzero().tolist()} <= allowed
-            assert not {p for p, _ in changed.nonzero().tolist()} - owned - {cache.store.scratch}
+            assert changed_at <= set(new_slots.values()) | {(cache.store.scratch, 0)}
+            assert not {p for p, _ in changed_at} - owned - {cache.store.scratch}
         else:  # (rows, positions): the live rows' new positions and position 0 of the padding rows
-            assert {tuple(x) for x in changed.nonzero().tolist()} <= {(0, 7), (1, 12), (2, 0), (3, 0)}
+            assert changed_at <= set(new_slots.values()) | {(2, 0), (3, 0)}
+        # Buffers are every layer's first half (K, or the latent), then every layer's second (V, or the RoPE key):
+        # each live row's new slot now holds the step's token, the shadow's last one of that row and layer.
+        layer, half = j % config.n_layer, j // config.n_layer
+        for r, slot in new_slots.items():
+            assert slot in changed_at, f"row {r}'s new token was not stored in buffer {j}"
+            check(b1[slot], shadow.tok[r, layer][-1][half][-1], f"row {r}'s stored token in buffer {j}")
     if cache.store.paged:
         assert cache.store.allocator.num_used == used, "a padding row took a page"
         cache.store.allocator.check()
