@@ -81,35 +81,68 @@ def poison_decode_outputs(monkeypatch):
     monkeypatch.setattr(split_kv, "new_empty", poisoned)
 
 
+def spy_launches(monkeypatch) -> list[tuple[str, bool]]:
+    """(kernel name, launch_pdl) of every launch through `_host.Launcher` from now on, in order: the list fills as
+    the kernels launch (clear it between steps)."""
+    from attention_kernels import _host
+
+    launches = []
+    launch = _host.Launcher.launch
+
+    def spy(self, grid, args, kwargs, given=None):
+        launches.append((getattr(self.kernel, "__name__", "?"), bool(kwargs.get("launch_pdl", False))))
+        return launch(self, grid, args, kwargs, given)
+
+    monkeypatch.setattr(_host.Launcher, "launch", spy)
+    return launches
+
+
 def check_dependent_chain(step, x0: torch.Tensor, check, monkeypatch, links: int = 3):
     """A chain of `links` decode calls `step(x) -> (out, lse)`, each taking the previous output as its query, so
     that each launch reads what the launch before it wrote. With plain launches (ZOO_PDL=0) every link passes
-    `check(x, out, lse, name)` (against the reference on its own query); with programmatic dependent launches
-    (ZOO_PDL=1, where `decode.pdl` allows them), eager and replayed from a CUDA graph, every output is bit for bit
-    the plain one."""
+    `check(x, out, lse, name)` (against the reference on its own query). `_host.pdl` allows programmatic
+    dependent launches exactly on a CUDA GPU of capability 9.0 or newer: there, with ZOO_PDL=1, the chain takes
+    them (some launch passes launch_pdl=True), and every output, eager and replayed from a CUDA graph, is bit for
+    bit the plain one. Elsewhere (the CPU's interpreter, older GPUs) ZOO_PDL=1 launches plainly too, and the
+    second chain checks only that a rerun gives the same bits."""
+    from attention_kernels import _host
+
+    launches = spy_launches(monkeypatch)  # the last chain's launches
 
     def chain():
+        launches.clear()
         x, outs = x0, []
         for _ in range(links):
             x, lse = step(x)
             outs += [x, lse]
         return outs
 
+    def took_pdl() -> bool:
+        return any(pdl for _, pdl in launches)
+
+    dependent = x0.is_cuda and torch.version.hip is None and torch.cuda.get_device_capability(x0.device)[0] >= 9
     monkeypatch.setenv("ZOO_PDL", "0")
+    assert not _host.pdl(x0.device)
     plain = chain()
+    assert launches and not took_pdl(), f"ZOO_PDL=0 still made a dependent launch: {launches}"
     x = x0
     for i in range(links):
         check(x, plain[2 * i], plain[2 * i + 1], f"decode {i} of the chain")
         x = plain[2 * i]
     monkeypatch.setenv("ZOO_PDL", "1")
-    assert all(torch.equal(a, b) for a, b in zip(plain, chain()))
+    assert _host.pdl(x0.device) == dependent
+    again = chain()
+    assert took_pdl() == dependent, f"dependent launches expected: {dependent}; (kernel, launch_pdl): {launches}"
+    what = "the dependent launches" if dependent else "a rerun of the plain launches"
+    assert all(torch.equal(a, b) for a, b in zip(plain, again)), f"{what} differ from the plain launches"
     if x0.is_cuda:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             replayed = chain()
+        assert took_pdl() == dependent, f"captured (kernel, launch_pdl): {launches}"
         graph.replay()
         torch.cuda.synchronize()
-        assert all(torch.equal(a, b) for a, b in zip(plain, replayed))
+        assert all(torch.equal(a, b) for a, b in zip(plain, replayed)), f"{what}, replayed, differ from the plain"
 
 
 def read_wandb_records(path):

@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 import triton
-from conftest import DEVICE, DTYPE_IDS, KERNEL_DTYPES, assert_close, check_dependent_chain, ragged_lens
+from conftest import DEVICE, DTYPE_IDS, KERNEL_DTYPES, assert_close, check_dependent_chain, ragged_lens, spy_launches
 
 from attention_kernels import decode, paged_grouped_decode, split_kv
 from attention_kernels.decode import auto_num_splits, grouped_decode
@@ -950,9 +950,14 @@ def test_separate_combine_as_dependent_launch(monkeypatch):
     def run():
         return grouped_decode(q, k, v, seq_lens, scale=0.125, num_splits=4, validate=False)
 
+    launches = spy_launches(monkeypatch)
     plain = run()
+    assert ("_combine_splits_kernel", False) in launches, launches
     monkeypatch.setenv("ZOO_PDL", "1")
+    launches.clear()
     dependent = run()
+    # the combine launch takes launch_pdl exactly where pdl allows it (sm_90 and newer; never on the CPU)
+    assert ("_combine_splits_kernel", decode.pdl(torch.device(DEVICE))) in launches, launches
     _check(*dependent, ref_out, ref_lse, dtype, "dependent combine")
     assert all(torch.equal(a, b) for a, b in zip(plain, dependent))
     if DEVICE == "cuda":
