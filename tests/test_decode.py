@@ -445,10 +445,16 @@ CROWDED_CASES = [c for c in SM90_CASES if c[5] and c[4] == 128]  # paged, D=128 
 def test_paged_decode_crowded(case, monkeypatch):
     """The paged D=128 cases above with the GPU counted as one SM, so that their launches (six programs or more)
     take the crowded ring on an H100/H200 (elsewhere the same calls run the Triton kernel): NaN past every end,
-    outputs and lse against the reference."""
+    outputs and lse against the reference. On an H100/H200 spies check that the Hopper kernel ran, each launch with
+    the crowded ring (CROWDED_STAGES)."""
     from attention_kernels import decode_sm90
 
     monkeypatch.setattr(decode_sm90, "num_sms", lambda device: 1)
+    launches, rings = [], []  # per Hopper launch: the call, its (BLOCK_N, STAGES)
+    launch, launch_config = decode_sm90.launch, decode_sm90.launch_config
+    monkeypatch.setattr(decode_sm90, "launch", lambda *a, **kw: launches.append(1) or launch(*a, **kw))
+    monkeypatch.setattr(decode_sm90, "launch_config", lambda *a: rings.append(launch_config(*a)) or rings[-1])
+    crowded = (decode_sm90.CONFIGS[128][0], decode_sm90.CROWDED_STAGES[128])
     b, hq, hkv, s, d, page_size, splits = case
     for dtype in KERNEL_DTYPES:
         q = torch.randn(b, hq, d, device=DEVICE, dtype=dtype)
@@ -457,8 +463,12 @@ def test_paged_decode_crowded(case, monkeypatch):
         ref_out, ref_lse = decode_reference(q, k, v, seq_lens, scale=0.1)
         k_pages, v_pages, table = _paged(k, v, page_size)
         k_pages, v_pages = _nan_past_end((k_pages, v_pages), table, seq_lens, page_size)
+        launches.clear()
+        rings.clear()
         out, lse = paged_grouped_decode(q, k_pages, v_pages, table, seq_lens, scale=0.1, num_splits=splits)
         _check(out, lse, ref_out, ref_lse, dtype, f"crowded paged decode, page {page_size}")
+        if decode_sm90.on_hopper(q):
+            assert len(launches) == 1 and rings == [crowded], f"{dtype}: {len(launches)} Hopper launches, rings {rings}"
 
 
 # (B, S, H_kv) -> the split count `ragged_num_splits` must pick for the Hopper paged kernel (D 128, H_q 32, 132

@@ -165,13 +165,39 @@ def test_qk_head_dim_tiling():
         assert not split or first < d_qk, (d_qk, blocks, "the second block must hold columns")
 
 
+def spy_hopper(monkeypatch, *names: str) -> list[str]:
+    """The names (of `names`, flash_sm90's launchers) that flash.py calls from now on, in order; none where
+    flash_sm90 did not import."""
+    from attention_kernels import flash
+
+    ran, hopper = [], flash.flash_sm90
+    for name in names if hopper is not None else ():
+        fn = getattr(hopper, name)
+        monkeypatch.setattr(hopper, name, lambda *a, _fn=fn, _name=name, **kw: ran.append(_name) or _fn(*a, **kw))
+    return ran
+
+
+def on_hopper(t: torch.Tensor) -> bool:
+    """Do flash.py's Hopper kernels run on t's device (an H100/H200 with the Triton they were verified against)?"""
+    from attention_kernels import flash
+
+    return flash.flash_sm90 is not None and flash.flash_sm90.on_hopper(t)
+
+
 @pytest.mark.parametrize("tma", ["0", "1"], ids=["pointers", "descriptors"])
 @pytest.mark.parametrize("case", [CASES[2], CASES[7], CASES[9]], ids=case_id)
 def test_pointer_and_descriptor_paths(case, tma, monkeypatch):
     """Both ways the loops can stream tiles: plain pointers with masks, and TMA tensor descriptors (zero-filled
     out of bounds). The GPU picks descriptors for the backward on Hopper by itself; ZOO_FLASH_TMA=1 forces them,
-    also under the interpreter, and ZOO_FLASH_TMA=0 forces pointers."""
+    also under the interpreter, and ZOO_FLASH_TMA=0 forces pointers. A spy on `flash._use_tma` checks that every
+    Triton kernel launched (the forward, dQ and dK/dV; on an H100/H200 those the Hopper kernels leave to Triton:
+    the 192/128 case's one-program dK/dV) took the path asked for."""
+    from attention_kernels import flash
+
     monkeypatch.setenv("ZOO_FLASH_TMA", tma)
+    use_tma = flash._use_tma
+    took = []  # _use_tma's answer per Triton launch
+    monkeypatch.setattr(flash, "_use_tma", lambda *a: took.append(use_tma(*a)) or took[-1])
     dtype = KERNEL_DTYPES[-1]
     causal = case[-1]
     q, k, v, do = make_inputs(case, dtype)
@@ -180,6 +206,7 @@ def test_pointer_and_descriptor_paths(case, tma, monkeypatch):
     got = (out, lse, *_backward(q, k, v, out, lse, do, None, causal, grads=grads))
     for name, g, want in zip(("out", "lse", "dq", "dk", "dv"), got, reference_grads(q, k, v, do, causal)):
         assert_close(g, want, dtype, name, grad=name.startswith("d"))
+    assert took and all(t == (tma == "1") for t in took), f"ZOO_FLASH_TMA={tma}: _use_tma answered {took}"
 
 
 @pytest.mark.parametrize("head_splits", [2, 3], ids=lambda n: f"splits{n}")
@@ -874,16 +901,20 @@ def test_sm90_backward(case, monkeypatch):
     several key blocks, ragged ends, S_q < S_kv, GQA and MHA; MLA's 96/64 (Q and K as 64 + 32 columns) and
     192/128 (128 + 64; dK/dV in 32-query steps)."""
     monkeypatch.setenv("ZOO_FLASH_SM90_BWD", "force")
+    ran = spy_hopper(monkeypatch, "backward_dq", "backward_dkdv", "backward_fused")
     causal = case[-1]
     for dtype in KERNEL_DTYPES:
         q, k, v, do = make_inputs(case, dtype)
         out, lse = _forward(q, k, v, None, causal)
         grads = tuple(poisoned(x.shape, dtype) for x in (q, k, v))
+        ran.clear()
         dq, dk, dv = _backward(q, k, v, out, lse, do, None, causal, grads=grads)
         _, _, ref_dq, ref_dk, ref_dv = reference_grads(q, k, v, do, causal)
         assert_close(dq, ref_dq, dtype, "dq", grad=True)
         assert_close(dk, ref_dk, dtype, "dk", grad=True)
         assert_close(dv, ref_dv, dtype, "dv", grad=True)
+        if on_hopper(q):
+            assert ran == ["backward_dq", "backward_dkdv"], f"{dtype}: the Hopper launches were {ran}"
 
 
 def test_sm90_forward_dispatch(monkeypatch):
@@ -998,26 +1029,30 @@ def test_sm90_fused_backward_rule():
     [(64, 64, 2100), (64, 64, 1100), (192, 128, 700), (96, 64, 700)],
     ids=["D64", "D64-1100", "D192x128", "D96x64"],
 )
-def test_sm90_forward_many_blocks(d_qk, d_v, s_kv, causal):
+def test_sm90_forward_many_blocks(d_qk, d_v, s_kv, causal, monkeypatch):
     """The Hopper forward over many key blocks where CASES has none: causal D = 64 takes it only from
     MIN_KEYS[(64, True)] keys (1024) up, which no shape in CASES reaches, CASES' one full-attention D = 64 shape has
     a single key block, its MLA 192/128 shape two, and none is 96/64. 200 queries over 2100 keys (D = 64; 17 key
     blocks) or 1100 (9, just above that threshold), or over 700 (192/128, whose Q and K arrive as 128 + 64 columns:
     11 blocks of 64 keys; 96/64, as 64 + 32 columns: 6 blocks of 128), a ragged last block, S_q < S_kv, GQA, fp16
-    and bf16, into NaN-poisoned outputs, against the reference. On other machines the Triton kernel runs the same
-    check."""
+    and bf16, into NaN-poisoned outputs, against the reference (on an H100/H200 a spy checks the Hopper forward
+    ran). On other machines the Triton kernel runs the same check."""
     from attention_kernels import flash_sm90
 
     case = (1, 4, 2, 200, s_kv, d_qk, d_v, causal)
     assert (d_qk, d_v) in flash_sm90.CONFIGS and s_kv >= flash_sm90.MIN_KEYS.get((d_qk, causal), 0)
+    ran = spy_hopper(monkeypatch, "forward")
     for dtype in KERNEL_DTYPES:
         q, k, v, _ = make_inputs(case, dtype)
+        ran.clear()
         out, lse = _forward(
             q, k, v, None, causal, out=poisoned((1, 4, 200, d_v), dtype), lse=poisoned((1, 4, 200), torch.float32)
         )
         ref_out, ref_lse = attention_reference(q.float(), k.float(), v.float(), causal=causal)
         assert_close(out, ref_out, dtype, "out")
         assert_close(lse, ref_lse, dtype, "lse")
+        if on_hopper(q):
+            assert ran == ["forward"], f"{dtype}: the Hopper forward did not run"
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
@@ -1028,7 +1063,8 @@ def test_sm90_persistent_tiles(d, d_v, causal, monkeypatch):
     to its consumers and cycling the Q/dO or K/V buffers and barrier phases over tiles, which the other tests'
     launches (one tile per program or fewer) never do (causal D = 64, below MIN_KEYS, runs the Triton forward and
     the persistent backward kernels). Forward and backward (ZOO_FLASH_SM90_BWD=force) into NaN-poisoned buffers
-    against the reference. On other machines the Triton kernels run the same check."""
+    against the reference; on an H100/H200 a spy checks which Hopper launchers ran. On other machines the Triton
+    kernels run the same check."""
     from attention_kernels import flash_sm90_bwd_dkdv, flash_sm90_bwd_dq, flash_sm90_common, flash_sm90_fwd
 
     for module in (flash_sm90_fwd, flash_sm90_bwd_dq, flash_sm90_bwd_dkdv):
@@ -1043,23 +1079,33 @@ def test_sm90_persistent_tiles(d, d_v, causal, monkeypatch):
     shapes = [(2, 4, 2, 300, 300, d, d_v, causal)]
     if (d, causal) == (96, True):  # MHA: the second dK/dV consumer skips each tile's first query block
         shapes.append((2, 4, 4, 300, 300, d, d_v, causal))  # (flash_sm90_bwd_dkdv._dkdv_lead), tile after tile
+    ran = spy_hopper(monkeypatch, "forward", "backward_dq", "backward_dkdv", "backward_fused")
+    expected = ["forward"] * ((d, causal) != (64, True)) + ["backward_dq", "backward_dkdv"]  # on an H100/H200
     for shape in shapes:
         for _ in range(2):
+            ran.clear()
             check_forward_backward(shape, KERNEL_DTYPES[-1])
+            if on_hopper(torch.empty(0, device=DEVICE)):
+                assert ran == expected, f"{shape}: the Hopper launches were {ran}"
 
 
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 @pytest.mark.parametrize("d", [64, 128], ids=["D64", "D128"])
-def test_forward_into_strided_out(d, causal):
+def test_forward_into_strided_out(d, causal, monkeypatch):
     """out and lse preallocated as views whose row strides TMA cannot write (D + 1 and S + 3 elements): the Hopper
     forward, which writes its output by TMA, fills them from a contiguous buffer; every element is written and
     nothing outside the views. On an H100/H200 that is every case but causal D=64, whose 130 keys are below
-    MIN_KEYS (the Triton kernel runs it); on other machines the Triton kernel writes through the strides."""
+    MIN_KEYS (the Triton kernel runs it; a spy checks which ran); on other machines the Triton kernel writes
+    through the strides."""
     b, h_q, h_kv, s = 2, 4, 2, 130
+    ran = spy_hopper(monkeypatch, "forward")
     for dtype in KERNEL_DTYPES:
         q, k, v, _ = make_inputs((b, h_q, h_kv, s, s, d, d, causal), dtype)
         out_base, lse_base = poisoned((b, h_q, s, d + 1), dtype), poisoned((b, h_q, s + 3), torch.float32)
+        ran.clear()
         out, lse = _forward(q, k, v, None, causal, out=out_base[..., :d], lse=lse_base[..., :s])
+        if on_hopper(q):
+            assert ran == ([] if (d, causal) == (64, True) else ["forward"]), f"{dtype}: Hopper launches {ran}"
         ref_out, ref_lse = attention_reference(q.float(), k.float(), v.float(), causal=causal)
         assert_close(out, ref_out, dtype, "out")
         assert_close(lse, ref_lse, dtype, "lse")

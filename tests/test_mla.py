@@ -200,7 +200,7 @@ def test_mla_decode_applies_w_uv(dtype, case):
 # 64 // page_size pages per 64-token block below 64 and a 64-row slice of larger pages: 5 or 16 heads the narrow
 # kernel in a tile of 16 heads, 32 heads in a tile of 32, 128 heads two 64-head tiles. "wide" runs 16 heads in a
 # zero-padded 64-head tile (ZOO_MLA_NARROW=0), "triton" turns both off (ZOO_MLA_SM90=0): the Triton kernel
-# on the GPU (on the CPU every case runs it).
+# on the GPU (on the CPU every case runs it). On an H100/H200 a spy checks which program ran: its heads per program.
 PAGED_HEADS = [(5, "default"), (16, "default"), (16, "wide"), (16, "triton"), (32, "default"), (128, "default")]
 
 
@@ -212,6 +212,13 @@ def test_paged_mla_decode_matches_reference(dtype, page_size, heads, kernel, mon
         monkeypatch.setenv("ZOO_MLA_SM90", "0")
     if kernel == "wide":
         monkeypatch.setenv("ZOO_MLA_NARROW", "0")
+    from attention_kernels import mla
+
+    tiles = []  # heads per program of each Hopper launch
+    hopper = mla.mla_sm90
+    if hopper is not None:
+        launch = hopper.launch
+        monkeypatch.setattr(hopper, "launch", lambda *a, **kw: tiles.append(kw["heads"]) or launch(*a, **kw))
     b, h, s, d_c, d_r = 3, heads, 70 if page_size < 256 else 260, 512, 64
     q_abs, q_rope, c_kv, k_rope, scale = _inputs(b, h, s, d_c, d_r, dtype)
     c_pages, r_pages, table = _paged_latent(c_kv, k_rope, page_size)
@@ -231,6 +238,9 @@ def test_paged_mla_decode_matches_reference(dtype, page_size, heads, kernel, mon
     ref_out, ref_lse = mla_decode_reference(q_abs, q_rope, c_kv, k_rope, seq_lens, scale=scale)
     _check(out, lse, ref_out, ref_lse, dtype, "paged_mla_decode")
     assert_close(out, ref_out2, dtype, "paged_mla_decode vs paged reference")
+    if hopper is not None and hopper.on_hopper(q_abs):  # the narrow program (16 or 32 heads), the 64-head tile, none
+        tile = 16 if h <= 16 else 32 if h <= 32 else 64
+        assert tiles == {"default": [tile], "wide": [64], "triton": []}[kernel], f"Hopper launches' tiles: {tiles}"
 
 
 @pytest.mark.parametrize("dtype", KERNEL_DTYPES, ids=DTYPE_IDS.get)
