@@ -237,8 +237,11 @@ def test_bad_config_file(tmp_path):
     ids=lambda f: "+".join(os.path.basename(x)[:-3] for x in f),
 )
 def test_shipped_configs_parse_and_build_a_model(files):
+    """Each shipped config (and kv_h200 under each variant) parses, gives a GPTConfig and builds its model (on the
+    meta device: shapes only), whose KV cache costs per token what the config's fields say in bf16: K and V of
+    n_kv_head heads of n_embd // n_head, or MLA's latent and RoPE key, in every layer."""
     import train
-    from model import GPTConfig
+    from model import GPT, GPTConfig
 
     config = parse_config(train.DEFAULTS, [os.path.join(ROOT, f) for f in files])
     gpt_config = train.model_config(config, vocab_size=50257)  # raises ConfigError if the fields disagree
@@ -248,6 +251,15 @@ def test_shipped_configs_parse_and_build_a_model(files):
     assert isinstance(gpt_config, GPTConfig)
     if config["attention"] == "gqa":
         assert 1 < gpt_config.n_kv_head < gpt_config.n_head
+    with torch.device("meta"):
+        model = GPT(gpt_config)
+    assert model.num_params() > 0
+    c = gpt_config
+    if c.attention == "mla":
+        per_layer = c.kv_lora_rank + c.qk_rope_head_dim
+    else:
+        per_layer = 2 * c.n_kv_head * (c.n_embd // c.n_head)
+    assert model.kv_cache_bytes_per_token() == c.n_layer * per_layer * 2  # bf16, the method's default
 
 
 def test_variant_configs_share_size_and_budget():
