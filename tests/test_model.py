@@ -257,11 +257,16 @@ def test_mla_decode_folds_the_up_projections(variant):
     assert attn.absorbed_weights()[2] is not kept[2]
     with torch.no_grad():
         attn.c_proj.weight.mul_(0.5)
+        full = model(idx)[0][:, 8:]
     with torch.inference_mode():  # built here, they must still serve a decode that autograd records
-        decode_logits()
+        assert_scaled_close(decode_logits(), full, 1e-4, "decode logits after c_proj changed in place")
     cache = ReferenceCache(2)
     prefill = model(idx[:, :8], cache=cache)[0]
-    (prefill.sum() + model(idx[:, 8:], cache=cache)[0].sum()).backward()
+    step = model(idx[:, 8:], cache=cache)[0]
+    assert_scaled_close(step, full, 1e-4, "decode logits recorded by autograd")
+    (prefill.sum() + step.sum()).backward()
+    grad = attn.c_proj.weight.grad
+    assert grad is not None and torch.isfinite(grad).all() and grad.abs().max() > 0, "c_proj.weight got no gradient"
 
 
 def test_mla_decode_under_autocast_takes_fp32_weights():
