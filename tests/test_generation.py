@@ -136,6 +136,7 @@ def test_paged_cache_at_head_dim_64(monkeypatch):
     for i, (p, o) in enumerate(zip(ps, out)):
         with torch.no_grad():
             ref = plain(torch.tensor([p + o[:-1]], device=DEVICE))[0][0].float().cpu()[len(p) - 1 :]
+        assert len(seen[i]) == MAX_NEW, f"sequence {i}: logits of {len(seen[i])} steps"
         for step, got in enumerate(seen[i]):
             _close(got, ref[step], TRITON_DTYPE, f"paged D64 sequence {i} step {step}")
     hopper = DEVICE == "cuda" and decode_sm90.on_hopper(torch.empty(1, device=DEVICE))
@@ -175,6 +176,7 @@ def test_ragged_batch_equals_each_sequence_alone(variant, kind):
         seen_alone, hook_alone = _record()
         out_alone, _ = generate(model, [p], kind, max_new_tokens=MAX_NEW, page_size=8, on_logits=hook_alone)
         assert out_alone[0] == out_batch[i]
+        assert len(seen_alone[0]) == len(seen_batch[i]) == MAX_NEW, f"sequence {i}: steps with logits"
         for step, (a, b) in enumerate(zip(seen_alone[0], seen_batch[i])):
             _close(b, a, torch.float32, f"sequence {i} step {step}")
 
@@ -516,7 +518,7 @@ def test_sample_py_wandb_run_lands_beside_the_checkpoint(tmp_path):
     """--wandb_log (a bool key alone) without credentials: an offline run in the checkpoint's directory, where
     train.py's runs are (`wandb sync out-*/wandb/offline-run-*` takes both), with the decode statistics; stdout stays
     the sample text alone."""
-    pytest.importorskip("wandb")
+    pytest.importorskip("wandb")  # a core dependency, but the GPU machine has none
     ckpt = tmp_path / "out-mla"
     ckpt.mkdir()
     _checkpoint(ckpt)
