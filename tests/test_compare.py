@@ -390,7 +390,7 @@ def test_help_and_errors_on_the_command_line(tmp_path):
 
 
 def test_wandb_summary_run_offline(tmp_path, monkeypatch):
-    wandb = pytest.importorskip("wandb")
+    wandb = pytest.importorskip("wandb")  # a core dependency, but the GPU machine has none
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_DIR", str(tmp_path))
     monkeypatch.setenv("WANDB_SILENT", "true")

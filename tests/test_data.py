@@ -94,7 +94,7 @@ DOCS = [f"Story {i}. Once upon a time a small model read {i} words." for i in ra
 
 @pytest.mark.parametrize("layout", ["json-with-val-split", "text-held-out-val"])
 def test_hub_path_on_local_files(tmp_path, monkeypatch, layout):
-    pytest.importorskip("datasets")  # not installed on the GPU machine
+    pytest.importorskip("datasets")  # a core dependency, but the GPU machine has none
     import tiktoken
 
     monkeypatch.setattr(tiktoken, "get_encoding", lambda name: byte_level_encoding())
@@ -125,7 +125,7 @@ def test_hub_path_on_local_files(tmp_path, monkeypatch, layout):
 
 
 def test_hub_path_max_docs(tmp_path, monkeypatch):
-    pytest.importorskip("datasets")  # not installed on the GPU machine
+    pytest.importorskip("datasets")  # a core dependency, but the GPU machine has none
     import tiktoken
 
     monkeypatch.setattr(tiktoken, "get_encoding", lambda name: byte_level_encoding())

@@ -511,7 +511,7 @@ def test_kv_cache_bytes_per_token(variant, dtype, expected):
 
 
 def test_from_pretrained_local_dir_matches_transformers(tmp_path):
-    transformers = pytest.importorskip("transformers")
+    transformers = pytest.importorskip("transformers")  # the test extra; the GPU machine may lack it
     hf_config = transformers.GPT2Config(vocab_size=96, n_positions=32, n_embd=64, n_layer=2, n_head=4)
     hf = transformers.GPT2LMHeadModel(hf_config).eval()
     hf.save_pretrained(tmp_path)
@@ -529,7 +529,7 @@ def test_from_pretrained_errors(monkeypatch, tmp_path):
         GPT.from_pretrained("gpt3")
     with pytest.raises(ValueError, match=r"override_args: got keys \['n_layer'\]"):
         GPT.from_pretrained("gpt2", override_args={"n_layer": 3})
-    transformers = pytest.importorskip("transformers")
+    transformers = pytest.importorskip("transformers")  # the test extra; the GPU machine may lack it
 
     def offline(*args, **kwargs):
         raise OSError("We couldn't connect to 'https://huggingface.co' to load the files")
@@ -546,7 +546,7 @@ def test_from_pretrained_errors(monkeypatch, tmp_path):
 
 def test_from_pretrained_refuses_another_architecture(tmp_path):
     """transformers loads a Llama directory into GPT2LMHeadModel with a warning and random weights; we refuse."""
-    transformers = pytest.importorskip("transformers")
+    transformers = pytest.importorskip("transformers")  # the test extra; the GPU machine may lack it
     llama = transformers.LlamaConfig(
         vocab_size=96,
         hidden_size=64,

@@ -439,7 +439,7 @@ def test_ddp_two_gloo_processes_match_one_process(data_dir, tmp_path):
 
 
 def test_wandb_without_credentials_writes_an_offline_run(data_dir, tmp_path):
-    pytest.importorskip("wandb")
+    pytest.importorskip("wandb")  # a core dependency, but the GPU machine has none
     env = subprocess_env(HOME=str(tmp_path))  # no ~/.netrc: no credentials
     for key in ("WANDB_MODE", "WANDB_API_KEY", "WANDB_DIR"):
         env.pop(key, None)
@@ -890,7 +890,7 @@ def test_resume_uses_this_devices_adamw_implementation(data_dir, tmp_path):
 def test_finetune_from_gpt2_weights_in_a_local_directory(data_dir, tmp_path):
     # --init_from takes GPT-2 hub names (network) or a directory in GPT2LMHeadModel.save_pretrained's format:
     # a tiny random GPT-2 here, with room for the 103-104 characters of the pydoc vocabulary.
-    transformers = pytest.importorskip("transformers")
+    transformers = pytest.importorskip("transformers")  # the test extra; the GPU machine may lack it
     hf_config = transformers.GPT2Config(
         vocab_size=128, n_positions=64, n_embd=32, n_layer=1, n_head=2, bos_token_id=0, eos_token_id=0
     )
