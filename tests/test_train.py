@@ -584,12 +584,27 @@ def test_cuda_graphs_refuse_several_processes():
     "(test_bad_values_fail_with_clear_message)",
 )
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
-def test_cuda_graphs_train_like_eager(data_dir, tmp_path, dtype):
+def test_cuda_graphs_train_like_eager(data_dir, tmp_path, dtype, monkeypatch):
     # Two micro-steps per iteration (the replays must add into the gradients, not overwrite them) on the Triton
     # kernels; float16 runs the GradScaler inside the graph. The graph replays the eager step's kernels on the
     # same inputs, so the two runs agree to the last bits but for reduction orders that can differ between
     # launches (cuBLAS may pick another algorithm under capture): 4 Adam steps keep that at rounding level.
-    # Two heads of 16, the kernels' smallest head dim.
+    # Two heads of 16, the kernels' smallest head dim. A counting GraphedMicroStep shows the graphed run captured
+    # one graph and replayed it for every micro-step (2 x 4), and the eager run none.
+    import train_step
+
+    built, replays = [], []
+
+    class CountedGraph(train_step.GraphedMicroStep):
+        def __init__(self, *args, **kwargs):
+            built.append(1)
+            super().__init__(*args, **kwargs)
+
+        def __call__(self, x, y):
+            replays.append(1)
+            return super().__call__(x, y)
+
+    monkeypatch.setattr(train_step, "GraphedMicroStep", CountedGraph)
     args = [
         "--n_head=2",
         "--n_embd=32",
@@ -602,7 +617,10 @@ def test_cuda_graphs_train_like_eager(data_dir, tmp_path, dtype):
         "--log_interval=1",
     ]
     eager = run_inprocess(data_dir, tmp_path / "eager", *args)
+    assert not built and not replays, "the eager run built a CUDA graph"
     graphed = run_inprocess(data_dir, tmp_path / "graphed", *args, "--cuda_graphs=True")
+    assert len(built) == 1, f"{len(built)} graphs captured"
+    assert len(replays) == 2 * 4, f"{len(replays)} replays for 2 micro-steps x 4 iterations"
     for m_graph, m_eager in zip(metrics(tmp_path / "graphed"), metrics(tmp_path / "eager")):
         assert m_graph["train_loss"] == pytest.approx(m_eager["train_loss"], rel=1e-3)
         assert m_graph["val_loss"] == pytest.approx(m_eager["val_loss"], rel=1e-3)
