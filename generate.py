@@ -472,7 +472,7 @@ def generate(
     max_len = max(len(p) + m - 1 for p, m in zip(prompts, max_new))
     if kind in PAGED_KINDS and num_pages:
         _check_pages(prompts, max_new, page_size, num_pages, wait_for_pages, rows)
-    _check_fits(model, kind, rows, max_len, page_size, num_pages, dtype, device)
+    _check_fits(model, kind, rows, max_len, page_size, num_pages, engine != "eager", dtype, device)
     cache = make_cache(
         kind,
         config,
@@ -909,12 +909,13 @@ def _generate_static(model, sched: _Scheduler, decoder: StaticDecoder, pick, on_
 # ---------------------------------------------------------------------------------------------- memory
 
 
-def _check_fits(model, kind: str, rows: int, max_len: int, page_size: int, num_pages, dtype, device):
+def _check_fits(model, kind: str, rows: int, max_len: int, page_size: int, num_pages, static: bool, dtype, device):
     """The cache's bytes against the memory its device has available, so that a size that cannot fit is refused
-    at start with the numbers, not a failed allocation (or the process killed by the OS) after the prompt."""
+    at start with the numbers, not a failed allocation (or the process killed by the OS) after the prompt. A
+    static engine's paged pool has one page more, the scratch page its padding rows write to."""
     per_token = model.kv_cache_bytes_per_token(dtype)
     if kind in PAGED_KINDS:
-        tokens = pool_pages(rows, max_len, page_size, num_pages or None) * page_size
+        tokens = (pool_pages(rows, max_len, page_size, num_pages or None) + static) * page_size
     else:
         tokens = rows * max_len
     need, free = per_token * tokens, available_bytes(device)

@@ -662,6 +662,22 @@ def test_generate_refuses_sizes_that_cannot_work_at_start(monkeypatch):
         generate(model, [[1]], "grouped", max_new_tokens=2, max_batch=0)
 
 
+@pytest.mark.parametrize("kind", ["grouped", "paged", "mla", "paged_mla"])
+@pytest.mark.parametrize("engine_name", ["eager", "static"])
+def test_the_size_check_counts_what_the_cache_allocates(kind, engine_name, monkeypatch):
+    """The bytes the start-up check asks for are exactly the cache's allocation (a static engine's paged pool has
+    its scratch page too): with one byte less available the run is refused, with exactly that much it runs."""
+    model = tiny_model("mla" if "mla" in kind else "gqa", dtype=torch.float32).cpu()
+    prompts, args = [[1, 2, 3], [4]], dict(max_new_tokens=10, engine=engine_name, page_size=8)
+    monkeypatch.setattr(engine, "available_bytes", lambda device: None)
+    allocated = generate(model, prompts, kind, **args)[1].cache_bytes_allocated
+    monkeypatch.setattr(engine, "available_bytes", lambda device: allocated - 1)
+    with pytest.raises(ValueError, match=r"cache: .* GiB .* is available on cpu"):
+        generate(model, prompts, kind, **args)
+    monkeypatch.setattr(engine, "available_bytes", lambda device: allocated)
+    generate(model, prompts, kind, **args)
+
+
 BAD_GENERATE_CALLS = [
     (dict(prompts=[[500, 1]]), ValueError, r"^prompts\[0\]\[0\]: got 500; valid: an int token id in \[0, 65\)$"),
     (dict(prompts=[[1], [2, -1]], cache="paged"), ValueError, r"^prompts\[1\]\[1\]: got -1; valid: an int token id in"),
