@@ -76,9 +76,13 @@ def test_static_greedy_equals_eager_and_reference(variant, kind):
     assert 4 in used and 7 in used, f"rows ran in buckets {used}: the test wants padded ones"
 
 
-@pytest.mark.parametrize("variant,kind", [("gqa", "grouped"), ("gqa", "paged"), ("mla", "mla"), ("mla", "paged_mla")])
+@pytest.mark.parametrize(
+    "variant,kind",
+    [("mha", "grouped"), ("gqa", "grouped"), ("gqa", "paged"), ("mqa", "paged"), ("mla", "mla"), ("mla", "paged_mla")],
+)
 def test_static_engine_on_the_triton_kernels(variant, kind):
-    """The same through our decode kernels (under the interpreter on the CPU), with waiting prompts and padding."""
+    """The same through our decode kernels (under the interpreter on the CPU), with waiting prompts and padding; MHA
+    and MQA are the grouped kernel's groups of one and of every head."""
     head = "random" if TRITON_DTYPE == torch.float32 else "permuted"
     ps, eot, ref = _reference(variant, head, TRITON_DTYPE)
     net = model(variant, "triton", TRITON_DTYPE, head)
