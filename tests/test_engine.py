@@ -415,19 +415,23 @@ def test_graphs_sample_from_their_generator_and_match_logits(kind):
     _check_logits(plain, ps, out, seen, LOGIT_TOLERANCES[TRITON_DTYPE])
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not GPU, reason=NEEDS_GRAPHS)
-def test_graphs_run_a_queue_longer_than_the_batch():
-    """Continuous batching in the graphed path: 40 ragged prompts through 16 rows of a paged cache whose pool
-    waits for pages; the tokens equal the eager engine's, and every prompt's tokens were decoded."""
-    net = model("gqa", "triton", torch.float16, "permuted")
+@pytest.mark.parametrize(
+    "engine_name",
+    ["static", pytest.param("graphs", marks=(pytest.mark.gpu, pytest.mark.skipif(not GPU, reason=NEEDS_GRAPHS)))],
+)
+def test_a_queue_longer_than_the_batch_waits_for_pages(engine_name):
+    """Continuous batching in the static engine and the graphed path: 40 ragged prompts through 16 rows of a paged
+    pool that waits for pages; the tokens equal the eager engine's, and every prompt's tokens were decoded."""
+    net = model("gqa", "triton", torch.float16, "permuted") if engine_name == "graphs" else model("gqa")
     g = torch.Generator().manual_seed(7)
     lens = torch.randint(1, 20, (40,), generator=g).tolist()
     new = torch.randint(1, 12, (40,), generator=g).tolist()
     ps = [torch.randint(0, 65, (n,), generator=g).tolist() for n in lens]
-    common = dict(max_new_tokens=new, page_size=8, max_batch=16, num_pages=40, wait_for_pages=True)
+    # 16 pages: the 16 rows' sequences want up to 51 together, so prompts wait for pages (without the wait the pool
+    # runs out); the longest sequence needs 4
+    common = dict(max_new_tokens=new, page_size=8, max_batch=16, num_pages=16, wait_for_pages=True)
     eager, _ = generate(net, ps, "paged", engine="eager", **common)
-    out, stats = generate(net, ps, "paged", engine="graphs", **common)
+    out, stats = generate(net, ps, "paged", engine=engine_name, **common)
     assert out == eager and [len(o) for o in out] == new
     assert stats.decode_tokens == sum(new) - len(new)
 
