@@ -381,24 +381,30 @@ def test_graphs_equal_eager_and_reference(variant, kind, backend, capsys):
     assert "cuda graphs: captured the decode step for 4 batch sizes (1, 2, 4, 7)" in err, err
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(not GPU, reason=NEEDS_GRAPHS)
 @pytest.mark.parametrize("kind", ["paged", "paged_mla"])
-def test_graphs_sample_from_their_generator_and_match_logits(kind):
-    """Sampling inside the graphs draws from the caller's CUDA generator (registered with every graph): the same
-    seed gives the same tokens, another seed others; the logits behind every token equal the full forward's."""
+@pytest.mark.parametrize(
+    "engine_name",
+    ["static", pytest.param("graphs", marks=(pytest.mark.gpu, pytest.mark.skipif(not GPU, reason=NEEDS_GRAPHS)))],
+)
+def test_sampling_draws_from_the_generator_and_matches_logits(engine_name, kind):
+    """Sampling in the static step draws from the caller's generator (the graphs: registered with every graph, so
+    each replay advances it): the same seed gives the same tokens, another seed others; the logits behind every
+    token equal the full forward's. The graphs run our kernels in the kernels' dtype, the static step (on the CPU
+    too) the plain PyTorch attention in fp32."""
     variant = "mla" if kind == "paged_mla" else "gqa"
-    net = model(variant, "triton", TRITON_DTYPE)
-    plain = model(variant, "torch", TRITON_DTYPE)
+    graphs = engine_name == "graphs"
+    dtype = TRITON_DTYPE if graphs else torch.float32
+    net = model(variant, "triton" if graphs else "torch", dtype)
+    plain = model(variant, "torch", dtype)
     ps = prompts((6, 1, 11))
 
     def run(seed, on_logits=None):
-        gen = torch.Generator(device="cuda").manual_seed(seed)
+        gen = torch.Generator(device=DEVICE).manual_seed(seed)
         return generate(
             net,
             ps,
             kind,
-            engine="graphs",
+            engine=engine_name,
             max_new_tokens=12,
             temperature=1.0,
             top_p=0.9,
@@ -412,7 +418,7 @@ def test_graphs_sample_from_their_generator_and_match_logits(kind):
     seen, hook = _record()
     out = run(1, hook)
     assert out == a  # reading back every step (on_logits) samples the same tokens
-    _check_logits(plain, ps, out, seen, LOGIT_TOLERANCES[TRITON_DTYPE])
+    _check_logits(plain, ps, out, seen, LOGIT_TOLERANCES[TRITON_DTYPE] if graphs else TOLERANCES[torch.float32])
 
 
 @pytest.mark.parametrize(
