@@ -69,8 +69,8 @@ class TrainStep:
 
     def __call__(self, batches: Iterable[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
         mean_loss = torch.zeros((), device=self.device)
-        for micro_step, (x, y) in enumerate(batches):
-            mean_loss += self._micro_step(x, y, sync=micro_step == self.accum_steps - 1)
+        for i, (x, y) in enumerate(batches):
+            mean_loss += self._micro_step(x, y, sync=i == self.accum_steps - 1)
         if self.grad_clip > 0:
             self.scaler.unscale_(self.optimizer)
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.grad_clip)
